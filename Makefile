@@ -1,0 +1,31 @@
+# The two commands a user needs; each creates or updates the virtual environment first.
+#   make bench   the main job: Muon vs AdamW side by side on a tiny GPT (CPU, a few minutes)
+#   make test    the test suite (what CI runs)
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.muonscale-installed
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: bench test lint install clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+bench: $(STAMP)
+	$(VENV)/bin/muonscale bench $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

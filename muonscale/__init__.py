@@ -1,0 +1,33 @@
+"""muonscale: the Muon optimizer for LLM training, at AdamW's speed, on the distributed engines
+people already use. ``import muonscale`` needs only torch."""
+
+from .matrices import MatrixView
+from .newton_schulz import (
+    COEFFICIENT_PRESETS,
+    default_ns_dtype,
+    newton_schulz,
+    newton_schulz_flops,
+    resolve_coefficients,
+)
+from .optimizer import Muon, NonFiniteGradientError
+from .params import RouteDecision, route
+from .qkv import QKVLayout
+from .scaling import SCALE_RULES, update_scale
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "COEFFICIENT_PRESETS",
+    "MatrixView",
+    "Muon",
+    "NonFiniteGradientError",
+    "QKVLayout",
+    "RouteDecision",
+    "SCALE_RULES",
+    "default_ns_dtype",
+    "newton_schulz",
+    "newton_schulz_flops",
+    "resolve_coefficients",
+    "route",
+    "update_scale",
+]

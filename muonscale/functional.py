@@ -1,0 +1,153 @@
+"""The update math of Muon and AdamW on lists of plain local tensors.
+
+Nothing here knows about param groups, optimizer state or ``torch.distributed``: the optimizer
+classes (single-process and distributed) gather the right tensors and call these functions, so
+every layout runs exactly the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+
+from .matrices import MatrixView
+from .newton_schulz import DEFAULT_EPS, default_ns_dtype, newton_schulz
+from .scaling import update_scale
+
+
+def momentum_directions_(
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor],
+    *,
+    momentum: float,
+    nesterov: bool,
+) -> list[torch.Tensor]:
+    """Update the EMA buffers in place and return the directions to orthogonalize.
+
+    B ← B + (1 − μ)(G − B)   (``B.lerp_(G, 1 − μ)``, torch.optim.Muon's form)
+    U = G + μ(B − G) with Nesterov (``G.lerp(B, μ)``), else U = B.
+    """
+    directions = []
+    for grad, buf in zip(grads, momentum_buffers):
+        buf.lerp_(grad if grad.dtype == buf.dtype else grad.to(buf.dtype), 1 - momentum)
+        full = buf if buf.dtype == grad.dtype else buf.to(grad.dtype)
+        directions.append(grad.lerp(full, momentum) if nesterov else full)
+    return directions
+
+
+def orthogonalize_matrices(
+    matrices: Sequence[torch.Tensor],
+    *,
+    ns_steps: int,
+    coefficients,
+    ns_dtype: torch.dtype | None,
+    eps: float = DEFAULT_EPS,
+) -> list[torch.Tensor]:
+    """Newton–Schulz of every matrix, batched: matrices with the same (short, long) shape are
+    stacked (tall ones transposed) and orthogonalized in one call. Returns matrices in the
+    input's shapes, in ``ns_dtype``."""
+    buckets: dict[tuple, list[int]] = defaultdict(list)
+    for i, mat in enumerate(matrices):
+        m, n = mat.shape
+        dtype = ns_dtype if ns_dtype is not None else default_ns_dtype(mat.device)
+        buckets[(min(m, n), max(m, n), mat.device, dtype)].append(i)
+    out: list[torch.Tensor | None] = [None] * len(matrices)
+    for (short, long, device, dtype), indices in buckets.items():
+        stack = torch.empty((len(indices), short, long), dtype=dtype, device=device)  # (k, s, l)
+        for slot, i in enumerate(indices):
+            mat = matrices[i]
+            stack[slot].copy_(mat.mT if mat.shape[0] > mat.shape[1] else mat)
+        ortho = newton_schulz(stack, steps=ns_steps, coefficients=coefficients, ns_dtype=dtype, eps=eps)
+        for slot, i in enumerate(indices):
+            o = ortho[slot]
+            out[i] = o.mT if matrices[i].shape[0] > matrices[i].shape[1] else o
+    return out  # type: ignore[return-value]
+
+
+def muon(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor],
+    *,
+    views: Sequence[MatrixView],
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    nesterov: bool,
+    ns_steps: int,
+    coefficients,
+    ns_dtype: torch.dtype | None,
+    scale: str,
+    eps: float = DEFAULT_EPS,
+) -> None:
+    """One Muon step, in place on ``params`` and ``momentum_buffers``::
+
+        B ← B.lerp(G, 1 − μ);  U = G.lerp(B, μ) (Nesterov) or B
+        O = NS(U) per matrix of the view (batched over same-shape matrices)
+        W ← W · (1 − lr · λ)                 # decoupled weight decay, unadjusted lr
+        W ← W − lr · s(m, n) · O             # s: scale rule of each matrix
+    """
+    if not params:
+        return
+    directions = momentum_directions_(grads, momentum_buffers, momentum=momentum, nesterov=nesterov)
+    matrices, owner = [], []
+    for index, (direction, view) in enumerate(zip(directions, views)):
+        for mat in view.to_matrices(direction):
+            matrices.append(mat)
+            owner.append(index)
+    orthogonal = orthogonalize_matrices(
+        matrices, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype, eps=eps
+    )
+    per_param: list[list[torch.Tensor]] = [[] for _ in params]
+    for index, mat in zip(owner, orthogonal):
+        per_param[index].append(mat)
+    for param, view, mats in zip(params, views, per_param):
+        if weight_decay != 0:
+            param.mul_(1 - lr * weight_decay)
+        if len(mats) == 1 and view.row_partition is None:
+            m, n = mats[0].shape
+            param.add_(mats[0].reshape(param.shape), alpha=-lr * update_scale(scale, m, n))
+        else:
+            scaled = [mat * update_scale(scale, *mat.shape) for mat in mats]
+            param.add_(view.from_matrices(scaled), alpha=-lr)
+
+
+def adamw(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    state_steps: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One AdamW step (Loshchilov & Hutter), in place, the same arithmetic as
+    ``torch.optim.AdamW``'s single-tensor path, run with foreach kernels::
+
+        t ← t + 1;  W ← W · (1 − lr · λ)
+        m ← m.lerp(G, 1 − β₁);  v ← β₂ v + (1 − β₂) G²
+        W ← W − lr / (1 − β₁ᵗ) · m / (√v / √(1 − β₂ᵗ) + ε)
+    """
+    if not params:
+        return
+    params, grads, exp_avgs, exp_avg_sqs = list(params), list(grads), list(exp_avgs), list(exp_avg_sqs)
+    torch._foreach_add_(list(state_steps), 1)
+    if weight_decay != 0:
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+    steps = [float(s) for s in state_steps]
+    step_sizes = [-(lr / (1 - beta1**t)) for t in steps]
+    bias_correction2_sqrt = [math.sqrt(1 - beta2**t) for t in steps]
+    denoms = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denoms, bias_correction2_sqrt)
+    torch._foreach_add_(denoms, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denoms, step_sizes)

@@ -1,0 +1,124 @@
+"""Which parameter goes to Muon and which to AdamW: an explicit, printable, testable rule.
+
+Default rule, applied to each parameter in order:
+
+1. A user rule (regex on the full name, or a callable) that answers → that answer.
+2. Fewer than 2 dims (norm gains, biases, scalars) → AdamW.
+3. The parameter belongs to an ``nn.Embedding`` / ``nn.EmbeddingBag`` or is the same tensor as
+   one (tied output head), when a module is given → AdamW.
+4. The **last** name component of the owning module is an embedding/head name
+   (:data:`EMBEDDING_OR_HEAD_NAMES`) → AdamW. Never a substring match: Hugging Face's
+   ``attention.output.dense.weight`` is a hidden matrix, its owning module is ``dense``.
+5. Otherwise (≥ 2-D weight of a hidden layer) → Muon.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+ALGORITHMS = ("muon", "adamw")
+
+EMBEDDING_OR_HEAD_NAMES = frozenset(
+    {
+        "wte", "wpe", "embed_tokens", "tok_embeddings", "embed_positions", "word_embeddings",
+        "position_embeddings", "token_type_embeddings", "lm_head", "output", "output_layer",
+        "head", "classifier",
+    }
+)  # fmt: skip
+
+Rule = tuple[str, str] | Callable[[str, torch.Tensor], str | None]
+"""``(regex, algorithm)`` matched with ``re.search`` on the full name, or
+``callable(name, param) -> "muon" | "adamw" | None`` (None = no opinion)."""
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    algorithm: str
+    reason: str
+
+
+def _owning_module(name: str) -> str:
+    parts = name.split(".")
+    return parts[-2] if len(parts) >= 2 else ""
+
+
+def _apply_user_rules(name: str, param: torch.Tensor, rules: Sequence[Rule]) -> RouteDecision | None:
+    for rule in rules:
+        if callable(rule):
+            answer = rule(name, param)
+            label = getattr(rule, "__name__", "callable rule")
+        else:
+            pattern, answer = rule
+            label = f"rule {pattern!r}"
+            if re.search(pattern, name) is None:
+                continue
+        if answer is None:
+            continue
+        if answer not in ALGORITHMS:
+            raise ValueError(f"rules: {label} returned {answer!r} for {name}; expected one of {ALGORITHMS}")
+        return RouteDecision(answer, f"user {label}")
+    return None
+
+
+def _embedding_tensors(model: nn.Module) -> set[int]:
+    return {
+        id(module.weight)
+        for module in model.modules()
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag))
+    }
+
+
+def route_one(
+    name: str, param: torch.Tensor, rules: Sequence[Rule] = (), embedding_ids: set[int] | None = None
+) -> RouteDecision:
+    """Decide one parameter (see the module docstring for the rule)."""
+    decision = _apply_user_rules(name, param, rules)
+    if decision is not None:
+        return decision
+    if param.ndim < 2:
+        return RouteDecision("adamw", f"{param.ndim}-D (norm, bias or scalar)")
+    if embedding_ids is not None and id(param) in embedding_ids:
+        return RouteDecision("adamw", "embedding module (or tied to one)")
+    owner = _owning_module(name)
+    if owner in EMBEDDING_OR_HEAD_NAMES:
+        return RouteDecision("adamw", f"embedding/output head (module '{owner}')")
+    return RouteDecision("muon", f"{param.ndim}-D hidden weight")
+
+
+def route(
+    model_or_named_parameters: nn.Module | Iterable[tuple[str, torch.Tensor]],
+    rules: Sequence[Rule] | None = None,
+) -> dict[str, RouteDecision]:
+    """``{name: RouteDecision(algorithm, reason)}`` for every parameter, in order.
+
+    Pass the model itself to also detect embeddings by module type (and output heads tied to
+    them); with ``named_parameters()`` only names and shapes are seen.
+    """
+    rules = list(rules or ())
+    if isinstance(model_or_named_parameters, nn.Module):
+        embedding_ids = _embedding_tensors(model_or_named_parameters)
+        named = list(model_or_named_parameters.named_parameters())
+    else:
+        embedding_ids = None
+        named = list(model_or_named_parameters)
+    out: dict[str, RouteDecision] = {}
+    for name, param in named:
+        if not isinstance(name, str) or not isinstance(param, torch.Tensor):
+            raise TypeError(f"route: expected (name, tensor) pairs, got {(type(name).__name__, type(param).__name__)}")
+        out[name] = route_one(name, param, rules, embedding_ids)
+    return out
+
+
+def routing_summary(decisions: dict[str, RouteDecision], params: dict[str, torch.Tensor]) -> str:
+    """A short table: parameter count and element total per algorithm."""
+    rows = []
+    for algorithm in ALGORITHMS:
+        names = [n for n, d in decisions.items() if d.algorithm == algorithm]
+        total = sum(params[n].numel() for n in names)
+        rows.append(f"{algorithm:<6} {len(names):>6} tensors {total:>14,d} elements")
+    return "\n".join(rows)
