@@ -1,0 +1,204 @@
+"""Train a small Megatron-Core GPT with muonscale's Muon, tensor + data parallel.
+
+CPU (gloo), 2 processes, TP = 2 (needs the Python 3.12 env of ``.ci/megatron_env.sh``)::
+
+    PYTHONPATH=. .venv-megatron/bin/torchrun --nproc-per-node 2 examples/megatron_gpt.py --tp 2
+    PYTHONPATH=. .venv-megatron/bin/torchrun --nproc-per-node 4 examples/megatron_gpt.py --tp 2  # TP 2 x DP 2
+
+GPU (NCCL), the benchmark leg (tokens/s of muonscale vs Megatron's Adam; not run in CI)::
+
+    torchrun --nproc-per-node 8 examples/megatron_gpt.py --tp 2 --benchmark --layers 24 \\
+        --hidden 1024 --heads 16 --seq 1024 --micro-batch 8
+
+The model is Megatron's own ``GPTModel`` with the local (non-Transformer-Engine) layer spec;
+the data is muonscale's bundled Shakespeare as bytes. On CPU two CUDA-only spots of Megatron's
+local path are replaced (see :func:`cpu_shims`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def cpu_shims() -> None:
+    """Megatron-Core's local attention takes its scratch buffer from a CUDA-only
+    ``GlobalMemoryBuffer`` and forks the CUDA RNG for dropout; replace both on CPU."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    class CPUBuffer(GlobalMemoryBuffer):
+        def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+            return torch.empty(tensor_shape, dtype=dtype)
+
+    ps._GLOBAL_MEMORY_BUFFER = CPUBuffer()
+    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def build_model(args, device: torch.device):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        num_query_groups=args.query_groups,
+        ffn_hidden_size=4 * args.hidden,
+        gated_linear_unit=True,
+        use_cpu_initialization=device.type == "cpu",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+        bf16=False,
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=256,
+        max_sequence_length=args.seq,
+        position_embedding_type="learned_absolute",
+    )
+    return model.to(device)
+
+
+def token_stream(device: torch.device) -> torch.Tensor:
+    from muonscale.train.data import ByteTokenizer, load_corpus
+
+    return ByteTokenizer().encode(load_corpus()).to(torch.int64).to(device)
+
+
+def get_batch(tokens: torch.Tensor, step: int, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step`` (the same on every rank); each DP rank keeps its slice."""
+    from megatron.core import parallel_state as ps
+
+    g = torch.Generator().manual_seed(1000 + step)
+    global_batch = args.micro_batch * ps.get_data_parallel_world_size()
+    starts = torch.randint(0, tokens.numel() - args.seq - 1, (global_batch,), generator=g)
+    window = torch.stack([tokens[s : s + args.seq + 1] for s in starts.tolist()])
+    mine = window.chunk(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
+    return mine[:, :-1], mine[:, 1:]
+
+
+def train_step(model, optimizer, tokens, step, args, device) -> float:
+    inputs, labels = get_batch(tokens, step, args)
+    positions = torch.arange(args.seq, device=device).unsqueeze(0).expand_as(inputs)
+    mask = torch.triu(torch.ones(args.seq, args.seq, dtype=torch.bool, device=device), 1)[None, None]
+    loss = model(inputs, positions, mask, labels=labels).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def make_optimizer(name: str, model, args):
+    """``muonscale``: this library; ``adam``: the baseline a Megatron user runs (torch AdamW,
+    the same Adam as Megatron's ``--optimizer adam`` without its distributed-optimizer wrapper)."""
+    from muonscale.integrations.megatron import MegatronMuonConfig, megatron_muon
+
+    if name == "muonscale":
+        return megatron_muon([model], MegatronMuonConfig(lr=args.lr, weight_decay=0.1, dp_mode="replicated"))
+    if name == "adam":
+        from megatron.core import parallel_state as ps
+
+        class AveragedAdamW(torch.optim.AdamW):  # DP gradient mean, as Megatron's DDP would do
+            def step(self, closure=None):
+                group = ps.get_data_parallel_group()
+                for p in model.parameters():
+                    if p.grad is not None and dist.get_world_size(group) > 1:
+                        dist.all_reduce(p.grad, group=group)
+                        p.grad.div_(dist.get_world_size(group))
+                return super().step(closure)
+
+        return AveragedAdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    raise ValueError(name)
+
+
+def benchmark(model_factory, tokens, args, device) -> dict[str, float]:
+    """GPU benchmark leg: tokens/s of muonscale vs Adam, same model, batch and data, the two
+    runs interleaved in rounds, medians after warm-up (see shared/DESIGN.md, "Metrics")."""
+    from megatron.core import parallel_state as ps
+
+    runs = {name: (lambda m: (m, make_optimizer(name, m, args)))(model_factory()) for name in ("muonscale", "adam")}
+    tokens_per_step = args.micro_batch * args.seq * ps.get_data_parallel_world_size()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for round_index in range(args.rounds):
+        for name, (model, opt) in runs.items():
+            for step in range(args.steps):
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                train_step(model, opt, tokens, round_index * args.steps + step, args, device)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                if step >= args.warmup:
+                    times[name].append(time.perf_counter() - start)
+    result = {f"{name}_tokens_per_s": tokens_per_step / statistics.median(t) for name, t in times.items()}
+    result["throughput_ratio"] = result["muonscale_tokens_per_s"] / result["adam_tokens_per_s"]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--query-groups", type=int, default=2, help="GQA key/value heads")
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per DP rank per step")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--benchmark", action="store_true", help="tokens/s vs Adam (GPU leg)")
+    parser.add_argument("--rounds", type=int, default=3, help="benchmark: interleaved rounds")
+    parser.add_argument("--warmup", type=int, default=3, help="benchmark: steps skipped per round")
+    args = parser.parse_args()
+
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    if use_cuda:
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+    else:
+        cpu_shims()
+    torch.manual_seed(0)
+    tokens = token_stream(device)
+    rank0 = dist.get_rank() == 0
+
+    if args.benchmark:
+        result = benchmark(lambda: build_model(args, device), tokens, args, device)
+        if rank0:
+            print({k: round(v, 4) for k, v in result.items()})
+    else:
+        from muonscale.integrations.megatron import MegatronMuonConfig, megatron_muon
+
+        model = build_model(args, device)
+        optimizer = megatron_muon([model], MegatronMuonConfig(lr=args.lr, weight_decay=0.1))
+        if rank0:
+            print(f"TP {args.tp} x DP {ps.get_data_parallel_world_size()}, dp_mode={optimizer.dp_mode}")
+            print(optimizer.summary())
+        for step in range(args.steps):
+            loss = train_step(model, optimizer, tokens, step, args, device)
+            if rank0 and (step % 5 == 0 or step == args.steps - 1):
+                print(f"step {step:4d}  loss {loss:.4f}  optimizer wire bytes/rank {optimizer.last_step_wire_bytes}")
+    ps.destroy_model_parallel()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

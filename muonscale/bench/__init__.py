@@ -1,0 +1,112 @@
+"""``muonscale bench``: AdamW vs Muon (and baselines) side by side, with a report.
+
+Pipeline of :func:`run_bench`::
+
+    [--sweep: short runs per contender and lr]  ->  one training run per contender
+    -> steps interleaved A B A B ..., all evaluated at the same steps  (side_by_side.py)
+    -> each contender alone in a child process for peak memory         (memory_probe.py)
+    -> report.json / report.md / table (report.py), PNG plots (plots.py)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TextIO
+
+from muonscale.bench.config import BenchConfig
+
+__all__ = ["BenchConfig", "default_out_dir", "run_bench"]
+
+
+def default_out_dir() -> Path:
+    return Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S", time.gmtime())
+
+
+def run_bench(
+    config: BenchConfig,
+    *,
+    make_run: Callable | None = None,
+    stream: TextIO | None = None,
+) -> dict:
+    """Run the benchmark described by ``config``; write the report files; return report.json.
+
+    ``make_run(config, contender, lr, steps=None)`` builds one training run (default:
+    :func:`muonscale.bench.runner.make_run`); tests pass a fake.
+    """
+    from muonscale.bench.memory_probe import probe
+    from muonscale.bench.report import build_report, format_table, write_report
+    from muonscale.bench.side_by_side import eval_steps_for, run_side_by_side
+    from muonscale.bench.sweep import run_sweep
+    from muonscale.train.trainer import NonFiniteLossError
+
+    stream = stream or sys.stdout
+    start = time.perf_counter()
+    out_dir = Path(config.out) if config.out else default_out_dir()
+    if make_run is None:
+        from muonscale.bench.runner import make_run
+
+    def log(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    lrs = {name: config.lr_for(name) for name in config.contenders}
+    sweep = None
+    if config.sweep:
+        sweep = run_sweep(config, make_run, log=log)
+        lrs = dict(sweep["best"])
+        log("sweep picked " + ", ".join(f"{n} lr={lr:.3g}" for n, lr in lrs.items()))
+
+    runs = {name: make_run(config, name, lrs[name]) for name in config.contenders}
+    eval_steps = eval_steps_for(config.steps, config.eval_interval)
+    records = run_side_by_side(
+        runs,
+        lrs,
+        config.steps,
+        eval_steps,
+        progress=config.progress,
+        desc="bench",
+        divergence_errors=(NonFiniteLossError,),
+    )
+    resolved = _resolved_config(config, lrs, eval_steps, records)
+    del runs  # free the training runs before the memory probes start
+
+    peak_memory = {}
+    if config.memory_probe_steps > 0:
+        for name in config.contenders:
+            log(f"memory probe: {name} alone for {config.memory_probe_steps} steps")
+            peak_memory[name] = probe(config, name, lrs[name], config.memory_probe_steps)
+
+    report = build_report(
+        records,
+        config,
+        peak_memory=peak_memory,
+        resolved=resolved,
+        sweep=sweep,
+        wall_seconds=time.perf_counter() - start,
+    )
+    plot_files = []
+    if config.plots:
+        from muonscale.bench.plots import plot_report
+
+        plot_files = plot_report(report, out_dir)
+    write_report(report, out_dir, plot_files)
+    print(format_table(report), file=stream)
+    print(f"\nreport: {out_dir / 'report.md'}  ({report['wall_seconds']:.0f}s)", file=stream)
+    return report
+
+
+def _resolved_config(config, lrs, eval_steps, records) -> dict:
+    """What the run actually used, beyond the BenchConfig flags."""
+    from muonscale.bench.runner import train_config_for
+
+    resolved: dict = {"lrs": dict(lrs), "eval_steps": list(eval_steps)}
+    initial = {name: r.val_losses[0] for name, r in records.items() if r.eval_steps[:1] == [0]}
+    # Same init and same validation set => bitwise-equal losses before the first step.
+    resolved["same_initial_val_loss"] = len(set(initial.values())) <= 1
+    train = {name: train_config_for(config, name, lrs[name]) for name in lrs}
+    resolved["model"] = dataclasses.asdict(next(iter(train.values())).model_config())
+    resolved["train"] = {name: t.to_dict() for name, t in train.items()}
+    return resolved

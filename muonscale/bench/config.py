@@ -1,0 +1,160 @@
+"""``BenchConfig``: everything that defines one ``muonscale bench`` run.
+
+Keep this module free of heavy imports (no torch): ``muonscale bench --help`` reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Literal
+
+CONTENDERS = ("adamw", "muon")
+"""Always run: the AdamW reference and muonscale's Muon."""
+BASELINES = ("torch-muon",)
+"""Optional extra contenders (``--baselines``): ``torch-muon`` = ``torch.optim.Muon`` for the
+hidden matrices + AdamW for the rest."""
+PARALLEL_MODES = ("dp", "fsdp", "tp", "fsdp+tp")  # for --parallel, with the distributed bench
+DTYPES = ("float32", "bfloat16", "float16")
+SCHEDULES = ("cosine", "wsd", "constant")
+
+# Default learning rates, tuned once on the default bench (CPU, 2 cores) with
+#   <filled in by the tuning run, see DEFAULT_LR_TUNING below>
+DEFAULT_LR = {"adamw": 3e-3, "muon": 3e-3, "torch-muon": 3e-3}
+DEFAULT_LR_TUNING = ""
+
+
+@dataclass(kw_only=True)
+class BenchConfig:
+    """One side-by-side benchmark: same model, data, seed, schedule and tokens per contender."""
+
+    steps: int = 400
+    """Optimizer steps per contender (token budget: steps x tokens per step, same for all)."""
+    model: str = "tiny"
+    """Model preset (tiny, gpt2-small, ...; see muonscale.train.config.model_preset)."""
+    n_layer: int | None = None
+    """Override the preset's number of layers."""
+    d_model: int | None = None
+    """Override the preset's model width."""
+    n_head: int | None = None
+    """Override the preset's number of attention heads."""
+    tokens_per_step: int = 2048
+    """Tokens per optimizer step; a multiple of the preset's context length (128 for tiny)."""
+    micro_batch_size: int | None = None
+    """Sequences per forward/backward; None: the whole step in one micro-batch."""
+    lr_adamw: float = DEFAULT_LR["adamw"]
+    """Peak learning rate of the AdamW contender."""
+    lr_muon: float = DEFAULT_LR["muon"]
+    """Peak learning rate of muonscale Muon (scale=match_rms_adamw: AdamW-like values)."""
+    lr_torch_muon: float = DEFAULT_LR["torch-muon"]
+    """Peak learning rate of the torch.optim.Muon baseline (adjust_lr_fn=match_rms_adamw)."""
+    baselines: list[str] = field(default_factory=list)
+    """Extra contenders besides adamw and muon: torch-muon (torch.optim.Muon + AdamW)."""
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    """Learning-rate schedule after warm-up, shared by every contender."""
+    lr_warmup_steps: int = 10
+    """Linear learning-rate warm-up steps, shared by every contender."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, shared by every contender."""
+    sweep: bool = False
+    """First sweep learning rates per contender on a shorter budget; run with the best of each."""
+    sweep_factors: list[float] = field(default_factory=lambda: [0.5, 1.0, 2.0, 4.0])
+    """Learning rates tried by --sweep, as multiples of each contender's --lr-* value."""
+    sweep_fraction: float = 0.25
+    """Steps of each sweep run as a fraction of --steps."""
+    ns_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Newton-Schulz dtype of muon; None: bfloat16 on CUDA, float32 on CPU."""
+    momentum_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Momentum buffer dtype of muon; None: the parameter dtype."""
+    device: str = "cpu"
+    """Torch device: cpu, cuda, cuda:N, or auto (cuda when available)."""
+    seed: int = 0
+    """Seed of model init and data order, shared by every contender."""
+    eval_interval: float = 0.025
+    """Evaluate at least every this fraction of the steps (0.025: >= 40 evaluations)."""
+    eval_batches: int = 8
+    """Micro-batches in the fixed validation set."""
+    timing_warmup_steps: int = 10
+    """Steps left out of the timing medians."""
+    memory_probe_steps: int = 5
+    """Steps each contender runs alone in a child process to measure peak memory; 0 skips."""
+    out: str | None = None
+    """Output folder; None: runs/bench-<UTC timestamp>/."""
+    plots: bool = True
+    """Write PNG plots (--no-plots skips them)."""
+    progress: bool = True
+    """Show a progress bar on stderr."""
+    nproc: int = 1
+    """Processes to run on; only 1 until the distributed bench lands."""
+
+    def __post_init__(self) -> None:
+        positive = ("steps", "tokens_per_step", "eval_batches", "nproc")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        for name in ("lr_adamw", "lr_muon", "lr_torch_muon"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{_flag(name)} must be > 0, got {getattr(self, name)}")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
+        for name in self.baselines:
+            if name not in BASELINES:
+                raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
+        if not 0 < self.eval_interval <= 1:
+            raise ValueError(f"--eval-interval must be in (0, 1], got {self.eval_interval}")
+        if not 0 < self.sweep_fraction <= 1:
+            raise ValueError(f"--sweep-fraction must be in (0, 1], got {self.sweep_fraction}")
+        if self.sweep and not self.sweep_factors:
+            raise ValueError("--sweep needs at least one --sweep-factors value")
+        if any(f <= 0 for f in self.sweep_factors):
+            raise ValueError(f"--sweep-factors must be > 0, got {self.sweep_factors}")
+        for name in ("lr_warmup_steps", "timing_warmup_steps", "memory_probe_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        for name in ("ns_dtype", "momentum_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in DTYPES:
+                raise ValueError(f"--{_flag(name)} must be one of {DTYPES}, got {value!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"--schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.nproc != 1:
+            raise NotImplementedError(
+                f"--nproc {self.nproc}: distributed benchmarks are not yet available "
+                "(they arrive with muonscale.distributed); run with --nproc 1"
+            )
+
+    @property
+    def contenders(self) -> list[str]:
+        """Contender names in execution order (adamw first: it is the reference)."""
+        return [*CONTENDERS, *self.baselines]
+
+    def lr_for(self, contender: str) -> float:
+        return getattr(self, "lr_" + contender.replace("-", "_"))
+
+    def model_overrides(self) -> dict:
+        """The non-None --n-layer / --d-model / --n-head overrides of the preset."""
+        names = ("n_layer", "d_model", "n_head")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    def replace(self, **changes) -> BenchConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> BenchConfig:
+        return cls(**json.loads(text))
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def report_key(contender: str) -> str:
+    """Key of a contender in report.json (``torch-muon`` -> ``torch_muon``)."""
+    return contender.replace("-", "_")

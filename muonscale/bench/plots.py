@@ -1,0 +1,154 @@
+"""PNG plots of a bench report (matplotlib, Agg backend; imported only when plotting)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+COLORS = {"adamw": "#1f77b4", "muon": "#d62728", "torch_muon": "#2ca02c"}
+LABELS = {"adamw": "AdamW", "muon": "muonscale Muon", "torch_muon": "torch.optim.Muon"}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _label(name: str, c: Mapping) -> str:
+    return f"{LABELS.get(name, name)} (lr {c['lr']:.3g})"
+
+
+def _loss_ylim(contenders: Mapping) -> tuple[float, float] | None:
+    """Zoom on the part of the curves that differs: skip the first ~10% of evaluations."""
+    tails, lows = [], []
+    for c in contenders.values():
+        losses = [x for x in c["curves"]["val_loss"] if x is not None]
+        if len(losses) >= 5:
+            tails.append(losses[max(1, len(losses) // 10)])
+            lows.append(min(losses))
+    if not tails:
+        return None
+    low, high = min(lows), max(tails)
+    pad = 0.05 * (high - low) if high > low else 0.1
+    return low - pad, high + pad
+
+
+def _plot_losses(ax, contenders: Mapping, x_key: str, mark_target: bool) -> None:
+    for name, c in contenders.items():
+        curves = c["curves"]
+        ax.plot(
+            curves[x_key],
+            [float("nan") if x is None else x for x in curves["val_loss"]],
+            label=_label(name, c),
+            color=COLORS.get(name),
+            linewidth=1.8,
+        )
+    adamw = contenders.get("adamw")
+    if adamw and adamw["final_val_loss"] is not None:
+        ax.axhline(adamw["final_val_loss"], color="0.4", linestyle=":", linewidth=1)
+        if mark_target:
+            for name, c in contenders.items():
+                reached = c.get("steps_to_adamw_final_loss")
+                if name != "adamw" and reached is not None:
+                    ax.plot([reached], [adamw["final_val_loss"]], "o", color=COLORS.get(name))
+                    ax.annotate(
+                        f"{c['steps_to_adamw_final_loss_ratio']:.2f}x steps",
+                        (reached, adamw["final_val_loss"]),
+                        textcoords="offset points",
+                        xytext=(0, 10),
+                        ha="center",
+                        color=COLORS.get(name),
+                    )
+    ylim = _loss_ylim(contenders)
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+    ax.set_ylabel("validation loss (nats/byte)")
+    ax.grid(alpha=0.3)
+
+
+def plot_report(report: Mapping, out_dir: Path, *, train_loss: bool = True) -> list[str]:
+    """Write ``bench.png`` (val loss vs steps, vs wall-clock, throughput) and optionally
+    ``train_loss.png``; return the file names written."""
+    plt = _pyplot()
+    contenders = report["contenders"]
+    cfg = report["config"]["bench"]
+    fig, (ax_steps, ax_time, ax_tput) = plt.subplots(
+        1, 3, figsize=(17, 4.8), gridspec_kw={"width_ratios": [1.2, 1.2, 0.8]}
+    )
+    _plot_losses(ax_steps, contenders, "eval_steps", mark_target=True)
+    ax_steps.set_xlabel("optimizer step")
+    ax_steps.set_title("validation loss vs steps")
+    ax_steps.legend(loc="upper right")
+    _plot_losses(ax_time, contenders, "eval_train_seconds", mark_target=False)
+    ax_time.set_xlabel("training wall-clock (s, evaluation excluded)")
+    ax_time.set_title("validation loss vs wall-clock")
+
+    names = list(contenders)
+    tput = [contenders[n]["tokens_per_s"] or 0.0 for n in names]
+    bars = ax_tput.bar(
+        [LABELS.get(n, n) for n in names], tput, color=[COLORS.get(n, "0.5") for n in names]
+    )
+    for bar, name in zip(bars, names):
+        c = contenders[name]
+        ax_tput.annotate(
+            f"{c['tokens_per_s'] or 0:,.0f} tok/s\nopt {c['optimizer_step_ms'] or 0:.1f} ms",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            textcoords="offset points",
+            xytext=(0, 3),
+            ha="center",
+            va="bottom",
+            fontsize=9,
+        )
+    ax_tput.set_ylim(0, max(tput + [1.0]) * 1.25)
+    ax_tput.set_ylabel("tokens / s (median after warm-up)")
+    ratio = report.get("throughput_ratio")
+    ax_tput.set_title("throughput" + ("" if ratio is None else f" (Muon / AdamW = {ratio:.3f})"))
+    ax_tput.grid(axis="y", alpha=0.3)
+
+    fig.suptitle(
+        f"muonscale bench: model {cfg['model']}, {cfg['steps']} steps x "
+        f"{cfg['tokens_per_step']} tokens, device {cfg['device']}, seed {cfg['seed']}"
+    )
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_dir / "bench.png", dpi=110)
+    plt.close(fig)
+    written = ["bench.png"]
+
+    if train_loss:
+        fig, ax = plt.subplots(figsize=(8, 4.8))
+        for name, c in contenders.items():
+            losses = [float("nan") if x is None else x for x in c["curves"]["train_loss"]]
+            ax.plot(
+                range(1, len(losses) + 1),
+                _smooth(losses),
+                label=_label(name, c),
+                color=COLORS.get(name),
+                linewidth=1.5,
+            )
+        ylim = _loss_ylim(contenders)
+        if ylim is not None:
+            ax.set_ylim(ylim[0], ylim[1] + 0.2)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("train loss (EMA 0.9)")
+        ax.set_title("training loss")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper right")
+        fig.tight_layout()
+        fig.savefig(out_dir / "train_loss.png", dpi=110)
+        plt.close(fig)
+        written.append("train_loss.png")
+    return written
+
+
+def _smooth(values: list[float], beta: float = 0.9) -> list[float]:
+    """Bias-corrected exponential moving average, as training-loss plots usually show."""
+    out, avg = [], 0.0
+    for i, v in enumerate(values, 1):
+        avg = beta * avg + (1 - beta) * v
+        out.append(avg / (1 - beta**i))
+    return out

@@ -1,0 +1,309 @@
+"""Turn side-by-side records into ``report.json``, ``report.md`` and the terminal table.
+
+``report.json`` layout (``schema_version`` 1)::
+
+    steps_to_adamw_final_loss_ratio   muon steps to AdamW's final val loss / AdamW's steps
+    throughput_ratio                  muon tokens/s / adamw tokens/s
+    peak_memory_ratio, optimizer_state_ratio      muon / adamw
+    contenders: {adamw: {...}, muon: {...}, torch_muon: {...}}   one dict per contender
+    targets: [{name, target, value, met, note}]  met is true/false, or null when not measured
+    config, machine, sweep, wall_seconds
+
+Per-contender fields are flat numbers plus a ``curves`` dict, so a distributed run can add
+e.g. ``wire_bytes_per_step`` next to them without changing anything else.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from muonscale.bench.config import BenchConfig, report_key
+from muonscale.bench.metrics import (
+    median_after_warmup,
+    ratio,
+    steps_to_final_loss_ratio,
+    steps_to_reach,
+)
+from muonscale.bench.side_by_side import ContenderRecord
+
+SCHEMA_VERSION = 1
+STEPS_RATIO_TARGET = 0.5
+TORCH_MUON_LOSS_MARGIN = 0.01
+THROUGHPUT_RATIO_TARGET = 0.98
+PEAK_MEMORY_RATIO_TARGET = 1.0
+
+OPTIMIZER_DESCRIPTIONS = {
+    "adamw": "torch.optim.AdamW (fused when available) for every parameter",
+    "muon": "muonscale.Muon (hidden matrices) + AdamW (the rest), one optimizer",
+    "torch-muon": "torch.optim.Muon (hidden matrices) + torch.optim.AdamW (the rest)",
+}
+
+
+def contender_summary(
+    record: ContenderRecord,
+    config: BenchConfig,
+    reference: ContenderRecord | None,
+    peak_memory: Mapping | None,
+) -> dict:
+    """One contender's entry in report.json."""
+    warmup = config.timing_warmup_steps
+    step_s = median_after_warmup(record.step_seconds, warmup) if record.step_seconds else None
+    opt_s = median_after_warmup(record.optimizer_seconds, warmup) if record.step_seconds else None
+    tokens_per_step = median_after_warmup(record.tokens, 0) if record.tokens else None
+    summary = {
+        "optimizer": OPTIMIZER_DESCRIPTIONS.get(record.name, record.name),
+        "lr": record.lr,
+        "steps": len(record.step_seconds),
+        "tokens": int(sum(record.tokens)),
+        "final_val_loss": _finite(record.val_losses[-1]) if record.val_losses else None,
+        "final_train_loss": _finite(record.train_losses[-1]) if record.train_losses else None,
+        "tokens_per_s": tokens_per_step / step_s if step_s else None,
+        "step_ms": None if step_s is None else step_s * 1e3,
+        "optimizer_step_ms": None if opt_s is None else opt_s * 1e3,
+        "optimizer_state_bytes": int(record.optimizer_state_bytes),
+        "peak_memory_bytes": None if peak_memory is None else peak_memory.get("peak_memory_bytes"),
+        "peak_memory_source": None if peak_memory is None else peak_memory.get("source"),
+        "train_seconds": record.train_seconds,
+        "eval_seconds": record.eval_seconds,
+        "diverged_at_step": record.diverged_at_step,
+        "wire_bytes_per_step": None,  # single process: nothing crosses ranks
+    }
+    if reference is not None and reference.val_losses and record.val_losses:
+        target = reference.val_losses[-1]
+        summary["steps_to_adamw_final_loss"] = _finite_or_none(
+            steps_to_reach(record.eval_steps, record.val_losses, target)
+        )
+        summary["steps_to_adamw_final_loss_ratio"] = _finite_or_none(
+            steps_to_final_loss_ratio(
+                reference.eval_steps, reference.val_losses, record.eval_steps, record.val_losses
+            )
+        )
+    summary["curves"] = {
+        "eval_steps": record.eval_steps,
+        "val_loss": [_finite(x) for x in record.val_losses],
+        "eval_train_seconds": record.eval_train_seconds,
+        "train_loss": [_finite(x) for x in record.train_losses],
+    }
+    return summary
+
+
+def build_report(
+    records: Mapping[str, ContenderRecord],
+    config: BenchConfig,
+    *,
+    peak_memory: Mapping[str, Mapping] | None = None,
+    resolved: Mapping | None = None,
+    sweep: Mapping | None = None,
+    wall_seconds: float | None = None,
+    machine: Mapping | None = None,
+) -> dict:
+    """The whole report.json as a dict (see the module docstring for the layout)."""
+    peak_memory = peak_memory or {}
+    reference = records.get("adamw")
+    contenders = {
+        report_key(name): contender_summary(record, config, reference, peak_memory.get(name))
+        for name, record in records.items()
+    }
+    adamw, muon = contenders.get("adamw", {}), contenders.get("muon", {})
+    report = {
+        "schema_version": SCHEMA_VERSION,
+        "steps_to_adamw_final_loss_ratio": muon.get("steps_to_adamw_final_loss_ratio"),
+        "throughput_ratio": ratio(muon.get("tokens_per_s"), adamw.get("tokens_per_s")),
+        "optimizer_step_ratio": ratio(
+            muon.get("optimizer_step_ms"), adamw.get("optimizer_step_ms")
+        ),
+        "peak_memory_ratio": ratio(muon.get("peak_memory_bytes"), adamw.get("peak_memory_bytes")),
+        "optimizer_state_ratio": ratio(
+            muon.get("optimizer_state_bytes"), adamw.get("optimizer_state_bytes")
+        ),
+        "contenders": contenders,
+    }
+    report["targets"] = evaluate_targets(report)
+    report["config"] = {"bench": config.to_dict(), **(resolved or {})}
+    report["machine"] = dict(machine) if machine is not None else machine_info()
+    report["sweep"] = sweep
+    report["wall_seconds"] = wall_seconds
+    return report
+
+
+def evaluate_targets(report: Mapping) -> list[dict]:
+    """Each target from DESIGN.md that this run can measure, and whether it was met."""
+    contenders = report["contenders"]
+    targets = []
+
+    def add(name, target, value, met, note=""):
+        targets.append({"name": name, "target": target, "value": value, "met": met, "note": note})
+
+    steps_ratio = report["steps_to_adamw_final_loss_ratio"]
+    reached = steps_ratio is not None
+    add(
+        "steps_to_adamw_final_loss_ratio",
+        f"<= {STEPS_RATIO_TARGET}",
+        steps_ratio,
+        reached and steps_ratio <= STEPS_RATIO_TARGET,
+        "" if reached else "null: muon never reached AdamW's final validation loss",
+    )
+    muon_loss = contenders.get("muon", {}).get("final_val_loss")
+    if "torch_muon" in contenders:
+        torch_loss = contenders["torch_muon"].get("final_val_loss")
+        delta = None if muon_loss is None or torch_loss is None else muon_loss - torch_loss
+        add(
+            "muon_final_loss_minus_torch_muon",
+            f"<= {TORCH_MUON_LOSS_MARGIN}",
+            delta,
+            delta is not None and delta <= TORCH_MUON_LOSS_MARGIN,
+        )
+    else:
+        add(
+            "muon_final_loss_minus_torch_muon",
+            f"<= {TORCH_MUON_LOSS_MARGIN}",
+            None,
+            None,
+            "not measured: run with --baselines torch-muon",
+        )
+    throughput = report["throughput_ratio"]
+    add(
+        "throughput_ratio",
+        f">= {THROUGHPUT_RATIO_TARGET}",
+        throughput,
+        None if throughput is None else throughput >= THROUGHPUT_RATIO_TARGET,
+    )
+    memory = report["peak_memory_ratio"]
+    add(
+        "peak_memory_ratio",
+        f"<= {PEAK_MEMORY_RATIO_TARGET}",
+        memory,
+        None if memory is None else memory <= PEAK_MEMORY_RATIO_TARGET,
+        "not measured: memory probes skipped"
+        if memory is None
+        else "muon peak <= adamw peak at this scale; DESIGN's <= 0.85 is for GPT-2-XL on H200",
+    )
+    return targets
+
+
+def machine_info() -> dict:
+    """CPU, core count, torch version, accelerator and date of this run."""
+    import torch
+
+    info = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _finite(x: float) -> float | None:
+    """JSON has no NaN/inf: a diverged loss is written as null."""
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    return None if x is None else _finite(x)
+
+
+# ----------------------------------------------------------------------------- text output
+
+
+def _fmt(x, spec: str, none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def _mib(x) -> str:
+    return "-" if x is None else f"{x / 2**20:.1f}"
+
+
+def format_table(report: Mapping) -> str:
+    """The results as a Markdown table plus ratio and target lines (terminal and report.md)."""
+    header = (
+        "| contender | lr | final val loss | steps to AdamW final | tokens/s | step ms "
+        "| optimizer ms | state MiB | peak MiB |"
+    )
+    lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
+    for name, c in report["contenders"].items():
+        reached = c.get("steps_to_adamw_final_loss")
+        reached_ratio = c.get("steps_to_adamw_final_loss_ratio")
+        reached_text = "never" if reached is None else f"{reached:.0f} ({reached_ratio:.2f}x)"
+        lines.append(
+            f"| {name} | {c['lr']:.3g} | {_fmt(c['final_val_loss'], '.4f')} | {reached_text} "
+            f"| {_fmt(c['tokens_per_s'], ',.0f')} | {_fmt(c['step_ms'], '.1f')} "
+            f"| {_fmt(c['optimizer_step_ms'], '.2f')} | {_mib(c['optimizer_state_bytes'])} "
+            f"| {_mib(c['peak_memory_bytes'])} |"
+        )
+    lines.append("")
+    for t in report["targets"]:
+        status = {True: "MET", False: "NOT MET", None: "n/a"}[t["met"]]
+        value = _fmt(t["value"], ".3f", "null")
+        note = f"  ({t['note']})" if t["note"] else ""
+        lines.append(f"- {t['name']} = {value}, target {t['target']}: **{status}**{note}")
+    return "\n".join(lines)
+
+
+def format_markdown(report: Mapping, plot_files: list[str]) -> str:
+    cfg = report["config"]["bench"]
+    machine = report["machine"]
+    parts = [
+        "# muonscale bench",
+        "",
+        f"{machine.get('date', '')} - {machine.get('cpu', '')} ({machine.get('cpu_count')} cores)"
+        f", torch {machine.get('torch', '')}, device {cfg['device']}",
+        "",
+        f"{cfg['steps']} steps x {cfg['tokens_per_step']} tokens per contender, model "
+        f"`{cfg['model']}`, seed {cfg['seed']}; steps interleaved, timings are medians after "
+        f"{cfg['timing_warmup_steps']} warm-up steps.",
+        "",
+        format_table(report),
+        "",
+    ]
+    parts += [f"![{name}]({name})" for name in plot_files]
+    if report.get("sweep"):
+        parts += [
+            "",
+            "## Learning-rate sweep",
+            "",
+            "| contender | lr | final val loss |",
+            "|---|---|---|",
+        ]
+        for name, rows in report["sweep"]["results"].items():
+            for row in rows:
+                parts.append(f"| {name} | {row['lr']:.3g} | {_fmt(row['final_val_loss'], '.4f')} |")
+    parts += [
+        "",
+        "## Config",
+        "",
+        "```json",
+        json.dumps(report["config"], indent=2, sort_keys=True),
+        "```",
+        "",
+    ]
+    return "\n".join(parts)
+
+
+def write_report(report: Mapping, out_dir: Path, plot_files: list[str]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    (out_dir / "report.md").write_text(format_markdown(report, plot_files))

@@ -1,0 +1,17 @@
+"""Distributed Muon: every collective in :mod:`.comm` (with bytes-on-the-wire accounting),
+whole-matrix owners in :mod:`.ownership`, data parallelism in :mod:`.data_parallel`."""
+
+from .comm import CollectiveError, Communicator, WireCounter, gather_wire_stats, ring_wire_bytes
+from .data_parallel import DistributedMuon
+from .ownership import assign_owners, format_ownership_table
+
+__all__ = [
+    "CollectiveError",
+    "Communicator",
+    "DistributedMuon",
+    "WireCounter",
+    "assign_owners",
+    "format_ownership_table",
+    "gather_wire_stats",
+    "ring_wire_bytes",
+]

@@ -1,0 +1,309 @@
+"""Every collective muonscale issues, and the bytes each one puts on the wire.
+
+All cross-rank traffic of the distributed optimizers goes through :class:`Communicator`, so the
+byte accounting lives in one place. Bytes are counted **per rank** with the ring cost model
+(S = bytes of the full tensor the collective is about, padding included, N = group size)::
+
+    all_reduce       2 (N-1)/N * S      (reduce-scatter + all-gather)
+    reduce_scatter     (N-1)/N * S      S = the full input (N shards)
+    all_gather         (N-1)/N * S      S = the full output (N shards)
+    all_to_all         (N-1)/N * S      S = this rank's input (every chunk but its own leaves)
+    broadcast          (N-1)/N * S      pipelined ring broadcast
+
+With N = 1, or when ``torch.distributed`` is not initialized, no collective is issued (the
+operations copy or do nothing) and zero bytes are counted, so world size 1 runs the same code.
+
+Backend notes (torch 2.13 gloo, checked): ``reduce_scatter_single`` / ``all_gather_single``
+(the replacements of the deprecated ``reduce_scatter_tensor`` / ``all_gather_into_tensor``) and
+``all_to_all_single`` with split sizes work, async included; ``all_gather`` with tensors of
+different sizes does not (callers pad, and the padding is counted). torch 2.11 lacks the
+``*_single`` names; :func:`_reduce_scatter_fn` / :func:`_all_gather_fn` pick whichever exists.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+RING_FACTORS = {
+    # op -> (numerator multiplier k) in k * (N-1)/N * S
+    "all_reduce": 2,
+    "reduce_scatter": 1,
+    "all_gather": 1,
+    "all_to_all": 1,
+    "broadcast": 1,
+}
+
+
+def ring_wire_bytes(op: str, full_bytes: int, world_size: int) -> int:
+    """Bytes one rank sends for collective ``op`` on a full tensor of ``full_bytes`` bytes."""
+    if op not in RING_FACTORS:
+        raise ValueError(f"unknown collective {op!r}; known: {sorted(RING_FACTORS)}")
+    if world_size <= 1:
+        return 0
+    return RING_FACTORS[op] * (world_size - 1) * int(full_bytes) // world_size
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+@dataclass
+class WireCounter:
+    """Bytes on the wire sent by this rank, broken down by ``"<tag>/<op>"``.
+
+    ``tag`` says what the traffic is for (``"muon"``, ``"adamw"``, ``"control"``, ...), ``op``
+    is the collective. :meth:`take` returns the totals since the last ``take`` and resets them,
+    which is how the optimizer reports bytes per step.
+    """
+
+    bytes_by_key: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls_by_key: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, op: str, full_bytes: int, world_size: int, tag: str = "other") -> int:
+        nbytes = ring_wire_bytes(op, full_bytes, world_size)
+        key = f"{tag}/{op}"
+        self.bytes_by_key[key] += nbytes
+        self.calls_by_key[key] += 1
+        return nbytes
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes_by_key.values())
+
+    def breakdown(self) -> dict[str, int]:
+        return dict(sorted(self.bytes_by_key.items()))
+
+    def by_op(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for key, nbytes in self.bytes_by_key.items():
+            out[key.split("/", 1)[1]] += nbytes
+        return dict(sorted(out.items()))
+
+    def reset(self) -> None:
+        self.bytes_by_key = defaultdict(int)
+        self.calls_by_key = defaultdict(int)
+
+    def take(self) -> tuple[int, dict[str, int]]:
+        """(total, breakdown) since the last call; resets the counter."""
+        total, breakdown = self.total, self.breakdown()
+        self.reset()
+        return total, breakdown
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out (usually: another rank raised or died)."""
+
+
+class _CompletedWork:
+    """Stands in for a ``Work`` handle when no collective was issued (world size 1)."""
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _reduce_scatter_fn():
+    # torch >= 2.13 names it reduce_scatter_single; older versions only have *_tensor.
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather_fn():
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+class Communicator:
+    """Collectives over one process group, each counted in a :class:`WireCounter`.
+
+    ``group=None`` means the default group when ``torch.distributed`` is initialized, and a
+    single-rank "group" (no collectives at all) when it is not.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, counter: WireCounter | None = None):
+        self.group = group
+        self.counter = counter if counter is not None else WireCounter()
+        if _is_initialized():
+            self.world_size = dist.get_world_size(group)
+            self.rank = dist.get_rank(group)
+        else:
+            if group is not None:
+                raise ValueError(
+                    "a process_group was given but torch.distributed is not initialized"
+                )
+            self.world_size, self.rank = 1, 0
+
+    @property
+    def active(self) -> bool:
+        """Whether collectives are actually issued (world size > 1)."""
+        return self.world_size > 1
+
+    @property
+    def device(self) -> torch.device:
+        """Device for small control tensors: CUDA for NCCL groups, CPU otherwise."""
+        if self.active and dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    # ---- collectives -------------------------------------------------------------------
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        *,
+        op=dist.ReduceOp.SUM,
+        tag: str = "control",
+        async_op: bool = False,
+    ):
+        self.counter.record("all_reduce", tensor_bytes(tensor), self.world_size, tag)
+        if not self.active:
+            return _CompletedWork() if async_op else None
+        return self._call(
+            "all_reduce", dist.all_reduce, tensor, op=op, group=self.group, async_op=async_op
+        )
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        op=dist.ReduceOp.SUM,
+        tag: str = "other",
+        async_op: bool = False,
+    ):
+        """``output`` (S/N) <- shard ``rank`` of the sum over ranks of ``input`` (S, contiguous)."""
+        if input.numel() != output.numel() * self.world_size:
+            raise ValueError(
+                f"reduce_scatter: input has {input.numel()} elements, expected {self.world_size} x {output.numel()}"
+            )
+        self.counter.record("reduce_scatter", tensor_bytes(input), self.world_size, tag)
+        if not self.active:
+            output.copy_(input)
+            return _CompletedWork() if async_op else None
+        return self._call(
+            "reduce_scatter",
+            _reduce_scatter_fn(),
+            output,
+            input,
+            op=op,
+            group=self.group,
+            async_op=async_op,
+        )
+
+    def all_gather(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        tag: str = "other",
+        async_op: bool = False,
+    ):
+        """``output`` (N*S) <- concatenation over ranks of ``input`` (S); equal sizes only."""
+        if output.numel() != input.numel() * self.world_size:
+            raise ValueError(
+                f"all_gather: output has {output.numel()} elements, expected {self.world_size} x {input.numel()}"
+            )
+        self.counter.record("all_gather", tensor_bytes(output), self.world_size, tag)
+        if not self.active:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return _CompletedWork() if async_op else None
+        return self._call(
+            "all_gather", _all_gather_fn(), output, input, group=self.group, async_op=async_op
+        )
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None,
+        *,
+        tag: str = "other",
+        async_op: bool = False,
+    ):
+        """Chunk ``i`` of ``input`` (dim 0, ``input_split_sizes``) goes to rank ``i``."""
+        self.counter.record("all_to_all", tensor_bytes(input), self.world_size, tag)
+        if not self.active:
+            output.copy_(input)
+            return _CompletedWork() if async_op else None
+        return self._call(
+            "all_to_all_single",
+            dist.all_to_all_single,
+            output,
+            input,
+            list(output_split_sizes) if output_split_sizes is not None else None,
+            list(input_split_sizes) if input_split_sizes is not None else None,
+            group=self.group,
+            async_op=async_op,
+        )
+
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, *, tag: str = "other", async_op: bool = False
+    ):
+        """``src`` is a rank in this group."""
+        self.counter.record("broadcast", tensor_bytes(tensor), self.world_size, tag)
+        if not self.active:
+            return _CompletedWork() if async_op else None
+        return self._call(
+            "broadcast", dist.broadcast, tensor, group=self.group, group_src=src, async_op=async_op
+        )
+
+    def all_gather_object(self, obj: object, *, tag: str = "setup") -> list[object]:
+        """Pickled objects from every rank (setup-time checks only; bytes are approximate)."""
+        if not self.active:
+            return [obj]
+        out: list[object] = [None] * self.world_size
+        self._call("all_gather_object", dist.all_gather_object, out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        if self.active:
+            self._call("barrier", dist.barrier, group=self.group)
+
+    def wait(self, work, what: str = "collective") -> None:
+        """Wait for an async handle; a failure or timeout becomes a :class:`CollectiveError`."""
+        if work is None:
+            return
+        try:
+            work.wait()
+        except Exception as exc:  # noqa: BLE001 - re-raised with context
+            raise self._error(what, exc) from exc
+
+    # ---- internals ---------------------------------------------------------------------
+    def _call(self, what: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - re-raised with context
+            raise self._error(what, exc) from exc
+
+    def _error(self, what: str, exc: BaseException) -> CollectiveError:
+        return CollectiveError(
+            f"{what} failed on rank {self.rank} of {self.world_size}: {exc}. "
+            "If another rank raised or died (for example inside step()), the ranks waiting for "
+            "it give up after at most the process-group timeout, set with "
+            "init_process_group(timeout=...) (torch default: 30 min for gloo, 10 min for NCCL)."
+        )
+
+
+def gather_wire_stats(nbytes: int, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Mean and max over the ranks of ``group`` of a per-rank byte count (not counted itself)."""
+    comm = Communicator(group)
+    values = torch.zeros(comm.world_size, dtype=torch.float64, device=comm.device)
+    mine = torch.tensor([float(nbytes)], dtype=torch.float64, device=comm.device)
+    comm.all_gather(values, mine, tag="stats")
+    return {
+        "mean": values.mean().item(),
+        "max": values.max().item(),
+        "min": values.min().item(),
+        "world_size": comm.world_size,
+    }

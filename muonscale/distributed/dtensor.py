@@ -1,0 +1,382 @@
+"""Exact Muon for DTensor parameters: FSDP2 (``fully_shard``), tensor parallel
+(``parallelize_module``), HSDP, and 2-D FSDP × TP meshes.
+
+Meshes and placements are read from the parameters. Per step (``DTensorMuon.step``)::
+
+    grads (DTensor, already reduced by FSDP2 / TP)        every rank, on its local shard
+      │  B ← B.lerp(G, 1−μ);  U = G.lerp(B, μ)             elementwise: exact on shards
+      ▼
+    U shards ──all_to_all──▶ owner: whole U → matrices (QKV split) → NS → scale   (sharded.py)
+      ◀──all_to_all── O shards
+      │  W ← W(1 − ηλ) − η s O                             elementwise on the local shard
+      ▼
+    AdamW params: the whole AdamW step elementwise on local shards (exact, no traffic)
+
+The update is the same function as single-process :class:`muonscale.Muon`: elementwise math on
+a shard gives the same numbers as on the full tensor, and Newton–Schulz always sees the whole
+matrix (split into Q/K/V blocks or heads on the owner, when ``splits=`` says so).
+
+Momentum and AdamW state are DTensors with the parameter's placements, so
+``torch.distributed.checkpoint`` saves them sharded and loads them onto another mesh.
+
+Gradient reduction is the framework's job: FSDP2 reduce-scatters (and all-reduces across an
+HSDP replicate axis), TP gradients come out of autograd complete. Nothing is reduced again
+here. Every mesh must therefore span the optimizer's whole process group; a TP-only mesh under
+data parallelism outside the mesh is refused (put data parallelism on a mesh axis:
+``fully_shard`` on a 2-D mesh). Plain (non-DTensor) parameters are taken to be identical on
+every rank and are updated locally on each.
+
+``approximate_per_shard=True`` (off by default) instead orthogonalizes each local shard on its
+own, with no traffic: *not* Muon's update (per-shard, "blockwise" Newton–Schulz); the scale
+rule still uses the full matrix shape, and ``splits`` are ignored.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .. import functional
+from ..newton_schulz import default_ns_dtype
+from ..optimizer import Muon
+from ..scaling import update_scale
+from .comm import Communicator, WireCounter
+from .sharded import MatrixLayout, ShardedMatrices, chunk_bounds, default_owners
+
+try:  # FSDP2 on a TP-sharded dim: right-to-left sharding
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - older torch
+    _StridedShard = None
+
+__all__ = ["DTensorMuon", "dtensor_layout", "local_tensor"]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (a view: in-place ops update the DTensor), else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _strided_select(idx: torch.Tensor, chunks: int, index: int, split_factor: int) -> torch.Tensor:
+    """``_StridedShard``: ``split_factor`` chunks, each chunked ``chunks`` ways, piece
+    ``index`` of each, concatenated (torch's right-to-left sharding, ceil chunks)."""
+    parts = []
+    for j in range(split_factor):
+        s0, sl = chunk_bounds(idx.numel(), split_factor, j)
+        sub = idx[s0 : s0 + sl]
+        c0, cl = chunk_bounds(sub.numel(), chunks, index)
+        parts.append(sub[c0 : c0 + cl])
+    return torch.cat(parts)
+
+
+def _check_placement(name: str, placement: Any, ndim: int) -> None:
+    if isinstance(placement, Replicate):
+        return
+    sharded = isinstance(placement, Shard) or (
+        _StridedShard is not None and isinstance(placement, _StridedShard)
+    )
+    if sharded and 0 <= placement.dim < ndim:
+        return
+    raise ValueError(
+        f"DTensorMuon: parameter '{name}' has placement {placement!r}, which is not supported "
+        "(supported: Shard(dim), Replicate(), and FSDP2's _StridedShard). A Partial parameter "
+        "holds unreduced values; redistribute it to Shard or Replicate first."
+    )
+
+
+def dtensor_layout(name: str, param: DTensor, group_ranks: Sequence[int]) -> MatrixLayout:
+    """Layout of ``param`` seen as its 2-D matrix ``(d0, d1·d2·…)`` over the ranks of the
+    optimizer's group (``group_ranks[i]`` = global rank of group rank i)."""
+    mesh, placements = param.device_mesh, param.placements
+    shape = tuple(param.shape)
+    for placement in placements:
+        _check_placement(name, placement, len(shape))
+    mesh_ranks = mesh.mesh  # global ranks, shape = mesh shape
+    if sorted(mesh_ranks.flatten().tolist()) != sorted(group_ranks):
+        raise ValueError(
+            f"DTensorMuon: parameter '{name}' lives on {mesh} (ranks {sorted(mesh_ranks.flatten().tolist())}) "
+            f"but the optimizer's process group has ranks {list(group_ranks)}. Data parallelism "
+            "outside the DTensor mesh (e.g. TP-only DTensors under plain DDP) is not supported: "
+            "nobody would reduce those gradients here. Put data parallelism on a mesh axis "
+            "(fully_shard / HSDP on a 2-D (dp, tp) mesh), or pass process_group= the mesh's group."
+        )
+    group_rank_of = {g: i for i, g in enumerate(group_ranks)}
+    rest = shape[1:]
+    pieces: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(group_ranks)
+    for coord in itertools.product(*(range(s) for s in mesh_ranks.shape)):
+        idx = [torch.arange(s) for s in shape]
+        for mesh_dim, placement in enumerate(placements):
+            if isinstance(placement, Replicate):
+                continue
+            d, k, c = placement.dim, mesh_ranks.shape[mesh_dim], coord[mesh_dim]
+            if _StridedShard is not None and isinstance(placement, _StridedShard):
+                idx[d] = _strided_select(idx[d], k, c, int(placement.split_factor))
+            else:
+                start, length = chunk_bounds(idx[d].numel(), k, c)
+                idx[d] = idx[d][start : start + length]
+        cols = torch.arange(math.prod(rest)).reshape(rest)  # flattened trailing dims
+        for d, sel in enumerate(idx[1:]):
+            cols = cols.index_select(d, sel)
+        pieces[group_rank_of[int(mesh_ranks[coord])]] = (idx[0], cols.reshape(-1))
+    return MatrixLayout.from_indices((shape[0], math.prod(rest)), pieces)
+
+
+def _as_2d(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(t.shape[0], math.prod(t.shape[1:])) if t.ndim != 2 else t
+
+
+class DTensorMuon(Muon):
+    r""":class:`muonscale.Muon` for DTensor parameters (FSDP2, TP, HSDP, FSDP × TP), exact.
+
+    Same arguments as :class:`muonscale.Muon` (pass ``model.named_parameters()`` or the model
+    so ``splits`` and routing see names), plus:
+
+    Args:
+        process_group: the group spanning every parameter's mesh (default: the world).
+        approximate_per_shard: opt in to per-shard Newton–Schulz (approximate, no traffic).
+
+    Step phases (see the module docstring for the picture): check gradients (one tiny
+    all-reduce of non-finite flags, unless ``nonfinite="ignore"``) → momentum on shards →
+    all-to-all to owners → Newton–Schulz on whole matrices → all-to-all back → update shards →
+    AdamW on shards. ``last_step_wire_bytes`` / ``last_step_wire_breakdown`` give the bytes this
+    rank sent in the last step (``"muon/all_to_all"``, ``"control/all_reduce"``), counted by
+    :mod:`.comm` as for :class:`~muonscale.distributed.DistributedMuon`.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        *args: Any,
+        process_group: dist.ProcessGroup | None = None,
+        approximate_per_shard: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(params, *args, **kwargs)
+        if not isinstance(approximate_per_shard, bool):
+            raise ValueError(f"approximate_per_shard must be a bool, got {approximate_per_shard!r}")
+        self.approximate_per_shard = approximate_per_shard
+        self.process_group = process_group
+        self.wire_counter = WireCounter()
+        self.last_step_wire_bytes = 0
+        self.last_step_wire_breakdown: dict[str, int] = {}
+        self.comm = Communicator(process_group, counter=self.wire_counter)
+        if self.comm.active:
+            self._group_ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+        else:
+            self._group_ranks = [0]
+        self._plans: dict[tuple, tuple[ShardedMatrices, list[int]]] = {}
+        self._layouts: dict[int, MatrixLayout] = {}
+        for group in self.param_groups:  # fail fast on unsupported placements / meshes
+            for p in group["params"]:
+                self._layout(p)
+
+    # ---------------------------------------------------------------- layouts
+    def _layout(self, p: torch.Tensor) -> MatrixLayout:
+        layout = self._layouts.get(id(p))
+        if layout is None:
+            shape2d = (p.shape[0], math.prod(p.shape[1:])) if p.ndim >= 2 else (1, p.numel())
+            if isinstance(p, DTensor) and self.comm.active:
+                if p.ndim >= 2:
+                    layout = dtensor_layout(self._name(p), p, self._group_ranks)
+                else:  # AdamW-only, elementwise: just validate
+                    for placement in p.placements:
+                        _check_placement(self._name(p), placement, p.ndim)
+                    layout = MatrixLayout.replicated(shape2d, self.comm.world_size)
+            else:
+                layout = MatrixLayout.replicated(shape2d, self.comm.world_size)
+            if p.ndim >= 2 and layout.piece_shape(self.comm.rank) != tuple(
+                _as_2d(local_tensor(p)).shape
+            ):
+                raise ValueError(
+                    f"DTensorMuon: parameter '{self._name(p)}': computed local shard "
+                    f"{layout.piece_shape(self.comm.rank)} but the DTensor holds "
+                    f"{tuple(_as_2d(local_tensor(p)).shape)} (placements {getattr(p, 'placements', None)})"
+                )
+            self._layouts[id(p)] = layout
+        return layout
+
+    def _plan(self, entries: list[tuple[torch.Tensor, Mapping[str, Any]]], dtype: torch.dtype):
+        key = (tuple(id(p) for p, _ in entries), dtype)
+        if key not in self._plans:
+            layouts = [self._layout(p) for p, _ in entries]
+            costs = [self.matrix_view(p, g).matrix_shapes for p, g in entries]
+            owners = default_owners(layouts, self.comm.world_size, matrix_shapes=costs)
+            plan = ShardedMatrices(
+                layouts, group=self.process_group, owners=owners, counter=self.wire_counter
+            )
+            self._plans[key] = (plan, owners)
+        return self._plans[key][0]
+
+    # ---------------------------------------------------------------- state / checks
+    def optimizer_state_bytes(self) -> int:
+        """Exact bytes of state tensors held by this rank (local shards)."""
+        return sum(
+            local_tensor(v).numel() * local_tensor(v).element_size()
+            for s in self.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor)
+        )
+
+    def _first_nonfinite(self, grads: list[torch.Tensor], owners: list[torch.Tensor]) -> str | None:
+        """Non-finite check on local shards; one all-reduce (max) of per-parameter flags so that
+        every rank takes the same decision."""
+        local = [local_tensor(g) for g in grads]
+        flags = torch.zeros(len(local), dtype=torch.float32, device=self.comm.device)
+        nonempty = [i for i, t in enumerate(local) if t.numel()]
+        if nonempty:  # the inf-norm propagates NaN; empty shards are finite
+            max_abs = torch._foreach_norm([local[i] for i in nonempty], float("inf"))
+            bad = ~torch.stack([m.float().to(flags.device) for m in max_abs]).isfinite()
+            flags[torch.tensor(nonempty, device=flags.device)] = bad.float()
+        self.comm.all_reduce(flags, op=dist.ReduceOp.MAX, tag="control")
+        bad = flags.nonzero()
+        return None if bad.numel() == 0 else self._name(owners[int(bad[0])])
+
+    # ---------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step over every group (see the class docstring for the phases)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        bad = self._check_gradients()
+        if bad is not None:
+            self._handle_nonfinite(bad)
+            return loss
+        muon_entries: list[tuple[torch.Tensor, Mapping[str, Any]]] = []
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if group["algorithm"] == "muon":
+                muon_entries.extend((p, group) for p in params)
+            else:
+                self._adamw_on_shards(group, params)
+        if muon_entries:
+            self._muon(muon_entries)
+        self.last_step_wire_bytes, self.last_step_wire_breakdown = self.wire_counter.take()
+        return loss
+
+    def _adamw_on_shards(self, group: Mapping[str, Any], params: list[torch.Tensor]) -> None:
+        if not params:
+            return
+        states = [self.init_state(p, group) for p in params]
+        beta1, beta2 = group["betas"]
+        functional.adamw(
+            [local_tensor(p) for p in params], [local_tensor(p.grad) for p in params],
+            [local_tensor(s["exp_avg"]) for s in states], [local_tensor(s["exp_avg_sq"]) for s in states],
+            [s["step"] for s in states], lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+            eps=group["eps"], weight_decay=group["weight_decay"],
+        )  # fmt: skip
+
+    def _muon(self, entries: list[tuple[torch.Tensor, Mapping[str, Any]]]) -> None:
+        # phase 1: momentum on local shards (elementwise), per group for its μ / Nesterov
+        directions: dict[int, torch.Tensor] = {}
+        for group in {id(g): g for _, g in entries}.values():
+            params = [p for p, g in entries if g is group]
+            bufs = [local_tensor(self.init_state(p, group)["momentum_buffer"]) for p in params]
+            grads = [local_tensor(p.grad) for p in params]
+            dirs = functional.momentum_directions_(
+                grads, bufs, momentum=group["momentum"], nesterov=group["nesterov"]
+            )
+            directions.update({id(p): d for p, d in zip(params, dirs)})
+
+        # phase 2: whole matrices at owners → Newton–Schulz → update pieces back
+        if self.approximate_per_shard:
+            updates = self._per_shard_updates(entries, directions)
+        else:
+            updates = {}
+            for dtype in sorted({directions[id(p)].dtype for p, _ in entries}, key=str):
+                part = [(p, g) for p, g in entries if directions[id(p)].dtype == dtype]
+                plan = self._plan(part, dtype)
+                result_dtype = self._result_dtype(part, dtype)
+                pieces = [_as_2d(directions[id(p)]) for p, _ in part]
+                out = plan.apply(
+                    pieces,
+                    lambda idx, mats, part=part: self._orthogonalize(part, idx, mats),
+                    result_dtype=result_dtype,
+                )
+                updates.update({id(p): (o, self._alpha(p, g)) for (p, g), o in zip(part, out)})
+
+        # phase 3: weight decay and update on local shards
+        for p, group in entries:
+            local, lr = local_tensor(p), float(group["lr"])
+            if group["weight_decay"] != 0:
+                local.mul_(1 - lr * group["weight_decay"])
+            update, alpha = updates[id(p)]
+            if update.numel():
+                local.add_(update.reshape(local.shape), alpha=alpha * lr)
+
+    def _result_dtype(self, part, dtype: torch.dtype) -> torch.dtype:
+        """Newton–Schulz's output dtype when all groups agree (bf16 on GPU halves the return
+        traffic; adding it to the parameter promotes exactly as on one process)."""
+        ns = {g["ns_dtype"] or default_ns_dtype(local_tensor(p).device) for p, g in part}
+        return ns.pop() if len(ns) == 1 else dtype
+
+    def _orthogonalize(
+        self, part, indices: list[int], whole: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """On the owner: whole U (2-D) → view's matrices → batched NS per setting → the update
+        as a 2-D matrix; unscaled for a single matrix (scaled at the shard, as on one process),
+        scaled per block for split / batched views."""
+        by_setting: dict[tuple, list[tuple[int, int, torch.Tensor]]] = {}
+        per_param: list[list[torch.Tensor | None]] = []
+        for slot, (i, u) in enumerate(zip(indices, whole)):
+            p, group = part[i]
+            mats = self.matrix_view(p, group).to_matrices(u.reshape(p.shape))
+            per_param.append([None] * len(mats))
+            key = (
+                group["ns_steps"],
+                repr(group["coefficients"]),
+                group["ns_dtype"],
+                group["ns_eps"],
+            )
+            for j, mat in enumerate(mats):
+                by_setting.setdefault(key, []).append((slot, j, mat))
+        for (steps, _, ns_dtype, eps), items in by_setting.items():
+            group = part[indices[items[0][0]]][1]
+            ortho = functional.orthogonalize_matrices(
+                [m for _, _, m in items],
+                ns_steps=steps,
+                coefficients=group["coefficients"],
+                ns_dtype=ns_dtype,
+                eps=eps,
+            )
+            for (slot, j, _), o in zip(items, ortho):
+                per_param[slot][j] = o
+        out = []
+        for slot, i in enumerate(indices):
+            p, group = part[i]
+            view, mats = self.matrix_view(p, group), per_param[slot]
+            if len(mats) == 1 and view.row_partition is None:
+                out.append(mats[0].reshape(whole[slot].shape))
+            else:
+                scaled = [m * update_scale(group["scale"], *m.shape) for m in mats]
+                out.append(view.from_matrices(scaled).reshape(whole[slot].shape))
+        return out
+
+    def _alpha(self, p: torch.Tensor, group: Mapping[str, Any]) -> float:
+        """−s(m, n) for an unscaled single-matrix update, −1 for one scaled on the owner."""
+        view = self.matrix_view(p, group)
+        shapes = view.matrix_shapes
+        if len(shapes) == 1 and view.row_partition is None:
+            return -update_scale(group["scale"], *shapes[0])
+        return -1.0
+
+    def _per_shard_updates(self, entries, directions):
+        """``approximate_per_shard``: NS of each local 2-D shard alone (not Muon's update)."""
+        out = {}
+        for p, group in entries:
+            u = _as_2d(directions[id(p)])
+            if u.numel() == 0:
+                out[id(p)] = (u, -1.0)
+                continue
+            (o,) = functional.orthogonalize_matrices(
+                [u], ns_steps=group["ns_steps"], coefficients=group["coefficients"],
+                ns_dtype=group["ns_dtype"], eps=group["ns_eps"],
+            )  # fmt: skip
+            out[id(p)] = (o, -update_scale(group["scale"], p.shape[0], math.prod(p.shape[1:])))
+        return out

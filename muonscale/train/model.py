@@ -1,0 +1,212 @@
+"""nanoGPT-style decoder used by ``muonscale train`` and the benchmarks.
+
+Pre-norm blocks (LayerNorm or RMSNorm), causal attention through
+``F.scaled_dot_product_attention`` with optional grouped-query attention, GELU or SwiGLU MLP,
+learned or rotary positions, optional tied embeddings. GPT-2 initialization: normal(0, 0.02),
+residual output projections scaled by 1/sqrt(2 * n_layer).
+
+The fused QKV weight ``blocks.{i}.attn.qkv.weight`` (``(rows, d_model)``) is laid out
+interleaved by key/value group as described by :class:`muonscale.qkv.QKVLayout`, so that the
+optimizer can orthogonalize Q, K and V (or each head) separately and a tensor-parallel row
+shard holds whole heads::
+
+    optimizer = muonscale.Muon(model.named_parameters(),
+                               splits={name: model.qkv_layout for name in model.qkv_param_names()})
+
+Parameter names make the roles recognisable: ``wte`` (token embedding), ``wpe`` (learned
+positions), ``lm_head`` (output head), ``*norm*`` (norm weights).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from muonscale.qkv import QKVLayout
+from muonscale.train.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def make_norm(config: ModelConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.d_model, eps=config.norm_eps)
+    return nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
+
+
+def rotary_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables of shape (context_length, head_dim / 2), computed in float32."""
+    half = config.head_dim // 2
+    inv_freq = config.rope_base ** (-torch.arange(half, dtype=torch.float32) / half)
+    angles = torch.outer(torch.arange(config.context_length, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :half], x[..., half:]) of x: (B, heads, T, head_dim)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head (or grouped-query) causal self-attention with one fused QKV projection."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.layout = QKVLayout(
+            n_query_groups=config.kv_heads,
+            q_per_group=config.n_head // config.kv_heads,
+            head_dim=config.head_dim,
+        )
+        self.qkv = nn.Linear(config.d_model, self.layout.rows, bias=config.bias)  # (rows, d)
+        self.proj = nn.Linear(config.n_head * config.head_dim, config.d_model, bias=config.bias)
+        self.proj.is_residual_projection = True
+
+    def forward(
+        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        batch, seq, _ = x.shape  # (B, T, d)
+        q, k, v = self.layout.split_activations(self.qkv(x))  # (B, T, H, hd), (B, T, G, hd) x2
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hd)
+        if rotary is not None:
+            cos, sin = (table[:seq] for table in rotary)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.layout.q_per_group > 1:
+            # query head h attends with key/value head h // q_per_group (matches the layout)
+            k = k.repeat_interleave(self.layout.q_per_group, dim=1)
+            v = v.repeat_interleave(self.layout.q_per_group, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    """GELU MLP (fc -> gelu -> proj) or SwiGLU (silu(gate) * up -> proj)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gated = config.mlp == "swiglu"
+        hidden = config.hidden_dim
+        self.fc = nn.Linear(config.d_model, hidden, bias=config.bias)
+        if self.gated:
+            self.gate = nn.Linear(config.d_model, hidden, bias=config.bias)
+        self.proj = nn.Linear(hidden, config.d_model, bias=config.bias)
+        self.proj.is_residual_projection = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.proj(F.silu(self.gate(x)) * self.fc(x))
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = make_norm(config)
+        self.attn = CausalSelfAttention(config)
+        self.mlp_norm = make_norm(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rotary)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer. ``forward(idx, targets=None) -> (logits, loss | None)``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.d_model)
+        self.wpe = (
+            nn.Embedding(config.context_length, config.d_model)
+            if config.position == "learned"
+            else None
+        )
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.final_norm = make_norm(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.position == "rotary":
+            cos, sin = rotary_tables(config)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if getattr(module, "is_residual_projection", False):
+                std = 0.02 / math.sqrt(2 * self.config.n_layer)
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    @property
+    def qkv_layout(self) -> QKVLayout:
+        """Layout of every fused QKV weight (all blocks share it)."""
+        return self.blocks[0].attn.layout
+
+    def qkv_param_names(self) -> list[str]:
+        """Names (as in ``named_parameters()``) of the fused QKV weights."""
+        return [f"blocks.{i}.attn.qkv.weight" for i in range(len(self.blocks))]
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        seq = idx.shape[1]  # idx: (B, T) int64
+        if seq > self.config.context_length:
+            raise ValueError(f"sequence length {seq} > context_length {self.config.context_length}")
+        x = self.wte(idx)  # (B, T, d)
+        rotary = None
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(seq, device=idx.device))
+        else:
+            rotary = (self.rope_cos, self.rope_sin)
+        for block in self.blocks:
+            x = block(x, rotary)
+        logits = self.lm_head(self.final_norm(x))  # (B, T, vocab)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return logits, loss
+
+    def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
+        """Unique parameters; ``exclude_embeddings`` drops wte and wpe (not a tied head)."""
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            total -= self.wte.weight.numel() + (
+                self.wpe.weight.numel() if self.wpe is not None else 0
+            )
+            if self.config.tie_embeddings:
+                total += self.lm_head.weight.numel()
+        return total
+
+    def flops_per_token(self, *, training: bool = True) -> int:
+        """Matmul FLOPs per token (PaLM appendix B convention, as in nanoGPT).
+
+        forward = 2 * (matmul weights, incl. lm_head) + 4 * n_layer * context * d_model
+        (attention scores and values at full context, causal masking not discounted);
+        training = 3 * forward (backward costs twice the forward).
+        """
+        matmul_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        cfg = self.config
+        forward = 2 * matmul_weights + 4 * cfg.n_layer * cfg.context_length * cfg.d_model
+        return 3 * forward if training else forward

@@ -1,0 +1,153 @@
+"""The three optimizers a training run can use, built from a ``TrainConfig``.
+
+- ``adamw``: ``torch.optim.AdamW`` (fused when the device supports it); weight decay only on
+  parameters with >= 2 dims.
+- ``muon``: ``muonscale.Muon`` over ``model.named_parameters()``; its routing sends embeddings,
+  the head, norms and biases to AdamW; fused QKV weights are split by ``model.qkv_layout``.
+- ``torch-muon``: ``torch.optim.Muon`` (``adjust_lr_fn="match_rms_adamw"``) for the hidden
+  matrices chosen by :func:`muonscale.params.route` plus ``torch.optim.AdamW`` for the rest,
+  wrapped in one :class:`HybridOptimizer` so the trainer and ``LambdaLR`` see one optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from muonscale.params import route
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class HybridOptimizer(torch.optim.Optimizer):
+    """Several optimizers over disjoint parameters behaving as one.
+
+    ``param_groups`` holds the inner optimizers' group dicts themselves (not copies), so an
+    LR scheduler writing ``group["lr"]`` drives every inner optimizer.
+    """
+
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer]) -> None:
+        if not optimizers:
+            raise ValueError("HybridOptimizer needs at least one optimizer")
+        self.optimizers = dict(optimizers)
+        super().__init__(self._inner_groups(), defaults={})
+
+    def _inner_groups(self) -> list[dict[str, Any]]:
+        return [group for opt in self.optimizers.values() for group in opt.param_groups]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for opt in self.optimizers.values():
+            opt.step()
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizers": {name: opt.state_dict() for name, opt in self.optimizers.items()}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict["optimizers"]
+        if set(saved) != set(self.optimizers):
+            raise ValueError(
+                f"checkpoint holds optimizers {sorted(saved)}, expected {sorted(self.optimizers)}"
+            )
+        for name, opt in self.optimizers.items():
+            opt.load_state_dict(saved[name])
+        # Optimizer.load_state_dict replaces the group dicts: point at the new ones.
+        self.param_groups = self._inner_groups()
+
+    def optimizer_state_bytes(self) -> int:
+        return sum(optimizer_state_bytes(opt) for opt in self.optimizers.values())
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held by the optimizer's state tensors (exact: numel * element size)."""
+    if isinstance(optimizer, HybridOptimizer):
+        return optimizer.optimizer_state_bytes()
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+    return total
+
+
+def _fused_supported(params: Iterable[torch.Tensor]) -> bool:
+    params = list(params)
+    return bool(params) and all(
+        p.device.type in ("cuda", "cpu")
+        and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        for p in params
+    )
+
+
+def _adamw(
+    named: list[tuple[str, nn.Parameter]], *, lr: float, betas, weight_decay: float
+) -> torch.optim.AdamW:
+    """AdamW with weight decay on >= 2-D parameters only."""
+    decay = [(n, p) for n, p in named if p.ndim >= 2]
+    no_decay = [(n, p) for n, p in named if p.ndim < 2]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    fused = _fused_supported(p for _, p in named)
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), fused=fused or None)
+
+
+def build_optimizer(name: str, model: nn.Module, config) -> torch.optim.Optimizer:
+    """``name`` in ("adamw", "muon", "torch-muon"); hyperparameters from ``config``
+    (a :class:`~muonscale.train.config.TrainConfig`)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    adamw_lr = config.lr if config.adamw_lr is None else config.adamw_lr
+    if name == "adamw":
+        return _adamw(
+            named, lr=config.lr, betas=config.adamw_betas, weight_decay=config.weight_decay
+        )
+    if name == "muon":
+        try:
+            from muonscale.optimizer import Muon
+        except ImportError as error:
+            raise RuntimeError(
+                f"optimizer 'muon' needs muonscale.optimizer.Muon: {error}"
+            ) from error
+        splits = {qkv: model.qkv_layout for qkv in model.qkv_param_names()}
+        return Muon(
+            named,
+            lr=config.lr,
+            momentum=config.momentum,
+            weight_decay=config.weight_decay,
+            ns_steps=config.ns_steps,
+            ns_dtype=DTYPES[config.ns_dtype] if config.ns_dtype else None,
+            momentum_dtype=DTYPES[config.momentum_dtype] if config.momentum_dtype else None,
+            adamw_lr=config.adamw_lr,
+            adamw_betas=tuple(config.adamw_betas),
+            splits=splits,
+        )
+    if name == "torch-muon":
+        decisions = route(model)
+        hidden = [(n, p) for n, p in named if decisions[n].algorithm == "muon"]
+        rest = [(n, p) for n, p in named if decisions[n].algorithm != "muon"]
+        optimizers: dict[str, torch.optim.Optimizer] = {
+            "muon": torch.optim.Muon(
+                hidden,
+                lr=config.lr,
+                weight_decay=config.weight_decay,
+                momentum=config.momentum,
+                ns_steps=config.ns_steps,
+                adjust_lr_fn="match_rms_adamw",
+            )
+        }
+        if rest:
+            optimizers["adamw"] = _adamw(
+                rest, lr=adamw_lr, betas=config.adamw_betas, weight_decay=config.weight_decay
+            )
+        return HybridOptimizer(optimizers)
+    raise ValueError(f"unknown optimizer {name!r}; choose from ('muon', 'adamw', 'torch-muon')")

@@ -1,0 +1,412 @@
+"""One training run: model, data, optimizer and schedule built from a ``TrainConfig``.
+
+``TrainingRun(config).run()`` is the ``muonscale train`` loop; the benchmarks drive
+``.step()`` / ``.evaluate()`` themselves. Everything is seeded and the data order is a pure
+function of ``(seed, step)``, so saving a checkpoint, building a fresh ``TrainingRun`` and
+loading it continues bit-identically on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from muonscale.train.config import TrainConfig
+from muonscale.train.data import ByteTokenizer, TokenDataset, load_corpus
+from muonscale.train.model import GPT
+from muonscale.train.optimizers import build_optimizer, optimizer_state_bytes
+from muonscale.train.schedule import LRSchedule, build_scheduler
+
+__all__ = ["NonFiniteLossError", "RunSummary", "StepResult", "TrainingRun", "build_optimizer"]
+
+CHECKPOINT_FORMAT = 1
+CHECKPOINT_NAME = "checkpoint.pt"
+METRICS_NAME = "metrics.jsonl"
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or inf; no optimizer step was taken for it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    step: int
+    """Optimizer steps completed, this one included (1 after the first step)."""
+    loss: float
+    """Mean training loss over the step's micro-batches (before the update)."""
+    lr: float
+    """Learning rate of this update: peak lr times the schedule multiplier."""
+    tokens: int
+    """Tokens processed in this step (all micro-batches)."""
+    step_seconds: float
+    """Wall time of the whole step: data, forward, backward, clipping, optimizer."""
+    optimizer_seconds: float
+    """Wall time of ``optimizer.step()`` alone (device-synchronized)."""
+
+
+@dataclass(kw_only=True)
+class RunSummary:
+    steps: int
+    """Optimizer steps completed in total (including steps before a resume)."""
+    tokens: int
+    """Training tokens processed in total."""
+    train_loss: float | None
+    """Loss of the last step run here (None when no step ran)."""
+    val_loss: float | None
+    """Last validation loss (None when never evaluated)."""
+    seconds: float
+    """Wall time of this ``run()`` call."""
+    interrupted: bool
+    """True when stopped by Ctrl-C (KeyboardInterrupt); a checkpoint was saved."""
+    checkpoint: str | None
+    """Path of the last checkpoint written (None when out_dir is None)."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def make_tokenizer(config: TrainConfig, text: str):
+    """The tokenizer named by ``config.tokenizer`` (bpe: trained on ``text``, cached)."""
+    if config.tokenizer == "bpe":
+        from muonscale.train.bpe import BPETokenizer
+
+        return BPETokenizer.trained_on(text, config.bpe_vocab_size)
+    return ByteTokenizer()
+
+
+class TrainingRun:
+    """Builds model, data, optimizer and LR scheduler for ``config`` (seeded by config.seed).
+
+    ``text``: use this text instead of ``load_corpus(config.data)`` (tests, notebooks).
+    """
+
+    def __init__(self, config: TrainConfig, *, text: str | None = None) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.model_config = config.model_config()
+        source = "<text>" if text is not None else (config.data or "bundled Shakespeare corpus")
+        if text is None:
+            text = load_corpus(config.data)
+        self.tokenizer = make_tokenizer(config, text)
+        if self.tokenizer.vocab_size > self.model_config.vocab_size:
+            raise ValueError(
+                f"vocab_size={self.model_config.vocab_size} is smaller than the tokenizer's "
+                f"{self.tokenizer.vocab_size}"
+            )
+        self.dataset = TokenDataset.from_text(
+            text,
+            self.tokenizer,
+            context_length=self.model_config.context_length,
+            val_fraction=config.val_fraction,
+            source=str(source),
+        )
+        self.validation_set = self.dataset.validation_batches(
+            n_batches=config.eval_batches, batch_size=config.micro_batch_size
+        )
+        self.accumulation_steps = config.gradient_accumulation_steps
+        self.tokens_per_step = config.tokens_per_micro_batch * self.accumulation_steps
+
+        cuda_devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda_devices), torch.device(self.device):
+            torch.manual_seed(config.seed)  # model init only; the global RNG is left as it was
+            self.model = GPT(self.model_config)
+        self.optimizer = build_optimizer(config.optimizer, self.model, config)
+        self.schedule = LRSchedule(
+            schedule=config.schedule,
+            total_steps=config.steps,
+            warmup_steps=config.warmup_steps,
+            min_lr_ratio=config.min_lr_ratio,
+            decay_fraction=config.decay_fraction,
+        )
+        self.scheduler = build_scheduler(self.optimizer, self.schedule)
+        self.step_count = 0
+        self.last_checkpoint: tuple[str, int] | None = None  # (path, step) of the last good save
+
+    # ------------------------------------------------------------------ one step
+    def _autocast(self):
+        if self.config.autocast == "none":
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def step(self) -> StepResult:
+        """One optimizer step: ``accumulation_steps`` forward/backward passes, gradient
+        clipping, ``optimizer.step()`` (timed on its own), scheduler step.
+
+        Raises :class:`NonFiniteLossError` (before touching the parameters) on a NaN/inf loss.
+        """
+        config = self.config
+        self._synchronize()
+        start = time.perf_counter()
+        self.model.train()
+        micro_batches = self.dataset.train_batch(
+            seed=config.seed,
+            step=self.step_count,
+            batch_size=config.micro_batch_size,
+            micro_steps=self.accumulation_steps,
+        )
+        loss_sum = torch.zeros((), device=self.device)
+        for inputs, targets in micro_batches:
+            inputs = inputs.to(self.device, non_blocking=True)
+            targets = targets.to(self.device, non_blocking=True)
+            with self._autocast():
+                _, loss = self.model(inputs, targets)
+            (loss / self.accumulation_steps).backward()
+            loss_sum += loss.detach()
+        loss_value = (loss_sum / self.accumulation_steps).item()
+        if not math.isfinite(loss_value):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLossError(self._nonfinite_message(loss_value))
+        if config.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)
+        lr = config.lr * self.schedule(self.step_count)
+        self._synchronize()
+        optimizer_start = time.perf_counter()
+        self.optimizer.step()
+        self._synchronize()
+        optimizer_seconds = time.perf_counter() - optimizer_start
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_count += 1
+        return StepResult(
+            step=self.step_count,
+            loss=loss_value,
+            lr=lr,
+            tokens=self.tokens_per_step,
+            step_seconds=time.perf_counter() - start,
+            optimizer_seconds=optimizer_seconds,
+        )
+
+    def _nonfinite_message(self, loss_value: float) -> str:
+        where = "no checkpoint was saved in this run"
+        if self.last_checkpoint is not None:
+            where = (
+                f"last good checkpoint: {self.last_checkpoint[0]} (step {self.last_checkpoint[1]})"
+            )
+        return (
+            f"training loss is {loss_value} at step {self.step_count + 1}; stopped without "
+            f"updating the parameters or saving; {where}. Try a lower --lr or --grad-clip."
+        )
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the fixed validation set (``eval_batches`` micro-batches)."""
+        was_training = self.model.training
+        self.model.eval()
+        losses = []
+        for inputs, targets in self.validation_set:
+            with self._autocast():
+                _, loss = self.model(inputs.to(self.device), targets.to(self.device))
+            losses.append(loss.float())
+        self.model.train(was_training)
+        return torch.stack(losses).mean().item()
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of the optimizer's state tensors (exact, counted from the tensors)."""
+        return optimizer_state_bytes(self.optimizer)
+
+    # ------------------------------------------------------------------ checkpoints
+    def parameters_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+
+    def save_checkpoint(self, path: str | os.PathLike) -> Path:
+        """Write model, optimizer, scheduler, step, RNG states and config to ``path``
+        atomically (temporary file in the same folder, then ``os.replace``). Refuses to write
+        non-finite parameters, so the last good checkpoint is never overwritten by a bad state."""
+        path = Path(path)
+        if not self.parameters_finite():
+            raise NonFiniteLossError(
+                f"parameters contain NaN/inf at step {self.step_count}; not overwriting {path}"
+            )
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "step": self.step_count,
+            "config": self.config.to_dict(),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            },
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            torch.save(state, temporary)
+            os.replace(temporary, path)
+        finally:
+            temporary.unlink(missing_ok=True)
+        self.last_checkpoint = (str(path), self.step_count)
+        return path
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Restore a checkpoint written by :meth:`save_checkpoint` (same model shape and
+        optimizer required)."""
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"checkpoint {path} does not exist")
+        state = torch.load(path, map_location=self.device, weights_only=True)
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(
+                f"checkpoint {path} has format {state.get('format')}, expected {CHECKPOINT_FORMAT}"
+            )
+        saved = TrainConfig.from_dict(state["config"])
+        if saved.model_config() != self.model_config or saved.optimizer != self.config.optimizer:
+            raise ValueError(
+                f"checkpoint {path} was written for model {saved.model_config()} with optimizer "
+                f"{saved.optimizer!r}; this run has {self.model_config} with {self.config.optimizer!r}"
+            )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._load_scheduler_state(state["scheduler"])
+        torch.set_rng_state(state["rng"]["torch"].cpu())
+        if state["rng"]["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([s.cpu() for s in state["rng"]["cuda"]])
+        self.step_count = int(state["step"])
+        self.last_checkpoint = (str(path), self.step_count)
+
+    def _load_scheduler_state(self, scheduler_state: dict[str, Any]) -> None:
+        """Restore the scheduler's position but keep this run's schedule (so ``--steps`` can
+        be raised on resume); the learning rates are recomputed exactly as LambdaLR does."""
+        scheduler_state = dict(scheduler_state)
+        scheduler_state["lr_lambdas"] = [None] * len(self.scheduler.lr_lambdas)
+        self.scheduler.load_state_dict(scheduler_state)
+        epoch = self.scheduler.last_epoch
+        for group, base_lr in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base_lr * self.schedule(epoch)
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+    # ------------------------------------------------------------------ the loop
+    def _resume_path(self, checkpoint_path: Path | None) -> Path | None:
+        resume = self.config.resume
+        if resume is None:
+            return None
+        if resume == "auto":
+            return (
+                checkpoint_path
+                if checkpoint_path is not None and checkpoint_path.exists()
+                else None
+            )
+        return Path(resume)
+
+    def run(self, progress: bool = True) -> RunSummary:
+        """Train until ``config.steps``: evaluate every ``eval_every`` steps and at the end, log
+        JSONL metrics every ``log_every`` steps, checkpoint every ``checkpoint_every`` steps and
+        at the end. Ctrl-C saves a checkpoint and returns (``interrupted=True``); a NaN/inf
+        loss raises :class:`NonFiniteLossError` and leaves the last good checkpoint in place."""
+        config = self.config
+        started = time.perf_counter()
+        out_dir = Path(config.out_dir) if config.out_dir else None
+        checkpoint_path = out_dir / CHECKPOINT_NAME if out_dir else None
+        resume_path = self._resume_path(checkpoint_path)
+        if resume_path is not None:
+            self.load_checkpoint(resume_path)
+        log = _MetricsLog(out_dir / METRICS_NAME if out_dir else None)
+        log.write(
+            event="start",
+            step=self.step_count,
+            config=config.to_dict(),
+            parameters=self.model.num_parameters(),
+            flops_per_token=self.model.flops_per_token(),
+            tokens_per_step=self.tokens_per_step,
+        )
+        bar = _progress_bar(progress, total=config.steps, initial=self.step_count)
+        result: StepResult | None = None
+        val_loss: float | None = None
+        interrupted = False
+        window_tokens, window_seconds = 0, 0.0
+        try:
+            while self.step_count < config.steps:
+                result = self.step()
+                window_tokens += result.tokens
+                window_seconds += result.step_seconds
+                last = self.step_count == config.steps
+                if config.log_every and (self.step_count % config.log_every == 0 or last):
+                    tokens_per_second = window_tokens / max(window_seconds, 1e-9)
+                    log.write(event="train", **asdict(result), tokens_per_second=tokens_per_second)
+                    if bar is not None:
+                        bar.set_postfix(
+                            loss=f"{result.loss:.4f}", tok_s=f"{tokens_per_second:,.0f}"
+                        )
+                    window_tokens, window_seconds = 0, 0.0
+                if bar is not None:
+                    bar.update(1)
+                if config.eval_every and (self.step_count % config.eval_every == 0 or last):
+                    val_loss = self.evaluate()
+                    log.write(event="eval", step=self.step_count, val_loss=val_loss)
+                    if bar is not None:
+                        bar.write(f"step {self.step_count}: val loss {val_loss:.4f}")
+                if (
+                    checkpoint_path
+                    and config.checkpoint_every
+                    and self.step_count % config.checkpoint_every == 0
+                ):
+                    self.save_checkpoint(checkpoint_path)
+        except KeyboardInterrupt:
+            interrupted = True
+            log.write(event="interrupted", step=self.step_count)
+        except NonFiniteLossError as error:
+            log.write(event="nonfinite_loss", step=self.step_count, message=str(error))
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+            log.close()
+        if checkpoint_path is not None and self.last_checkpoint != (
+            str(checkpoint_path),
+            self.step_count,
+        ):
+            self.save_checkpoint(checkpoint_path)
+        return RunSummary(
+            steps=self.step_count,
+            tokens=self.step_count * self.tokens_per_step,
+            train_loss=result.loss if result else None,
+            val_loss=val_loss,
+            seconds=time.perf_counter() - started,
+            interrupted=interrupted,
+            checkpoint=str(checkpoint_path) if checkpoint_path else None,
+        )
+
+
+class _MetricsLog:
+    """Appends one JSON object per line (with wall-clock ``time``); no-op without a path."""
+
+    def __init__(self, path: Path | None) -> None:
+        self._file = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = path.open("a", encoding="utf-8")
+
+    def write(self, **record: Any) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps({"time": time.time(), **record}) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def _progress_bar(enabled: bool, *, total: int, initial: int):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)

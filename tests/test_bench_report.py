@@ -1,0 +1,157 @@
+"""report.json / report.md / plots from synthetic records, and run_bench wired to fake runs."""
+
+import json
+import math
+
+import pytest
+
+from muonscale.bench import run_bench
+from muonscale.bench.config import BenchConfig
+from muonscale.bench.report import build_report, format_table, write_report
+from muonscale.bench.side_by_side import ContenderRecord
+
+MACHINE = {"date": "2026-01-01T00:00:00Z", "cpu": "test cpu", "cpu_count": 2, "torch": "x"}
+
+
+def record(name, lr, losses, step_s, opt_s, state_bytes, every=10):
+    steps = len(step_s)
+    return ContenderRecord(
+        name=name,
+        lr=lr,
+        eval_steps=[i * every for i in range(len(losses))],
+        val_losses=list(losses),
+        eval_train_seconds=[i * every * step_s[0] for i in range(len(losses))],
+        train_losses=[3.0] * steps,
+        step_seconds=list(step_s),
+        optimizer_seconds=list(opt_s),
+        tokens=[1000] * steps,
+        optimizer_state_bytes=state_bytes,
+    )
+
+
+def synthetic_records():
+    config = BenchConfig(steps=40, timing_warmup_steps=2)
+    adamw = record("adamw", 1e-3, [4.0, 3.5, 3.0, 2.8, 2.6], [9.0, 9.0] + [0.1] * 38, [0.01] * 40, 800)
+    # muon reaches 2.6 between (10, 3.0) and (20, 2.5): 10 + 0.4 / 0.5 * 10 = 18 -> 18/40 = 0.45
+    muon = record("muon", 2e-3, [4.0, 3.0, 2.5, 2.2, 2.0], [9.0, 9.0] + [0.125] * 38, [0.03] * 40, 400)
+    return config, {"adamw": adamw, "muon": muon}
+
+
+def test_build_report_figures_and_targets():
+    config, records = synthetic_records()
+    peak = {
+        "adamw": {"peak_memory_bytes": 1000, "source": "test"},
+        "muon": {"peak_memory_bytes": 900, "source": "test"},
+    }
+    report = build_report(records, config, peak_memory=peak, machine=MACHINE, wall_seconds=1.0)
+    assert report["steps_to_adamw_final_loss_ratio"] == pytest.approx(0.45)
+    # medians after the 2 warm-up steps: 1000 tokens / 0.1 s vs 1000 tokens / 0.125 s
+    assert report["throughput_ratio"] == pytest.approx(0.8)
+    assert report["peak_memory_ratio"] == pytest.approx(0.9)
+    assert report["optimizer_state_ratio"] == pytest.approx(0.5)
+    muon = report["contenders"]["muon"]
+    assert muon["tokens_per_s"] == pytest.approx(8000.0)
+    assert muon["optimizer_step_ms"] == pytest.approx(30.0)
+    assert muon["steps_to_adamw_final_loss"] == pytest.approx(18.0)
+    assert muon["final_val_loss"] == 2.0 and muon["optimizer_state_bytes"] == 400
+    assert "wire_bytes_per_step" in muon
+    met = {t["name"]: t["met"] for t in report["targets"]}
+    assert met == {
+        "steps_to_adamw_final_loss_ratio": True,
+        "muon_final_loss_minus_torch_muon": None,  # baseline not run: not measured
+        "throughput_ratio": False,
+        "peak_memory_ratio": True,
+    }
+    table = format_table(report)
+    assert "18 (0.45x)" in table and "NOT MET" in table
+
+
+def test_torch_muon_target_and_never_reached():
+    config, records = synthetic_records()
+    records["muon"].val_losses[-4:] = [3.9, 3.8, 3.7, 3.6]  # never reaches AdamW's 2.6
+    records["torch-muon"] = record(
+        "torch-muon", 2e-3, [4.0, 3.0, 2.5, 2.2, 3.59], [0.1] * 40, [0.05] * 40, 400
+    )
+    report = build_report(records, config, machine=MACHINE)
+    assert report["steps_to_adamw_final_loss_ratio"] is None
+    assert report["contenders"]["muon"]["steps_to_adamw_final_loss"] is None
+    assert report["peak_memory_ratio"] is None
+    targets = {t["name"]: t for t in report["targets"]}
+    assert targets["steps_to_adamw_final_loss_ratio"]["met"] is False
+    assert targets["muon_final_loss_minus_torch_muon"]["value"] == pytest.approx(0.01)
+    assert targets["muon_final_loss_minus_torch_muon"]["met"] is True
+    assert targets["peak_memory_ratio"]["met"] is None
+    assert "never" in format_table(report)
+
+
+def test_report_files_are_strict_json_with_nan_as_null(tmp_path):
+    config, records = synthetic_records()
+    records["muon"].val_losses[-1] = math.nan  # a diverged evaluation
+    report = build_report(records, config, machine=MACHINE)
+    write_report(report, tmp_path, [])
+    loaded = json.loads((tmp_path / "report.json").read_text())
+    assert loaded["contenders"]["muon"]["final_val_loss"] is None
+    assert loaded["contenders"]["muon"]["curves"]["val_loss"][-1] is None
+    assert "| muon |" in (tmp_path / "report.md").read_text()
+
+
+class FakeStep:
+    def __init__(self, loss):
+        self.loss, self.tokens, self.step_seconds, self.optimizer_seconds = loss, 256, 0.01, 0.001
+
+
+class FakeRun:
+    def __init__(self, rate):
+        self.rate, self.steps = rate, 0
+
+    def step(self):
+        self.steps += 1
+        return FakeStep(5.0 / (1 + self.rate * self.steps))
+
+    def evaluate(self):
+        return 5.0 / (1 + self.rate * self.steps)
+
+    def optimizer_state_bytes(self):
+        return 100
+
+
+def test_run_bench_with_fake_runs_writes_report_and_plots(tmp_path, capsys):
+    def make_run(config, contender, lr, steps=None):
+        return FakeRun({"adamw": 0.05, "muon": 0.15}[contender] * lr / config.lr_for(contender))
+
+    config = BenchConfig(
+        steps=40, tokens_per_step=256, memory_probe_steps=0, progress=False, out=str(tmp_path)
+    )
+    report = run_bench(config, make_run=make_run)
+    # adamw final: 5 / 3 after 40 steps; muon: 5 / (1 + 0.15 s) = 5 / 3 at s = 40 / 3
+    assert report["steps_to_adamw_final_loss_ratio"] == pytest.approx(1 / 3, rel=1e-9)
+    assert report["config"]["same_initial_val_loss"] is True
+    assert {p.name for p in tmp_path.iterdir()} == {
+        "report.json",
+        "report.md",
+        "bench.png",
+        "train_loss.png",
+    }
+    assert "| muon |" in capsys.readouterr().out
+
+
+def test_run_bench_sweep_picks_the_best_lr(tmp_path):
+    def make_run(config, contender, lr, steps=None):
+        return FakeRun(0.1 * (1 - abs(math.log2(lr / 2e-3))))  # best at 2e-3
+
+    config = BenchConfig(
+        steps=20,
+        tokens_per_step=256,
+        lr_adamw=1e-3,
+        lr_muon=1e-3,
+        sweep=True,
+        sweep_factors=[1.0, 2.0, 4.0],
+        memory_probe_steps=0,
+        plots=False,
+        progress=False,
+        out=str(tmp_path),
+    )
+    report = run_bench(config, make_run=make_run)
+    assert report["sweep"]["best"] == {"adamw": 2e-3, "muon": 2e-3}
+    assert report["sweep"]["steps"] == 5
+    assert report["contenders"]["muon"]["lr"] == 2e-3

@@ -1,0 +1,103 @@
+"""DistributedMuon checkpoints through torch.distributed.checkpoint, across world sizes.
+
+Save at 4 ranks (3 Muon matrices: one rank owns nothing), load at 2 and at 1 (also into
+single-process ``muonscale.Muon``), and save at 2 / load at 4; every resumed run must match
+the uninterrupted one. Every rank sees the same batch, so all layouts compute the same update.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from distributed_harness import shared_pool
+from test_distributed_dp import OPTS, make_model, train
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import muonscale
+from muonscale.distributed import DistributedMuon
+
+pytestmark = pytest.mark.timeout(180)
+
+MODEL = dict(n_hidden=3, width=10)
+SAVE_AT, TOTAL = 2, 4
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _save(rank, world_size, path):
+    """Train SAVE_AT steps, checkpoint, train on to TOTAL: the uninterrupted reference."""
+    model = make_model(**MODEL)
+    opt = DistributedMuon(model, **OPTS)
+    train(model, opt, SAVE_AT)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    train(model, opt, TOTAL - SAVE_AT, first_step=SAVE_AT)
+    owned = sum(1 for i, r in opt.owner_rank.items() if r == opt.rank)
+    return _params(model), owned
+
+
+def _resume(rank, world_size, path, plain_muon=False):
+    """Fresh model (other seed) and optimizer, load the checkpoint, train to TOTAL."""
+    model = make_model(seed=123, **MODEL)
+    opt = muonscale.Muon(model, **OPTS) if plain_muon else DistributedMuon(model, **OPTS)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    train(model, opt, TOTAL - SAVE_AT, first_step=SAVE_AT)
+    return _params(model)
+
+
+def _assert_close(got: dict, want: dict, what: str) -> float:
+    diff = max((got[n] - want[n]).abs().max().item() for n in want)
+    print(f"\n{what}: max |dW| vs uninterrupted = {diff:.3g}")
+    assert diff <= 1e-6, what
+    return diff
+
+
+def test_save_4_load_2_and_1(tmp_path):
+    path = str(tmp_path / "ckpt4")
+    saved = shared_pool(4).run(_save, path)
+    reference = saved[0][0]
+    assert [s[1] for s in saved].count(0) >= 1  # a rank that owns nothing took part
+    for got in shared_pool(2).run(_resume, path):
+        _assert_close(got, reference, "saved at 4, resumed at 2")
+    assert not dist.is_initialized()
+    _assert_close(_resume(0, 1, path), reference, "saved at 4, resumed at 1 (DistributedMuon)")
+    _assert_close(_resume(0, 1, path, True), reference, "saved at 4, resumed in muonscale.Muon")
+
+
+def test_save_2_load_4(tmp_path):
+    path = str(tmp_path / "ckpt2")
+    reference = shared_pool(2).run(_save, path)[0][0]
+    for got in shared_pool(4).run(_resume, path):
+        _assert_close(got, reference, "saved at 2, resumed at 4")
+
+
+def _fresh_state_dict(rank, world_size):
+    torch.manual_seed(0)
+    # two Muon matrices and no AdamW parameter: at 4 ranks, ranks 2 and 3 hold no tensor state
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 6, bias=False), torch.nn.Linear(6, 6, bias=False)
+    )
+    opt = DistributedMuon(model, **OPTS)
+    non_empty = bool(opt.state)  # so DCP never runs its initialization step() on one rank alone
+    _, optim_sd = get_state_dict(model, opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():  # DCP's initialization step: zero gradients, lr 0
+        p.grad = torch.zeros_like(p)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    opt.step()
+    unchanged = all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
+    return non_empty, sorted(optim_sd["state"]), unchanged
+
+
+def test_fresh_optimizer_state_dict_with_ranks_owning_nothing():
+    for non_empty, keys, unchanged in shared_pool(4).run(_fresh_state_dict):
+        assert non_empty and unchanged
+        assert keys == ["0.weight", "1.weight"]

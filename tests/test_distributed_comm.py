@@ -1,0 +1,115 @@
+"""comm.py: the ring cost model by hand, and every collective on real gloo processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed_harness import run_workers
+
+from muonscale.distributed.comm import (
+    Communicator,
+    WireCounter,
+    gather_wire_stats,
+    ring_wire_bytes,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_ring_model_by_hand():
+    S = 4096  # bytes
+    assert ring_wire_bytes("all_reduce", S, 4) == 2 * 3 * 1024
+    assert ring_wire_bytes("reduce_scatter", S, 4) == 3 * 1024
+    assert ring_wire_bytes("all_gather", S, 4) == 3 * 1024
+    assert ring_wire_bytes("all_to_all", S, 4) == 3 * 1024
+    assert ring_wire_bytes("broadcast", S, 2) == 2048
+    assert ring_wire_bytes("all_reduce", S, 1) == 0
+    with pytest.raises(ValueError, match="unknown collective"):
+        ring_wire_bytes("gossip", S, 2)
+
+
+def test_counter_breakdown_and_take():
+    c = WireCounter()
+    c.record("reduce_scatter", 800, 2, "muon")
+    c.record("all_gather", 800, 2, "muon")
+    c.record("all_reduce", 8, 2, "control")
+    assert c.total == 400 + 400 + 8
+    assert c.breakdown() == {
+        "control/all_reduce": 8,
+        "muon/all_gather": 400,
+        "muon/reduce_scatter": 400,
+    }
+    assert c.by_op() == {"all_gather": 400, "all_reduce": 8, "reduce_scatter": 400}
+    total, breakdown = c.take()
+    assert total == 808 and breakdown["muon/reduce_scatter"] == 400
+    assert c.total == 0
+
+
+def test_single_process_communicator_copies_and_counts_nothing():
+    comm = Communicator()
+    assert comm.world_size == 1 and not comm.active
+    x = torch.arange(6.0)
+    out = torch.empty(6)
+    comm.wait(comm.reduce_scatter(out, x, tag="t", async_op=True))
+    assert torch.equal(out, x)
+    out2 = torch.empty(6)
+    comm.all_gather(out2, x)
+    assert torch.equal(out2, x)
+    comm.all_reduce(x)
+    assert comm.counter.total == 0
+    assert gather_wire_stats(123)["max"] == 123.0
+
+
+def _collectives(rank, world_size):
+    comm = Communicator()
+    n = world_size
+    # reduce-scatter (async), float32 and bfloat16
+    full = torch.arange(4 * n, dtype=torch.float32) * (rank + 1)
+    shard = torch.empty(4)
+    comm.wait(comm.reduce_scatter(shard, full, tag="g", async_op=True))
+    scale = sum(r + 1 for r in range(n))
+    expect = torch.arange(4 * rank, 4 * rank + 4, dtype=torch.float32) * scale
+    assert torch.equal(shard, expect), (shard, expect)
+    shard16 = torch.empty(4, dtype=torch.bfloat16)
+    comm.reduce_scatter(shard16, full.to(torch.bfloat16), tag="g16")
+    assert torch.allclose(shard16.float(), expect, rtol=1e-2)
+    # all-gather
+    gathered = torch.empty(3 * n)
+    comm.all_gather(gathered, torch.full((3,), float(rank)), tag="p")
+    assert torch.equal(gathered, torch.arange(n, dtype=torch.float32).repeat_interleave(3))
+    # all-reduce
+    x = torch.tensor([float(rank)])
+    comm.all_reduce(x)
+    assert x.item() == sum(range(n))
+    # all-to-all with uneven split sizes: rank r sends (d + 1) elements valued 10r + d to rank d
+    send_sizes = [d + 1 for d in range(n)]
+    send = torch.cat([torch.full((d + 1,), 10.0 * rank + d) for d in range(n)])
+    recv_sizes = [rank + 1] * n
+    recv = torch.empty(sum(recv_sizes))
+    comm.all_to_all_single(recv, send, recv_sizes, send_sizes, tag="a2a")
+    assert torch.equal(
+        recv, torch.cat([torch.full((rank + 1,), 10.0 * s + rank) for s in range(n)])
+    )
+    # broadcast
+    b = torch.full((5,), float(rank))
+    comm.broadcast(b, src=n - 1)
+    assert torch.equal(b, torch.full((5,), float(n - 1)))
+    stats = gather_wire_stats(comm.counter.total)
+    return comm.counter.breakdown(), stats
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_collectives_and_bytes_on_gloo(world_size):
+    results = run_workers(_collectives, world_size)
+    n = world_size
+    f = (n - 1) / n
+    for breakdown, stats in results:
+        assert breakdown["g/reduce_scatter"] == int(f * 4 * n * 4)
+        assert breakdown["g16/reduce_scatter"] == int(f * 4 * n * 2)
+        assert breakdown["p/all_gather"] == int(f * 3 * n * 4)
+        assert breakdown["control/all_reduce"] == int(2 * f * 4)
+        assert breakdown["a2a/all_to_all"] == int(f * sum(d + 1 for d in range(n)) * 4)
+        assert breakdown["other/broadcast"] == int(f * 5 * 4)
+        assert stats["max"] == stats["mean"] == sum(breakdown.values())
+    assert dist.is_available()

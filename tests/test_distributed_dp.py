@@ -1,0 +1,356 @@
+"""DistributedMuon on real gloo processes (2 and 4 ranks) against single-process Muon.
+
+The single-process reference runs inside each worker (tiny model, no collectives), so each
+test is one round trip to a shared pool of ranks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed_harness import run_workers, shared_pool
+from torch import nn
+
+import muonscale
+from muonscale.distributed import CollectiveError, DistributedMuon
+
+pytestmark = pytest.mark.timeout(180)
+
+VOCAB, DIM = 13, 8
+OPTS = dict(lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)
+
+
+class TinyLM(nn.Module):
+    """Embedding (AdamW), ``n_hidden`` Linear layers (Muon weights, AdamW biases of ``width``
+    elements: not a multiple of the world size), LayerNorm and head (AdamW)."""
+
+    def __init__(self, n_hidden: int = 3, width: int = 10):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(
+            nn.Linear(DIM if i == 0 else width, width) for i in range(n_hidden)
+        )
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, VOCAB)
+        h = self.wte(x)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.head(self.norm(h))
+
+
+def make_model(seed: int = 0, **kw) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM(**kw)
+
+
+def batch(step: int, size: int = 8, seq: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(VOCAB, (size, seq), generator=g), torch.randint(
+        VOCAB, (size, seq), generator=g
+    )
+
+
+def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def train(model, opt, steps, *, rank=0, world_size=1, split=False, first_step=0):
+    for step in range(first_step, first_step + steps):
+        x, y = batch(step)
+        if split:
+            x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        opt.step()
+
+
+def max_diff(a: nn.Module, b: nn.Module) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def reference(steps: int, model_kw=None, **opt_kw) -> nn.Module:
+    model = make_model(**(model_kw or {}))
+    train(model, muonscale.Muon(model, **{**OPTS, **opt_kw}), steps)
+    return model
+
+
+# ---------------------------------------------------------------------------- world size 1
+def test_world_size_one_is_bitwise_muon():
+    a, b = make_model(), make_model()
+    oa = muonscale.Muon(a, **OPTS)
+    ob = DistributedMuon(b, **OPTS, bucket_cap_mb=1e-4)  # several buckets
+    assert len(ob._buckets) > 3
+    train(a, oa, 4)
+    train(b, ob, 4)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    sa, sb = oa.state_dict(), ob.state_dict()
+    assert sa["state"].keys() == sb["state"].keys()
+    for k, entry in sa["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(value, sb["state"][k][name]), (k, name)
+    assert ob.last_step_wire_bytes == 0
+    assert ob.optimizer_state_bytes() == oa.optimizer_state_bytes()
+
+
+# ---------------------------------------------------------------------------- equality
+def _same_batch(rank, world_size, steps, model_kw, dist_kw):
+    ref = reference(steps, model_kw)
+    model = make_model(**model_kw)
+    opt = DistributedMuon(model, **OPTS, **dist_kw)
+    train(model, opt, steps)
+    bitwise = all(torch.equal(p, q) for p, q in zip(ref.parameters(), model.parameters()))
+    return max_diff(ref, model), bitwise, opt.ownership_table()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_same_batch_matches_single_process(world_size):
+    # 3 Muon matrices: at 4 ranks one rank owns nothing; tiny buckets split parameters.
+    results = shared_pool(world_size).run(
+        _same_batch, 4, dict(n_hidden=3), dict(bucket_cap_mb=2e-4)
+    )
+    diffs = [r[0] for r in results]
+    print(
+        f"\nsame batch, {world_size} ranks: max |dW| = {max(diffs):.3g}, bitwise: {[r[1] for r in results]}"
+    )
+    assert max(diffs) <= 1e-6
+    if world_size == 4:
+        assert "rank 3: 0 parameters" in results[0][2] or "0 parameters" in results[0][2]
+
+
+def _split_batch(rank, world_size, steps):
+    ref = reference(steps)
+    model = make_model()
+    opt = DistributedMuon(model, **OPTS)
+    train(model, opt, steps, rank=rank, world_size=world_size, split=True)
+    return max_diff(ref, model)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_split_batch_drift(world_size):
+    diffs = shared_pool(world_size).run(_split_batch, 5)
+    print(f"\nbatch split over {world_size} ranks, 5 steps: max |dW| = {max(diffs):.3g}")
+    assert max(diffs) <= 1e-3
+
+
+def _bf16_reduce(rank, world_size, steps):
+    ref = reference(steps)
+    model = make_model()
+    opt = DistributedMuon(model, **OPTS, reduce_dtype=torch.bfloat16)
+    train(model, opt, steps, rank=rank, world_size=world_size, split=True)
+    return max_diff(ref, model), opt.last_step_wire_breakdown
+
+
+def test_bf16_reduce_stays_close():
+    # bytes: see test_wire_bytes_by_hand; here the effect of rounding the reduced gradients
+    diff, breakdown = shared_pool(2).run(_bf16_reduce, 3)[0]
+    print(f"\nbf16 reduce, 2 ranks, 3 steps: max |dW| = {diff:.3g}")
+    assert 0 < diff < 0.05
+
+
+# ---------------------------------------------------------------------------- wire bytes
+class HandModel(nn.Module):
+    """Four 8x8 Muon matrices and one 5-element AdamW vector: bytes computable by hand."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.ParameterList(nn.Parameter(torch.randn(8, 8) / 3) for _ in range(4))
+        self.b = nn.Parameter(torch.zeros(5))
+
+    def forward(self, x):  # (B, 8)
+        for w in self.w:
+            x = torch.tanh(x @ w)
+        return x.sum() + self.b.sum()
+
+
+def _wire(rank, world_size, precision):
+    torch.manual_seed(0)
+    model = HandModel()
+    reduce_dtype = torch.bfloat16 if precision == "bf16" else None
+    opt = DistributedMuon(model.named_parameters(), lr=0.01, reduce_dtype=reduce_dtype)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(3, 8)).backward()
+        opt.step()
+    return opt.last_step_wire_bytes, opt.last_step_wire_breakdown
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_wire_bytes_by_hand(world_size):
+    n = world_size
+    f = (n - 1) / n
+    T = 4 * 64 // n  # elements per owner stream: 4 matrices spread evenly, no padding
+    padded_b = -(-5 // n) * n  # AdamW vector padded to a multiple of N
+    expected = {
+        "muon/reduce_scatter": f * n * T * 4,
+        "muon/all_gather": f * n * T * 4,
+        "adamw/reduce_scatter": f * padded_b * 4,
+        "adamw/all_gather": f * padded_b * 4,
+        "control/all_reduce": 2 * f * (2 * 5 * 4),  # [has-grad, non-finite] int32 flags, 5 params
+    }
+    for precision in ("fp32", "bf16"):
+        want = dict(expected)
+        if precision == "bf16":
+            want["muon/reduce_scatter"] /= 2
+        for total, breakdown in shared_pool(n).run(_wire, precision):
+            assert breakdown == {k: int(v) for k, v in want.items()}
+            assert total == sum(int(v) for v in want.values())
+
+
+# ---------------------------------------------------------------------------- state
+def _state_bytes(rank, world_size):
+    model = make_model(n_hidden=4)
+    opt = DistributedMuon(model, **OPTS)
+    single = muonscale.Muon(make_model(n_hidden=4), **OPTS)
+    single.init_all_state()
+    n_adamw = sum(len(g["params"]) for g in opt.param_groups if g["algorithm"] == "adamw")
+    return opt.optimizer_state_bytes(), single.optimizer_state_bytes(), n_adamw
+
+
+def test_state_is_sharded():
+    results = shared_pool(4).run(_state_bytes)
+    per_rank = [r[0] for r in results]
+    single = results[0][1]
+    print(f"\nstate bytes per rank (4 ranks): {per_rank}, single process: {single}")
+    steps = 4 * results[0][2]  # the AdamW step counters (float32 scalars) live on every rank
+    assert sum(per_rank) == single + 3 * steps
+    assert max(per_rank) < 0.5 * single
+
+
+# ---------------------------------------------------------------------------- global ops
+def _clip(rank, world_size, max_norm):
+    ref = make_model()
+    ref_opt = muonscale.Muon(ref, **OPTS)
+    x, y = batch(0)
+    loss_fn(ref, x, y).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+    ref_opt.step()
+    model = make_model()
+    opt = DistributedMuon(model, **OPTS)
+    loss_fn(model, x.chunk(world_size)[rank], y.chunk(world_size)[rank]).backward()
+    norm = opt.clip_grad_norm_(max_norm)
+    opt.step()
+    return norm.item(), ref_norm.item(), max_diff(ref, model)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_clip_grad_norm_matches_single_process(world_size):
+    for norm, ref_norm, diff in shared_pool(world_size).run(_clip, 0.1):
+        assert norm == pytest.approx(ref_norm, rel=1e-5)
+        assert ref_norm > 0.1  # clipping was active
+        assert diff <= 1e-4
+
+
+def _nonfinite(rank, world_size, policy):
+    model = make_model()
+    opt = DistributedMuon(model, **OPTS, nonfinite=policy)
+    train(model, opt, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    state_before = opt.state_dict()
+    bad = model.blocks[1].weight  # owned by some rank; the NaN comes from rank 1's gradient
+    handle = bad.register_hook(lambda g: g * float("nan")) if rank == 1 else None
+    x, y = batch(1)
+    opt.zero_grad()
+    loss_fn(model, x, y).backward()
+    error = None
+    try:
+        opt.step()
+    except muonscale.NonFiniteGradientError as exc:
+        error = str(exc)
+    if handle is not None:
+        handle.remove()
+    unchanged = all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
+    state_after = opt.state_dict()
+    state_same = all(
+        torch.equal(v, state_after["state"][k][n])
+        for k, e in state_before["state"].items()
+        for n, v in e.items()
+    )
+    train(model, opt, 1, first_step=2)  # the optimizer keeps working
+    return error, unchanged, state_same, opt.skipped_steps
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_nan_on_one_rank_is_agreed(policy):
+    for error, unchanged, state_same, skipped in shared_pool(2).run(_nonfinite, policy):
+        assert unchanged and state_same
+        if policy == "raise":
+            assert error is not None and "blocks.1.weight" in error
+        else:
+            assert error is None and skipped == 1
+
+
+def _no_sync(rank, world_size):
+    ref = reference(3)
+    model = make_model()
+    opt = DistributedMuon(model, **OPTS)
+    for step in range(3):
+        x, y = batch(step)
+        x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+        opt.zero_grad()
+        with opt.no_sync():
+            (loss_fn(model, x[:2], y[:2]) / 2).backward()
+        (loss_fn(model, x[2:], y[2:]) / 2).backward()
+        opt.step()
+    # accumulating without no_sync is caught
+    x, y = batch(9)
+    opt.zero_grad()
+    loss_fn(model, x, y).backward()
+    try:
+        loss_fn(model, x, y).backward()
+        misuse = None
+    except RuntimeError as exc:
+        misuse = str(exc)
+    return max_diff(ref, model) if misuse else None, misuse
+
+
+def test_no_sync_accumulation_equals_big_batch():
+    for diff, misuse in shared_pool(2).run(_no_sync):
+        print(f"\nno_sync, 2 micro-batches x 2 ranks vs one batch: max |dW| = {diff:.3g}")
+        assert diff <= 1e-4
+        assert "no_sync" in misuse
+
+
+# ---------------------------------------------------------------------------- bad input
+def _mismatch(rank, world_size):
+    model = make_model(width=10 if rank == 0 else 11)
+    try:
+        DistributedMuon(model, **OPTS)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_parameter_mismatch_raises_everywhere():
+    for message in shared_pool(2).run(_mismatch):
+        assert message is not None and "blocks.0.weight" in message and "rank 1" in message
+
+
+def _fault(rank, world_size):
+    model = make_model()
+    opt = DistributedMuon(model, **OPTS)
+    train(model, opt, 1)
+    if rank == 1:
+
+        def broken(present):
+            raise RuntimeError("injected failure on rank 1")
+
+        opt._update_owned_matrices = broken
+    start = time.monotonic()
+    try:
+        train(model, opt, 1, first_step=1)
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return None, None, time.monotonic() - start
+
+
+def test_one_rank_raising_does_not_hang_the_others():
+    (t0, m0, s0), (t1, m1, s1) = run_workers(_fault, 2, pg_timeout_s=4, timeout=90)
+    assert t1 == "RuntimeError" and "injected" in m1
+    assert t0 == CollectiveError.__name__ and "timeout" in m0
+    assert s0 < 60

@@ -1,0 +1,244 @@
+"""Fast Newton–Schulz paths against their references.
+
+* Triton symmetric kernel vs a float64 torch matmul, run by the Triton interpreter on CPU
+  (float32 and float16 only: the interpreter's bfloat16 ``tl.dot`` is wrong,
+  triton-lang/triton#11584). Skipped when triton is not installed.
+* ``newton_schulz_fast`` (workspace plain path, Gram path, Triton backend) vs the pure
+  ``muonscale.newton_schulz.newton_schulz`` on CPU.
+* GPU tests (``-m gpu``) in bfloat16 against float64 references; skipped without CUDA.
+
+Tolerances (relative, max over entries / matrices):
+* kernel fp32: 1e-5 of max |C| (fp32 accumulation of ≤ 64 products; fp32 rounding ~1e-7).
+* kernel fp16: 2e-3 of max |C| (inputs exact in fp16, fp32 accumulation, one fp16 rounding
+  of the output: 2⁻¹¹ ≈ 4.9e-4 relative, ×2 for the epilogue of b·A + c·A² and γ·I).
+* NS fp32, plain workspace path: bitwise equal to the reference on non-transposed inputs (same
+  ops in the same order), 1e-5 otherwise (bmm on a transposed view rounds differently).
+* NS fp32, Gram path / Triton backend: 2e-5 relative Frobenius error vs the reference (the
+  iteration amplifies rounding by up to a⁵ ≈ 500 on the smallest singular directions).
+"""
+
+from __future__ import annotations
+
+import os
+
+# The Triton interpreter must be chosen before triton is imported for the first time. If some
+# other test imported triton first, triton_symmetric builds interpreter twins of its kernels
+# for CPU tensors anyway.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from muonscale.kernels import (  # noqa: E402
+    choose_method,
+    gram_flops,
+    newton_schulz_batched_,
+    newton_schulz_fast,
+    plain_flops,
+    triton_available,
+)
+from muonscale.kernels.newton_schulz_fast import NSWorkspace, clear_workspaces  # noqa: E402
+from muonscale.newton_schulz import newton_schulz, resolve_coefficients  # noqa: E402
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _rel_fro(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max over the batch of ‖a − b‖_F / ‖b‖_F."""
+    a, b = a.double().flatten(0, -3), b.double().flatten(0, -3)
+    return ((a - b).norm(dim=(-2, -1)) / b.norm(dim=(-2, -1))).max().item()
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernel (interpreter)
+
+KERNEL_SHAPES = [(2, 32, 48), (2, 16, 64), (1, 40, 20), (3, 33, 17)]  # m, p not tile multiples
+KERNEL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", KERNEL_SHAPES)
+def test_sym_matmul_gram(shape, dtype):
+    from muonscale.kernels.triton_symmetric import sym_matmul
+
+    torch.manual_seed(0)
+    X = torch.randn(shape).to(dtype)
+    C = sym_matmul(X)  # X Xᵀ
+    ref = X.double() @ X.double().mT
+    assert C.dtype == dtype and C.shape == (shape[0], shape[1], shape[1])
+    assert torch.equal(C, C.mT)  # exactly symmetric
+    assert (C.double() - ref).abs().max() <= KERNEL_TOL[dtype] * ref.abs().max()
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sym_matmul_epilogue_and_commuting_product(dtype):
+    from muonscale.kernels.triton_symmetric import sym_matmul
+
+    torch.manual_seed(1)
+    k, m = 2, 40
+    S = torch.randn(k, m, m)
+    A = ((S + S.mT) / 8).to(dtype)  # symmetric
+    # B = b A + c A² + γ I   (A² = A Aᵀ)
+    B = sym_matmul(A, alpha=2.0, Z=A, beta=-0.5, gamma=0.25)
+    A64 = A.double()
+    ref = -0.5 * A64 + 2.0 * A64 @ A64 + 0.25 * torch.eye(m, dtype=torch.float64)
+    assert (B.double() - ref).abs().max() <= KERNEL_TOL[dtype] * ref.abs().max()
+    # product of two commuting symmetric matrices (polynomials in A): A · (A² + A)
+    T = (A64 @ A64 + A64).to(dtype)
+    C = sym_matmul(A, T)
+    ref = A64 @ T.double()
+    assert (C.double() - ref).abs().max() <= KERNEL_TOL[dtype] * ref.abs().max()
+
+
+@needs_triton
+def test_sym_matmul_rejects_aliasing_and_bad_shapes():
+    from muonscale.kernels.triton_symmetric import sym_matmul
+
+    A = torch.randn(1, 16, 16)
+    with pytest.raises(ValueError, match="alias"):
+        sym_matmul(A, out=A)
+    with pytest.raises(ValueError, match="Y shape"):
+        sym_matmul(A, torch.randn(1, 16, 8))
+
+
+# ---------------------------------------------------------------------------------------------
+# Fast NS vs the pure reference (CPU)
+
+NS_SHAPES = [(3, 32, 48), (2, 48, 32), (4, 16, 64), (2, 24, 100)]
+
+
+@pytest.mark.parametrize("coefficients", ["keller", "polar_express"])
+@pytest.mark.parametrize("shape", NS_SHAPES)
+def test_plain_workspace_matches_reference(shape, coefficients):
+    torch.manual_seed(0)
+    G = torch.randn(shape)
+    ref = newton_schulz(G, coefficients=coefficients)
+    out = newton_schulz_fast(G, coefficients=coefficients, method="plain", backend="torch")
+    assert out.shape == G.shape and out.dtype == G.dtype
+    if shape[-2] <= shape[-1]:
+        assert torch.equal(out, ref)
+    else:
+        assert _rel_fro(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("restart_every", [None, 2])
+@pytest.mark.parametrize("coefficients", ["keller", "polar_express"])
+@pytest.mark.parametrize("shape", NS_SHAPES)
+def test_gram_matches_reference(shape, coefficients, restart_every):
+    torch.manual_seed(0)
+    G = torch.randn(shape)
+    ref = newton_schulz(G, coefficients=coefficients)
+    out = newton_schulz_fast(
+        G, coefficients=coefficients, method="gram", backend="torch", restart_every=restart_every
+    )
+    assert _rel_fro(out, ref) <= 2e-5
+
+
+@needs_triton
+@pytest.mark.parametrize("method", ["plain", "gram"])
+def test_triton_backend_matches_reference(method):
+    torch.manual_seed(0)
+    G = torch.randn(2, 40, 72)  # m = 40: three 16-tiles, the last one partial
+    ref = newton_schulz(G, steps=3)
+    out = newton_schulz_fast(G, steps=3, method=method, backend="triton")
+    assert _rel_fro(out, ref) <= 2e-5
+
+
+def test_batching_chunks_out_and_leading_dims():
+    torch.manual_seed(0)
+    G = torch.randn(2, 3, 20, 12)  # tall, two leading dims
+    ref = newton_schulz(G)
+    # a budget that fits one matrix per chunk, writing into a preallocated bf16 ``out``
+    out = torch.empty(G.shape, dtype=torch.bfloat16)
+    got = newton_schulz_fast(G, out=out, backend="torch", max_workspace_bytes=1)
+    assert got is out
+    assert (got.float() - ref).abs().max() <= 1e-2  # one bf16 rounding of entries ≤ ~1
+    # non-contiguous out
+    out_t = torch.empty(2, 3, 12, 20).mT
+    newton_schulz_fast(G, out=out_t, backend="torch")
+    assert _rel_fro(out_t, ref) <= 1e-5
+
+
+def test_zero_matrix_and_bfloat16():
+    Z = torch.zeros(2, 8, 16)
+    assert torch.equal(newton_schulz_fast(Z, backend="torch"), Z)
+    assert torch.equal(newton_schulz_fast(Z, method="gram", backend="torch"), Z)
+    torch.manual_seed(0)
+    G = torch.randn(2, 32, 64)
+    ref = newton_schulz(G, ns_dtype=torch.bfloat16)
+    out = newton_schulz_fast(G, ns_dtype=torch.bfloat16, backend="torch")
+    assert torch.equal(out, ref)  # same ops, same order
+
+
+def test_workspace_is_reused_without_allocation():
+    clear_workspaces()
+    torch.manual_seed(0)
+    X = torch.randn(3, 16, 40)
+    X /= X.norm(dim=(-2, -1), keepdim=True)
+    ws = NSWorkspace((3, 16, 40), X.dtype, X.device)
+    schedule = resolve_coefficients("keller", 5)
+    newton_schulz_batched_(X.clone(), schedule, workspace=ws, backend="torch")
+    ptrs = {k: v.data_ptr() for k, v in ws.buffers.items()}
+    Y = X.clone()
+    newton_schulz_batched_(Y, schedule, workspace=ws, backend="torch")
+    assert {k: v.data_ptr() for k, v in ws.buffers.items()} == ptrs
+    assert _rel_fro(Y, newton_schulz(X)) <= 1e-6
+
+
+def test_flop_counts_and_auto_policy():
+    m, n, s = 768, 3072, 5
+    assert plain_flops(m, n, s) == s * (4 * m * m * n + 2 * m**3)
+    assert plain_flops(m, n, s, symmetric=True) == s * (3 * m * m * n + m**3)
+    assert gram_flops(m, n, s) == 4 * m * m * n + (8 * s - 6) * m**3
+    assert gram_flops(m, n, s, symmetric=True) == 3 * m * m * n + (4 * s - 3) * m**3
+    assert gram_flops(m, n, s) < plain_flops(m, n, s)
+    # one restart before step 2 and one before step 4: + 2 × (Q X₀ + X Xᵀ), fewer R updates
+    assert gram_flops(m, n, s, restart_every=2) > gram_flops(m, n, s)
+    assert choose_method(768, 768, torch.float32)[0] == "plain"
+    assert choose_method(3072, 768, torch.float32)[0] == "gram"
+
+
+def test_invalid_arguments():
+    with pytest.raises(ValueError, match="method"):
+        newton_schulz_batched_(torch.zeros(1, 4, 8), [(1.0, 0.0, 0.0)], method="nope")
+    with pytest.raises(ValueError, match="m <= n"):
+        newton_schulz_batched_(torch.zeros(1, 8, 4), [(1.0, 0.0, 0.0)])
+    with pytest.raises(ValueError, match="backend"):
+        newton_schulz_fast(torch.zeros(4, 8), backend="cuda-magic")
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (bfloat16 on the card, against float64 references)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("shape", [(4, 256, 1024), (2, 768, 768), (3, 200, 520)])
+def test_gpu_sym_matmul_bf16(shape):
+    from muonscale.kernels.triton_symmetric import sym_matmul
+
+    torch.manual_seed(0)
+    X = torch.randn(shape, device="cuda").to(torch.bfloat16)
+    C = sym_matmul(X)
+    ref = X.double() @ X.double().mT
+    # fp32 accumulation, one bf16 rounding of the output: 2⁻⁸ relative
+    assert (C.double() - ref).abs().max() <= 8e-3 * ref.abs().max()
+    assert torch.equal(C, C.mT)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("method", ["plain", "gram", "auto"])
+def test_gpu_fast_ns_bf16(method):
+    torch.manual_seed(0)
+    G = torch.randn(6, 768, 3072, device="cuda")
+    ref64 = newton_schulz(G.double(), ns_dtype=torch.float64)
+    ref_bf16 = newton_schulz(G, ns_dtype=torch.bfloat16)
+    out = newton_schulz_fast(G, ns_dtype=torch.bfloat16, method=method)
+    # as close to the float64 iteration as the reference bf16 iteration is, within 1.5×
+    assert _rel_fro(out, ref64) <= 1.5 * _rel_fro(ref_bf16, ref64) + 1e-3
