@@ -78,5 +78,5 @@ else
     "$VENV/bin/python" -m pip install --quiet "${REQUIREMENTS[@]}"
 fi
 
-"$VENV/bin/python" -c "import megatron.core, emerging_optimizers, torch; print('megatron_env: megatron-core', megatron.core.__version__, '| torch', torch.__version__)"
+"$VENV/bin/python" -c "from importlib.metadata import version as v; print('megatron_env: megatron-core', v('megatron-core'), '| emerging-optimizers', v('emerging-optimizers'), '| torch', v('torch'))"
 echo "megatron_env: done in $(( $(date +%s) - START ))s ($(du -sh "$VENV" | cut -f1) at $VENV)"

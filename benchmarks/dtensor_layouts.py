@@ -95,7 +95,15 @@ def layout_worker(rank, world_size, name, mesh_shape, dim, layers, steps):
         fully_shard(bag, mesh=mesh)
         named = [(n, getattr(bag, n.replace(".", "_"))) for n in init]
     else:
-        named = [(n, nn.Parameter(distribute_tensor(t.clone(), mesh, _placements(name, t.ndim, mesh_shape)))) for n, t in init.items()]
+        named = [
+            (
+                n,
+                nn.Parameter(
+                    distribute_tensor(t.clone(), mesh, _placements(name, t.ndim, mesh_shape))
+                ),
+            )
+            for n, t in init.items()
+        ]
     opt = DTensorMuon(named, splits=splits, approximate_per_shard="approximate" in name, **OPTIONS)
     per_step = []
     for k in range(steps):
@@ -108,10 +116,15 @@ def layout_worker(rank, world_size, name, mesh_shape, dim, layers, steps):
             p.grad = full.redistribute(p.device_mesh, p.placements)
         opt.step()
         per_step.append((opt.last_step_wire_bytes, opt.last_step_wire_breakdown))
-    diff = max((p.full_tensor() - ref[n]).abs().max().item() for n, p in named if isinstance(p, DTensor))
+    diff = max(
+        (p.full_tensor() - ref[n]).abs().max().item() for n, p in named if isinstance(p, DTensor)
+    )
     layouts = [opt._layout(p) for n, p in named if opt.routing[n].algorithm == "muon"]
     duplicated = duplicated_wire_bytes(layouts, 4, world_size)
-    muon_bytes = sum(b for _, breakdown in per_step for k, b in breakdown.items() if k.startswith("muon/")) // steps
+    muon_bytes = (
+        sum(b for _, breakdown in per_step for k, b in breakdown.items() if k.startswith("muon/"))
+        // steps
+    )
     total = sum(t for t, _ in per_step) // steps
     del named, opt
     gc.collect()
@@ -143,7 +156,10 @@ def _entry(rank, world_size, port, queue, args):
 def run_layout(world_size, args):
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, queue, args)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, queue, args))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results = dict(queue.get(timeout=600) for _ in procs)
@@ -160,9 +176,15 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     shapes, _ = shapes_for(args.dim, args.layers)
-    muon_elems = sum(s[0] * s[1] for n, s in shapes.items() if len(s) == 2 and not n.startswith("wte"))
-    print(f"dim {args.dim}, {args.layers} layers, {args.steps} steps; Muon matrices S = {4 * muon_elems:,d} B (fp32)")
-    print(f"{'layout':<32} {'N':>2} {'muon B/step/rank max':>21} {'mean':>10} {'duplicated':>11} {'ratio':>6} {'max|dW|':>9}")
+    muon_elems = sum(
+        s[0] * s[1] for n, s in shapes.items() if len(s) == 2 and not n.startswith("wte")
+    )
+    print(
+        f"dim {args.dim}, {args.layers} layers, {args.steps} steps; Muon matrices S = {4 * muon_elems:,d} B (fp32)"
+    )
+    print(
+        f"{'layout':<32} {'N':>2} {'muon B/step/rank max':>21} {'mean':>10} {'duplicated':>11} {'ratio':>6} {'max|dW|':>9}"
+    )
     for name, world_size, mesh_shape in LAYOUTS:
         res = run_layout(world_size, (name, mesh_shape, args.dim, args.layers, args.steps))
         muon = [r["muon"] for r in res]

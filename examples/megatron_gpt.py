@@ -90,7 +90,9 @@ def get_batch(tokens: torch.Tensor, step: int, args) -> tuple[torch.Tensor, torc
 def train_step(model, optimizer, tokens, step, args, device) -> float:
     inputs, labels = get_batch(tokens, step, args)
     positions = torch.arange(args.seq, device=device).unsqueeze(0).expand_as(inputs)
-    mask = torch.triu(torch.ones(args.seq, args.seq, dtype=torch.bool, device=device), 1)[None, None]
+    mask = torch.triu(torch.ones(args.seq, args.seq, dtype=torch.bool, device=device), 1)[
+        None, None
+    ]
     loss = model(inputs, positions, mask, labels=labels).mean()
     loss.backward()
     optimizer.step()
@@ -104,7 +106,9 @@ def make_optimizer(name: str, model, args):
     from muonscale.integrations.megatron import MegatronMuonConfig, megatron_muon
 
     if name == "muonscale":
-        return megatron_muon([model], MegatronMuonConfig(lr=args.lr, weight_decay=0.1, dp_mode="replicated"))
+        return megatron_muon(
+            [model], MegatronMuonConfig(lr=args.lr, weight_decay=0.1, dp_mode="replicated")
+        )
     if name == "adam":
         from megatron.core import parallel_state as ps
 
@@ -126,7 +130,10 @@ def benchmark(model_factory, tokens, args, device) -> dict[str, float]:
     runs interleaved in rounds, medians after warm-up (see shared/DESIGN.md, "Metrics")."""
     from megatron.core import parallel_state as ps
 
-    runs = {name: (lambda m: (m, make_optimizer(name, m, args)))(model_factory()) for name in ("muonscale", "adam")}
+    runs = {
+        name: (lambda m: (m, make_optimizer(name, m, args)))(model_factory())
+        for name in ("muonscale", "adam")
+    }
     tokens_per_step = args.micro_batch * args.seq * ps.get_data_parallel_world_size()
     times: dict[str, list[float]] = {name: [] for name in runs}
     for round_index in range(args.rounds):
@@ -140,13 +147,17 @@ def benchmark(model_factory, tokens, args, device) -> dict[str, float]:
                     torch.cuda.synchronize()
                 if step >= args.warmup:
                     times[name].append(time.perf_counter() - start)
-    result = {f"{name}_tokens_per_s": tokens_per_step / statistics.median(t) for name, t in times.items()}
+    result = {
+        f"{name}_tokens_per_s": tokens_per_step / statistics.median(t) for name, t in times.items()
+    }
     result["throughput_ratio"] = result["muonscale_tokens_per_s"] / result["adam_tokens_per_s"]
     return result
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)
@@ -163,7 +174,11 @@ def main() -> None:
 
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if use_cuda
+        else torch.device("cpu")
+    )
     if use_cuda:
         torch.cuda.set_device(device)
 
@@ -189,12 +204,16 @@ def main() -> None:
         model = build_model(args, device)
         optimizer = megatron_muon([model], MegatronMuonConfig(lr=args.lr, weight_decay=0.1))
         if rank0:
-            print(f"TP {args.tp} x DP {ps.get_data_parallel_world_size()}, dp_mode={optimizer.dp_mode}")
+            print(
+                f"TP {args.tp} x DP {ps.get_data_parallel_world_size()}, dp_mode={optimizer.dp_mode}"
+            )
             print(optimizer.summary())
         for step in range(args.steps):
             loss = train_step(model, optimizer, tokens, step, args, device)
             if rank0 and (step % 5 == 0 or step == args.steps - 1):
-                print(f"step {step:4d}  loss {loss:.4f}  optimizer wire bytes/rank {optimizer.last_step_wire_bytes}")
+                print(
+                    f"step {step:4d}  loss {loss:.4f}  optimizer wire bytes/rank {optimizer.last_step_wire_bytes}"
+                )
     ps.destroy_model_parallel()
     dist.barrier()
     dist.destroy_process_group()

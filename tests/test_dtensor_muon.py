@@ -26,7 +26,9 @@ pytestmark = pytest.mark.timeout(170)
 
 STEPS = 3
 TOL = 1e-6
-OPTIONS = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_dtype=torch.float32, adamw_lr=0.01)
+OPTIONS = dict(
+    lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_dtype=torch.float32, adamw_lr=0.01
+)
 QKV = muonscale.QKVLayout(n_query_groups=2, q_per_group=2, head_dim=3)  # 24 rows
 SHAPES = {
     "w71": (71, 30),
@@ -86,7 +88,9 @@ def _run_injected(named, shapes, splits, steps=STEPS, **extra):
             p.grad = _shard_like(grads[n], p)
         opt.step()
         wire.append((opt.last_step_wire_bytes, opt.last_step_wire_breakdown))
-    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in named}
+    full = {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in named
+    }
     del opt
     return full, wire
 
@@ -132,7 +136,10 @@ def injected_worker(rank, world_size, kinds):
             ]
         elif kind == "2d":
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-            named = [(n, nn.Parameter(distribute_tensor(t.clone(), mesh, PLACEMENTS_2D[n]))) for n, t in init.items()]
+            named = [
+                (n, nn.Parameter(distribute_tensor(t.clone(), mesh, PLACEMENTS_2D[n])))
+                for n, t in init.items()
+            ]
         else:
             raise ValueError(kind)
         extra = {"approximate_per_shard": True} if kind == "fsdp_approx" else {}
@@ -151,7 +158,9 @@ def fsdp_tp_worker(rank, world_size):
     shapes = {n: tuple(t.shape) for n, t in init.items()}
     ref = _reference(init, shapes, None)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel(), "3": ColwiseParallel()})
+    parallelize_module(
+        model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel(), "3": ColwiseParallel()}
+    )
     fully_shard(model, mesh=mesh["dp"])
     named = list(model.named_parameters())
     placements = {n: str(p.placements) for n, p in named}
@@ -186,13 +195,17 @@ def injected4(pool4):
 
 @pytest.mark.parametrize("kind", ["fsdp", "tp0", "tp1"])
 def test_injected_2_ranks(injected2, kind):
-    print(f"\n2 ranks {kind}: max|dW| = {injected2[kind]['max_diff']:.3g}, bytes/step {injected2[kind]['wire']}")
+    print(
+        f"\n2 ranks {kind}: max|dW| = {injected2[kind]['max_diff']:.3g}, bytes/step {injected2[kind]['wire']}"
+    )
     assert injected2[kind]["max_diff"] <= TOL
 
 
 @pytest.mark.parametrize("kind", ["fsdp", "tp0", "tp1", "2d"])
 def test_injected_4_ranks(injected4, kind):
-    print(f"\n4 ranks {kind}: max|dW| = {injected4[kind]['max_diff']:.3g}, bytes/step {injected4[kind]['wire']}")
+    print(
+        f"\n4 ranks {kind}: max|dW| = {injected4[kind]['max_diff']:.3g}, bytes/step {injected4[kind]['wire']}"
+    )
     assert injected4[kind]["max_diff"] <= TOL
 
 
@@ -293,7 +306,10 @@ def _train(model, opt, steps, first=0):
 
 
 def _full_params(model):
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
 
 
 def _reference_model(steps):
@@ -377,3 +393,36 @@ def test_dcp_reshard_fsdp4_to_fsdp2(pool2, pool4, tmp_path):
     print(f"\nDCP FSDP 4 -> FSDP 2, 2 + 1 steps: max|dW| vs single process = {res['diff']:.3g}")
     assert "Shard(dim=0)" in res["momentum_placements"]
     assert res["diff"] <= E2E_TOL
+
+
+def nonfinite_worker(rank, world_size):
+    """A NaN in one rank's shard: every rank raises (naming the parameter), state untouched."""
+    init = _full_tensors({"w71": (71, 30), "w7": (7, 30)}, 0)
+    mesh = init_device_mesh("cpu", (world_size,))
+    bag = Bag(init)
+    fully_shard(bag, mesh=mesh)
+    named = list(bag.named_parameters())
+    out = {}
+    for policy in ("raise", "skip"):
+        opt = DTensorMuon(named, nonfinite=policy, **OPTIONS)
+        for n, p in named:
+            p.grad = _shard_like(torch.ones_like(init[n]), p)
+        if rank == world_size - 1:
+            p.grad.to_local()[0, 0] = float("nan")  # last param, last rank's shard only
+        try:
+            opt.step()
+            out[policy] = f"skipped {opt.skipped_steps}"
+        except muonscale.NonFiniteGradientError as exc:
+            out[policy] = str(exc)
+        out[policy + "_unchanged"] = all(
+            torch.equal(p.full_tensor(), init[n]) for n, p in named
+        ) and not any(opt.state[p] for _, p in named)
+    del bag, named, opt
+    gc.collect()
+    return out
+
+
+def test_nonfinite_gradient_on_one_shard(pool2):
+    for res in pool2.run(nonfinite_worker):
+        assert "w7" in res["raise"] and res["raise_unchanged"]
+        assert res["skip"] == "skipped 1" and res["skip_unchanged"]

@@ -27,7 +27,9 @@ def whole_matrix_fn(indices, matrices):
 
 def chunked(shape, dim, world_size):
     size = shape[dim]
-    return MatrixLayout.sharded(shape, dim, [chunk_bounds(size, world_size, r)[1] for r in range(world_size)])
+    return MatrixLayout.sharded(
+        shape, dim, [chunk_bounds(size, world_size, r)[1] for r in range(world_size)]
+    )
 
 
 def layouts_for(world_size):
@@ -42,7 +44,8 @@ def layouts_for(world_size):
         (
             "strided rows 13x5",
             MatrixLayout.from_indices(
-                (13, 5), [(torch.arange(r, 13, world_size), torch.arange(5)) for r in range(world_size)]
+                (13, 5),
+                [(torch.arange(r, 13, world_size), torch.arange(5)) for r in range(world_size)],
             ),
         ),
     ]
@@ -85,7 +88,9 @@ def sharded_worker(rank, world_size):
     out = plan.apply(pieces, whole_matrix_fn)
     expect = whole_matrix_fn(list(range(len(fulls))), fulls)
     errors = {
-        name: (out[i] - _piece(expect[i], layouts[i], rank)).abs().max().item() if out[i].numel() else 0.0
+        name: (out[i] - _piece(expect[i], layouts[i], rank)).abs().max().item()
+        if out[i].numel()
+        else 0.0
         for i, (name, _) in enumerate(named)
     }
     shapes_ok = all(tuple(o.shape) == lay.piece_shape(rank) for o, lay in zip(out, layouts))
@@ -142,9 +147,9 @@ def test_layout_validation_and_single_process():
     assert [chunk_bounds(3, 4, r)[1] for r in range(4)] == [1, 1, 1, 0]
     for size in (0, 1, 5, 71):
         for n in (1, 2, 3, 4):
-            assert [chunk_bounds(size, n, r)[1] for r in range(n)][: len(torch.arange(size).chunk(n))] == [
-                len(c) for c in torch.arange(size).chunk(n)
-            ]
+            assert [chunk_bounds(size, n, r)[1] for r in range(n)][
+                : len(torch.arange(size).chunk(n))
+            ] == [len(c) for c in torch.arange(size).chunk(n)]
     with pytest.raises(ValueError, match="cover"):
         MatrixLayout.from_indices((4, 4), [(torch.arange(2), torch.arange(4))] * 2)
     with pytest.raises(ValueError, match="add up"):
@@ -168,4 +173,6 @@ def test_cost_model_duplicated_vs_all_to_all():
     # all-to-all per rank: its 3/4 of S/4 out, and as much back: 2 (N-1)/N^2 S = 2/N of duplicated
     per_rank = all_to_all_wire_bytes(layouts, owners, 4, n)
     assert per_rank == [2 * 3 * S // 16] * n
-    print(f"\nN=4, S={S} B: all-to-all {per_rank[0]} B/rank, duplicated {duplicated_wire_bytes(layouts, 4, n)} B/rank")
+    print(
+        f"\nN=4, S={S} B: all-to-all {per_rank[0]} B/rank, duplicated {duplicated_wire_bytes(layouts, 4, n)} B/rank"
+    )

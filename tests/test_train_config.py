@@ -179,5 +179,7 @@ def test_imports_stay_light():
         "import sys, muonscale; print('muonscale.train' in sys.modules); import muonscale.train; "
         "print(sorted(m for m in ('matplotlib', 'tokenizers') if m in sys.modules))"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
     assert result.stdout.split() == ["False", "[]"]

@@ -131,7 +131,9 @@ def test_resume_with_more_steps_follows_the_new_schedule(corpus, tmp_path):
     assert longer.schedule.total_steps == 40
     assert [g["lr"] for g in longer.optimizer.param_groups] == pytest.approx([expected] * 2)
     assert longer.step().lr == pytest.approx(expected)
-    assert longer.optimizer.param_groups[0]["lr"] == pytest.approx(longer.config.lr * longer.schedule(6))
+    assert longer.optimizer.param_groups[0]["lr"] == pytest.approx(
+        longer.config.lr * longer.schedule(6)
+    )
 
 
 def test_checkpoint_of_another_model_is_refused(corpus, tmp_path):

@@ -7,7 +7,8 @@ byte accounting lives in one place. Bytes are counted **per rank** with the ring
     all_reduce       2 (N-1)/N * S      (reduce-scatter + all-gather)
     reduce_scatter     (N-1)/N * S      S = the full input (N shards)
     all_gather         (N-1)/N * S      S = the full output (N shards)
-    all_to_all         (N-1)/N * S      S = this rank's input (every chunk but its own leaves)
+    all_to_all         (N-1)/N * S      S = this rank's input; with split sizes, exactly the
+                                        bytes that leave (the input minus its own chunk)
     broadcast          (N-1)/N * S      pipelined ring broadcast
 
 With N = 1, or when ``torch.distributed`` is not initialized, no collective is issued (the
@@ -66,7 +67,11 @@ class WireCounter:
     calls_by_key: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def record(self, op: str, full_bytes: int, world_size: int, tag: str = "other") -> int:
-        nbytes = ring_wire_bytes(op, full_bytes, world_size)
+        """Count ``op`` on a full tensor of ``full_bytes`` with the ring model."""
+        return self.add(op, ring_wire_bytes(op, full_bytes, world_size), tag)
+
+    def add(self, op: str, nbytes: int, tag: str = "other") -> int:
+        """Count ``nbytes`` sent by this rank (already computed)."""
         key = f"{tag}/{op}"
         self.bytes_by_key[key] += nbytes
         self.calls_by_key[key] += 1
@@ -232,7 +237,13 @@ class Communicator:
         async_op: bool = False,
     ):
         """Chunk ``i`` of ``input`` (dim 0, ``input_split_sizes``) goes to rank ``i``."""
-        self.counter.record("all_to_all", tensor_bytes(input), self.world_size, tag)
+        if input_split_sizes is None or self.world_size == 1:
+            self.counter.record("all_to_all", tensor_bytes(input), self.world_size, tag)
+        else:  # exact: everything but the chunk this rank keeps
+            row_bytes = tensor_bytes(input) // max(1, input.shape[0]) if input.dim() else 0
+            self.counter.add(
+                "all_to_all", tensor_bytes(input) - input_split_sizes[self.rank] * row_bytes, tag
+            )
         if not self.active:
             output.copy_(input)
             return _CompletedWork() if async_op else None

@@ -89,6 +89,20 @@ def _check_placement(name: str, placement: Any, ndim: int) -> None:
     )
 
 
+def check_mesh_spans_group(name: str, param: DTensor, group_ranks: Sequence[int]) -> None:
+    """Gradients are reduced by the framework over the mesh only: refuse a mesh that does not
+    cover the optimizer's group (e.g. TP-only DTensors with plain data parallelism around)."""
+    mesh_ranks = sorted(param.device_mesh.mesh.flatten().tolist())
+    if mesh_ranks != sorted(group_ranks):
+        raise ValueError(
+            f"DTensorMuon: parameter '{name}' lives on {param.device_mesh} (ranks {mesh_ranks}) "
+            f"but the optimizer's process group has ranks {sorted(group_ranks)}. Data parallelism "
+            "outside the DTensor mesh (e.g. TP-only DTensors under plain DDP) is not supported: "
+            "nobody would reduce those gradients here. Put data parallelism on a mesh axis "
+            "(fully_shard / HSDP on a 2-D (dp, tp) mesh), or pass process_group= the mesh's group."
+        )
+
+
 def dtensor_layout(name: str, param: DTensor, group_ranks: Sequence[int]) -> MatrixLayout:
     """Layout of ``param`` seen as its 2-D matrix ``(d0, d1·d2·…)`` over the ranks of the
     optimizer's group (``group_ranks[i]`` = global rank of group rank i)."""
@@ -96,15 +110,8 @@ def dtensor_layout(name: str, param: DTensor, group_ranks: Sequence[int]) -> Mat
     shape = tuple(param.shape)
     for placement in placements:
         _check_placement(name, placement, len(shape))
+    check_mesh_spans_group(name, param, group_ranks)
     mesh_ranks = mesh.mesh  # global ranks, shape = mesh shape
-    if sorted(mesh_ranks.flatten().tolist()) != sorted(group_ranks):
-        raise ValueError(
-            f"DTensorMuon: parameter '{name}' lives on {mesh} (ranks {sorted(mesh_ranks.flatten().tolist())}) "
-            f"but the optimizer's process group has ranks {list(group_ranks)}. Data parallelism "
-            "outside the DTensor mesh (e.g. TP-only DTensors under plain DDP) is not supported: "
-            "nobody would reduce those gradients here. Put data parallelism on a mesh axis "
-            "(fully_shard / HSDP on a 2-D (dp, tp) mesh), or pass process_group= the mesh's group."
-        )
     group_rank_of = {g: i for i, g in enumerate(group_ranks)}
     rest = shape[1:]
     pieces: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(group_ranks)
@@ -186,6 +193,7 @@ class DTensorMuon(Muon):
                 else:  # AdamW-only, elementwise: just validate
                     for placement in p.placements:
                         _check_placement(self._name(p), placement, p.ndim)
+                    check_mesh_spans_group(self._name(p), p, self._group_ranks)
                     layout = MatrixLayout.replicated(shape2d, self.comm.world_size)
             else:
                 layout = MatrixLayout.replicated(shape2d, self.comm.world_size)

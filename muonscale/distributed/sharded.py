@@ -56,7 +56,9 @@ Index = torch.Tensor | slice
 
 WholeMatrixFn = Callable[[list[int], list[torch.Tensor]], list[torch.Tensor]]
 """``fn(indices, matrices) -> results``: indices into the layout list, whole (m, n) matrices
-this rank owns, and results of the same shapes (batch same-shape matrices inside ``fn``)."""
+this rank owns, and results of the same shapes (batch same-shape matrices inside ``fn``).
+``fn`` must not modify its inputs in place (for whole-everywhere matrices they are the
+caller's own tensors)."""
 
 
 def chunk_bounds(size: int, chunks: int, index: int) -> tuple[int, int]:
@@ -147,8 +149,8 @@ class MatrixLayout:
 
 
 def _read(full: torch.Tensor, rows: Index, cols: Index) -> torch.Tensor:
-    out = full[rows] if isinstance(rows, slice) else full.index_select(0, rows)
-    return out[:, cols] if isinstance(cols, slice) else out.index_select(1, cols)
+    out = full[rows] if isinstance(rows, slice) else full.index_select(0, rows.to(full.device))
+    return out[:, cols] if isinstance(cols, slice) else out.index_select(1, cols.to(full.device))
 
 
 def _write(full: torch.Tensor, rows: Index, cols: Index, piece: torch.Tensor) -> None:
@@ -258,16 +260,16 @@ class ShardedMatrices:
             )
         self._plan()
 
-    def _source(self, i: int, rank: int) -> int:
-        """The rank that sends rank ``rank``'s piece of matrix i to its owner: the owner itself
-        when it holds an identical piece, else the lowest rank holding it."""
+    def _sources(self, i: int) -> list[int]:
+        """Per rank r: the rank that sends r's piece of matrix i to its owner — the owner itself
+        when it holds an identical piece (a replica), else the lowest rank holding it."""
         lay, owner = self.layouts[i], self.owners[i]
-        key = tuple(_index_key(x) for x in lay.pieces[rank])
-        if tuple(_index_key(x) for x in lay.pieces[owner]) == key:
-            return owner
-        return min(
-            r for r in range(self.world_size) if tuple(_index_key(x) for x in lay.pieces[r]) == key
-        )
+        keys = [tuple(_index_key(x) for x in piece) for piece in lay.pieces]
+        first: dict[tuple, int] = {}
+        for r, key in enumerate(keys):
+            first.setdefault(key, r)
+        first[keys[owner]] = owner
+        return [first[key] for key in keys]
 
     def _plan(self) -> None:
         me, n_ranks = self.rank, self.world_size
@@ -280,9 +282,9 @@ class ShardedMatrices:
         for i, lay in enumerate(self.layouts):
             if lay.whole_everywhere:
                 continue
-            owner, seen = self.owners[i], set()
+            owner, seen, sources = self.owners[i], set(), self._sources(i)
             for r in range(n_ranks):
-                src = self._source(i, r)
+                src = sources[r]
                 if src in seen or lay.piece_shape(r)[0] * lay.piece_shape(r)[1] == 0:
                     continue
                 seen.add(src)

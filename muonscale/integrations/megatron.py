@@ -76,7 +76,7 @@ TP_MODES = ("exact", "approximate_blockwise")
 DP_MODES = ("auto", "zero1", "replicated")
 
 # Megatron-Core --muon-scale-mode → muonscale ``scale`` rule. Same formulas, different names:
-# emerging_optimizers 0.3.0 orthogonalized_optimizers/muon.py, get_muon_scale_factor (L143-168).
+# emerging_optimizers 0.3.0 orthogonalized_optimizers/muon.py, get_muon_scale_factor (L136).
 MEGATRON_SCALE_MODES = {
     "spectral": "unit_rms",  # √max(m, n)
     "unit_rms_norm": "spectral",  # √(m/n)
@@ -84,8 +84,8 @@ MEGATRON_SCALE_MODES = {
 }
 
 # Megatron-Core --muon-coefficient-type → Newton–Schulz coefficients, copied from
-# emerging_optimizers 0.3.0 orthogonalized_optimizers/muon_utils.py, _COEFFICIENT_SETS (L30-81);
-# "cycle" / "repeat_last" is how that file walks the list past its end (L241-242).
+# emerging_optimizers 0.3.0 orthogonalized_optimizers/muon_utils.py, _COEFFICIENT_SETS (L30);
+# "cycle" / "repeat_last" is how that file walks the list past its end (L197-198).
 MEGATRON_COEFFICIENT_SETS: dict[str, tuple[tuple[Coefficients, ...], str]] = {
     "simple": (((3.4445, -4.7750, 2.0315),), "cycle"),
     "quintic": (
@@ -114,7 +114,7 @@ MEGATRON_COEFFICIENT_SETS: dict[str, tuple[tuple[Coefficients, ...], str]] = {
 }
 
 # Megatron's fp32 matmul precision → the dtype the iteration runs in (emerging_optimizers
-# casts to bfloat16 when the precision is "medium": muon_utils.py L244-256).
+# casts to bfloat16 when the precision is "medium": muon_utils.py L203-213).
 MEGATRON_MATMUL_PRECISION = {
     "low": torch.bfloat16,
     "medium": torch.bfloat16,

@@ -99,8 +99,8 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
 
 
 _PRESETS: dict[str, dict[str, Any]] = {
-    # CPU-sized byte-level model (1.9M parameters, 6 heads of 64): a step of 16 x 128 tokens
-    # costs ~12 GFLOP (6 * params * tokens + attention), about a second on 2 CPU cores.
+    # CPU-sized byte-level model (1.9M parameters, 6 heads of 32): a training step of 16 x 128
+    # tokens costs ~25 GFLOP (flops_per_token), about a second on 2 idle CPU cores.
     "tiny": dict(vocab_size=256, context_length=128, n_layer=4, d_model=192, n_head=6),
     # GPT-2 shapes (Radford et al. 2019); vocab 50257 padded to 50304 (a multiple of 64).
     "gpt2-small": dict(vocab_size=50304, context_length=1024, n_layer=12, d_model=768, n_head=12),

@@ -219,6 +219,20 @@ class TrainingRun:
         """Bytes of the optimizer's state tensors (exact, counted from the tensors)."""
         return optimizer_state_bytes(self.optimizer)
 
+    def describe(self) -> str:
+        """One line about the run: model, data, optimizer, batch, device."""
+        cfg, model = self.config, self.model_config
+        resumed = f", resuming at step {self.step_count}" if self.step_count else ""
+        return (
+            f"{cfg.model} GPT ({self.model.num_parameters() / 1e6:.2f}M params, {model.n_layer} "
+            f"layers, d={model.d_model}, ctx={model.context_length}), {self.tokenizer.name} "
+            f"tokens from {self.dataset.source} ({len(self.dataset.train_tokens):,} train / "
+            f"{len(self.dataset.val_tokens):,} val), optimizer {cfg.optimizer} lr={cfg.lr:g}, "
+            f"{self.tokens_per_step:,} tokens/step ({self.accumulation_steps} x "
+            f"{cfg.micro_batch_size} x {model.context_length}), {cfg.steps} steps on "
+            f"{self.device}{resumed}"
+        )
+
     # ------------------------------------------------------------------ checkpoints
     def parameters_finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
@@ -326,6 +340,8 @@ class TrainingRun:
             tokens_per_step=self.tokens_per_step,
         )
         bar = _progress_bar(progress, total=config.steps, initial=self.step_count)
+        if bar is not None:
+            bar.write(self.describe())
         result: StepResult | None = None
         val_loss: float | None = None
         interrupted = False

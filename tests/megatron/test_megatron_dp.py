@@ -31,7 +31,9 @@ def tp1_dp4(pool4):
 def test_tp2_dp2_equals_tp1_dp4_with_identical_gradients(pool4, tp1_dp4, dp_mode):
     mixed = _run(pool4, tp=2, grads="inject", options=dict(OPTIONS, dp_mode=dp_mode))
     delta = W.max_abs_diff(tp1_dp4["params"], mixed["params"])
-    print(f"\nTP1xDP4 vs TP2xDP2 ({dp_mode}), identical gradients: max|dW| = {delta:.3g}; {mixed['breakdown']}")
+    print(
+        f"\nTP1xDP4 vs TP2xDP2 ({dp_mode}), identical gradients: max|dW| = {delta:.3g}; {mixed['breakdown']}"
+    )
     assert delta <= 1e-6
     assert mixed["dp_mode"] == dp_mode
     assert "muon_tp/all_to_all" in mixed["breakdown"]
