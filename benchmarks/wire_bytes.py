@@ -123,9 +123,10 @@ def _measure_ddp(model, zero: bool) -> tuple[int, dict, int]:
                         comm.counter.record(
                             "broadcast", p.numel() * p.element_size(), comm.world_size, "zero"
                         )
+    local = opt.optim if zero else opt  # ZeroRedundancyOptimizer keeps its shard's state inside
     state = sum(
         v.numel() * v.element_size()
-        for s in opt.state.values()
+        for s in local.state.values()
         for v in s.values()
         if torch.is_tensor(v)
     )
@@ -133,6 +134,20 @@ def _measure_ddp(model, zero: bool) -> tuple[int, dict, int]:
     del ddp, opt
     gc.collect()
     return out
+
+
+def _single_process_state_bytes(model) -> int:
+    """``muonscale.Muon``'s state on one process, from its routing: momentum per Muon matrix;
+    exp_avg, exp_avg_sq and a float32 step per AdamW parameter."""
+    from muonscale import route
+
+    params = dict(model.named_parameters())
+    total = 0
+    for name, decision in route(model).items():
+        p = params[name]
+        total += p.numel() * p.element_size() * (1 if decision.algorithm == "muon" else 2)
+        total += 4 if decision.algorithm == "adamw" else 0
+    return total
 
 
 def _worker(rank: int, world_size: int, port: int, args, queue) -> None:
@@ -185,9 +200,10 @@ def _worker(rank: int, world_size: int, port: int, args, queue) -> None:
             }
         n_params = sum(p.numel() for p in model.parameters())
         if rank == 0:
-            queue.put(
-                {"rows": rows, "params": n_params, "world_size": world_size, "preset": args.preset}
-            )
+            result = {"rows": rows, "params": n_params, "world_size": world_size}
+            result["preset"] = args.preset
+            result["single_process_muon_state_bytes"] = _single_process_state_bytes(model)
+            queue.put(result)
     finally:
         gc.collect()
         dist.barrier()
@@ -220,8 +236,13 @@ def _report(result: dict, as_json: bool) -> None:
     for name, row in rows.items():
         print(
             f"{name:<56} {row['mean'] / 1e6:>10.2f} {row['max'] / 1e6:>10.2f} "
-            f"{row['vs_zero1_adamw']:>10.3f} {row['vs_ddp_adamw']:>8.3f} {row['state_bytes_max'] / 1e6:>14.1f}"
+            f"{row['vs_zero1_adamw']:>10.4f} {row['vs_ddp_adamw']:>8.4f} {row['state_bytes_max'] / 1e6:>14.1f}"
         )
+    single = result["single_process_muon_state_bytes"]
+    muon_state = rows["DistributedMuon (fp32 reduce)"]["state_bytes_max"]
+    print(
+        f"optimizer state: single-process muonscale.Muon {single / 1e6:.1f} MB; DistributedMuon max per rank {muon_state / 1e6:.1f} MB ({muon_state / single:.3f}x)"
+    )
 
 
 def main(argv=None) -> None:

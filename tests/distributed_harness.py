@@ -115,9 +115,14 @@ class WorkerPool:
         self.world_size = world_size
         self.pg_timeout_s = pg_timeout_s
         # fork: workers start in milliseconds with everything already imported (they run one
-        # thread each, so the parent's OpenMP pool is not an issue); spawn elsewhere.
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        # thread each, so the parent's OpenMP pool is not an issue); spawn elsewhere, or with
+        # MUONSCALE_TEST_START_METHOD=spawn.
+        method = os.environ.get("MUONSCALE_TEST_START_METHOD") or (
+            "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        )
+        ctx = mp.get_context(method)
         import torch._dynamo  # noqa: F401 - torch.optim imports it lazily (seconds); do it once here
+
         port = free_port()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]

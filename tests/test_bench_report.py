@@ -31,9 +31,13 @@ def record(name, lr, losses, step_s, opt_s, state_bytes, every=10):
 
 def synthetic_records():
     config = BenchConfig(steps=40, timing_warmup_steps=2)
-    adamw = record("adamw", 1e-3, [4.0, 3.5, 3.0, 2.8, 2.6], [9.0, 9.0] + [0.1] * 38, [0.01] * 40, 800)
+    adamw = record(
+        "adamw", 1e-3, [4.0, 3.5, 3.0, 2.8, 2.6], [9.0, 9.0] + [0.1] * 38, [0.01] * 40, 800
+    )
     # muon reaches 2.6 between (10, 3.0) and (20, 2.5): 10 + 0.4 / 0.5 * 10 = 18 -> 18/40 = 0.45
-    muon = record("muon", 2e-3, [4.0, 3.0, 2.5, 2.2, 2.0], [9.0, 9.0] + [0.125] * 38, [0.03] * 40, 400)
+    muon = record(
+        "muon", 2e-3, [4.0, 3.0, 2.5, 2.2, 2.0], [9.0, 9.0] + [0.125] * 38, [0.03] * 40, 400
+    )
     return config, {"adamw": adamw, "muon": muon}
 
 
@@ -106,10 +110,10 @@ class FakeRun:
 
     def step(self):
         self.steps += 1
-        return FakeStep(5.0 / (1 + self.rate * self.steps))
+        return FakeStep(5.0 - self.rate * self.steps)
 
     def evaluate(self):
-        return 5.0 / (1 + self.rate * self.steps)
+        return 5.0 - self.rate * self.steps
 
     def optimizer_state_bytes(self):
         return 100
@@ -123,7 +127,7 @@ def test_run_bench_with_fake_runs_writes_report_and_plots(tmp_path, capsys):
         steps=40, tokens_per_step=256, memory_probe_steps=0, progress=False, out=str(tmp_path)
     )
     report = run_bench(config, make_run=make_run)
-    # adamw final: 5 / 3 after 40 steps; muon: 5 / (1 + 0.15 s) = 5 / 3 at s = 40 / 3
+    # adamw final: 5 - 0.05 * 40 = 3; muon: 5 - 0.15 s = 3 at s = 40 / 3 -> ratio 1 / 3
     assert report["steps_to_adamw_final_loss_ratio"] == pytest.approx(1 / 3, rel=1e-9)
     assert report["config"]["same_initial_val_loss"] is True
     assert {p.name for p in tmp_path.iterdir()} == {

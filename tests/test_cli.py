@@ -129,3 +129,15 @@ def test_bench_end_to_end_tiny(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "| adamw |" in table and "| muon |" in table
     assert "steps_to_adamw_final_loss_ratio" in (out / "report.md").read_text()
+
+
+def test_train_end_to_end_tiny(tmp_path):
+    argv = [
+        "train", "--n-layer", "1", "--d-model", "32", "--n-head", "2", "--steps", "2",
+        "--micro-batch-size", "2", "--eval-every", "1", "--eval-batches", "1",
+        "--device", "cpu", "--no-progress", "--out-dir", str(tmp_path),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    assert (tmp_path / "checkpoint.pt").exists()
+    events = [json.loads(line)["event"] for line in (tmp_path / "metrics.jsonl").open()]
+    assert events.count("eval") == 2

@@ -59,6 +59,9 @@ def test_single_process_communicator_copies_and_counts_nothing():
     comm.all_reduce(x)
     assert comm.counter.total == 0
     assert gather_wire_stats(123)["max"] == 123.0
+    counter = WireCounter()
+    counter.add("all_reduce", 7)
+    assert gather_wire_stats(counter)["mean"] == 7.0
 
 
 def _collectives(rank, world_size):

@@ -99,10 +99,10 @@ def test_world_size_one_is_bitwise_muon():
 
 
 # ---------------------------------------------------------------------------- equality
-def _same_batch(rank, world_size, steps, model_kw, dist_kw):
-    ref = reference(steps, model_kw)
+def _same_batch(rank, world_size, steps, model_kw, dist_kw, muon_kw=None):
+    ref = reference(steps, model_kw, **(muon_kw or {}))
     model = make_model(**model_kw)
-    opt = DistributedMuon(model, **OPTS, **dist_kw)
+    opt = DistributedMuon(model, **OPTS, **(muon_kw or {}), **dist_kw)
     train(model, opt, steps)
     bitwise = all(torch.equal(p, q) for p, q in zip(ref.parameters(), model.parameters()))
     return max_diff(ref, model), bitwise, opt.ownership_table()
@@ -121,6 +121,14 @@ def test_same_batch_matches_single_process(world_size):
     assert max(diffs) <= 1e-6
     if world_size == 4:
         assert "rank 3: 0 parameters" in results[0][2] or "0 parameters" in results[0][2]
+
+
+def test_row_split_parameters_match_single_process():
+    # a parameter orthogonalized as several row blocks (as a fused QKV) is still owned whole
+    muon_kw = dict(splits={"blocks.1.weight": 2, "blocks.2.weight": [3, 7]}, nesterov=False)
+    results = shared_pool(2).run(_same_batch, 3, dict(n_hidden=3), {}, muon_kw)
+    assert max(r[0] for r in results) <= 1e-6
+    assert "2x5x10" in results[0][2]
 
 
 def _split_batch(rank, world_size, steps):
@@ -176,6 +184,7 @@ def _wire(rank, world_size, precision):
     for _ in range(2):
         opt.zero_grad()
         model(torch.randn(3, 8)).backward()
+        assert opt._next_launch == len(opt._buckets)  # every reduction started in backward
         opt.step()
     return opt.last_step_wire_bytes, opt.last_step_wire_breakdown
 
@@ -200,6 +209,27 @@ def test_wire_bytes_by_hand(world_size):
         for total, breakdown in shared_pool(n).run(_wire, precision):
             assert breakdown == {k: int(v) for k, v in want.items()}
             assert total == sum(int(v) for v in want.values())
+
+
+def _subgroups(rank, world_size, steps):
+    """Two independent 2-rank data-parallel groups inside 4 ranks (group rank != global rank)."""
+    group, all_groups = torch.distributed.new_subgroups(group_size=2)
+    try:
+        ref = reference(steps)
+        model = make_model()
+        opt = DistributedMuon(model, group, **OPTS)
+        train(model, opt, steps, rank=opt.rank, world_size=opt.world_size, split=True)
+        full = opt.state_dict()  # broadcasts from owners given as group ranks
+        momentum = sum(1 for e in full["state"].values() if "momentum_buffer" in e)
+        return opt.world_size, max_diff(ref, model), momentum
+    finally:
+        for g in all_groups:
+            torch.distributed.destroy_process_group(g)
+
+
+def test_explicit_process_group():
+    for world_size, diff, momentum in shared_pool(4).run(_subgroups, 3):
+        assert world_size == 2 and diff <= 1e-5 and momentum == 3
 
 
 # ---------------------------------------------------------------------------- state

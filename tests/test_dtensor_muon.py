@@ -55,7 +55,7 @@ def _grads(shapes, step):
 def _reference(init, shapes, splits, steps=STEPS, **extra):
     """Single-process muonscale.Muon on plain tensors."""
     params = {n: nn.Parameter(t.clone()) for n, t in init.items()}
-    opt = muonscale.Muon(list(params.items()), splits=splits, **OPTIONS, **extra)
+    opt = muonscale.Muon(list(params.items()), splits=splits, **{**OPTIONS, **extra})
     for k in range(steps):
         grads = _grads(shapes, k)
         for n, p in params.items():
@@ -80,7 +80,7 @@ def _shard_like(full, p):
 
 def _run_injected(named, shapes, splits, steps=STEPS, **extra):
     """K steps of DTensorMuon with injected sharded gradients; full params and wire bytes."""
-    opt = DTensorMuon(named, splits=splits, **OPTIONS, **extra)
+    opt = DTensorMuon(named, splits=splits, **{**OPTIONS, **extra})
     wire = []
     for k in range(steps):
         grads = _grads(shapes, k)
@@ -123,7 +123,7 @@ def injected_worker(rank, world_size, kinds):
     ref = _reference(init, SHAPES, SPLITS)
     out = {}
     for kind in kinds:
-        if kind in ("fsdp", "fsdp_approx"):
+        if kind in ("fsdp", "fsdp_approx", "fsdp_bf16"):
             mesh = init_device_mesh("cpu", (world_size,))
             bag = Bag(init)
             fully_shard(bag, mesh=mesh)
@@ -143,8 +143,12 @@ def injected_worker(rank, world_size, kinds):
         else:
             raise ValueError(kind)
         extra = {"approximate_per_shard": True} if kind == "fsdp_approx" else {}
+        expect = ref
+        if kind == "fsdp_bf16":  # bf16 Newton–Schulz (the GPU default): bf16 results on the wire
+            extra = {"ns_dtype": torch.bfloat16, "momentum_dtype": torch.bfloat16}
+            expect = _reference(init, SHAPES, SPLITS, **extra)
         full, wire = _run_injected(named, SHAPES, SPLITS, **extra)
-        out[kind] = {"max_diff": _max_diff(full, ref), "wire": wire[-1]}
+        out[kind] = {"max_diff": _max_diff(full, expect), "wire": wire[-1]}
         del named, full
         gc.collect()
     return out
@@ -185,7 +189,7 @@ def pool4():
 
 @pytest.fixture(scope="module")
 def injected2(pool2):
-    return pool2.run(injected_worker, ["fsdp", "tp0", "tp1"])[0]
+    return pool2.run(injected_worker, ["fsdp", "tp0", "tp1", "fsdp_bf16"])[0]
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +197,7 @@ def injected4(pool4):
     return pool4.run(injected_worker, ["fsdp", "fsdp_approx", "tp0", "tp1", "2d"])[0]
 
 
-@pytest.mark.parametrize("kind", ["fsdp", "tp0", "tp1"])
+@pytest.mark.parametrize("kind", ["fsdp", "tp0", "tp1", "fsdp_bf16"])
 def test_injected_2_ranks(injected2, kind):
     print(
         f"\n2 ranks {kind}: max|dW| = {injected2[kind]['max_diff']:.3g}, bytes/step {injected2[kind]['wire']}"
@@ -322,6 +326,10 @@ def _reference_model(steps):
 def _parallel_model(kind, world_size):
     torch.manual_seed(0)
     model = TinyLM()
+    if kind == "hsdp":  # (replicate, shard) mesh: FSDP2 all-reduces across the replicas
+        mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("rep", "shard"))
+        fully_shard(model, mesh=mesh)
+        return model
     mesh = init_device_mesh("cpu", (world_size,))
     if kind == "fsdp":
         fully_shard(model, mesh=mesh)
@@ -380,9 +388,16 @@ E2E_TOL = 1e-5  # FSDP2 averages identical gradients with a reduce-scatter: roun
 
 
 @pytest.mark.parametrize("kind", ["fsdp", "tp"])
-def test_end_to_end_same_batch(pool2, kind):
+def test_end_to_end_same_batch_2_ranks(pool2, kind):
     diff = pool2.run(e2e_worker, kind)[0]
     print(f"\nend to end, {kind} 2 ranks, same batch: max|dW| after {STEPS} steps = {diff:.3g}")
+    assert diff <= E2E_TOL
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "tp", "hsdp"])
+def test_end_to_end_same_batch_4_ranks(pool4, kind):
+    diff = pool4.run(e2e_worker, kind)[0]
+    print(f"\nend to end, {kind} 4 ranks, same batch: max|dW| after {STEPS} steps = {diff:.3g}")
     assert diff <= E2E_TOL
 
 

@@ -39,7 +39,7 @@ class BenchConfig:
     """Override the preset's model width."""
     n_head: int | None = None
     """Override the preset's number of attention heads."""
-    tokens_per_step: int = 2048
+    tokens_per_step: int = 1024
     """Tokens per optimizer step; a multiple of the preset's context length (128 for tiny)."""
     micro_batch_size: int | None = None
     """Sequences per forward/backward; None: the whole step in one micro-batch."""
@@ -73,7 +73,7 @@ class BenchConfig:
     """Seed of model init and data order, shared by every contender."""
     eval_interval: float = 0.025
     """Evaluate at least every this fraction of the steps (0.025: >= 40 evaluations)."""
-    eval_batches: int = 8
+    eval_batches: int = 4
     """Micro-batches in the fixed validation set."""
     timing_warmup_steps: int = 10
     """Steps left out of the timing medians."""

@@ -7,6 +7,7 @@ from pathlib import Path
 
 COLORS = {"adamw": "#1f77b4", "muon": "#d62728", "torch_muon": "#2ca02c"}
 LABELS = {"adamw": "AdamW", "muon": "muonscale Muon", "torch_muon": "torch.optim.Muon"}
+BAR_LABELS = {"adamw": "AdamW", "muon": "muonscale\nMuon", "torch_muon": "torch.optim\nMuon"}
 
 
 def _pyplot():
@@ -90,7 +91,7 @@ def plot_report(report: Mapping, out_dir: Path, *, train_loss: bool = True) -> l
     names = list(contenders)
     tput = [contenders[n]["tokens_per_s"] or 0.0 for n in names]
     bars = ax_tput.bar(
-        [LABELS.get(n, n) for n in names], tput, color=[COLORS.get(n, "0.5") for n in names]
+        [BAR_LABELS.get(n, n) for n in names], tput, color=[COLORS.get(n, "0.5") for n in names]
     )
     for bar, name in zip(bars, names):
         c = contenders[name]

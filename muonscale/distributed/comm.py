@@ -16,8 +16,9 @@ operations copy or do nothing) and zero bytes are counted, so world size 1 runs 
 
 Backend notes (torch 2.13 gloo, checked): ``reduce_scatter_single`` / ``all_gather_single``
 (the replacements of the deprecated ``reduce_scatter_tensor`` / ``all_gather_into_tensor``) and
-``all_to_all_single`` with split sizes work, async included; ``all_gather`` with tensors of
-different sizes does not (callers pad, and the padding is counted). torch 2.11 lacks the
+``all_to_all_single`` with split sizes work, async included, and bfloat16 sums too; gloo has
+no ``ReduceOp.AVG`` (callers pre-divide by N); ``all_gather`` with tensors of different sizes
+does not work (callers pad, and the padding is counted). torch 2.11 lacks the
 ``*_single`` names; :func:`_reduce_scatter_fn` / :func:`_all_gather_fn` pick whichever exists.
 """
 
@@ -306,8 +307,16 @@ class Communicator:
         )
 
 
-def gather_wire_stats(nbytes: int, group: dist.ProcessGroup | None = None) -> dict[str, float]:
-    """Mean and max over the ranks of ``group`` of a per-rank byte count (not counted itself)."""
+def gather_wire_stats(source, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Mean, max and min over the ranks of ``group`` of this rank's bytes (collective; not
+    counted itself). ``source``: a byte count, a :class:`WireCounter` (its total), or an
+    optimizer with ``last_step_wire_bytes``."""
+    if isinstance(source, WireCounter):
+        nbytes = source.total
+    elif hasattr(source, "last_step_wire_bytes"):
+        nbytes = source.last_step_wire_bytes
+    else:
+        nbytes = int(source)
     comm = Communicator(group)
     values = torch.zeros(comm.world_size, dtype=torch.float64, device=comm.device)
     mine = torch.tensor([float(nbytes)], dtype=torch.float64, device=comm.device)

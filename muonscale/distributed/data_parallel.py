@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 from .. import functional
 from ..optimizer import Muon
+from . import full_state
 from .buckets import FlatBucket, OwnerBucket, OwnerStreams, plan_flat_buckets, plan_owner_streams
 from .comm import Communicator, WireCounter
 from .ownership import assign_owners, format_ownership_table
@@ -194,38 +196,34 @@ class DistributedMuon(Muon):
         self.owner_rank: dict[int, int] = dict(zip(self._muon, owners))
         self._matrix_shapes = dict(zip(self._muon, shapes))
 
+    def _by_dtype_and_device(self, indices: list[int]) -> dict[tuple, list[int]]:
+        """``indices`` in readiness order (reverse registration: backward's order), grouped by
+        (dtype, device): one owner stream or set of flat buckets per group."""
+        groups: dict[tuple, list[int]] = {}
+        for i in sorted(indices, reverse=True):
+            p = self._params[i]
+            groups.setdefault((p.dtype, p.device), []).append(i)
+        return groups
+
     def _build_buckets(self, cap_bytes: int) -> None:
-        """Owner streams per (dtype, device) of Muon params, flat buckets for AdamW, and one
-        launch order for all of them (by when their last gradient is expected in backward)."""
-        ready_order = list(reversed(range(len(self._params))))  # backward runs in reverse
-        position = {p: k for k, p in enumerate(ready_order)}
+        """Owner streams (Muon), flat buckets (AdamW), and one launch order for both."""
         numels = {i: p.numel() for i, p in enumerate(self._params)}
         N = self.world_size
-        buckets: list[_Bucket] = []
         self._streams: list[_Stream] = []
-        for dtype, device in dict.fromkeys(
-            (self._params[i].dtype, self._params[i].device) for i in self._muon
-        ):
-            members = [
-                i
-                for i in ready_order
-                if i in self.owner_rank
-                and self._params[i].dtype == dtype
-                and self._params[i].device == device
-            ]
+        buckets: list[_Bucket] = []
+        for (dtype, device), members in self._by_dtype_and_device(self._muon).items():
             rdtype = self.reduce_dtype or dtype
-            layout = plan_owner_streams(
-                members, numels, self.owner_rank, N, cap_bytes * 8 // torch.finfo(rdtype).bits
-            )
-            recv = torch.zeros(layout.length, dtype=rdtype, device=device)
+            cap = cap_bytes * 8 // torch.finfo(rdtype).bits
+            layout = plan_owner_streams(members, numels, self.owner_rank, N, cap)
+            recv = torch.zeros(layout.length, dtype=rdtype, device=device)  # (T,)
             send = [torch.zeros(b.numel, dtype=rdtype, device=device) for b in layout.buckets]
-            same = rdtype == dtype
-            gather_in = recv if same else torch.zeros(layout.length, dtype=dtype, device=device)
-            gather_out = (
-                send
-                if same
-                else [torch.zeros(b.numel, dtype=dtype, device=device) for b in layout.buckets]
-            )
+            if rdtype == dtype:  # reuse: gradients are consumed before parameters are sent
+                gather_in, gather_out = recv, send
+            else:
+                gather_in = torch.zeros(layout.length, dtype=dtype, device=device)
+                gather_out = [
+                    torch.zeros(b.numel, dtype=dtype, device=device) for b in layout.buckets
+                ]
             stream = _Stream(layout, recv, send, gather_in, gather_out)
             self._streams.append(stream)
             buckets += [
@@ -233,33 +231,25 @@ class DistributedMuon(Muon):
                 for k, b in enumerate(layout.buckets)
             ]
         self._shards: list[_Shards] = []
-        for dtype, device in dict.fromkeys(
-            (self._params[i].dtype, self._params[i].device) for i in self._adamw
-        ):
-            members = [
-                i
-                for i in ready_order
-                if i in self._adamw
-                and self._params[i].dtype == dtype
-                and self._params[i].device == device
-            ]
-            for layout in plan_flat_buckets(
-                members, numels, N, cap_bytes * 8 // torch.finfo(dtype).bits
-            ):
+        for (dtype, device), members in self._by_dtype_and_device(self._adamw).items():
+            cap = cap_bytes * 8 // torch.finfo(dtype).bits
+            for layout in plan_flat_buckets(members, numels, N, cap):
                 full = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
-                zeros = [
+                shard, exp_avg, exp_avg_sq = (
                     torch.zeros(layout.shard_numel, dtype=dtype, device=device) for _ in range(3)
-                ]
-                shards = _Shards(layout, full, *zeros)
+                )
+                shards = _Shards(layout, full, shard, exp_avg, exp_avg_sq)
                 self._shards.append(shards)
                 buckets.append(_Bucket("adamw", frozenset(layout.params), shards=shards))
+        # Launch order: by the last gradient a bucket waits for (backward runs in reverse).
+        position = {i: len(self._params) - 1 - i for i in range(len(self._params))}
         buckets.sort(key=lambda b: max((position[p] for p in b.params), default=-1))
         self._buckets = buckets
         self._buckets_of: dict[int, list[_Bucket]] = {i: [] for i in range(len(self._params))}
         for b in buckets:
             for p in b.params:
                 self._buckets_of[p].append(b)
-        self._segments = {}  # param -> (shards, segment) for this rank's AdamW segments
+        self._segments = {}  # AdamW parameter -> (its flat bucket, its segment in this shard)
         for shards in self._shards:
             for seg in shards.layout.segments(self.rank):
                 self._segments[seg.param] = (shards, seg)
@@ -544,8 +534,9 @@ class DistributedMuon(Muon):
                 eps=group["eps"], weight_decay=group["weight_decay"],
             )  # fmt: skip
 
-    def _launch_adamw_gathers(self) -> list[tuple[Any, _Shards | OwnerBucket, _Stream | None, int]]:
-        handles = []
+    def _launch_adamw_gathers(self) -> list[tuple[Any, Callable[[], None]]]:
+        """All-gather every flat bucket's updated shard; returns (work, copy back) pairs."""
+        pending = []
         for shards in self._shards:
             for seg in shards.layout.segments(self.rank):
                 flat = self._params[seg.param].view(-1)
@@ -553,11 +544,12 @@ class DistributedMuon(Muon):
                     flat[seg.param_start : seg.param_start + seg.length]
                 )
             work = self.comm.all_gather(shards.full, shards.shard, tag="adamw", async_op=True)
-            handles.append((work, shards, None, 0))
-        return handles
+            pending.append((work, functools.partial(self._copy_back_flat, shards)))
+        return pending
 
-    def _launch_muon_gathers(self) -> list[tuple[Any, _Shards | OwnerBucket, _Stream | None, int]]:
-        handles = []
+    def _launch_muon_gathers(self) -> list[tuple[Any, Callable[[], None]]]:
+        """All-gather the owner streams of updated matrices, bucket by bucket."""
+        pending = []
         for stream in self._streams:
             for i in stream.layout.owned[self.rank]:
                 off, p = stream.layout.offsets[i], self._params[i]
@@ -565,108 +557,42 @@ class DistributedMuon(Muon):
             for k, bucket in enumerate(stream.layout.buckets):
                 mine = stream.gather_in[bucket.stream_start : bucket.stream_start + bucket.length]
                 work = self.comm.all_gather(stream.gather_out[k], mine, tag="muon", async_op=True)
-                handles.append((work, bucket, stream, k))
-        return handles
+                pending.append(
+                    (work, functools.partial(self._copy_back_owned, bucket, stream.gather_out[k]))
+                )
+        return pending
 
-    def _wait_and_copy_back(self, handles) -> None:
-        for work, unit, stream, k in handles:
+    def _wait_and_copy_back(self, pending: list[tuple[Any, Callable[[], None]]]) -> None:
+        for work, copy_back in pending:
             self.comm.wait(work, "parameter all-gather")
-            if stream is None:  # AdamW flat bucket
-                layout = unit.layout
-                for p, off, n in zip(layout.params, layout.offsets, layout.numels):
-                    self._params[p].view(-1).copy_(unit.full[off : off + n])
-            else:
-                out = stream.gather_out[k]
-                for piece in unit.pieces:
-                    if self.owner_rank[piece.param] == self.rank:
-                        continue  # updated in place already
-                    flat = self._params[piece.param].view(-1)
-                    flat[piece.param_start : piece.param_start + piece.length].copy_(
-                        out[piece.buffer_start : piece.buffer_start + piece.length]
-                    )
+            copy_back()
+
+    def _copy_back_flat(self, shards: _Shards) -> None:
+        layout = shards.layout
+        for p, off, n in zip(layout.params, layout.offsets, layout.numels):
+            self._params[p].view(-1).copy_(shards.full[off : off + n])
+
+    def _copy_back_owned(self, bucket: OwnerBucket, gathered: torch.Tensor) -> None:
+        for piece in bucket.pieces:
+            if self.owner_rank[piece.param] == self.rank:
+                continue  # updated in place already
+            flat = self._params[piece.param].view(-1)
+            flat[piece.param_start : piece.param_start + piece.length].copy_(
+                gathered[piece.buffer_start : piece.buffer_start + piece.length]
+            )
 
     # ================================================================ checkpoints
-    @torch.no_grad()
     def state_dict(self) -> dict[str, Any]:
         """Full state, keyed like :class:`muonscale.Muon`'s. Collective: call on every rank."""
         packed = super().state_dict()  # param_groups with indices; its "state" is replaced
         step_counter, self.comm.counter = self.comm.counter, WireCounter()  # not a step's traffic
         try:
-            full = self._gather_full_state()
+            packed["state"] = full_state.gather(self)
         finally:
             self.comm.counter = step_counter
-        packed["state"] = {i: full[i] for i in sorted(full)}
         return packed
 
-    def _gather_full_state(self) -> dict[int, dict[str, torch.Tensor]]:
-        full: dict[int, dict[str, torch.Tensor]] = {}
-        for i in self._muon:  # momentum lives on the owner: broadcast it
-            p, group = self._params[i], self._group_of[i]
-            if self.owner_rank[i] == self.rank:
-                buf = self.state[p]["momentum_buffer"].clone()
-            else:
-                buf = torch.empty_like(p, dtype=group["momentum_dtype"] or p.dtype)
-            self.comm.broadcast(buf, src=self.owner_rank[i], tag="checkpoint")
-            full[i] = {"momentum_buffer": buf}
-        gathered = {}
-        for shards in self._shards:
-            for name in ("exp_avg", "exp_avg_sq"):
-                out = torch.empty_like(shards.full)
-                self.comm.all_gather(out, getattr(shards, name), tag="checkpoint")
-                gathered[id(shards), name] = out
-        for shards in self._shards:
-            layout = shards.layout
-            for p, off, n in zip(layout.params, layout.offsets, layout.numels):
-                param = self._params[p]
-                full[p] = {"step": self.state[param]["step"].clone()}
-                for name in ("exp_avg", "exp_avg_sq"):
-                    full[p][name] = (
-                        gathered[id(shards), name][off : off + n].view(param.shape).clone()
-                    )
-        return full
-
-    @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load full state (from this class, :class:`muonscale.Muon`, or DCP's
         ``set_state_dict``); every rank keeps its part. No collectives."""
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"loaded state has {len(saved_groups)} param groups, the optimizer {len(self.param_groups)}"
-            )
-        key_of: dict[int, Any] = {}
-        for group, saved in zip(self.param_groups, saved_groups):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError("loaded state dict has a parameter group of a different size")
-            saved = dict(saved)
-            saved.setdefault("algorithm", "muon")
-            if saved["algorithm"] != group["algorithm"]:
-                raise ValueError(
-                    f"loaded param group is {saved['algorithm']!r}, this one {group['algorithm']!r}"
-                )
-            for p, key in zip(group["params"], saved["params"]):
-                key_of[self._index[id(p)]] = key
-            for name, value in saved.items():
-                if name != "params":
-                    group[name] = tuple(value) if name == "betas" else value
-        saved_state = state_dict["state"]
-        for i in self._muon:
-            p = self._params[i]
-            if self.owner_rank[i] == self.rank:
-                source = saved_state.get(key_of[i], {}).get("momentum_buffer")
-                buf = self.state[p]["momentum_buffer"]
-                buf.copy_(source.view(p.shape)) if source is not None else buf.zero_()
-        for i in self._adamw:
-            p, entry = self._params[i], saved_state.get(key_of[i], {})
-            state = self.state[p]
-            state["step"].fill_(float(entry["step"]) if "step" in entry else 0.0)
-            if i in self._segments:
-                seg = self._segments[i][1]
-                for name in ("exp_avg", "exp_avg_sq"):
-                    source = entry.get(name)
-                    if source is None:
-                        state[name].zero_()
-                    else:
-                        state[name].copy_(
-                            source.reshape(-1)[seg.param_start : seg.param_start + seg.length]
-                        )
+        full_state.load(self, state_dict)

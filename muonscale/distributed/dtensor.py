@@ -23,8 +23,11 @@ Gradient reduction is the framework's job: FSDP2 reduce-scatters (and all-reduce
 HSDP replicate axis), TP gradients come out of autograd complete. Nothing is reduced again
 here. Every mesh must therefore span the optimizer's whole process group; a TP-only mesh under
 data parallelism outside the mesh is refused (put data parallelism on a mesh axis:
-``fully_shard`` on a 2-D mesh). Plain (non-DTensor) parameters are taken to be identical on
-every rank and are updated locally on each.
+``fully_shard`` on a 2-D mesh). Plain (non-DTensor) parameters — e.g. the embedding and norms
+outside ``parallelize_module``'s plan — are taken to be identical on every rank, gradients
+included, and are updated locally on each (Muon ones too: no traffic, duplicated FLOPs). Under
+FSDP2, ``fully_shard`` the root module as well, so that every parameter is a DTensor: a plain
+parameter there would carry an unreduced gradient.
 
 ``approximate_per_shard=True`` (off by default) instead orthogonalizes each local shard on its
 own, with no traffic: *not* Muon's update (per-shard, "blockwise" Newton–Schulz); the scale
@@ -176,7 +179,7 @@ class DTensorMuon(Muon):
             self._group_ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
         else:
             self._group_ranks = [0]
-        self._plans: dict[tuple, tuple[ShardedMatrices, list[int]]] = {}
+        self._plans: dict[tuple, ShardedMatrices] = {}
         self._layouts: dict[int, MatrixLayout] = {}
         for group in self.param_groups:  # fail fast on unsupported placements / meshes
             for p in group["params"]:
@@ -214,11 +217,10 @@ class DTensorMuon(Muon):
             layouts = [self._layout(p) for p, _ in entries]
             costs = [self.matrix_view(p, g).matrix_shapes for p, g in entries]
             owners = default_owners(layouts, self.comm.world_size, matrix_shapes=costs)
-            plan = ShardedMatrices(
+            self._plans[key] = ShardedMatrices(
                 layouts, group=self.process_group, owners=owners, counter=self.wire_counter
             )
-            self._plans[key] = (plan, owners)
-        return self._plans[key][0]
+        return self._plans[key]
 
     # ---------------------------------------------------------------- state / checks
     def optimizer_state_bytes(self) -> int:

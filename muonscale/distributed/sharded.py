@@ -39,16 +39,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from muonscale.distributed.comm import Communicator, WireCounter, tensor_bytes
-from muonscale.distributed.ownership import assign_owners
+from .comm import Communicator, WireCounter, tensor_bytes
+from .ownership import assign_owners
 
 __all__ = [
     "MatrixLayout",
-    "all_to_all_wire_bytes",
     "ShardedMatrices",
+    "all_to_all_wire_bytes",
     "chunk_bounds",
-    "duplicated_wire_bytes",
     "default_owners",
+    "duplicated_wire_bytes",
 ]
 
 Index = torch.Tensor | slice

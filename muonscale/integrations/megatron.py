@@ -11,11 +11,13 @@ Which parameter goes where (printed by ``opt.summary()``):
 
 * ``is_embedding_or_output_parameter`` / ``shared_embedding`` / ``is_embedding_parameter``
   (Megatron's own flags, set by ``LanguageModule``), and every 0/1-D tensor → AdamW;
+* learned position embeddings (an ``nn.Embedding`` without those flags) → AdamW;
 * every other 2-D weight → Muon. ``linear_qkv.weight`` is orthogonalized as separate Q, K and
   V matrices (``muon_split_qkv``, by query group as laid out by Megatron, see
   :class:`muonscale.QKVLayout`) or one matrix per head (``qkv_split="head"``);
-* ``allreduce=False`` marks expert weights: their TP group is the expert-tensor group and their
-  data-parallel group the expert-data group.
+* expert weights (``allreduce=False``, or named ``...experts...`` as Megatron's optimizer tags
+  ``expert_tp``): their TP group is the expert-tensor group, their data-parallel group the
+  expert-data group.
 
 One step on a TP group of T ranks (a *piece* is what a rank holds of one matrix)::
 
@@ -30,9 +32,12 @@ trained at TP = 2 ends where it ends at TP = 1. Megatron's own default (``--muon
 blockwise``) runs Newton–Schulz on each rank's shard instead, which is a different, layout
 dependent update; here it is available only by its name, ``"approximate_blockwise"``.
 
-Data parallel: every DP replica runs the same (deterministic) step on identical reduced
-gradients. The TP all-to-all uses :class:`muonscale.distributed.sharded.ShardedMatrices`; every
-byte is counted by :mod:`muonscale.distributed.comm` (``opt.wire_counter``).
+Data parallel (``dp_mode``): ``"zero1"`` is :class:`muonscale.DistributedMuon` on Megatron's DP
+group (reduce-scatter to owner ranks, each matrix updated by one DP rank and its TP group,
+ZeRO-1 AdamW, all-gather); ``"replicated"``: every DP replica runs the same deterministic step
+on gradients reduced by Megatron's DDP (``main_grad``) or by one all-reduce here. The TP
+all-to-alls use :class:`muonscale.distributed.sharded.ShardedMatrices`; every byte is counted
+by :mod:`muonscale.distributed.comm` (``opt.last_step_wire_bytes`` / ``_breakdown``).
 """
 
 from __future__ import annotations
@@ -340,7 +345,7 @@ class ParamPlan:
     algorithm: str
     reason: str
     expert: bool
-    """``allreduce=False``: an expert weight (expert-tensor / expert-data groups)."""
+    """An expert weight (see :func:`_is_expert`): expert-tensor / expert-data groups."""
     tp_size: int
     """Size of the TP group the parameter is sharded over (1 when it is not sharded)."""
     partition_dim: int | None
@@ -354,6 +359,16 @@ def _is_embedding(param: torch.Tensor) -> str | None:
         if getattr(param, attr, False):
             return attr
     return None
+
+
+def _is_expert(name: str, param: torch.Tensor) -> bool:
+    """An expert weight: ``allreduce=False`` (expert-data-parallel gradients), or named like
+    one, as Megatron's optimizer tags ``expert_tp`` (optimizer/__init__.py L784: 'experts' in
+    the name, not 'shared'). Megatron-Core 0.19 leaves ``allreduce=True`` on expert weights
+    when EP = 1 and ETP != TP, yet shards them over the expert-tensor group."""
+    if not getattr(param, "allreduce", True) or getattr(param, "expert_tp", False):
+        return True
+    return "experts" in name and "shared" not in name
 
 
 def _check_model_config(config: Any, split_qkv: bool) -> None:
@@ -420,7 +435,7 @@ def plan_parameters(
                 continue
             seen.add(id(p))
             name = prefix + raw_name.removeprefix("module.")
-            expert = not getattr(p, "allreduce", True)
+            expert = _is_expert(raw_name, p)
             tp_group = groups.expt_tp if expert else groups.tp
             tp_size = MegatronGroups.size(tp_group)
             sharded = bool(getattr(p, "tensor_model_parallel", False)) and tp_size > 1

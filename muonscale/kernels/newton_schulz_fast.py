@@ -31,12 +31,37 @@ versus the plain s·(4m²n + 2m³) (full) or s·(3m²n + m³) (symmetric). For s
 beats full plain when n > 1.5m (n = 4m: 50m³ vs 90m³); symmetric Gram beats symmetric plain
 when n > m (n = 4m: 29m³ vs 65m³).
 
-**Stability, restarts.** R carries the squares of the singular values, so rounding in R is
-relative to ‖R‖ = σ_max², and the polynomial Q_k amplifies it (a⁵ ≈ 500 for Keller's a).
-In float32 that is harmless; in bfloat16 the Gram form drifts. A *restart* re-forms
-X = Q X₀ and R = X Xᵀ and resets Q = I (cost 2m²n + m²n … 2m²n each). ``restart_every=r``
-restarts before steps r, 2r, … The measured errors and the resulting policy of
-``method="auto"`` are written in :data:`GRAM_POLICY` below.
+**Stability, restarts.** R carries the squares of the singular values, so its rounding error
+is relative to ‖R‖ = σ_max², and the polynomial Q_k amplifies it (a ≈ 3.4 per step for Keller,
+8.2 in Polar Express's first step). A *restart* re-forms X = Q X₀ and R = X Xᵀ and resets
+Q = I (+2m²n + 2m²n with full matmuls); ``restart_every=r`` restarts before steps r, 2r, …
+FLOPs, in units of m³, 5 steps, full matmuls (CPU) / symmetric kernels (Triton):
+
+    n/m   plain   Gram   Gram r=2   Gram r=3  |  plain sym   Gram sym   Gram sym r=2
+    1     30      38     34         36        |  20          20         20
+    2     50      42     46         44        |  35          23         29
+    3     70      46     58         52        |  50          26         38
+    4     90      50     70         60        |  65          29         47
+
+Measured (CPU, one matrix each of 768×768, 768×3072, 2304×768; Gaussian and gradient-like
+(σᵢ ∝ 1/i) inputs; Keller and Polar Express; relative Frobenius error against the float64 plain
+iteration; bf16 emulated as fp32 products rounded to bf16 after every op, i.e. a bf16 GEMM with
+fp32 accumulation — this CPU has no usable bf16 matmul):
+
+    float32   plain ≤ 1e-4;  Gram r=0 ≤ 1.3e-3 (PE, σᵢ ∝ 1/i), ≤ 2e-4 (Keller);  Gram r=2 = plain
+    bfloat16  plain 0.010–0.044
+              Gram r=0: Keller Gaussian wide 0.011 (ok), Keller σᵢ ∝ 1/i 4.5 (diverged),
+                        Polar Express σᵢ ∝ 1/i 1e15 (diverged)
+              Gram r=3: 1.3–1.5× plain (Keller), overflow (PE, σᵢ ∝ 1/i)
+              Gram r=2: 1.0–1.2× plain (Keller), 2–3× plain (Polar Express, and 7× on square)
+
+Decision (:data:`GRAM_POLICY`, used by ``method="auto"``): in float32/float64 the Gram form with
+``restart_every=2`` is as accurate as the plain iteration and saves 17% (n = 3m) to 22% (n = 4m)
+of the FLOPs, so "auto" uses it for n ≥ 3m. In bfloat16/float16 "auto" never uses it: without
+restarts it diverges on realistic spectra, and with them its error is up to 3× the plain bf16
+iteration's for Polar Express; the Triton symmetric plain iteration gets a comparable FLOP saving
+(65 vs 90 m³ at n = 4m) with no stability cost. ``method="gram"`` stays available explicitly
+(``restart_every`` defaults to 2).
 
 **Backends.** ``"triton"`` (CUDA only): the symmetric products use
 :func:`muonscale.kernels.triton_symmetric.sym_matmul`, the final a X + B X and Q X₀ use
@@ -77,18 +102,11 @@ __all__ = [
     "triton_available",
 ]
 
-# Decision for method="auto", from the measurements in the report of issue 6 (CPU, float32 and
-# bfloat16, Keller and Polar Express coefficients; errors against the float64 plain iteration):
-#   * float32 (and float64): the Gram form matches the plain iteration to ~1e-6 relative, so it is
-#     used whenever it saves FLOPs by the cost model (n >= min_aspect · m).
-#   * bfloat16 / float16: the Gram form's error with restart_every=2 was comparable to the plain
-#     bf16 iteration's own rounding error, and larger without restarts; "auto" uses it only with
-#     restarts, and only where the FLOP saving survives them (n >= min_aspect_16bit · m).
+# Decision for method="auto" (the measurements are in the module docstring).
 GRAM_POLICY = {
-    "min_aspect": 2.0,  # float32/float64
-    "min_aspect_16bit": 3.0,  # bfloat16/float16, with restart_every_16bit
-    "restart_every_16bit": 2,
-    "restart_every_32bit": None,  # no restart needed in float32
+    "min_aspect_32bit": 3.0,  # float32/float64: Gram form when n >= 3m ...
+    "restart_every": 2,  # ... restarting before steps 2 and 4 (also the default for method="gram")
+    "use_16bit": False,  # bfloat16/float16: never in "auto" (unstable; see above)
 }
 
 
@@ -394,12 +412,9 @@ def newton_schulz_batched_(
 def choose_method(m: int, n: int, dtype: torch.dtype) -> tuple[str, int | None]:
     """``(method, restart_every)`` that ``method="auto"`` uses for an m×n matrix in ``dtype``."""
     m, n = min(m, n), max(m, n)
-    if dtype in (torch.float32, torch.float64):
-        if n >= GRAM_POLICY["min_aspect"] * m:
-            return "gram", GRAM_POLICY["restart_every_32bit"]
-        return "plain", None
-    if n >= GRAM_POLICY["min_aspect_16bit"] * m:
-        return "gram", GRAM_POLICY["restart_every_16bit"]
+    wide = n >= GRAM_POLICY["min_aspect_32bit"] * m
+    if wide and (dtype in (torch.float32, torch.float64) or GRAM_POLICY["use_16bit"]):
+        return "gram", GRAM_POLICY["restart_every"]
     return "plain", None
 
 
@@ -413,7 +428,7 @@ def newton_schulz_fast(
     out: torch.Tensor | None = None,
     method: str = "plain",
     backend: str = "auto",
-    restart_every: int | None = None,
+    restart_every: int | None | str = "auto",
     max_workspace_bytes: int | None = None,
 ) -> torch.Tensor:
     """Drop-in for :func:`muonscale.newton_schulz.newton_schulz` (same arguments, same result
@@ -426,7 +441,8 @@ def newton_schulz_fast(
             (:func:`choose_method`: Gram only where it saves FLOPs and was measured accurate).
         backend: "auto" (Triton symmetric kernels on CUDA, torch elsewhere), "torch",
             "triton", "compile".
-        restart_every: Gram form only; ``None`` with method="auto" takes the policy's value.
+        restart_every: Gram form only: restart before steps r, 2r, …; ``None`` never restarts;
+            "auto" takes ``GRAM_POLICY["restart_every"]`` (2).
         max_workspace_bytes: chunk the batch so one workspace stays under this many bytes.
     """
     if not isinstance(G, torch.Tensor) or G.ndim < 2:
@@ -448,8 +464,9 @@ def newton_schulz_fast(
     transposed = rows > cols
     m, n = (cols, rows) if transposed else (rows, cols)
     if method == "auto":
-        method, policy_restart = choose_method(m, n, dtype)
-        restart_every = restart_every if restart_every is not None else policy_restart
+        method, _ = choose_method(m, n, dtype)
+    if restart_every == "auto":
+        restart_every = GRAM_POLICY["restart_every"]
     src = G.reshape(-1, rows, cols)
     dst = out.view(-1, rows, cols) if out.is_contiguous() else None
     k = src.shape[0]

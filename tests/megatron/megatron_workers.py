@@ -50,16 +50,16 @@ def cpu_shims() -> None:
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
-def setup_parallel(tp: int) -> None:
+def setup_parallel(tp: int, etp: int | None = None) -> None:
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_tensor_parallel_size=etp)
     cpu_shims()
 
 
-def build_gpt(shape: dict, seed: int = 0, **config_overrides):
+def build_gpt(shape: dict, seed: int = 0, num_experts: int | None = None, **config_overrides):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -70,64 +70,70 @@ def build_gpt(shape: dict, seed: int = 0, **config_overrides):
         num_attention_heads=shape["num_attention_heads"], num_query_groups=shape["num_query_groups"],
         ffn_hidden_size=shape["ffn_hidden_size"], gated_linear_unit=shape["gated_linear_unit"],
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=torch.float32, **config_overrides,
+        params_dtype=torch.float32, num_moe_experts=num_experts, **config_overrides,
     )  # fmt: skip
-    return GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+    model = GPTModel(
+        config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=num_experts),
         vocab_size=shape["vocab_size"], max_sequence_length=shape["seq_len"],
         position_embedding_type="learned_absolute",
     )  # fmt: skip
+    _EXPERTS.clear()
+    _EXPERTS.update(p for n, p in model.named_parameters() if "experts" in n and "shared" not in n)
+    return model
 
 
 # ----------------------------------------------------------------------------- TP layouts
-def _tp_info(p):
+_EXPERTS: set = set()
+"""Expert weights of the current model (filled by :func:`build_gpt`)."""
+
+
+def _tp_group(p):
+    """Expert weights are sharded over the expert-tensor group."""
     from megatron.core import parallel_state as ps
 
-    if (
-        not getattr(p, "tensor_model_parallel", False)
-        or ps.get_tensor_model_parallel_world_size() == 1
-    ):
+    if p in _EXPERTS:
+        return ps.get_expert_tensor_parallel_group()
+    return ps.get_tensor_model_parallel_group()
+
+
+def _tp_info(p):
+    group = _tp_group(p)
+    if not getattr(p, "tensor_model_parallel", False) or dist.get_world_size(group) == 1:
         return None
-    return int(p.partition_dim), int(getattr(p, "partition_stride", 1))
+    return int(p.partition_dim), int(getattr(p, "partition_stride", 1)), group
 
 
 def local_slice(full: torch.Tensor, p) -> torch.Tensor:
     """This rank's shard of a full (canonical order) tensor, as Megatron's CPU init splits it:
     ``full.split`` into T·stride pieces, rank r holds pieces r, r+T, …"""
-    from megatron.core import parallel_state as ps
-
     info = _tp_info(p)
     if info is None:
         return full.clone()
-    dim, stride = info
-    t, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    dim, stride, group = info
+    t, r = dist.get_world_size(group), dist.get_rank(group)
     pieces = full.chunk(t * stride, dim=dim)
     return torch.cat([pieces[c * t + r] for c in range(stride)], dim=dim).contiguous()
 
 
 def gather_full(p: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`local_slice`: the full tensor in canonical order."""
-    from megatron.core import parallel_state as ps
-
     info = _tp_info(p)
     data = p.detach()
     if info is None:
         return data.clone()
-    dim, stride = info
-    t = ps.get_tensor_model_parallel_world_size()
+    dim, stride, group = info
+    t = dist.get_world_size(group)
     shards = [torch.empty_like(data) for _ in range(t)]
-    dist.all_gather(shards, data.contiguous(), group=ps.get_tensor_model_parallel_group())
+    dist.all_gather(shards, data.contiguous(), group=group)
     per_rank = [s.chunk(stride, dim=dim) for s in shards]
     return torch.cat([per_rank[r][c] for c in range(stride) for r in range(t)], dim=dim)
 
 
 def full_shape(p) -> tuple[int, ...]:
-    from megatron.core import parallel_state as ps
-
     info = _tp_info(p)
     shape = list(p.shape)
     if info is not None:
-        shape[info[0]] *= ps.get_tensor_model_parallel_world_size()
+        shape[info[0]] *= dist.get_world_size(info[2])
     return tuple(shape)
 
 
@@ -211,7 +217,7 @@ def run(rank: int, world_size: int, spec: dict) -> dict:
 
     from muonscale.integrations.megatron import MegatronMuonConfig, megatron_muon
 
-    setup_parallel(spec["tp"])
+    setup_parallel(spec["tp"], spec.get("etp"))
     shape = spec.get("shape", TINY)
     model = build_gpt(shape, seed=spec.get("seed", 0), **spec.get("model", {}))
     options = dict(spec.get("options", {}))

@@ -126,3 +126,26 @@ def test_cost_against_megatron_duplicated(pool2):
     )
     assert per_step == duplicated  # equal at TP = 2 (2/T of duplicated in general)
     assert set(ours["breakdown"]) == {"muon_tp/all_to_all"}
+
+
+@pytest.mark.parametrize("etp", [1, 2])
+def test_moe_experts_use_the_expert_tensor_group(pool2, etp):
+    """Two SequentialMLP experts, TP = 2, expert-tensor parallel 1 (experts whole on each rank,
+    dense layers sharded) or 2 (experts sharded over the expert-tensor group). Identical
+    gradients: the same parameters as TP = 1."""
+    model = dict(num_experts=2, moe_token_dispatcher_type="allgather", add_bias_linear=False)
+    ref = _run(
+        pool2, tp=1, etp=1, options=OURS, model=dict(model, expert_tensor_parallel_size=1), steps=2
+    )
+    moe = _run(
+        pool2,
+        tp=2,
+        etp=etp,
+        options=OURS,
+        model=dict(model, expert_tensor_parallel_size=etp),
+        steps=2,
+    )
+    assert "expert" in moe["summary"]
+    delta = W.max_abs_diff(ref["params"], moe["params"])
+    print(f"\nMoE TP1 vs TP2 (ETP {etp}), identical gradients: max|dW| = {delta:.3g}")
+    assert delta <= 1e-6
