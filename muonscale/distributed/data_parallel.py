@@ -94,8 +94,20 @@ class DistributedMuon(Muon):
     With world size 1 (or without an initialized process group) the same code runs with no
     collectives and gives bitwise :class:`muonscale.Muon`'s result.
 
+    Usage (under ``torchrun``; the model is not wrapped in DDP)::
+
+        opt = DistributedMuon(model, lr=0.02, weight_decay=0.1)
+        for micro_batch in batches[:-1]:
+            with opt.no_sync():                  # accumulate locally
+                loss_fn(model, micro_batch).backward()
+        loss_fn(model, batches[-1]).backward()   # reductions start here, bucket by bucket
+        opt.clip_grad_norm_(1.0)                 # global norm of the averaged gradient
+        opt.step()                               # collective: every rank calls it
+        opt.zero_grad()
+
     Args:
-        params: as for :class:`muonscale.Muon` (``model.named_parameters()`` recommended).
+        params: as for :class:`muonscale.Muon`: the model itself (routes embeddings by module
+            type), ``model.named_parameters()``, or param groups.
         process_group: the data-parallel group (None: the default group).
         reduce_dtype: dtype of the Muon gradient reduction (None: the parameter's dtype).
         bucket_cap_mb: approximate size of one bucket (as DDP's ``bucket_cap_mb``).
@@ -105,7 +117,11 @@ class DistributedMuon(Muon):
     :class:`muonscale.Muon`'s (momentum gathered from the owners, AdamW shards gathered), so
     ``torch.distributed.checkpoint`` sees replicated tensors and a checkpoint loads at any world
     size, even into single-process ``Muon``. ``load_state_dict()`` takes full state and keeps
-    the local part (no collectives).
+    the local part (no collectives); see :mod:`.full_state`.
+
+    A rank that fails inside ``step()`` makes the others fail in their next collective after
+    at most the process-group timeout (``init_process_group(timeout=...)``), with a
+    :class:`~muonscale.distributed.CollectiveError` that says so.
     """
 
     def __init__(

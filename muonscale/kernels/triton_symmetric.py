@@ -95,9 +95,11 @@ def _sym_matmul_kernel(
     y_ptrs = Y + batch * stride_yb + rows_j[None, :] * stride_ym + offs_k[:, None] * stride_yk
 
     acc = tl.full((BLOCK, BLOCK), 0.0, tl.float32)
-    # K_TILES is a constexpr (not cdiv(K, BLOCK_K) at run time) because the Triton interpreter
-    # cannot loop over a run-time scalar with numpy >= 2.4; it costs one compile per distinct K.
-    for kt in range(0, K_TILES):
+    # Number of K blocks: computed at run time on the GPU (one compiled kernel for every K);
+    # under the interpreter K_TILES > 0 passes it as a constexpr instead, because the
+    # interpreter cannot loop over a run-time scalar with numpy >= 2.4 (and turns every
+    # assigned name into one, hence the inline conditional).
+    for kt in range(0, K_TILES if K_TILES > 0 else (K + BLOCK_K - 1) // BLOCK_K):
         k_left = K - kt * BLOCK_K
         x = tl.load(x_ptrs, mask=mask_i[:, None] & (offs_k[None, :] < k_left), other=0.0)
         y = tl.load(y_ptrs, mask=mask_j[None, :] & (offs_k[:, None] < k_left), other=0.0)
@@ -239,7 +241,7 @@ def sym_matmul(
         HAS_Z=Z3 is not None,
         HAS_GAMMA=gamma != 0.0,
         BLOCK=block,
-        K_TILES=triton.cdiv(p, cfg["BLOCK_K"]),
+        K_TILES=0 if X.is_cuda else triton.cdiv(p, cfg["BLOCK_K"]),
         INPUT_PRECISION=precision,
         **cfg,
     )  # fmt: skip
