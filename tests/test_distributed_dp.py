@@ -98,6 +98,14 @@ def test_world_size_one_is_bitwise_muon():
     assert ob.optimizer_state_bytes() == oa.optimizer_state_bytes()
 
 
+def test_parameters_are_fixed_after_construction():
+    opt = DistributedMuon(make_model(), **OPTS)
+    with pytest.raises(NotImplementedError, match="fixed at construction"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3, 3))]})
+    with pytest.raises(ValueError, match="reduce_dtype"):
+        DistributedMuon(make_model(), **OPTS, reduce_dtype=torch.int8)
+
+
 # ---------------------------------------------------------------------------- equality
 def _same_batch(rank, world_size, steps, model_kw, dist_kw, muon_kw=None):
     ref = reference(steps, model_kw, **(muon_kw or {}))

@@ -19,6 +19,7 @@ Tolerances (relative, max over entries / matrices):
 
 from __future__ import annotations
 
+import importlib
 import os
 
 # The Triton interpreter must be chosen before triton is imported for the first time. If some
@@ -259,3 +260,32 @@ def test_gpu_fast_ns_bf16(method):
     out = newton_schulz_fast(G, ns_dtype=torch.bfloat16, method=method)
     # as close to the float64 iteration as the reference bf16 iteration is, within 1.5×
     assert _rel_fro(out, ref64) <= 1.5 * _rel_fro(ref_bf16, ref64) + 1e-3
+
+
+def test_auto_backend_falls_back_to_torch_when_triton_fails(monkeypatch):
+    """On CUDA, backend="auto" uses Triton; a kernel that fails (compile error on an untested
+    GPU) must not break the optimizer step: warn once, reload the input, finish with torch."""
+    nsf = importlib.import_module("muonscale.kernels.newton_schulz_fast")
+
+    def broken(X, schedule, ws):
+        X.mul_(0.0)  # partial damage before failing
+        raise RuntimeError("simulated Triton failure")
+
+    monkeypatch.setitem(nsf._triton_state, "ok", True)
+    monkeypatch.setitem(nsf._triton_state, "module", None)
+    monkeypatch.setattr(nsf, "_resolve_backend", lambda b, X: "triton" if b == "auto" else b)
+    monkeypatch.setattr(nsf, "_plain_triton_", broken)
+    torch.manual_seed(0)
+    G = torch.randn(2, 16, 32)
+    with pytest.warns(RuntimeWarning, match="simulated Triton failure"):
+        out = newton_schulz_fast(G, backend="auto")
+    assert torch.equal(out, newton_schulz(G))
+    assert nsf._triton_state["ok"] is False
+
+
+@pytest.mark.slow
+def test_compile_backend_matches_reference():
+    torch.manual_seed(0)
+    G = torch.randn(2, 16, 32)
+    out = newton_schulz_fast(G, backend="compile")
+    assert _rel_fro(out, newton_schulz(G)) <= 1e-5

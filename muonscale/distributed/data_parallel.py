@@ -292,6 +292,14 @@ class DistributedMuon(Muon):
                 state["exp_avg"] = shards.exp_avg[window]
                 state["exp_avg_sq"] = shards.exp_avg_sq[window]
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if hasattr(self, "_buckets"):
+            raise NotImplementedError(
+                "DistributedMuon: parameters are fixed at construction (owners and buckets are "
+                "planned once, on every rank); build a new optimizer instead"
+            )
+        super().add_param_group(param_group)
+
     def init_state(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """State is created at construction (owned Muon matrices, local AdamW shards)."""
         return self.state[p]

@@ -80,6 +80,7 @@ CUDA streams.
 from __future__ import annotations
 
 import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -135,6 +136,17 @@ def _sym():
     if not triton_available():
         raise RuntimeError(f"triton backend unavailable: {_triton_state.get('error')}")
     return _triton_state["module"]
+
+
+def _disable_triton(exc: BaseException) -> None:
+    """backend="auto" falls back to torch for the rest of the process, once, loudly."""
+    _triton_state["ok"] = False
+    _triton_state["error"] = repr(exc)
+    warnings.warn(
+        f"muonscale: Triton Newton–Schulz kernels failed ({exc!r}); using torch.bmm from now on",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _resolve_backend(backend: str, X: torch.Tensor) -> str:
@@ -476,23 +488,32 @@ def newton_schulz_fast(
     per_matrix = workspace_bytes(1, m, n, torch.empty((), dtype=dtype).element_size(), method)
     chunk = max(1, min(k, budget // max(per_matrix, 1)))
 
-    results = []
-    for start in range(0, k, chunk):
-        kc = min(chunk, k - start)
-        ws = get_workspace((kc, m, n), dtype, G.device, method)
+    def load(ws: NSWorkspace, g: torch.Tensor) -> torch.Tensor:
         X = ws.x  # (kc, m, n)
-        g = src[start : start + kc]
         X.copy_(g.mT if transposed else g)  # cast + transpose in one copy
         # X₀ = X / max(margin · ‖X‖_F, eps), norm taken in the NS dtype like the reference
-        norm = ws.get("norm", (kc, 1, 1))
+        norm = ws.get("norm", (X.shape[0], 1, 1))
         torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, out=norm)
         if margin != 1.0:
             norm.mul_(margin)
         norm.clamp_(min=eps)
-        X.div_(norm)
-        newton_schulz_batched_(
-            X, schedule, workspace=ws, method=method, backend=backend, restart_every=restart_every
-        )
+        return X.div_(norm)
+
+    results = []
+    for start in range(0, k, chunk):
+        kc = min(chunk, k - start)
+        ws = get_workspace((kc, m, n), dtype, G.device, method)
+        g = src[start : start + kc]
+        X = load(ws, g)
+        kw = dict(workspace=ws, method=method, restart_every=restart_every)
+        if backend == "auto" and _resolve_backend("auto", X) == "triton":
+            try:
+                newton_schulz_batched_(X, schedule, backend="triton", **kw)
+            except Exception as exc:  # a kernel that does not compile/run on this GPU
+                _disable_triton(exc)
+                newton_schulz_batched_(load(ws, g), schedule, backend="torch", **kw)
+        else:
+            newton_schulz_batched_(X, schedule, backend=backend, **kw)
         res = X.mT if transposed else X
         if dst is not None:
             dst[start : start + kc].copy_(res)
