@@ -16,8 +16,21 @@ from .scaling import SCALE_RULES, update_scale
 
 __version__ = "0.1.0"
 
+_DISTRIBUTED = ("DistributedMuon", "DTensorMuon")
+
+
+def __getattr__(name: str):
+    # The distributed optimizers import torch.distributed's DTensor machinery: load on first use.
+    if name in _DISTRIBUTED:
+        from . import distributed
+
+        return getattr(distributed, name)
+    raise AttributeError(f"module 'muonscale' has no attribute {name!r}")
+
 __all__ = [
     "COEFFICIENT_PRESETS",
+    "DTensorMuon",
+    "DistributedMuon",
     "MatrixView",
     "Muon",
     "NonFiniteGradientError",

@@ -3,11 +3,13 @@ whole-matrix owners in :mod:`.ownership`, data parallelism in :mod:`.data_parall
 
 from .comm import CollectiveError, Communicator, WireCounter, gather_wire_stats, ring_wire_bytes
 from .data_parallel import DistributedMuon
+from .dtensor import DTensorMuon
 from .ownership import assign_owners, format_ownership_table
 
 __all__ = [
     "CollectiveError",
     "Communicator",
+    "DTensorMuon",
     "DistributedMuon",
     "WireCounter",
     "assign_owners",

@@ -59,6 +59,10 @@ class _Bucket:
         self.launched = False
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" or type(getattr(t, "data", None)).__name__ == "DTensor"
+
+
 def _on_grad_ready(optimizer_ref: weakref.ref, param: torch.Tensor) -> None:
     optimizer = optimizer_ref()
     if optimizer is not None:
@@ -134,6 +138,14 @@ class DistributedMuon(Muon):
         **muon_options: Any,
     ) -> None:
         super().__init__(params, **muon_options)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if _is_dtensor(p):
+                    raise TypeError(
+                        f"DistributedMuon: parameter '{self._name(p)}' is a DTensor (FSDP2 / tensor "
+                        "parallel); use muonscale.DTensorMuon, which orthogonalizes sharded "
+                        "matrices exactly and leaves gradient reduction to the sharding framework"
+                    )
         if reduce_dtype is not None and not (
             isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point
         ):
