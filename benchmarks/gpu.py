@@ -295,7 +295,7 @@ class Bench:
         }
         self.matmul_rate: float | None = None  # FLOP/s
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.models = {"gpt2-small-tiny": (2, 64, 4)} if self.smoke else dict(GPT2)
+        self.models = {"gpt2-small-tiny": (1, 32, 2)} if self.smoke else dict(GPT2)
 
     # -- bookkeeping
     def save(self) -> None:
@@ -469,7 +469,7 @@ class Bench:
             if self.guard.left() < 40 and not self.smoke:
                 rows.append({"model": name, "skipped": "time guard"})
                 continue
-            vocab, ctx = (512, 64) if self.smoke else (VOCAB, CONTEXT)
+            vocab, ctx = (256, 32) if self.smoke else (VOCAB, CONTEXT)
             muon_named, adamw_named = param_set(n_layer, d, dev, vocab, ctx)
             floor_flops = sum(newton_schulz_flops(*p.shape, 5) for _, p in muon_named)
             opts = {
@@ -486,7 +486,9 @@ class Bench:
                 newton_schulz_fast(g, ns_dtype=dt, method="auto") for g in st.values()
             ]
             fns["ns_fast_plain_only"] = lambda st=stacks: [newton_schulz_fast(g, ns_dtype=dt) for g in st.values()]  # fmt: skip
-            times = self.clock.interleaved(fns, warmup=2, reps=3 if self.smoke else 8, budget_s=30)
+            times = self.clock.interleaved(
+                fns, warmup=1 if self.smoke else 2, reps=2 if self.smoke else 8, budget_s=30
+            )
             floor = floor_flops / rate
             row = {
                 "model": name,
@@ -510,7 +512,7 @@ class Bench:
     def section_e2e(self) -> dict:
         dev = self.device
         if self.smoke:
-            preset, dims, vocab, ctx, micro, accum = "gpt2-medium", (2, 64, 4), 512, 64, 2, 4
+            preset, dims, vocab, ctx, micro, accum = "gpt2-medium", (1, 32, 2), 256, 32, 2, 2
         else:
             preset, dims, vocab, ctx, micro, accum = (
                 "gpt2-medium",
@@ -548,11 +550,11 @@ class Bench:
         tokens = micro * ctx
         fwd_bwd()  # creates grads, so the optimizer steps below have work
         parts = self.clock.interleaved({"fwd_bwd": fwd_bwd, **{f"opt_{k}": o.step for k, o in opts.items()}},
-                                       warmup=2, reps=3 if self.smoke else 8, budget_s=40)  # fmt: skip
+                                       warmup=1 if self.smoke else 2, reps=2 if self.smoke else 8, budget_s=40)  # fmt: skip
         for o in opts.values():
             o.zero_grad(set_to_none=True)
         one = self.clock.interleaved({k: train_step(o, 1) for k, o in opts.items()},
-                                     warmup=1, reps=3 if self.smoke else 6, budget_s=40)  # fmt: skip
+                                     warmup=1, reps=2 if self.smoke else 6, budget_s=40)  # fmt: skip
         n_acc = accum if self.guard.left() > 120 or self.smoke else 0
         acc = {}
         if n_acc:
@@ -582,7 +584,7 @@ class Bench:
     def section_memory(self) -> dict:
         dev = self.device
         if self.smoke:
-            dims, vocab, ctx, micro = (2, 64, 4), 512, 64, 2
+            dims, vocab, ctx, micro = (1, 32, 2), 256, 32, 2
         else:
             dims, vocab, ctx, micro = GPT2["gpt2-xl"], VOCAB, CONTEXT, 8
         rows = []
@@ -602,7 +604,7 @@ class Bench:
                 autocast = torch.autocast(
                     dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"
                 )
-                for _ in range(3):
+                for _ in range(1 if self.smoke else 3):
                     with autocast:
                         _, loss = model(idx, idx)
                     loss.backward()
@@ -661,8 +663,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.budget_s is None:  # smoke runs every section whatever the clock says: it tests code
         args.budget_s = 1e6 if args.smoke else 270.0
-    if args.smoke and triton_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors use the interpreter twin
     bench = Bench(args)
     print(f"device: {bench.results['meta']['device']}  dtype: {bench.dtype}  "
           f"triton: {triton_available()}  budget: {args.budget_s:.0f}s")  # fmt: skip

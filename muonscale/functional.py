@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import torch
 
 from .matrices import MatrixView
-from .newton_schulz import DEFAULT_EPS, default_ns_dtype, newton_schulz
+from .kernels.newton_schulz_fast import newton_schulz_fast
+from .newton_schulz import DEFAULT_EPS, default_ns_dtype
 from .scaling import update_scale
 
 
@@ -45,10 +46,13 @@ def orthogonalize_matrices(
     coefficients,
     ns_dtype: torch.dtype | None,
     eps: float = DEFAULT_EPS,
+    method: str = "auto",
 ) -> list[torch.Tensor]:
     """Newton–Schulz of every matrix, batched: matrices with the same (short, long) shape are
-    stacked (tall ones transposed) and orthogonalized in one call. Returns matrices in the
-    input's shapes, in ``ns_dtype``."""
+    stacked (tall ones transposed) and orthogonalized in place in one call of
+    :func:`muonscale.kernels.newton_schulz_fast` (workspace reuse; Triton symmetric products on
+    CUDA; ``method="auto"`` takes the Gram form for wide float32 matrices, where it is as
+    accurate and cheaper). Returns matrices in the input's shapes, in ``ns_dtype``."""
     buckets: dict[tuple, list[int]] = defaultdict(list)
     for i, mat in enumerate(matrices):
         m, n = mat.shape
@@ -60,7 +64,9 @@ def orthogonalize_matrices(
         for slot, i in enumerate(indices):
             mat = matrices[i]
             stack[slot].copy_(mat.mT if mat.shape[0] > mat.shape[1] else mat)
-        ortho = newton_schulz(stack, steps=ns_steps, coefficients=coefficients, ns_dtype=dtype, eps=eps)
+        ortho = newton_schulz_fast(
+            stack, ns_steps, coefficients, dtype, eps, out=stack, method=method, backend="auto"
+        )
         for slot, i in enumerate(indices):
             o = ortho[slot]
             out[i] = o.mT if matrices[i].shape[0] > matrices[i].shape[1] else o
@@ -82,6 +88,7 @@ def muon(
     ns_dtype: torch.dtype | None,
     scale: str,
     eps: float = DEFAULT_EPS,
+    ns_method: str = "auto",
 ) -> None:
     """One Muon step, in place on ``params`` and ``momentum_buffers``::
 
@@ -99,7 +106,8 @@ def muon(
             matrices.append(mat)
             owner.append(index)
     orthogonal = orthogonalize_matrices(
-        matrices, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype, eps=eps
+        matrices, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype, eps=eps,
+        method=ns_method,
     )
     per_param: list[list[torch.Tensor]] = [[] for _ in params]
     for index, mat in zip(owner, orthogonal):

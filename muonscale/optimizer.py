@@ -22,6 +22,7 @@ from .qkv import QKV_SPLIT_MODES, QKVLayout
 from .scaling import SCALE_RULES
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
+NS_METHODS = ("auto", "plain", "gram")
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -55,6 +56,8 @@ def _validate_muon_group(group: Mapping[str, Any]) -> None:
     if group["matrix_mode"] not in MATRIX_MODES:
         raise ValueError(f"matrix_mode must be one of {MATRIX_MODES}, got {group['matrix_mode']!r}")
     _check_range("ns_eps", group["ns_eps"], 0.0, math.inf)
+    if group["ns_method"] not in NS_METHODS:
+        raise ValueError(f"ns_method must be one of {NS_METHODS}, got {group['ns_method']!r}")
 
 
 def _validate_adamw_group(group: Mapping[str, Any]) -> None:
@@ -119,6 +122,10 @@ class Muon(torch.optim.Optimizer):
             (conv kernels) or ``"batch"`` (leading dims index separate matrices: stacked experts).
         rules: routing overrides for :func:`muonscale.route` (regex or callables).
         ns_eps: floor of the Frobenius norm in Newton–Schulz.
+        ns_method: ``"plain"`` (the reference iteration), ``"gram"`` (iterate on the m×m Gram
+            matrix, restarting every 2 steps) or ``"auto"`` (Gram for float32/float64 matrices
+            with n ≥ 3m, where it is as accurate and 17–22% cheaper; plain otherwise). Same
+            function either way; see :mod:`muonscale.kernels.newton_schulz_fast`.
     """
 
     def __init__(
@@ -144,6 +151,7 @@ class Muon(torch.optim.Optimizer):
         matrix_mode: str = "flatten",
         rules: Sequence[Rule] | None = None,
         ns_eps: float = DEFAULT_EPS,
+        ns_method: str = "auto",
     ) -> None:
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
@@ -155,6 +163,7 @@ class Muon(torch.optim.Optimizer):
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             ns_steps=ns_steps, coefficients=coefficients, scale=scale, ns_dtype=ns_dtype,
             momentum_dtype=momentum_dtype, matrix_mode=matrix_mode, ns_eps=ns_eps,
+            ns_method=ns_method,
         )  # fmt: skip
         _validate_muon_group(self._muon_defaults)
         self._adamw_defaults = dict(
@@ -374,6 +383,7 @@ class Muon(torch.optim.Optimizer):
                 group.setdefault("ns_eps", DEFAULT_EPS)
                 group.setdefault("momentum_dtype", None)
                 group.setdefault("ns_dtype", None)
+                group.setdefault("ns_method", "auto")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for group in state_dict.get("param_groups", []):  # checkpoints from older versions
@@ -450,7 +460,7 @@ class Muon(torch.optim.Optimizer):
                 lr=float(group["lr"]), weight_decay=group["weight_decay"], momentum=group["momentum"],
                 nesterov=group["nesterov"], ns_steps=group["ns_steps"],
                 coefficients=group["coefficients"], ns_dtype=group["ns_dtype"],
-                scale=group["scale"], eps=group["ns_eps"],
+                scale=group["scale"], eps=group["ns_eps"], ns_method=group["ns_method"],
             )  # fmt: skip
         else:
             beta1, beta2 = group["betas"]

@@ -1,7 +1,8 @@
 """Fast Newton–Schulz paths against their references.
 
 * Triton symmetric kernel vs a float64 torch matmul, run by the Triton interpreter on CPU
-  (float32 and float16 only: the interpreter's bfloat16 ``tl.dot`` is wrong,
+  (CPU tensors get an interpreted twin of the kernel, so TRITON_INTERPRET need not be set;
+  float32 and float16 only: the interpreter's bfloat16 ``tl.dot`` is wrong,
   triton-lang/triton#11584). Skipped when triton is not installed.
 * ``newton_schulz_fast`` (workspace plain path, Gram path, Triton backend) vs the pure
   ``muonscale.newton_schulz.newton_schulz`` on CPU.
@@ -21,16 +22,13 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
+import sys
 
-# The Triton interpreter must be chosen before triton is imported for the first time. If some
-# other test imported triton first, triton_symmetric builds interpreter twins of its kernels
-# for CPU tensors anyway.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from muonscale.kernels import (  # noqa: E402
+from muonscale.kernels import (
     choose_method,
     gram_flops,
     newton_schulz_batched_,
@@ -38,8 +36,8 @@ from muonscale.kernels import (  # noqa: E402
     plain_flops,
     triton_available,
 )
-from muonscale.kernels.newton_schulz_fast import NSWorkspace, clear_workspaces  # noqa: E402
-from muonscale.newton_schulz import newton_schulz, resolve_coefficients  # noqa: E402
+from muonscale.kernels.newton_schulz_fast import NSWorkspace, clear_workspaces
+from muonscale.newton_schulz import newton_schulz, resolve_coefficients
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -103,6 +101,42 @@ def test_sym_matmul_rejects_aliasing_and_bad_shapes():
         sym_matmul(A, out=A)
     with pytest.raises(ValueError, match="Y shape"):
         sym_matmul(A, torch.randn(1, 16, 8))
+
+
+_COMPILE_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from muonscale.kernels.triton_symmetric import _sym_matmul_kernel as kernel
+const = {"HAS_Z": True, "HAS_GAMMA": True, "BLOCK": 128, "BLOCK_K": 64, "K_TILES": 0,
+         "INPUT_PRECISION": "tf32"}
+kinds = {"X": "*bf16", "Y": "*bf16", "Z": "*bf16", "C": "*bf16", "TILE_I": "*i32",
+         "TILE_J": "*i32", "alpha": "fp32", "beta": "fp32", "gamma": "fp32"}
+signature = {n: "constexpr" if n in const else kinds.get(n, "i32") for n in kernel.arg_names}
+constexprs = {(kernel.arg_names.index(k),): v for k, v in const.items()}
+src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 8, "num_stages": 3})
+print("WGMMA" if "wgmma" in compiled.asm["ptx"] else "NO-WGMMA", len(compiled.asm["cubin"]))
+"""
+
+
+@needs_triton
+def test_sym_matmul_compiles_for_hopper_without_a_gpu():
+    """Compile the GPU configuration (bf16, 128×128×64, 8 warps, 3 stages, fused epilogue) to a
+    cubin for sm_90 with Triton's bundled ptxas: catches GPU-only compile errors on CPU CI.
+    In a subprocess, because this process imported triton in interpreter mode."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=300
+    )
+    if proc.returncode != 0 and "ptxas" in proc.stderr:
+        pytest.skip(f"no usable ptxas: {proc.stderr[-300:]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("WGMMA")  # Hopper tensor-core path
 
 
 # ---------------------------------------------------------------------------------------------

@@ -168,7 +168,7 @@ def test_old_checkpoint_without_new_options_loads():
     _train(model, opt, 1)
     sd = opt.state_dict()
     for group in sd["param_groups"]:
-        for key in ("matrix_mode", "ns_eps", "momentum_dtype"):
+        for key in ("matrix_mode", "ns_eps", "momentum_dtype", "ns_method"):
             group.pop(key, None)
     fresh = Muon(model.named_parameters(), lr=1e-3)
     fresh.load_state_dict(sd)

@@ -19,7 +19,7 @@ from typing import TextIO
 
 from muonscale.bench.config import BenchConfig
 
-__all__ = ["BenchConfig", "default_out_dir", "run_bench"]
+__all__ = ["BenchConfig", "default_out_dir", "run_bench", "set_threads"]
 
 
 def default_out_dir() -> Path:
@@ -45,6 +45,7 @@ def run_bench(
 
     stream = stream or sys.stdout
     start = time.perf_counter()
+    set_threads(config)
     out_dir = Path(config.out) if config.out else default_out_dir()
     if make_run is None:
         from muonscale.bench.runner import make_run
@@ -96,6 +97,14 @@ def run_bench(
     print(format_table(report), file=stream)
     print(f"\nreport: {out_dir / 'report.md'}  ({report['wall_seconds']:.0f}s)", file=stream)
     return report
+
+
+def set_threads(config: BenchConfig) -> None:
+    """Apply ``--threads`` (the bench and its memory probes call this)."""
+    if config.threads is not None:
+        import torch
+
+        torch.set_num_threads(config.threads)
 
 
 def _resolved_config(config, lrs, eval_steps, records) -> dict:

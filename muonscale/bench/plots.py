@@ -57,12 +57,13 @@ def _plot_losses(ax, contenders: Mapping, x_key: str, mark_target: bool) -> None
                 if name != "adamw" and reached is not None:
                     ax.plot([reached], [adamw["final_val_loss"]], "o", color=COLORS.get(name))
                     ax.annotate(
-                        f"{c['steps_to_adamw_final_loss_ratio']:.2f}x steps",
+                        f"{c['steps_to_adamw_final_loss_ratio']:.2f}x AdamW's steps",
                         (reached, adamw["final_val_loss"]),
                         textcoords="offset points",
-                        xytext=(0, 10),
-                        ha="center",
+                        xytext=(8, -16),
+                        ha="left",
                         color=COLORS.get(name),
+                        fontweight="bold",
                     )
     ylim = _loss_ylim(contenders)
     if ylim is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -107,7 +107,6 @@ def run_side_by_side(
     *,
     progress: bool = True,
     desc: str = "bench",
-    on_eval: Callable[[int, Mapping[str, ContenderRecord]], None] | None = None,
     divergence_errors: tuple[type[BaseException], ...] = (),
 ) -> dict[str, ContenderRecord]:
     """Train every run for ``steps`` steps, interleaved, evaluating all at ``eval_steps``.
@@ -142,8 +141,6 @@ def run_side_by_side(
                     " ".join(f"{n}={r.val_losses[-1]:.3f}" for n, r in records.items()),
                     refresh=True,
                 )
-            if on_eval is not None:
-                on_eval(step, records)
     if bar is not None:
         bar.close()
     for name, run in runs.items():
