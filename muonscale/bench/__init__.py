@@ -10,6 +10,7 @@ Pipeline of :func:`run_bench`::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import time
@@ -19,7 +20,7 @@ from typing import TextIO
 
 from muonscale.bench.config import BenchConfig
 
-__all__ = ["BenchConfig", "default_out_dir", "run_bench", "set_threads"]
+__all__ = ["BenchConfig", "default_out_dir", "run_bench", "torch_threads"]
 
 
 def default_out_dir() -> Path:
@@ -37,15 +38,18 @@ def run_bench(
     ``make_run(config, contender, lr, steps=None)`` builds one training run (default:
     :func:`muonscale.bench.runner.make_run`); tests pass a fake.
     """
+    with torch_threads(config.threads):
+        return _run_bench(config, make_run, stream or sys.stdout)
+
+
+def _run_bench(config: BenchConfig, make_run: Callable | None, stream: TextIO) -> dict:
     from muonscale.bench.memory_probe import probe
     from muonscale.bench.report import build_report, format_table, write_report
     from muonscale.bench.side_by_side import eval_steps_for, run_side_by_side
     from muonscale.bench.sweep import run_sweep
     from muonscale.train.trainer import NonFiniteLossError
 
-    stream = stream or sys.stdout
     start = time.perf_counter()
-    set_threads(config)
     out_dir = Path(config.out) if config.out else default_out_dir()
     if make_run is None:
         from muonscale.bench.runner import make_run
@@ -99,12 +103,18 @@ def run_bench(
     return report
 
 
-def set_threads(config: BenchConfig) -> None:
-    """Apply ``--threads`` (the bench and its memory probes call this)."""
-    if config.threads is not None:
-        import torch
+@contextlib.contextmanager
+def torch_threads(threads: int | None):
+    """``torch.set_num_threads(threads)`` inside the block (None: leave as is)."""
+    import torch
 
-        torch.set_num_threads(config.threads)
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _resolved_config(config, lrs, eval_steps, records) -> dict:

@@ -94,11 +94,11 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from muonscale.bench import set_threads
     from muonscale.bench.runner import make_run
 
     bench = BenchConfig.from_json(args.config_json)
-    set_threads(bench)
+    if bench.threads is not None:
+        torch.set_num_threads(bench.threads)
     run = make_run(bench, args.contender, args.lr)
     cuda = run.device.type == "cuda" if hasattr(run, "device") else torch.cuda.is_available()
     if cuda:
