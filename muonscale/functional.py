@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .matrices import MatrixView
 from .kernels.newton_schulz_fast import newton_schulz_fast
+from .matrices import MatrixView
 from .newton_schulz import DEFAULT_EPS, default_ns_dtype
 from .scaling import update_scale
 

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     if bench.threads is not None:
         torch.set_num_threads(bench.threads)
     run = make_run(bench, args.contender, args.lr)
-    cuda = run.device.type == "cuda" if hasattr(run, "device") else torch.cuda.is_available()
+    cuda = run.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     for _ in range(args.steps):
