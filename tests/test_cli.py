@@ -62,7 +62,8 @@ def test_bench_flags_parse_into_benchconfig():
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--nproc", "2"], "not yet available"),
+        (["--parallel", "fsdp"], "needs --nproc >= 2"),
+        (["--nproc", "2", "--parallel", "pp"], "--parallel must be one of"),
         (["--steps", "0"], "--steps must be >= 1"),
         (["--lr-muon", "-1"], "--lr-muon must be > 0"),
         (["--baselines", "sgd"], "unknown baseline 'sgd'"),
@@ -141,3 +142,13 @@ def test_train_end_to_end_tiny(tmp_path):
     assert (tmp_path / "checkpoint.pt").exists()
     events = [json.loads(line)["event"] for line in (tmp_path / "metrics.jsonl").open()]
     assert events.count("eval") == 2
+
+
+def test_bench_nproc_runs_the_distributed_bench(tmp_path):
+    out = tmp_path / "dist"
+    main(["bench", "--nproc", "2", "--steps", "2", "--n-layer", "1", "--d-model", "32", "--n-head", "2",
+          "--out", str(out)])  # fmt: skip
+    report = json.loads((out / "report.json").read_text())
+    rows = report["rows"]
+    assert rows["muon"]["wire_bytes_per_step"]["mean"] > 0
+    assert rows["muon-bf16reduce"]["wire_bytes_per_step"]["mean"] < rows["muon"]["wire_bytes_per_step"]["mean"]

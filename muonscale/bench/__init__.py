@@ -38,8 +38,30 @@ def run_bench(
     ``make_run(config, contender, lr, steps=None)`` builds one training run (default:
     :func:`muonscale.bench.runner.make_run`); tests pass a fake.
     """
+    if config.nproc > 1:
+        return _run_distributed(config)
     with torch_threads(config.threads):
         return _run_bench(config, make_run, stream or sys.stdout)
+
+
+def _run_distributed(config: BenchConfig) -> dict:
+    """``--nproc N``: the distributed side-by-side bench (wire bytes per step per contender)."""
+    from muonscale.bench.distributed import run_distributed_bench
+
+    overrides = {
+        key: value
+        for key, value in (("n_layer", config.n_layer), ("d_model", config.d_model), ("n_head", config.n_head))
+        if value is not None
+    }
+    return run_distributed_bench(
+        nproc=config.nproc,
+        parallel=config.parallel,
+        steps=config.steps,
+        model_overrides=overrides,
+        lrs={"muon": config.lr_muon, "adamw": config.lr_adamw},
+        seed=config.seed,
+        out_dir=config.out or default_out_dir(),
+    )
 
 
 def _run_bench(config: BenchConfig, make_run: Callable | None, stream: TextIO) -> dict:

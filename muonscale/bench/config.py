@@ -18,6 +18,7 @@ hidden matrices + AdamW for the rest."""
 PARALLEL_MODES = ("dp", "fsdp", "tp", "fsdp+tp")  # for --parallel, with the distributed bench
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("cosine", "wsd", "constant")
+PARALLEL_MODES = ("dp", "fsdp", "tp", "fsdp+tp")  # same names as muonscale.bench.distributed
 
 # Default learning rates, tuned once on 2026-11-30 for the default bench (tiny preset: 4 layers,
 # d_model 192, byte-level; 1024 tokens/step; cosine schedule, 10 warm-up steps; seed 0) on the
@@ -101,7 +102,12 @@ class BenchConfig:
     progress: bool = True
     """Show a progress bar on stderr."""
     nproc: int = 1
-    """Processes to run on; only 1 until the distributed bench lands."""
+    """Processes (gloo ranks) to run on. > 1 runs the distributed side-by-side bench
+    (muonscale.bench.distributed: a 2-layer d=128 model unless --n-layer/--d-model/--n-head say
+    otherwise, 8 windows per step; use e.g. --steps 30) and adds bytes on the wire per step."""
+    parallel: str = "dp"
+    """With --nproc > 1: dp (DistributedMuon vs ZeRO-1 AdamW vs DDP AdamW), fsdp, tp or
+    fsdp+tp (DTensorMuon vs AdamW on the same FSDP2 / tensor-parallel model; fsdp+tp: --nproc 4)."""
 
     def __post_init__(self) -> None:
         positive = ("steps", "tokens_per_step", "eval_batches", "nproc")
@@ -137,11 +143,10 @@ class BenchConfig:
                 raise ValueError(f"--{_flag(name)} must be one of {DTYPES}, got {value!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.nproc != 1:
-            raise NotImplementedError(
-                f"--nproc {self.nproc}: distributed benchmarks are not yet available "
-                "(they arrive with muonscale.distributed); run with --nproc 1"
-            )
+        if self.parallel not in PARALLEL_MODES:
+            raise ValueError(f"--parallel must be one of {PARALLEL_MODES}, got {self.parallel!r}")
+        if self.nproc == 1 and self.parallel != "dp":
+            raise ValueError(f"--parallel {self.parallel} needs --nproc >= 2")
 
     @property
     def contenders(self) -> list[str]:
