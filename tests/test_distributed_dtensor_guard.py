@@ -1,4 +1,4 @@
-"""DistributedMuon refuses DTensor parameters and points to DTensorMuon (one process, world 1)."""
+"""DistributedMuon given DTensor parameters returns a DTensorMuon (one process, world 1)."""
 
 import gc
 
@@ -10,7 +10,7 @@ import muonscale
 
 
 @pytest.mark.timeout(120)
-def test_distributed_muon_rejects_dtensor_parameters(tmp_path):
+def test_distributed_muon_hands_dtensor_parameters_to_dtensor_muon(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -18,10 +18,14 @@ def test_distributed_muon_rejects_dtensor_parameters(tmp_path):
     try:
         mesh = init_device_mesh("cpu", (1,))
         weight = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
-        with pytest.raises(TypeError, match="'blocks.0.fc.weight' is a DTensor.*DTensorMuon"):
-            muonscale.DistributedMuon([("blocks.0.fc.weight", weight)], lr=1e-3)
-        opt = muonscale.DTensorMuon([("blocks.0.fc.weight", weight)], lr=1e-3)
-        assert opt.param_groups[0]["algorithm"] == "muon"
+        named = (pair for pair in [("blocks.0.fc.weight", weight)])  # a generator, as named_parameters()
+        opt = muonscale.DistributedMuon(named, lr=1e-3)
+        assert type(opt) is muonscale.DTensorMuon and opt.param_groups[0]["algorithm"] == "muon"
+        with pytest.raises(ValueError, match="reduce_dtype does not apply"):
+            muonscale.DistributedMuon([weight], lr=1e-3, reduce_dtype=torch.bfloat16)
+        plain = torch.nn.Parameter(torch.randn(8, 4))
+        dp = muonscale.DistributedMuon((pair for pair in [("w", plain)]), lr=1e-3)
+        assert type(dp) is muonscale.DistributedMuon and dp.param_groups[0]["params"][0] is plain
         del weight, opt, mesh
         gc.collect()
     finally:

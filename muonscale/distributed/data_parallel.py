@@ -59,8 +59,26 @@ class _Bucket:
         self.launched = False
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def _is_dtensor(t: Any) -> bool:
     return type(t).__name__ == "DTensor" or type(getattr(t, "data", None)).__name__ == "DTensor"
+
+
+def _holds_dtensor(params: Any) -> bool:
+    """Whether any parameter in a ``params`` argument (module, tensors, (name, tensor) pairs or
+    param groups) is a DTensor."""
+    if isinstance(params, torch.nn.Module):
+        return any(_is_dtensor(p) for p in params.parameters())
+    for entry in params:
+        if isinstance(entry, Mapping):
+            inner = entry["params"]
+            if _holds_dtensor([inner] if isinstance(inner, torch.Tensor) else list(inner)):
+                return True
+        elif isinstance(entry, tuple) and len(entry) == 2:
+            if _is_dtensor(entry[1]):
+                return True
+        elif _is_dtensor(entry):
+            return True
+    return False
 
 
 def _on_grad_ready(optimizer_ref: weakref.ref, param: torch.Tensor) -> None:
@@ -128,6 +146,27 @@ class DistributedMuon(Muon):
     :class:`~muonscale.distributed.CollectiveError` that says so.
     """
 
+    def __new__(cls, params: Any = None, process_group: dist.ProcessGroup | None = None, **kwargs: Any):
+        """Parameters that are DTensors (FSDP2 ``fully_shard``, tensor parallel) are handled by
+        :class:`muonscale.DTensorMuon` (the sharding framework reduces their gradients; whole
+        matrices go to owners by all-to-all): ``DistributedMuon(...)`` returns one."""
+        if cls is not DistributedMuon or params is None:
+            return super().__new__(cls)
+        materialized = params if isinstance(params, torch.nn.Module) else list(params)
+        if not _holds_dtensor(materialized):
+            instance = super().__new__(cls)
+            instance._materialized_params = materialized  # __init__ reads it (params may be a generator)
+            return instance
+        from .dtensor import DTensorMuon
+
+        if kwargs.pop("reduce_dtype", None) is not None:
+            raise ValueError(
+                "reduce_dtype does not apply to DTensor parameters: their gradients are reduced "
+                "by FSDP2 (set its MixedPrecisionPolicy(reduce_dtype=...) instead)"
+            )
+        kwargs.pop("bucket_cap_mb", None)
+        return DTensorMuon(materialized, process_group=process_group, **kwargs)
+
     def __init__(
         self,
         params: Any,
@@ -137,15 +176,8 @@ class DistributedMuon(Muon):
         bucket_cap_mb: float = 25.0,
         **muon_options: Any,
     ) -> None:
+        params = self.__dict__.pop("_materialized_params", params)
         super().__init__(params, **muon_options)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if _is_dtensor(p):
-                    raise TypeError(
-                        f"DistributedMuon: parameter '{self._name(p)}' is a DTensor (FSDP2 / tensor "
-                        "parallel); use muonscale.DTensorMuon, which orthogonalizes sharded "
-                        "matrices exactly and leaves gradient reduction to the sharding framework"
-                    )
         if reduce_dtype is not None and not (
             isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point
         ):
