@@ -146,10 +146,12 @@ class DistributedMuon(Muon):
     :class:`~muonscale.distributed.CollectiveError` that says so.
     """
 
-    def __new__(cls, params: Any = None, process_group: dist.ProcessGroup | None = None, **kwargs: Any):
+    def __new__(cls, *args: Any, **kwargs: Any):
         """Parameters that are DTensors (FSDP2 ``fully_shard``, tensor parallel) are handled by
         :class:`muonscale.DTensorMuon` (the sharding framework reduces their gradients; whole
-        matrices go to owners by all-to-all): ``DistributedMuon(...)`` returns one."""
+        matrices go to owners by all-to-all): ``DistributedMuon(...)`` returns one.
+        Subclasses are constructed as usual."""
+        params = args[0] if args else kwargs.get("params")
         if cls is not DistributedMuon or params is None:
             return super().__new__(cls)
         materialized = params if isinstance(params, torch.nn.Module) else list(params)
@@ -159,6 +161,8 @@ class DistributedMuon(Muon):
             return instance
         from .dtensor import DTensorMuon
 
+        kwargs.pop("params", None)
+        process_group = args[1] if len(args) > 1 else kwargs.pop("process_group", None)
         if kwargs.pop("reduce_dtype", None) is not None:
             raise ValueError(
                 "reduce_dtype does not apply to DTensor parameters: their gradients are reduced "
