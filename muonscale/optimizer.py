@@ -442,10 +442,15 @@ class Muon(torch.optim.Optimizer):
         if bad is not None:
             self._handle_nonfinite(bad)
             return loss
+        self._apply_updates()
+        return loss
+
+    def _apply_updates(self) -> None:
+        """The update phase of :meth:`step`, after the gradients were checked (subclasses that
+        lay parameters out differently override this, not ``step``)."""
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             self.update_group(group, params, [p.grad for p in params])
-        return loss
 
     def update_group(self, group: Mapping[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """Apply one step of ``group``'s algorithm to ``params`` with ``grads`` (plain local

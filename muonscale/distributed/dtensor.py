@@ -247,17 +247,9 @@ class DTensorMuon(Muon):
         return None if bad.numel() == 0 else self._name(owners[int(bad[0])])
 
     # ---------------------------------------------------------------- step
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One step over every group (see the class docstring for the phases)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        bad = self._check_gradients()
-        if bad is not None:
-            self._handle_nonfinite(bad)
-            return loss
+    def _apply_updates(self) -> None:
+        """The update phases of :meth:`step` (see the class docstring); ``Muon.step`` runs the
+        closure and the collective non-finite check first."""
         muon_entries: list[tuple[torch.Tensor, Mapping[str, Any]]] = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
@@ -268,7 +260,6 @@ class DTensorMuon(Muon):
         if muon_entries:
             self._muon(muon_entries)
         self.last_step_wire_bytes, self.last_step_wire_breakdown = self.wire_counter.take()
-        return loss
 
     def _adamw_on_shards(self, group: Mapping[str, Any], params: list[torch.Tensor]) -> None:
         if not params:
