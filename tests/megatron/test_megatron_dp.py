@@ -37,8 +37,13 @@ def test_tp2_dp2_equals_tp1_dp4_with_identical_gradients(pool4, tp1_dp4, dp_mode
     assert delta <= 1e-6
     assert mixed["dp_mode"] == dp_mode
     assert "muon_tp/all_to_all" in mixed["breakdown"]
-    if dp_mode == "replicated":  # the DP gradient all-reduce and the TP all-to-alls, nothing else
-        assert set(mixed["breakdown"]) == {"grads/all_reduce", "muon_tp/all_to_all"}
+    if dp_mode == "replicated":  # DP gradient all-reduce, TP all-to-alls, one 8-byte norm
+        assert set(mixed["breakdown"]) == {
+            "grads/all_reduce",
+            "muon_tp/all_to_all",
+            "grad_norm/all_reduce",
+        }
+        assert mixed["breakdown"]["grad_norm/all_reduce"] <= 8 * 2  # ring all-reduce of 1 fp64
 
 
 @pytest.mark.parametrize("dp_mode", ["zero1"])

@@ -87,6 +87,8 @@ MEGATRON_FLAGS: dict[str, tuple[str, str]] = {
     "adam_beta1": ("adam_beta1", "same"),
     "adam_beta2": ("adam_beta2", "same"),
     "adam_eps": ("adam_eps", "same"),
+    "clip_grad": ("clip_grad", "same (Megatron default 1.0, muonscale default 0 = off)"),
+    "bf16": ("main_params_dtype", "fp32 main copies of bf16 parameters (default float32)"),
 }
 """How :meth:`MegatronMuonConfig.from_megatron` reads Megatron's ``OptimizerConfig``."""
 
@@ -161,6 +163,14 @@ class MegatronMuonConfig:
     grads_reduced: bool | None = None
     """Whether gradients arrive already averaged over the data-parallel group. None → True when
     parameters carry Megatron DDP's ``main_grad``, else the optimizer averages ``.grad`` itself."""
+    clip_grad: float = 0.0
+    """Clip the global gradient norm (over TP, pipeline, data and expert parallel ranks, each
+    gradient counted once, see :mod:`.grad_norm`) to this value; 0 disables clipping (the norm
+    is still computed: ``opt.last_grad_norm``). Megatron's default is 1.0."""
+    main_params_dtype: torch.dtype | None = torch.float32
+    """Keep main copies in this dtype of parameters with fewer bits (bf16 models: fp32 main
+    parameters, as Megatron's --bf16 optimizer), updated by the optimizer and written back
+    after each step. None: update the parameters in place, in their own dtype."""
     nonfinite: str = "raise"
     """``"raise"`` / ``"skip"`` / ``"ignore"`` a step with a NaN/inf gradient (see Muon)."""
     dp_mode: str = "auto"
@@ -177,6 +187,10 @@ class MegatronMuonConfig:
                 hint = " (per-shard Newton–Schulz is approximate: ask for 'approximate_blockwise')"
             raise ValueError(
                 f"muon_tp_mode must be one of {TP_MODES}, got {self.muon_tp_mode!r}{hint}"
+            )
+        if not (isinstance(self.clip_grad, (int, float)) and self.clip_grad >= 0):
+            raise ValueError(
+                f"clip_grad must be a number >= 0 (0 disables), got {self.clip_grad!r}"
             )
         if self.dp_mode not in DP_MODES:
             raise ValueError(f"dp_mode must be one of {DP_MODES}, got {self.dp_mode!r}")
@@ -201,6 +215,11 @@ class MegatronMuonConfig:
         c = optimizer_config
         if not getattr(c, "decoupled_weight_decay", True):
             raise ValueError("decoupled_weight_decay=False (L2 weight decay) is not supported")
+        if getattr(c, "fp16", False):
+            raise NotImplementedError(
+                "OptimizerConfig.fp16=True: float16 training needs a loss scaler, which this "
+                "adapter does not implement; use bf16=True"
+            )
         steps = int(getattr(c, "muon_num_ns_steps", 5))
         values: dict[str, Any] = dict(
             lr=float(c.lr) if getattr(c, "lr", None) is not None else 1e-3,
@@ -217,6 +236,7 @@ class MegatronMuonConfig:
             adam_beta1=float(c.adam_beta1),
             adam_beta2=float(c.adam_beta2),
             adam_eps=float(c.adam_eps),
+            clip_grad=float(getattr(c, "clip_grad", 0.0) or 0.0),
         )
         if values["scale"] != "match_rms_adamw":
             values["adam_lr"] = values["lr"]  # Megatron uses one lr for both halves

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import fields, replace
 from typing import Any
@@ -14,20 +15,69 @@ from muonscale.distributed.data_parallel import DistributedMuon
 from muonscale.optimizer import Muon
 
 from .config import MegatronMuonConfig
+from .grad_norm import clip_coefficient, counts_in_norm, global_grad_norm
+from .main_params import MainParams
 from .plan import MegatronGroups, ParamPlan, plan_parameters
 from .tensor_parallel import _muon_arguments, _TensorParallelMatrices
 
 
-class MegatronMuon(_TensorParallelMatrices, Muon):
+class _GlobalGradNorm:
+    """Mixin: the global gradient norm, clipping and non-finite agreement across every rank
+    (:mod:`.grad_norm`). ``last_grad_norm`` is the latest step's norm before clipping."""
+
+    config: MegatronMuonConfig
+    groups: MegatronGroups
+    plans: list[ParamPlan]
+    nonfinite: str
+
+    def _init_grad_norm(self, counter: WireCounter, *, dp_replicated: bool) -> None:
+        self._norm_comm = Communicator(None, counter=counter)  # every rank of the job
+        self._counted = {
+            id(pl.param): counts_in_norm(pl, self.groups, dp_replicated=dp_replicated)
+            for pl in self.plans
+        }
+        self.last_grad_norm: float | None = None
+
+    def _global_norm_and_clip(
+        self, grads: list[torch.Tensor], owners: list[ParamPlan], max_norm: float
+    ) -> str | None:
+        """Global norm of ``grads`` (this rank's, ``owners[i]`` the plan of ``grads[i]``); clip
+        them in place by ``max_norm`` (0: no clipping). Returns None, or when some rank holds a
+        non-finite gradient: a name to report (the local one if this rank has it)."""
+        counted = [self._counted[id(pl.param)] for pl in owners]
+        norm, first_bad = global_grad_norm(grads, counted, self._norm_comm)
+        self.last_grad_norm = float(norm)
+        if not math.isfinite(self.last_grad_norm):
+            if self.nonfinite == "ignore":
+                return None
+            if first_bad is not None:
+                return owners[first_bad].name
+            return "(a parameter on another rank: the global gradient norm is not finite)"
+        if max_norm > 0 and grads:
+            coef = clip_coefficient(norm, max_norm)
+            if float(coef) < 1.0:
+                torch._foreach_mul_(grads, coef.to(grads[0].device))
+        return None
+
+
+class MegatronMuon(_GlobalGradNorm, _TensorParallelMatrices, Muon):
     """:class:`muonscale.Muon` on Megatron-Core parameters, every data-parallel replica running
     the same step (``dp_mode="replicated"``). Gradients come reduced from Megatron's DDP
     (``main_grad``) or are averaged here with one all-reduce per group. Build with
     :func:`megatron_muon`.
 
+    One step: gradients (``main_grad`` or ``.grad``) → fp32 main copies of bf16 parameters
+    (``main_params_dtype``) → data-parallel mean (unless already reduced) → global norm over
+    all ranks (one 8-byte all-reduce; clipped when ``clip_grad > 0``; every rank skips or raises
+    together on a NaN/inf anywhere) → Muon (exact TP) / AdamW → main copies written back.
+
     Attributes:
-        plans: one :class:`ParamPlan` per parameter.
+        plans: one :class:`ParamPlan` per parameter (``param``: the tensor the optimizer updates,
+            a main copy or the model's parameter).
+        main_params: the :class:`MainParams` (model tensors and their main copies).
+        last_grad_norm: global gradient norm of the latest step, before clipping.
         wire_counter: bytes this rank sent, by ``"<tag>/<op>"`` (``"muon_tp"``: the TP
-            all-to-alls, ``"grads"``: data-parallel gradient averaging).
+            all-to-alls, ``"grads"``: data-parallel gradient averaging, ``"grad_norm"``).
         last_step_wire_bytes, last_step_wire_breakdown: the latest step's total and breakdown.
     """
 
@@ -36,26 +86,18 @@ class MegatronMuon(_TensorParallelMatrices, Muon):
     def __init__(
         self, plans: Sequence[ParamPlan], groups: MegatronGroups, config: MegatronMuonConfig
     ) -> None:
-        self._init_megatron(plans, groups, config)
+        self.main_params = MainParams(plans, config.main_params_dtype)
+        self._init_megatron(self.main_params.plans, groups, config)
         self.wire_counter = WireCounter()
         self.last_step_wire_bytes, self.last_step_wire_breakdown = 0, {}
         param_groups, options = _muon_arguments(self.plans, config)
         super().__init__(param_groups, **options)
         self._finish_megatron_init()
-        has_main_grad = any(hasattr(pl.param, "main_grad") for pl in self.plans)
+        self._init_grad_norm(self.wire_counter, dp_replicated=True)
+        has_main_grad = any(hasattr(p, "main_grad") for p in self.main_params.model_params)
         self.grads_reduced = has_main_grad if config.grads_reduced is None else config.grads_reduced
         if not self.grads_reduced:
-            _check_self_reduction(self.plans, groups)
-
-    def _gather_grads(self) -> None:
-        """Megatron DDP accumulates into ``main_grad``; point ``.grad`` at it (as Megatron's
-        FP32Optimizer does) so the rest of the step reads one attribute."""
-        for pl in self.plans:
-            main_grad = getattr(pl.param, "main_grad", None)
-            if main_grad is not None:
-                pl.param.grad = (
-                    main_grad if main_grad.dtype == pl.param.dtype else main_grad.to(pl.param.dtype)
-                )
+            _check_self_reduction(plans, groups)
 
     def _average_grads(self) -> None:
         """Mean of ``.grad`` over the data-parallel group (dense) and the expert-data group
@@ -78,24 +120,68 @@ class MegatronMuon(_TensorParallelMatrices, Muon):
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
 
+    def _check_gradients(self) -> str | None:
+        """Muon.step's check, made global: one all-reduce of ‖g‖² over every rank (clipping
+        included), so that all ranks agree on a non-finite gradient anywhere."""
+        owners = [pl for pl in self.plans if pl.param.grad is not None]
+        for pl in owners:
+            if pl.param.grad.is_sparse:
+                raise ValueError(f"parameter '{pl.name}' has a sparse gradient; Muon needs dense")
+        return self._global_norm_and_clip(
+            [pl.param.grad for pl in owners], owners, self.config.clip_grad
+        )
+
     @torch.no_grad()
     def step(self, closure=None):
-        """Average gradients over data parallel (unless already reduced), then one Muon/AdamW
-        step; TP-sharded Muon matrices are orthogonalized whole (see the module docstring)."""
-        self._gather_grads()
+        """One step (see the class docstring). Returns the closure's loss, if any."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.main_params.load_grads()
         if not self.grads_reduced:
             self._average_grads()
         try:
-            return super().step(closure)
+            super().step()
         finally:
             self.last_step_wire_bytes, self.last_step_wire_breakdown = self.wire_counter.take()
+        self.main_params.write_back()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of the optimizer's tensors and of the model's bf16 parameters
+        (Megatron DDP's ``main_grad`` buffers are cleared by ``model.zero_grad_buffer()``)."""
+        super().zero_grad(set_to_none=set_to_none)
+        self.main_params.zero_model_grads(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Muon's state dict plus the main copies (``"main_params"``). Per rank: a TP rank's
+        state is its shard's, so load it at the same TP size."""
+        packed = super().state_dict()
+        packed["main_params"] = self.main_params.state_dict()
+        return packed
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        main = state_dict.pop("main_params", None)
+        if self.main_params.copied and main is None:
+            raise ValueError(
+                "this optimizer keeps main copies of low-precision parameters but the checkpoint "
+                "has no 'main_params' (saved with main_params_dtype=None?)"
+            )
+        super().load_state_dict(state_dict)
+        if main is not None:
+            self.main_params.load_state_dict(main)
 
 
-class MegatronDistributedMuon(_TensorParallelMatrices, DistributedMuon):
+class MegatronDistributedMuon(_GlobalGradNorm, _TensorParallelMatrices, DistributedMuon):
     """:class:`muonscale.DistributedMuon` over Megatron's data-parallel group
     (``dp_mode="zero1"``): gradients reduce-scattered to owner ranks during backward, each Muon
     matrix updated by one DP rank (its TP pieces exchanged exactly within that rank's TP group),
-    AdamW sharded ZeRO-1, parameters all-gathered. Do not wrap the model in Megatron's DDP."""
+    AdamW sharded ZeRO-1, parameters all-gathered. Do not wrap the model in Megatron's DDP.
+    Parameters are updated in their own dtype (no main copies: use ``dp_mode="replicated"``
+    for bf16 models). ``state_dict()`` is the full state over data parallel (collective), so a
+    checkpoint loads at another data-parallel size (same TP size)."""
 
     dp_mode = "zero1"
 
@@ -111,6 +197,43 @@ class MegatronDistributedMuon(_TensorParallelMatrices, DistributedMuon):
         super().__init__(param_groups, process_group=groups.dp, **options, **dp_options)
         self._finish_megatron_init()
         self.wire_counter = self.comm.counter
+        self._init_grad_norm(self.wire_counter, dp_replicated=False)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the reduced gradients by the global L2 norm over data *and* tensor parallel
+        ranks (each gradient element counted once); returns the norm. Collective."""
+        if norm_type != 2.0:
+            raise ValueError(f"norm_type must be 2.0 under tensor parallelism, got {norm_type!r}")
+        self._finish_reductions()
+        held = [(i, g) for i, g in self._local_reduced_grads().items() if g.numel()]
+        owners = [self._plan_by_id[id(self._params[i])] for i, _ in held]
+        self._global_norm_and_clip([g for _, g in held], owners, max_norm)
+        return torch.tensor(self.last_grad_norm)
+
+    def _agree_on_gradients(self) -> tuple[list[bool], str | None]:
+        present, bad = super()._agree_on_gradients()  # over data parallel
+        if bad is None and self.nonfinite != "ignore" and self.last_grad_norm is not None:
+            if not math.isfinite(self.last_grad_norm):  # a NaN/inf on another TP rank
+                bad = "(a parameter on another tensor-parallel rank)"
+        return present, bad
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Global norm (and clipping, ``clip_grad > 0``) over all ranks, then
+        :meth:`DistributedMuon.step`."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.last_grad_norm = None
+        self.clip_grad_norm_(self.config.clip_grad)
+        super().step()
+        return loss
+
+
+def pl_dtype(plans: Sequence[ParamPlan], name: str) -> torch.dtype:
+    return next(pl.param.dtype for pl in plans if pl.name == name)
 
 
 def _check_self_reduction(plans: Sequence[ParamPlan], groups: MegatronGroups) -> None:
@@ -165,6 +288,20 @@ def megatron_muon(
         zero1_blockers.append("expert parameters (their data-parallel group differs)")
     if groups.pp_size > 1:
         zero1_blockers.append("pipeline parallelism")
+    main_dtype = config.main_params_dtype
+    low = [
+        pl.name
+        for pl in plans
+        if main_dtype is not None
+        and pl.param.is_floating_point()
+        and torch.finfo(pl.param.dtype).bits < torch.finfo(main_dtype).bits
+    ]
+    if low:
+        zero1_blockers.append(
+            f"{pl_dtype(plans, low[0])} parameters with main_params_dtype={main_dtype} (e.g. "
+            f"{low[0]!r}): ZeRO-1 here keeps no main copies; use dp_mode='replicated' or "
+            "main_params_dtype=None"
+        )
     mode = config.dp_mode
     if mode == "auto":
         mode = "replicated" if zero1_blockers or MegatronGroups.size(groups.dp) == 1 else "zero1"

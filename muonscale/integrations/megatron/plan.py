@@ -80,6 +80,16 @@ class ParamPlan:
     """Dim sharded across that group (Megatron's ``partition_dim``), None when not sharded."""
     qkv_layout: QKVLayout | None = None
     """Layout of this rank's piece of a fused QKV weight (its local query groups)."""
+    pipeline_copy: bool = False
+    """Megatron's ``shared`` flag: the tied embedding's copy on the last pipeline stage (its
+    gradient is the first stage's, so global gradient norms count it once, as Megatron does)."""
+
+
+def _strip_wrappers(name: str) -> str:
+    """``module.module.decoder...`` (Megatron DDP around Float16Module) → ``decoder...``."""
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    return name
 
 
 def _is_embedding(param: torch.Tensor) -> str | None:
@@ -162,7 +172,7 @@ def plan_parameters(
             if not p.requires_grad or id(p) in seen:
                 continue
             seen.add(id(p))
-            name = prefix + raw_name.removeprefix("module.")
+            name = prefix + _strip_wrappers(raw_name)
             expert = _is_expert(raw_name, p)
             tp_group = groups.expt_tp if expert else groups.tp
             tp_size = MegatronGroups.size(tp_group)
@@ -180,7 +190,7 @@ def plan_parameters(
                 algorithm, reason = "adamw", f"embedding/output ({flag})"
             elif (
                 id(p) in embedding_ids
-                or route_one(raw_name, p).algorithm == "adamw"
+                or route_one(_strip_wrappers(raw_name), p).algorithm == "adamw"
                 and p.ndim == 2
             ):
                 # e.g. learned position embeddings: an nn.Embedding without Megatron's flag
@@ -213,7 +223,17 @@ def plan_parameters(
                 layout = _qkv_layout(config, p.shape[0], tp_size, name)
                 reason += f", QKV split {layout.n_query_groups}x(q{layout.q_per_group},k,v)"
             plans.append(
-                ParamPlan(name, p, algorithm, reason, expert, tp_size, partition_dim, layout)
+                ParamPlan(
+                    name,
+                    p,
+                    algorithm,
+                    reason,
+                    expert,
+                    tp_size,
+                    partition_dim,
+                    layout,
+                    pipeline_copy=bool(getattr(p, "shared", False)),
+                )  # fmt: skip
             )
     if not plans:
         raise ValueError("megatron_muon: the model chunks have no trainable parameters")
