@@ -8,6 +8,7 @@ every layout runs exactly the same arithmetic.
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -73,6 +74,42 @@ def orthogonalize_matrices(
     return out  # type: ignore[return-value]
 
 
+UPDATE_CHUNK_ENV = "MUONSCALE_UPDATE_CHUNK_MB"
+"""Environment variable: the default ``max_chunk_bytes`` of :func:`muon`, in MiB (128)."""
+
+
+def default_update_chunk_bytes() -> int:
+    return int(float(os.environ.get(UPDATE_CHUNK_ENV, "128")) * 2**20)
+
+
+def update_chunks(
+    params: Sequence[torch.Tensor],
+    views: Sequence[MatrixView],
+    *,
+    ns_dtype: torch.dtype | None,
+    max_chunk_bytes: int | None,
+) -> list[list[int]]:
+    """Indices of ``params`` in chunks whose transient bytes (the direction in the gradient's
+    dtype + its Newton–Schulz copy) stay under ``max_chunk_bytes`` (a parameter bigger than
+    that is a chunk alone; None: one chunk). Parameters with the same matrix shapes are
+    adjacent, so each chunk still batches them."""
+    order = sorted(range(len(params)), key=lambda i: (tuple(views[i].matrix_shapes), i))
+    if max_chunk_bytes is None:
+        return [order]
+    chunks: list[list[int]] = []
+    used = 0
+    for i in order:
+        p = params[i]
+        dtype = ns_dtype if ns_dtype is not None else default_ns_dtype(p.device)
+        cost = p.numel() * (p.element_size() + torch.finfo(dtype).bits // 8)
+        if not chunks or (used + cost > max_chunk_bytes and chunks[-1]):
+            chunks.append([])
+            used = 0
+        chunks[-1].append(i)
+        used += cost
+    return chunks
+
+
 def muon(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -89,6 +126,7 @@ def muon(
     scale: str,
     eps: float = DEFAULT_EPS,
     ns_method: str = "auto",
+    max_chunk_bytes: int | None = -1,
 ) -> None:
     """One Muon step, in place on ``params`` and ``momentum_buffers``::
 
@@ -96,9 +134,43 @@ def muon(
         O = NS(U) per matrix of the view (batched over same-shape matrices)
         W ← W · (1 − lr · λ)                 # decoupled weight decay, unadjusted lr
         W ← W − lr · s(m, n) · O             # s: scale rule of each matrix
+
+    Parameters are processed in chunks of at most ``max_chunk_bytes`` of transient memory
+    (directions and their Newton–Schulz copies; -1: :func:`default_update_chunk_bytes`, from
+    ``MUONSCALE_UPDATE_CHUNK_MB``, 128 MiB; None: all at once), so the step's peak memory
+    does not grow with the model. Every parameter's update is independent of the others, so
+    chunking does not change the result.
     """
     if not params:
         return
+    budget = default_update_chunk_bytes() if max_chunk_bytes == -1 else max_chunk_bytes
+    for chunk in update_chunks(params, views, ns_dtype=ns_dtype, max_chunk_bytes=budget):
+        _muon_chunk(
+            [params[i] for i in chunk], [grads[i] for i in chunk],
+            [momentum_buffers[i] for i in chunk], views=[views[i] for i in chunk], lr=lr,
+            weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+            coefficients=coefficients, ns_dtype=ns_dtype, scale=scale, eps=eps,
+            ns_method=ns_method,
+        )  # fmt: skip
+
+
+def _muon_chunk(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor],
+    *,
+    views: Sequence[MatrixView],
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    nesterov: bool,
+    ns_steps: int,
+    coefficients,
+    ns_dtype: torch.dtype | None,
+    scale: str,
+    eps: float,
+    ns_method: str,
+) -> None:
     directions = momentum_directions_(grads, momentum_buffers, momentum=momentum, nesterov=nesterov)
     matrices, owner = [], []
     for index, (direction, view) in enumerate(zip(directions, views)):
@@ -106,7 +178,11 @@ def muon(
             matrices.append(mat)
             owner.append(index)
     orthogonal = orthogonalize_matrices(
-        matrices, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype, eps=eps,
+        matrices,
+        ns_steps=ns_steps,
+        coefficients=coefficients,
+        ns_dtype=ns_dtype,
+        eps=eps,
         method=ns_method,
     )
     per_param: list[list[torch.Tensor]] = [[] for _ in params]
@@ -135,6 +211,7 @@ def adamw(
     beta2: float,
     eps: float,
     weight_decay: float,
+    max_chunk_bytes: int | None = -1,
 ) -> None:
     """One AdamW step (Loshchilov & Hutter), in place, the same arithmetic as
     ``torch.optim.AdamW``'s single-tensor path, run with foreach kernels::
@@ -142,10 +219,18 @@ def adamw(
         t ← t + 1;  W ← W · (1 − lr · λ)
         m ← m.lerp(G, 1 − β₁);  v ← β₂ v + (1 − β₂) G²
         W ← W − lr / (1 − β₁ᵗ) · m / (√v / √(1 − β₂ᵗ) + ε)
+
+    The denominators are computed ``max_chunk_bytes`` at a time (-1: the default of
+    :func:`default_update_chunk_bytes`; None: all at once), the same bits either way.
     """
     if not params:
         return
-    params, grads, exp_avgs, exp_avg_sqs = list(params), list(grads), list(exp_avgs), list(exp_avg_sqs)
+    params, grads, exp_avgs, exp_avg_sqs = (
+        list(params),
+        list(grads),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+    )
     torch._foreach_add_(list(state_steps), 1)
     if weight_decay != 0:
         torch._foreach_mul_(params, 1 - lr * weight_decay)
@@ -155,7 +240,52 @@ def adamw(
     steps = [float(s) for s in state_steps]
     step_sizes = [-(lr / (1 - beta1**t)) for t in steps]
     bias_correction2_sqrt = [math.sqrt(1 - beta2**t) for t in steps]
-    denoms = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denoms, bias_correction2_sqrt)
-    torch._foreach_add_(denoms, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denoms, step_sizes)
+    # The denominators are the only temporaries: built for flat segments of at most
+    # ``max_chunk_bytes`` at a time (elementwise, so the same bits as all at once).
+    budget = default_update_chunk_bytes() if max_chunk_bytes == -1 else max_chunk_bytes
+    tensors = list(zip(params, exp_avgs, exp_avg_sqs))
+    for chunk in _elementwise_chunks(tensors, budget):
+        seg_params, seg_avgs, seg_sqs, sizes, corrections = [], [], [], [], []
+        for i, start, stop in chunk:
+            for out, t in zip((seg_params, seg_avgs, seg_sqs), tensors[i]):
+                out.append(t if start is None else t.view(-1)[start:stop])
+            sizes.append(step_sizes[i])
+            corrections.append(bias_correction2_sqrt[i])
+        denoms = torch._foreach_sqrt(seg_sqs)
+        torch._foreach_div_(denoms, corrections)
+        torch._foreach_add_(denoms, eps)
+        torch._foreach_addcdiv_(seg_params, seg_avgs, denoms, sizes)
+        del denoms
+
+
+def _elementwise_chunks(
+    tensors: Sequence[tuple[torch.Tensor, ...]], budget: int | None
+) -> list[list[tuple[int, int | None, int | None]]]:
+    """Groups of (index, start, stop) flat element ranges of ``tensors[index]`` (tuples of
+    same-shape tensors), each group at most ``budget`` bytes of the first tensor's dtype.
+    ``start=None``: the whole tensor (no budget, or a non-contiguous tuple that cannot be
+    viewed flat)."""
+    if budget is None:
+        return [[(i, None, None) for i in range(len(tensors))]]
+    groups: list[list[tuple[int, int | None, int | None]]] = [[]]
+    used = 0
+    for i, group in enumerate(tensors):
+        numel, itemsize = group[0].numel(), group[0].element_size()
+        if not all(t.is_contiguous() for t in group):
+            groups[-1].append((i, None, None))
+            used += numel * itemsize
+            continue
+        start = 0
+        while start < numel:
+            take = min(numel - start, max(budget - used, 0) // itemsize)
+            if take == 0:
+                if not groups[-1]:  # budget below one element: one element at a time
+                    take = 1
+                else:
+                    groups.append([])
+                    used = 0
+                    continue
+            groups[-1].append((i, start, start + take))
+            used += take * itemsize
+            start += take
+    return [g for g in groups if g]

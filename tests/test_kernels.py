@@ -239,6 +239,25 @@ def test_workspace_is_reused_without_allocation():
     assert _rel_fro(Y, newton_schulz(X)) <= 1e-6
 
 
+def test_workspace_cache_stays_under_its_byte_budget(monkeypatch):
+    """Many matrix shapes (as a model has): the cache drops least recently used workspaces
+    so that what it keeps between steps stays under MUONSCALE_NS_WORKSPACE_MB."""
+    from muonscale.kernels.newton_schulz_fast import cached_workspace_bytes
+
+    clear_workspaces()
+    monkeypatch.setenv("MUONSCALE_NS_WORKSPACE_MB", "0.25")  # 262,144 bytes
+    budget = 2**18
+    g = torch.Generator().manual_seed(0)
+    peak = 0
+    for m, n in [(16, 40), (24, 48), (32, 64), (16, 96), (40, 40), (8, 200), (32, 64)]:
+        G = torch.randn(4, m, n, generator=g)
+        got = newton_schulz_fast(G, backend="torch", method="plain")
+        assert _rel_fro(got, newton_schulz(G)) <= 1e-5
+        peak = max(peak, cached_workspace_bytes())
+    assert 0 < peak <= budget
+    clear_workspaces()
+
+
 def test_flop_counts_and_auto_policy():
     m, n, s = 768, 3072, 5
     assert plain_flops(m, n, s) == s * (4 * m * m * n + 2 * m**3)

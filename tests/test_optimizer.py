@@ -43,7 +43,9 @@ def _run(opt_a, params_a, opt_b, params_b, steps, seed=1):
         opt_b.step()
 
 
-@pytest.mark.parametrize("scale,adjust", [("shape", "original"), ("match_rms_adamw", "match_rms_adamw")])
+@pytest.mark.parametrize(
+    "scale,adjust", [("shape", "original"), ("match_rms_adamw", "match_rms_adamw")]
+)
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_matches_torch_muon_exactly_in_float64(monkeypatch, scale, adjust, nesterov):
     monkeypatch.setattr(torch_muon_module, "_zeropower_via_newtonschulz", _float64_zeropower)
@@ -74,9 +76,15 @@ def test_adamw_half_matches_torch_adamw():
     vec = torch.randn(40, dtype=torch.float64, requires_grad=True)
     emb = torch.randn(10, 6, dtype=torch.float64, requires_grad=True)
     vec2, emb2 = vec.detach().clone().requires_grad_(), emb.detach().clone().requires_grad_()
-    ours = Muon([{"params": [vec, emb], "algorithm": "adamw", "weight_decay": 0.05}], lr=3e-3,
-                adamw_betas=(0.85, 0.97), adamw_eps=1e-7)
-    theirs = torch.optim.AdamW([vec2, emb2], lr=3e-3, betas=(0.85, 0.97), eps=1e-7, weight_decay=0.05)
+    ours = Muon(
+        [{"params": [vec, emb], "algorithm": "adamw", "weight_decay": 0.05}],
+        lr=3e-3,
+        adamw_betas=(0.85, 0.97),
+        adamw_eps=1e-7,
+    )
+    theirs = torch.optim.AdamW(
+        [vec2, emb2], lr=3e-3, betas=(0.85, 0.97), eps=1e-7, weight_decay=0.05
+    )
     _run(ours, [vec, emb], theirs, [vec2, emb2], steps=7)
     torch.testing.assert_close(vec, vec2, rtol=0, atol=1e-14)
     torch.testing.assert_close(emb, emb2, rtol=0, atol=1e-14)
@@ -99,6 +107,78 @@ def test_batched_equals_one_matrix_at_a_time():
             s.step()
     for p, q in zip(together, alone):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-13)
+
+
+def test_chunked_update_equals_one_chunk():
+    """functional.muon in chunks of bounded transient bytes gives the same bits as one chunk
+    (every parameter's update is independent of the others)."""
+    from muonscale import functional
+    from muonscale.matrices import MatrixView
+
+    shapes = [(16, 24), (24, 16), (32, 32), (16, 24), (8, 40), (32, 32), (3, 16, 8)]
+    g = torch.Generator().manual_seed(5)
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+
+    def run(max_chunk_bytes):
+        params = [
+            torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(shapes)
+        ]
+        bufs = [torch.zeros(s) for s in shapes]
+        views = [
+            MatrixView.build(tuple(p.shape), mode="batch" if p.ndim > 2 else "flatten")
+            for p in params
+        ]
+        for step_grads in grads:
+            functional.muon(
+                params, step_grads, bufs, views=views, lr=0.02, weight_decay=0.1, momentum=0.95,
+                nesterov=True, ns_steps=5, coefficients="keller", ns_dtype=torch.float32,
+                scale="match_rms_adamw", max_chunk_bytes=max_chunk_bytes,
+            )  # fmt: skip
+        return params, bufs
+
+    whole = run(None)
+    for budget in (1, 3000, 10_000):
+        chunks = functional.update_chunks(
+            whole[0], [MatrixView.build(tuple(p.shape), mode="batch" if p.ndim > 2 else "flatten") for p in whole[0]],
+            ns_dtype=torch.float32, max_chunk_bytes=budget,
+        )  # fmt: skip
+        assert sorted(i for c in chunks for i in c) == list(range(len(shapes)))
+        for c in chunks:  # within budget, or one parameter alone
+            assert len(c) == 1 or sum(whole[0][i].numel() * 8 for i in c) <= budget
+        assert len(chunks) > 1
+        chunked = run(budget)
+        for a, b in zip(whole[0] + whole[1], chunked[0] + chunked[1]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("budget", [4, 100, 1000, 5000])
+def test_chunked_adamw_equals_one_chunk(budget):
+    """AdamW's denominators built in flat segments of bounded bytes: the same bits as all at
+    once, including a non-contiguous parameter (taken whole)."""
+    from muonscale import functional
+
+    shapes = [(16, 24), (7,), (40, 9), (3,)]
+
+    def run(max_chunk_bytes):
+        gen = torch.Generator().manual_seed(7)
+        params = [torch.randn(s, generator=gen) for s in shapes]
+        params.append(torch.randn(9, 40, generator=gen).t())  # non-contiguous
+        avgs = [torch.zeros_like(p) for p in params]
+        sqs = [torch.zeros_like(p) for p in params]
+        steps = [torch.tensor(0.0) for _ in params]
+        grads = [
+            torch.randn(p.shape, generator=torch.Generator().manual_seed(i))
+            for i, p in enumerate(params)
+        ]
+        for _ in range(3):
+            functional.adamw(
+                params, grads, avgs, sqs, steps, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8,
+                weight_decay=0.1, max_chunk_bytes=max_chunk_bytes,
+            )  # fmt: skip
+        return params + avgs + sqs
+
+    for a, b in zip(run(None), run(budget)):
+        assert torch.equal(a, b)
 
 
 class TinyNet(nn.Module):
@@ -134,8 +214,16 @@ def test_routing_of_a_model():
     model = TinyNet()
     opt = Muon(model.named_parameters(), lr=1e-3, weight_decay=0.1)
     algo = {n: d.algorithm for n, d in opt.routing.items()}
-    assert algo == {"wte.weight": "adamw", "fc.weight": "muon", "fc.bias": "adamw", "proj.weight": "muon",
-                    "proj.bias": "adamw", "norm.weight": "adamw", "norm.bias": "adamw", "lm_head.weight": "adamw"}
+    assert algo == {
+        "wte.weight": "adamw",
+        "fc.weight": "muon",
+        "fc.bias": "adamw",
+        "proj.weight": "muon",
+        "proj.bias": "adamw",
+        "norm.weight": "adamw",
+        "norm.bias": "adamw",
+        "lm_head.weight": "adamw",
+    }
     wd = {g["algorithm"] + str(len(g["params"])): g["weight_decay"] for g in opt.param_groups}
     assert wd == {"muon2": 0.1, "adamw2": 0.1, "adamw4": 0.0}  # ≥2-D AdamW decays, 0/1-D not
     assert "muon" in opt.summary() and "lm_head.weight" in opt.summary()
@@ -153,7 +241,9 @@ def test_resume_is_bit_identical():
     saved_model, saved_opt = copy.deepcopy(twin.state_dict()), copy.deepcopy(opt2.state_dict())
     resumed = TinyNet()
     resumed.load_state_dict(saved_model)
-    opt3 = Muon(resumed.named_parameters(), lr=3e-3, weight_decay=0.1, momentum_dtype=torch.bfloat16)
+    opt3 = Muon(
+        resumed.named_parameters(), lr=3e-3, weight_decay=0.1, momentum_dtype=torch.bfloat16
+    )
     opt3.load_state_dict(saved_opt)
     buf = next(s["momentum_buffer"] for s in opt3.state.values() if "momentum_buffer" in s)
     assert buf.dtype == torch.bfloat16
@@ -192,7 +282,7 @@ def test_get_state_dict_on_fresh_optimizer_leaves_parameters_bitwise_unchanged()
 def test_lr_scheduler_scales_both_halves():
     model = TinyNet()
     opt = Muon(model.named_parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
     _train(model, opt, 1)
     sched.step()
     sched.step()
@@ -251,8 +341,15 @@ def test_closure_and_add_param_group():
 def test_qkv_split_orthogonalizes_each_block_alone():
     layout = QKVLayout(n_query_groups=2, q_per_group=2, head_dim=3)  # 24 rows
     W = torch.randn(layout.rows, 8, dtype=torch.float64, requires_grad=True)
-    opt = Muon([("attn.qkv.weight", W)], lr=0.1, momentum=0.0, nesterov=False, scale="none",
-               ns_dtype=torch.float64, splits={"attn.qkv.weight": layout})
+    opt = Muon(
+        [("attn.qkv.weight", W)],
+        lr=0.1,
+        momentum=0.0,
+        nesterov=False,
+        scale="none",
+        ns_dtype=torch.float64,
+        splits={"attn.qkv.weight": layout},
+    )
     G = torch.randn_like(W)
     W0 = W.detach().clone()
     W.grad = G.clone()
@@ -261,28 +358,52 @@ def test_qkv_split_orthogonalizes_each_block_alone():
     for rows in layout.row_partition("qkv"):
         expected[rows] -= 0.1 * newton_schulz(G[rows], ns_dtype=torch.float64)
     torch.testing.assert_close(W.detach(), expected, rtol=0, atol=1e-12)
-    assert layout.q_rows().tolist()[:6] == [0, 1, 2, 3, 4, 5] and layout.k_rows().tolist()[:3] == [6, 7, 8]
+    assert layout.q_rows().tolist()[:6] == [0, 1, 2, 3, 4, 5] and layout.k_rows().tolist()[:3] == [
+        6,
+        7,
+        8,
+    ]
 
 
 def test_equal_row_blocks_and_higher_dim_modes():
     conv = torch.randn(8, 3, 2, 2, dtype=torch.float64, requires_grad=True)
     experts = torch.randn(3, 5, 7, dtype=torch.float64, requires_grad=True)
     heads = torch.randn(12, 6, dtype=torch.float64, requires_grad=True)
-    opt_flat = Muon([conv], lr=0.1, momentum=0.0, nesterov=False, scale="none", ns_dtype=torch.float64)
-    opt_batch = Muon([experts], lr=0.1, momentum=0.0, nesterov=False, scale="none",
-                     ns_dtype=torch.float64, matrix_mode="batch")
-    opt_heads = Muon([("h", heads)], lr=0.1, momentum=0.0, nesterov=False, scale="none",
-                     ns_dtype=torch.float64, splits={"h": 3})
+    opt_flat = Muon(
+        [conv], lr=0.1, momentum=0.0, nesterov=False, scale="none", ns_dtype=torch.float64
+    )
+    opt_batch = Muon(
+        [experts],
+        lr=0.1,
+        momentum=0.0,
+        nesterov=False,
+        scale="none",
+        ns_dtype=torch.float64,
+        matrix_mode="batch",
+    )
+    opt_heads = Muon(
+        [("h", heads)],
+        lr=0.1,
+        momentum=0.0,
+        nesterov=False,
+        scale="none",
+        ns_dtype=torch.float64,
+        splits={"h": 3},
+    )
     for p, opt in ((conv, opt_flat), (experts, opt_batch), (heads, opt_heads)):
         p.grad = torch.randn_like(p)
         p0 = p.detach().clone()
         opt.step()
         if p is conv:
-            expected = p0 - 0.1 * newton_schulz(p.grad.reshape(8, 12), ns_dtype=torch.float64).reshape(p.shape)
+            expected = p0 - 0.1 * newton_schulz(
+                p.grad.reshape(8, 12), ns_dtype=torch.float64
+            ).reshape(p.shape)
         elif p is experts:
             expected = p0 - 0.1 * newton_schulz(p.grad, ns_dtype=torch.float64)
         else:
-            expected = p0 - 0.1 * torch.cat([newton_schulz(b, ns_dtype=torch.float64) for b in p.grad.split(4)])
+            expected = p0 - 0.1 * torch.cat(
+                [newton_schulz(b, ns_dtype=torch.float64) for b in p.grad.split(4)]
+            )
         torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-12)
 
 
@@ -355,6 +476,10 @@ def test_route_rules():
     assert decisions["tok.weight"].algorithm == "adamw"
     assert "out.weight" not in decisions  # tied: one tensor, listed once
     by_name = muonscale.route(model.named_parameters(), rules=[(r"^output\.", "muon")])
-    assert by_name["output.weight"].algorithm == "muon" and "user" in by_name["output.weight"].reason
-    by_callable = muonscale.route(model.named_parameters(), rules=[lambda n, p: "adamw" if p.shape[0] == 4 else None])
+    assert (
+        by_name["output.weight"].algorithm == "muon" and "user" in by_name["output.weight"].reason
+    )
+    by_callable = muonscale.route(
+        model.named_parameters(), rules=[lambda n, p: "adamw" if p.shape[0] == 4 else None]
+    )
     assert by_callable["attention.output.dense.weight"].algorithm == "adamw"

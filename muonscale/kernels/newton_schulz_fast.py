@@ -76,7 +76,8 @@ elementwise parts).
 
 Workspaces are cached per (shape, dtype, device, method) and bounded: a stack whose workspace
 would exceed ``max_workspace_bytes`` (default 256 MiB, env ``MUONSCALE_NS_WORKSPACE_MB``) is
-processed in chunks along the batch dim. The cache holds memory between optimizer steps;
+processed in chunks along the batch dim, and the whole cache keeps at most that many bytes
+between optimizer steps (least recently used workspaces are dropped first);
 :func:`clear_workspaces` frees it. Not thread-safe, and not for concurrent use on several
 CUDA streams.
 """
@@ -244,19 +245,37 @@ _MAX_WORKSPACES = 64
 
 
 def get_workspace(
-    shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device, method: str
+    shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    device: torch.device,
+    method: str,
+    *,
+    max_cached_bytes: int | None = None,
 ) -> NSWorkspace:
-    """The cached workspace for (shape, dtype, device, method) (LRU, at most 64 kept)."""
+    """The cached workspace for (shape, dtype, device, method). LRU, bounded twice: at most
+    64 entries, and least recently used ones are dropped while the cache would hold more than
+    ``max_cached_bytes`` with this one (default: ``MUONSCALE_NS_WORKSPACE_MB``, 256 MiB), so
+    the memory kept between steps does not grow with the number of matrix shapes."""
     key = (tuple(shape), dtype, str(device), method)
     ws = _WORKSPACES.get(key)
-    if ws is None:
-        ws = NSWorkspace(tuple(shape), dtype, torch.device(device))
-        _WORKSPACES[key] = ws
-        while len(_WORKSPACES) > _MAX_WORKSPACES:
-            _WORKSPACES.popitem(last=False)
-    else:
+    if ws is not None:
         _WORKSPACES.move_to_end(key)
+        return ws
+    budget = max_cached_bytes if max_cached_bytes is not None else _default_max_workspace_bytes()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    needed = workspace_bytes(*shape, itemsize, method)
+    while _WORKSPACES and (
+        len(_WORKSPACES) >= _MAX_WORKSPACES or cached_workspace_bytes() + needed > budget
+    ):
+        _WORKSPACES.popitem(last=False)
+    ws = NSWorkspace(tuple(shape), dtype, torch.device(device))
+    _WORKSPACES[key] = ws
     return ws
+
+
+def cached_workspace_bytes() -> int:
+    """Bytes held by the workspace cache now."""
+    return sum(ws.nbytes() for ws in _WORKSPACES.values())
 
 
 def clear_workspaces() -> None:
