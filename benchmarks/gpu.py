@@ -1,11 +1,20 @@
-"""GPU benchmark of the Newton–Schulz fast path and the Muon optimizer step (issue 6).
+"""GPU benchmark of the Newton–Schulz fast path, the Muon optimizer step (issue 6) and
+muonscale under Megatron-Core vs Megatron's Adam (issue 7).
 
-    PYTHONPATH=. python3 benchmarks/gpu.py                 # one H200, < 5 minutes
+    PYTHONPATH=. python3 benchmarks/gpu.py                 # one H200, < 6 minutes
     PYTHONPATH=. python3 benchmarks/gpu.py --smoke         # tiny shapes, CPU, < 60 s
     PYTHONPATH=. python3 benchmarks/gpu.py --only ns --only optimizer --out runs/gpu
 
-Writes ``$OUT/gpu_bench.json`` (``--out`` > env ``OUT`` > ``./runs/gpu``) after every
-section, and prints one table per section. Needs only torch, triton, numpy and muonscale.
+On the lent H200 (Python 3.12, CUDA torch, no megatron-core, no network)::
+
+    bash .ci/megatron_site.sh     # here, once: megatron-core wheels unpacked into .megatron-site/
+    # then the device tool's run with carry [".megatron-site"] and the command
+    PYTHONPATH=. python3 benchmarks/gpu.py --out $OUT
+    PYTHONPATH=. python3 benchmarks/gpu.py --only megatron --out $OUT    # that leg alone, ~1.5 min
+
+Writes ``$OUT/gpu_bench.json`` (``--out`` > env ``OUT`` > ``./runs/gpu``; a folder) after every
+section, and prints one table per section. Needs only torch, triton, numpy and muonscale;
+the ``megatron`` section also needs megatron-core (``.megatron-site/`` or installed).
 
 Sections (every one wrapped: a failure is recorded in the JSON and the rest still runs; a
 global time guard skips what no longer fits):
@@ -22,6 +31,15 @@ global time guard skips what no longer fits):
                   measured directly and composed from measured fwd/bwd and optimizer parts.
 * ``memory``      peak memory and optimizer-state bytes vs AdamW, GPT-2-XL, 8×1024 tokens,
                   bf16 autocast, fp32 params, no activation checkpointing.
+* ``megatron``    ``benchmarks/megatron_gpu.py`` in a subprocess (``python3 -m
+                  torch.distributed.run --nproc-per-node 1``, PYTHONPATH=<repo>:<site>, wall
+                  limit ``--megatron-timeout-s``, outside the time guard): Megatron's GPTModel
+                  (GPT-2-medium shapes, bf16) under Megatron's DDP, tokens/s of muonscale vs
+                  ``get_megatron_optimizer`` Adam. Its JSON is merged into this section (also
+                  ``$OUT/megatron_gpu.json``, log ``$OUT/megatron_gpu.log``); ``megatron_leg``
+                  says ``"measured"`` or ``"not measured: <reason>"`` (no megatron-core, import
+                  failure, time-out). ``--smoke`` runs its CPU smoke when this Python can import
+                  megatron-core (>= 3.12), else records it as not measured.
 
 Timing: CUDA events around each call (``perf_counter`` on CPU), warm-up first, variants
 interleaved round by round (A B C A B C …), medians reported.
@@ -31,8 +49,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -60,6 +81,8 @@ GPT2 = {  # name: (n_layer, d_model, n_head)
     "gpt2-xl": (48, 1600, 25),
 }
 VOCAB, CONTEXT = 50304, 1024
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MEGATRON_SCRIPT = os.path.join(REPO, "benchmarks", "megatron_gpu.py")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,10 +326,10 @@ class Bench:
         with open(os.path.join(self.out_dir, "gpu_bench.json"), "w") as f:
             json.dump(self.results, f, indent=1, default=str)
 
-    def run(self, name: str, fn: Callable[[], dict], min_s: float) -> None:
+    def run(self, name: str, fn: Callable[[], dict], min_s: float, guarded: bool = True) -> None:
         if self.args.only and name not in self.args.only:
             return
-        if self.guard.left() < min_s:
+        if guarded and self.guard.left() < min_s:
             self.results["sections"][name] = {
                 "status": "skipped",
                 "reason": f"time guard ({self.guard.left():.0f}s left)",
@@ -627,6 +650,88 @@ class Bench:
         )
         return {"rows": rows, "micro_batch": (micro, ctx), "peak_metric": "cuda max_memory_allocated" if dev.type == "cuda" else "process peak RSS (smoke)"}  # fmt: skip
 
+    # -- Megatron-Core leg: benchmarks/megatron_gpu.py in a subprocess with its own wall limit
+    def megatron_pythonpath(self) -> tuple[str | None, str | None]:
+        """(PYTHONPATH for the leg, None) or (None, why it cannot run here)."""
+        if self.device.type != "cuda" and not self.smoke:
+            return None, "no CUDA device"
+        if sys.version_info < (3, 12):
+            return (
+                None,
+                f"megatron-core 0.19 needs Python >= 3.12, this is {sys.version.split()[0]}",
+            )
+        site = self.args.megatron_site or os.path.join(REPO, ".megatron-site")
+        paths = [REPO]
+        if os.path.isdir(site):
+            paths.append(os.path.abspath(site))
+        elif self.args.megatron_site:
+            return None, f"--megatron-site {site} does not exist"
+        elif importlib.util.find_spec("megatron") is None:
+            return None, "megatron-core is not installed and there is no .megatron-site/ (run bash .ci/megatron_site.sh here and carry .megatron-site)"  # fmt: skip
+        if os.environ.get("PYTHONPATH"):
+            paths.append(os.environ["PYTHONPATH"])
+        return os.pathsep.join(paths), None
+
+    def section_megatron(self) -> dict:
+        pythonpath, reason = self.megatron_pythonpath()
+        if reason:
+            self.results["megatron_leg"] = f"not measured: {reason}"
+            print(self.results["megatron_leg"])
+            return {"status": "not_measured", "reason": reason}
+        timeout = self.args.megatron_timeout_s or (300.0 if self.smoke else 85.0)
+        os.makedirs(self.out_dir, exist_ok=True)
+        json_path = os.path.join(self.out_dir, "megatron_gpu.json")
+        log_path = os.path.join(self.out_dir, "megatron_gpu.log")
+        if os.path.exists(json_path):
+            os.remove(json_path)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+               MEGATRON_SCRIPT, "--out", json_path, "--budget-s", str(max(10.0, timeout - 40.0))]  # fmt: skip
+        if self.smoke:
+            cmd.append("--smoke")
+        print(f"PYTHONPATH={pythonpath} {' '.join(cmd)}  (limit {timeout:.0f}s)", flush=True)
+        env = {**os.environ, "PYTHONPATH": pythonpath}
+        t0 = time.perf_counter()
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # fmt: skip
+            try:
+                rc: int | None = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                # torchrun starts its worker in a session of its own: SIGTERM lets torchrun stop
+                # it; SIGKILL to the session we started (torchrun) if that does not suffice.
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                rc = None
+        seconds = time.perf_counter() - t0
+        with open(log_path, errors="replace") as log:
+            tail = log.read().splitlines()[-30:]
+        print("\n".join(tail))
+        data: dict = {}
+        if os.path.exists(json_path):
+            with open(json_path) as f:
+                try:
+                    data = json.load(f)
+                except json.JSONDecodeError:  # killed while writing
+                    data = {"unreadable_json": json_path}
+        out = {"leg": data, "returncode": rc, "leg_seconds": round(seconds, 1), "log": log_path}
+        if "import_error" in data:
+            reason = data["import_error"]
+        elif rc is None:
+            reason = f"timed out after {timeout:.0f}s (phases done: {data.get('phases_done', [])})"
+        elif rc != 0 or "sanity" not in data:
+            sane = data.get("sanity", {}).get("ok", True)
+            self.results["megatron_leg"] = f"failed: exit code {rc}" if sane else "measured, sanity check failed"  # fmt: skip
+            return {**out, "status": "error", "log_tail": tail[-15:]}
+        else:
+            self.results["megatron_leg"] = "measured"
+            return out
+        self.results["megatron_leg"] = f"not measured: {reason}"
+        return {**out, "status": "not_measured", "reason": reason, "log_tail": tail[-15:]}
+
     @staticmethod
     def _print_table(rows: list[dict], cols: list[str]) -> None:
         def fmt(v):
@@ -646,7 +751,7 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-SECTIONS = ("matmul", "correctness", "ns", "optimizer", "e2e", "memory")
+SECTIONS = ("matmul", "correctness", "ns", "optimizer", "e2e", "memory", "megatron")
 MIN_SECONDS = {"matmul": 5, "correctness": 20, "ns": 40, "optimizer": 30, "e2e": 40, "memory": 30}
 
 
@@ -660,6 +765,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="output directory (default: $OUT or ./runs/gpu)")  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=None,
                         help="global time guard in seconds (default 270; none with --smoke)")  # fmt: skip
+    parser.add_argument("--megatron-site", default=None,
+                        help="folder of unpacked megatron-core wheels (default: <repo>/.megatron-site "
+                             "when it exists; built by .ci/megatron_site.sh)")  # fmt: skip
+    parser.add_argument("--megatron-timeout-s", type=float, default=None,
+                        help="wall limit of the megatron section's subprocess (default 85; 300 with --smoke)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.budget_s is None:  # smoke runs every section whatever the clock says: it tests code
         args.budget_s = 1e6 if args.smoke else 270.0
@@ -678,6 +788,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.run("optimizer", bench.section_optimizer, MIN_SECONDS["optimizer"])
     bench.run("e2e", bench.section_e2e, MIN_SECONDS["e2e"])
     bench.run("memory", bench.section_memory, MIN_SECONDS["memory"])
+    bench.run("megatron", bench.section_megatron, 0, guarded=False)
     bench.save()
     status = {k: v["status"] for k, v in bench.results["sections"].items()}
     print(f"\nwrote {os.path.join(args.out, 'gpu_bench.json')}  sections: {status}")

@@ -5,10 +5,9 @@ CPU (gloo), 2 processes, TP = 2 (needs the Python 3.12 env of ``.ci/megatron_env
     PYTHONPATH=. .venv-megatron/bin/torchrun --nproc-per-node 2 examples/megatron_gpt.py --tp 2
     PYTHONPATH=. .venv-megatron/bin/torchrun --nproc-per-node 4 examples/megatron_gpt.py --tp 2  # TP 2 x DP 2
 
-GPU (NCCL), the benchmark leg (tokens/s of muonscale vs Megatron's Adam; not run in CI)::
-
-    torchrun --nproc-per-node 8 examples/megatron_gpt.py --tp 2 --benchmark --layers 24 \\
-        --hidden 1024 --heads 16 --seq 1024 --micro-batch 8
+With CUDA it uses NCCL and no shims. Throughput on GPU (tokens/s of muonscale vs Megatron's own
+Adam, both under Megatron's DDP with bf16 parameters) is measured by
+``benchmarks/megatron_gpu.py``, not here.
 
 The model is Megatron's own ``GPTModel`` with the local (non-Transformer-Engine) layer spec;
 the data is muonscale's bundled Shakespeare as bytes. On CPU two CUDA-only spots of Megatron's
@@ -19,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -100,76 +97,19 @@ def train_step(model, optimizer, tokens, step, args, device) -> float:
     return loss.item()
 
 
-def make_optimizer(name: str, model, args):
-    """``muonscale``: this library; ``adam``: the baseline a Megatron user runs (torch AdamW,
-    the same Adam as Megatron's ``--optimizer adam`` without its distributed-optimizer wrapper)."""
-    from muonscale.integrations.megatron import MegatronMuonConfig, megatron_muon
-
-    if name == "muonscale":
-        return megatron_muon(
-            [model], MegatronMuonConfig(lr=args.lr, weight_decay=0.1, dp_mode="replicated")
-        )
-    if name == "adam":
-        from megatron.core import parallel_state as ps
-
-        class AveragedAdamW(torch.optim.AdamW):  # DP gradient mean, as Megatron's DDP would do
-            def step(self, closure=None):
-                group = ps.get_data_parallel_group()
-                for p in model.parameters():
-                    if p.grad is not None and dist.get_world_size(group) > 1:
-                        dist.all_reduce(p.grad, group=group)
-                        p.grad.div_(dist.get_world_size(group))
-                return super().step(closure)
-
-        return AveragedAdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    raise ValueError(name)
-
-
-def benchmark(model_factory, tokens, args, device) -> dict[str, float]:
-    """GPU benchmark leg: tokens/s of muonscale vs Adam, same model, batch and data, the two
-    runs interleaved in rounds, medians after warm-up (see shared/DESIGN.md, "Metrics")."""
-    from megatron.core import parallel_state as ps
-
-    runs = {
-        name: (lambda m: (m, make_optimizer(name, m, args)))(model_factory())
-        for name in ("muonscale", "adam")
-    }
-    tokens_per_step = args.micro_batch * args.seq * ps.get_data_parallel_world_size()
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for round_index in range(args.rounds):
-        for name, (model, opt) in runs.items():
-            for step in range(args.steps):
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                train_step(model, opt, tokens, round_index * args.steps + step, args, device)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                if step >= args.warmup:
-                    times[name].append(time.perf_counter() - start)
-    result = {
-        f"{name}_tokens_per_s": tokens_per_step / statistics.median(t) for name, t in times.items()
-    }
-    result["throughput_ratio"] = result["muonscale_tokens_per_s"] / result["adam_tokens_per_s"]
-    return result
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=2, help="transformer layers")
+    parser.add_argument("--hidden", type=int, default=128, help="hidden size")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads")
     parser.add_argument("--query-groups", type=int, default=2, help="GQA key/value heads")
-    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--seq", type=int, default=64, help="sequence length")
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per DP rank per step")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--benchmark", action="store_true", help="tokens/s vs Adam (GPU leg)")
-    parser.add_argument("--rounds", type=int, default=3, help="benchmark: interleaved rounds")
-    parser.add_argument("--warmup", type=int, default=3, help="benchmark: steps skipped per round")
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps")
+    parser.add_argument("--lr", type=float, default=3e-3, help="learning rate")
     args = parser.parse_args()
 
     use_cuda = torch.cuda.is_available()
@@ -194,26 +134,19 @@ def main() -> None:
     tokens = token_stream(device)
     rank0 = dist.get_rank() == 0
 
-    if args.benchmark:
-        result = benchmark(lambda: build_model(args, device), tokens, args, device)
-        if rank0:
-            print({k: round(v, 4) for k, v in result.items()})
-    else:
-        from muonscale.integrations.megatron import MegatronMuonConfig, megatron_muon
+    from muonscale.integrations.megatron import MegatronMuonConfig, megatron_muon
 
-        model = build_model(args, device)
-        optimizer = megatron_muon([model], MegatronMuonConfig(lr=args.lr, weight_decay=0.1))
-        if rank0:
+    model = build_model(args, device)
+    optimizer = megatron_muon([model], MegatronMuonConfig(lr=args.lr, weight_decay=0.1))
+    if rank0:
+        print(f"TP {args.tp} x DP {ps.get_data_parallel_world_size()}, dp_mode={optimizer.dp_mode}")
+        print(optimizer.summary())
+    for step in range(args.steps):
+        loss = train_step(model, optimizer, tokens, step, args, device)
+        if rank0 and (step % 5 == 0 or step == args.steps - 1):
             print(
-                f"TP {args.tp} x DP {ps.get_data_parallel_world_size()}, dp_mode={optimizer.dp_mode}"
+                f"step {step:4d}  loss {loss:.4f}  optimizer wire bytes/rank {optimizer.last_step_wire_bytes}"
             )
-            print(optimizer.summary())
-        for step in range(args.steps):
-            loss = train_step(model, optimizer, tokens, step, args, device)
-            if rank0 and (step % 5 == 0 or step == args.steps - 1):
-                print(
-                    f"step {step:4d}  loss {loss:.4f}  optimizer wire bytes/rank {optimizer.last_step_wire_bytes}"
-                )
     ps.destroy_model_parallel()
     dist.barrier()
     dist.destroy_process_group()
