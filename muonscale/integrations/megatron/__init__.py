@@ -32,6 +32,12 @@ trained at TP = 2 ends where it ends at TP = 1. Megatron's own default (``--muon
 blockwise``) runs Newton–Schulz on each rank's shard instead, which is a different, layout
 dependent update; here it is available only by its name, ``"approximate_blockwise"``.
 
+bf16 models get fp32 main copies (``main_params_dtype``), updated and written back each step;
+one 8-byte all-reduce per step gives the global gradient norm over every rank (each gradient
+counted once: ``opt.last_grad_norm``, clipped with ``clip_grad``) and makes every rank raise or
+skip together on a NaN/inf anywhere (:mod:`.grad_norm`). Pipeline parallelism works per stage
+when Megatron reduces the gradients (its DDP + ``finalize_model_grads``).
+
 Data parallel (``dp_mode``): ``"zero1"`` is :class:`muonscale.DistributedMuon` on Megatron's DP
 group (reduce-scatter to owner ranks, each matrix updated by one DP rank and its TP group,
 ZeRO-1 AdamW, all-gather); ``"replicated"``: every DP replica runs the same deterministic step
