@@ -157,6 +157,9 @@ def _build(spec: dict):
         with torch.no_grad():
             for p in model.parameters():
                 p.copy_(p.bfloat16().float())
+    if spec.get("ddp_like"):  # as Megatron's DDP: fp32 main_grad buffers exist before the optimizer
+        for p in model.parameters():
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
     opt = megatron_muon([model], MegatronMuonConfig(**spec.get("options", {})))
     return model, names, opt
 
@@ -196,6 +199,7 @@ def _result(model, names, opt, norms) -> dict:
     return dict(
         params=full, mains=mains, norms=norms, dp_mode=opt.dp_mode, summary=opt.summary(),
         skipped=opt.skipped_steps, wire=opt.last_step_wire_breakdown,
+        grads_reduced=getattr(opt, "grads_reduced", None),
     )  # fmt: skip
 
 

@@ -84,7 +84,10 @@ def fp32_from_bf16(pool2):
 
 
 def test_bf16_parameters_with_fp32_main_copies_track_fp32(pool2, fp32_from_bf16):
-    run = _run(pool2, tp=2, dtype="bf16", options=BASE)
+    # main_grad buffers present at construction (as under Megatron's DDP): detected as reduced
+    unset = {k: v for k, v in BASE.items() if k != "grads_reduced"}
+    run = _run(pool2, tp=2, dtype="bf16", ddp_like=True, options=unset)
+    assert run["dp_mode"] == "replicated" and run["grads_reduced"] is True
     assert run["mains"] is not None
     delta = L.max_abs_diff(fp32_from_bf16["params"], run["mains"])
     in_place = _run(pool2, tp=2, dtype="bf16", options=dict(BASE, main_params_dtype=None))
