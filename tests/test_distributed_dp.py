@@ -219,6 +219,83 @@ def test_wire_bytes_by_hand(world_size):
             assert total == sum(int(v) for v in want.values())
 
 
+class UnevenModel(nn.Module):
+    """Three 8x8 Muon matrices (uneven over 2 and 4 owners) and an 80-element AdamW vector:
+    the vector levels the owner streams, bytes computable by hand."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.ParameterList(nn.Parameter(torch.randn(8, 8) / 3) for _ in range(3))
+        self.b = nn.Parameter(torch.randn(80) / 10)
+
+    def forward(self, x):  # (B, 8)
+        y = x
+        for w in self.w:
+            y = torch.tanh(y @ w)
+        return y.square().sum() + (self.b.view(10, 8) @ x.T).tanh().sum()
+
+
+def _uneven(rank, world_size, precision, steps=3):
+    reduce_dtype = torch.bfloat16 if precision == "bf16" else None
+    models, opts = [], []
+    for distributed in (False, True):
+        torch.manual_seed(0)
+        models.append(UnevenModel())
+        cls = DistributedMuon if distributed else muonscale.Muon
+        kw = dict(reduce_dtype=reduce_dtype, bucket_cap_mb=1e-4) if distributed else {}
+        opts.append(cls(models[-1].named_parameters(), **OPTS, **kw))  # several buckets
+    for step in range(steps):
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(step))
+        for model, opt in zip(models, opts):
+            opt.zero_grad()
+            model(x).backward()
+            opt.step()
+    bitwise = all(torch.equal(p, q) for p, q in zip(models[0].parameters(), models[1].parameters()))
+    single, full = opts[0].state_dict()["state"], opts[1].state_dict()["state"]
+    state_equal = single.keys() == full.keys() and all(
+        torch.equal(value, full[k][name])
+        for k, entry in single.items()
+        for name, value in entry.items()
+    )
+    opt = opts[1]
+    return opt.last_step_wire_breakdown, opt.layout_stats(), bitwise, state_equal
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fill_levels_owner_streams_exactly(world_size):
+    """Muon traffic = ZeRO-1 AdamW's, to the byte, where the owners alone would pad; the
+    update and the full state stay bitwise those of one process."""
+    n = world_size
+    f = (n - 1) / n
+    control = 2 * f * (2 * 4 * 4)  # [has-grad, non-finite] int32 flags, 4 parameters
+    # fp32: the vector fills the gap (2 ranks own 128 / 64; 4 ranks 64 / 64 / 64 / 0), so the
+    # streams hold 3 * 64 + 80 = 272 elements in all, T = 272 / N each, no padding: exactly
+    # ZeRO-1 AdamW's reduce-scatter + all-gather of 272 elements
+    fp32 = {
+        "muon/reduce_scatter": f * 272 * 4,
+        "muon/all_gather": f * 272 * 4,
+        "control/all_reduce": control,
+    }
+    # bf16 reduce: no fill (AdamW gradients keep their dtype): the owners' streams are padded
+    # to the longest (128 / 64 elements) and the vector goes in a flat bucket
+    longest = 128 if n == 2 else 64
+    bf16 = {
+        "muon/reduce_scatter": f * n * longest * 2,
+        "muon/all_gather": f * n * longest * 4,
+        "adamw/reduce_scatter": f * 80 * 4,
+        "adamw/all_gather": f * 80 * 4,
+        "control/all_reduce": control,
+    }
+    for precision, want in (("fp32", fp32), ("bf16", bf16)):
+        for breakdown, stats, bitwise, state_equal in shared_pool(n).run(_uneven, precision):
+            assert breakdown == {k: int(v) for k, v in want.items()}
+            if precision == "fp32":
+                assert stats["padding_elements"] == 0 and stats["fill_elements"] == 80
+                assert bitwise and state_equal
+            else:
+                assert stats["padding_elements"] == n * longest - 192
+
+
 def _subgroups(rank, world_size, steps):
     """Two independent 2-rank data-parallel groups inside 4 ranks (group rank != global rank)."""
     group, all_groups = torch.distributed.new_subgroups(group_size=2)

@@ -10,17 +10,35 @@ last bucket), and its buffer holds N such slices side by side::
     reduce-scatter  ->  rank r receives stream_r[bL : bL+L_b] summed over ranks = exactly the
                         gradients of the matrices it owns (a parameter may span two buckets)
 
-The padding on the wire is therefore only the imbalance of the streams (Σ_r (T − T_r)), not a
-per-bucket remainder. The all-gather of updated parameters uses the same layout in reverse.
+The all-gather of updated parameters uses the same layout in reverse.
 
-**Flat buckets (AdamW, ZeRO-1).** Parameters concatenated in readiness order into buckets of
-about ``bucket_elems``, each padded to a multiple of N; rank r holds shard r (elements
-``[r·S, (r+1)·S)``, S = padded/N) of every bucket, and the AdamW state for that shard only.
-A parameter lies in one flat bucket, so a rank holds at most one segment of it.
+**Fill: AdamW elements level the streams.** Whole-matrix owners rarely own equal numbers of
+elements (8 matrices of 3 sizes cannot be split evenly over 4 ranks), and a reduce-scatter gives
+every rank the same number of elements, so the shorter streams would be padded: Σ_r (T − T_r)
+elements of zeros on the wire. AdamW parameters are sharded element-wise (ZeRO-1) and can sit
+anywhere, so the shorter streams are topped up with AdamW elements instead: whole AdamW
+parameters (``fillers``, taken in the order given until they cover the gap) are laid end to end
+and cut into one range per rank, rank r's range placed right after its owned elements::
+
+    stream_r = [ owned Muon parameters (T_r) | AdamW fill range r | padding ]  (length T)
+
+with T = max(max_r T_r, ⌈(Σ_r T_r + F)/N⌉) for F fill elements, so the padding left is below
+N elements whenever the fillers cover the gap (otherwise it is the gap minus F). Each rank
+holds one contiguous range of the fill, hence at most one segment of each AdamW parameter, and
+updates it as it would a ZeRO-1 shard. The fill must share the stream's dtype (a
+``reduce_dtype`` other than the parameters' disables it: AdamW gradients are reduced in their
+own dtype).
+
+**Flat buckets (AdamW, ZeRO-1).** The remaining AdamW parameters, concatenated in readiness order
+into buckets of about ``bucket_elems``, each padded to a multiple of N; rank r holds shard r
+(elements ``[r·S, (r+1)·S)``, S = padded/N) of every bucket, and the AdamW state for that
+shard only. A parameter lies in one flat bucket (or in the fill), so a rank holds at most one
+segment of it.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -51,22 +69,60 @@ class OwnerBucket:
     def numel(self) -> int:
         return self.world_size * self.length
 
+    def rank_of(self, piece: Piece) -> int:
+        """The rank whose stream slice holds ``piece`` (its owner, or its fill holder)."""
+        return piece.buffer_start // self.length
+
+
+@dataclass
+class StreamFill:
+    """AdamW parameters laid end to end (the *fill sequence*) and cut into one range per rank:
+    rank r holds fill elements ``[starts[r], starts[r] + lengths[r])``, stored from offset
+    ``stream_starts[r]`` of its owner stream (right after the Muon parameters it owns)."""
+
+    params: list[int]  # whole AdamW parameters, in fill order
+    offsets: list[int]  # offset of each parameter in the fill sequence
+    numels: list[int]
+    starts: list[int]  # per rank
+    lengths: list[int]  # per rank
+    stream_starts: list[int]  # per rank
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    def segments(self, rank: int) -> list[Segment]:
+        """Pieces of parameters in rank ``rank``'s range (buffer_start relative to the range)."""
+        lo_range, hi_range = self.starts[rank], self.starts[rank] + self.lengths[rank]
+        out = []
+        for p, off, n in zip(self.params, self.offsets, self.numels):
+            lo, hi = max(lo_range, off), min(hi_range, off + n)
+            if lo < hi:
+                out.append(Segment(p, lo - off, lo - lo_range, hi - lo))
+        return out
+
 
 @dataclass
 class OwnerStreams:
-    """Muon parameters of one dtype: who owns what, where it sits in the stream, the buckets."""
+    """Muon parameters of one dtype: who owns what, where it sits in the stream, the AdamW fill
+    that levels the streams, the buckets."""
 
-    owned: list[list[int]]  # per rank: parameter indices in stream order
-    offsets: dict[int, int]  # parameter -> offset in its owner's stream
+    owned: list[list[int]]  # per rank: Muon parameter indices in stream order
+    offsets: dict[int, int]  # Muon parameter -> offset in its owner's stream
     numels: dict[int, int]
-    length: int  # T: padded stream length (the longest rank's stream)
+    length: int  # T: padded stream length
+    fill: StreamFill
     buckets: list[OwnerBucket] = field(default_factory=list)
 
-    def stream_numel(self, rank: int) -> int:
+    def owned_numel(self, rank: int) -> int:
         return sum(self.numels[p] for p in self.owned[rank])
 
+    def stream_numel(self, rank: int) -> int:
+        """Elements of rank ``rank``'s stream that carry data (owned + fill)."""
+        return self.owned_numel(rank) + self.fill.lengths[rank]
+
     def padding(self) -> int:
-        """Padding elements over all ranks (Σ_r T − T_r)."""
+        """Padding elements over all ranks (Σ_r T − T_r − fill_r)."""
         return sum(self.length - self.stream_numel(r) for r in range(len(self.owned)))
 
 
@@ -76,8 +132,11 @@ def plan_owner_streams(
     owners: Mapping[int, int],
     world_size: int,
     bucket_elems: int,
+    fillers: Sequence[int] = (),
 ) -> OwnerStreams:
-    """Lay out the owner streams of the parameters in ``order`` (readiness order)."""
+    """Lay out the owner streams of the Muon parameters in ``order`` (readiness order), topped
+    up with whole AdamW parameters from ``fillers`` (in that order of preference) while the
+    streams are uneven; ``numels`` covers both."""
     owned: list[list[int]] = [[] for _ in range(world_size)]
     offsets: dict[int, int] = {}
     fill = [0] * world_size
@@ -86,17 +145,44 @@ def plan_owner_streams(
         owned[r].append(p)
         offsets[p] = fill[r]
         fill[r] += numels[p]
-    length = max(fill, default=0)
-    streams = OwnerStreams(owned, offsets, dict(numels), length)
+    longest, total = max(fill, default=0), sum(fill)
+    gap = world_size * longest - total
+    chosen: list[int] = []
+    fill_numel = 0
+    for p in fillers:
+        if fill_numel >= gap:
+            break
+        chosen.append(p)
+        fill_numel += numels[p]
+    length = max(longest, -(-(total + fill_numel) // world_size))
+    starts, lengths, cursor = [], [], 0
+    for r in range(world_size):
+        starts.append(cursor)
+        lengths.append(min(length - fill[r], fill_numel - cursor))
+        cursor += lengths[-1]
+    fill_offsets = [0, *itertools.accumulate(numels[p] for p in chosen)][: len(chosen)]
+    stream_fill = StreamFill(
+        chosen, fill_offsets, [numels[p] for p in chosen], starts, lengths, list(fill)
+    )
+    streams = OwnerStreams(owned, offsets, {p: numels[p] for p in order}, length, stream_fill)
+    # every rank's (parameter, parameter offset, stream offset, length) runs
+    runs: list[list[tuple[int, int, int, int]]] = [
+        [(p, 0, offsets[p], numels[p]) for p in owned[r]]
+        + [
+            (s.param, s.param_start, fill[r] + s.buffer_start, s.length)
+            for s in stream_fill.segments(r)
+        ]
+        for r in range(world_size)
+    ]
     slice_len = max(1, -(-bucket_elems // world_size))  # L = ceil(cap / N)
     for start in range(0, length, slice_len):
         size = min(slice_len, length - start)
         pieces = []
         for r in range(world_size):
-            for p in owned[r]:
-                lo, hi = max(start, offsets[p]), min(start + size, offsets[p] + numels[p])
+            for p, p_start, s_start, n in runs[r]:
+                lo, hi = max(start, s_start), min(start + size, s_start + n)
                 if lo < hi:
-                    pieces.append(Piece(p, lo - offsets[p], r * size + lo - start, hi - lo))
+                    pieces.append(Piece(p, p_start + lo - s_start, r * size + lo - start, hi - lo))
         params = frozenset(piece.param for piece in pieces)
         streams.buckets.append(OwnerBucket(start, size, world_size, pieces, params))
     return streams

@@ -1,13 +1,15 @@
-"""``DistributedMuon``: data-parallel Muon with whole-matrix owners and ZeRO-1 AdamW."""
+"""``DistributedMuon``: data-parallel Muon with whole-matrix owners and ZeRO-1 AdamW.
+
+The class is assembled from three modules: this one (construction, owners, ``step()`` phases),
+:mod:`.dp_streams` (buffers, gradient hooks, reduce-scatter and all-gather) and
+:mod:`.dp_global` (``clip_grad_norm_``, the non-finite agreement, ``state_dict``). Layouts are
+planned in :mod:`.ownership` (who owns which matrix) and :mod:`.buckets` (where each element
+travels)."""
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import hashlib
-import weakref
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -15,48 +17,10 @@ import torch.distributed as dist
 
 from .. import functional
 from ..optimizer import Muon
-from . import full_state
-from .buckets import FlatBucket, OwnerBucket, OwnerStreams, plan_flat_buckets, plan_owner_streams
 from .comm import Communicator, WireCounter
-from .ownership import assign_owners, format_ownership_table
-
-
-@dataclass
-class _Stream:
-    """Runtime buffers of the owner streams of one (dtype, device) of Muon parameters."""
-
-    layout: OwnerStreams
-    recv: torch.Tensor  # (T,) reduce dtype: this rank's reduced gradients
-    send: list[torch.Tensor]  # per bucket (N·L_b,) reduce dtype
-    gather_in: torch.Tensor  # (T,) param dtype: this rank's updated parameters
-    gather_out: list[torch.Tensor]  # per bucket (N·L_b,) param dtype
-
-
-@dataclass
-class _Shards:
-    """Runtime buffers of one AdamW flat bucket (ZeRO-1)."""
-
-    layout: FlatBucket
-    full: torch.Tensor  # (padded,) local gradients in, gathered parameters out
-    shard: torch.Tensor  # (padded/N,) reduced gradient shard, then updated parameter shard
-    exp_avg: torch.Tensor  # (padded/N,) state of this shard only
-    exp_avg_sq: torch.Tensor
-
-
-class _Bucket:
-    """One reduction unit in launch order: an owner bucket of a stream or a flat bucket."""
-
-    def __init__(self, kind: str, params: frozenset[int], stream=None, index: int = 0, shards=None):
-        self.kind, self.params, self.stream, self.index, self.shards = (
-            kind,
-            params,
-            stream,
-            index,
-            shards,
-        )
-        self.pending = len(params)
-        self.work = None
-        self.launched = False
+from .dp_global import GlobalOperations
+from .dp_streams import BucketedReduction
+from .ownership import assign_owners, format_ownership_table, rank_loads
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -81,13 +45,7 @@ def _holds_dtensor(params: Any) -> bool:
     return False
 
 
-def _on_grad_ready(optimizer_ref: weakref.ref, param: torch.Tensor) -> None:
-    optimizer = optimizer_ref()
-    if optimizer is not None:
-        optimizer._grad_ready(param)
-
-
-class DistributedMuon(Muon):
+class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
     r"""Data-parallel Muon: each Muon matrix is orthogonalized whole by one owner rank; AdamW
     parameters are sharded ZeRO-1 style. Do **not** wrap the model in DDP: this optimizer
     averages the gradients itself (``p.grad`` keeps the local gradient).
@@ -96,20 +54,25 @@ class DistributedMuon(Muon):
 
         backward ──hook per parameter──▶ bucket full? ──▶ reduce-scatter (async)
           Muon:  bucket = every rank's owner-stream slice; rank r receives Σ grads of the
-                 matrices it owns                     (N−1)/N · S_muon
+                 matrices it owns (+ an AdamW fill range that levels the streams)
+                                                      (N−1)/N · S_muon
           AdamW: bucket = flat parameters, padded to a multiple of N; rank r receives
                  shard r                              (N−1)/N · S_adamw
         step():
           1. launch buckets backward did not, wait for every reduction
           2. all-reduce (max) of [has-gradient, non-finite] flags: all ranks agree to
              raise / skip / go on                      2(N−1)/N · 8·P bytes
-          3. AdamW on the local shard (state for the shard only) ──▶ all-gather (async)
+          3. AdamW on the local shards and fill range (state for those only)
+             ──▶ all-gather of the flat buckets (async)
           4. Muon on owned matrices: momentum, batched Newton–Schulz, update
              ──▶ all-gather of the owner streams (async)        (N−1)/N · S
           5. wait, copy gathered parameters back
 
     Total ≈ reduce-scatter + all-gather of every parameter = the volume of ZeRO-1 AdamW
-    (DDP's all-reduce costs the same; all-reduce + broadcast/all-gather costs 1.5×).
+    (DDP's all-reduce costs the same; all-reduce + broadcast/all-gather costs 1.5×). Owners
+    are FLOP-balanced, then byte-balanced under the same FLOP makespan (:mod:`.ownership`);
+    what stays uneven is topped up with AdamW elements (:mod:`.buckets`), so the owner
+    streams carry almost no padding when the model has enough AdamW elements of the same dtype.
     ``reduce_dtype=torch.bfloat16`` halves the Muon reduce-scatter bytes (opt-in: the sum of
     the ranks' gradients is then rounded to bfloat16).
 
@@ -157,7 +120,8 @@ class DistributedMuon(Muon):
         materialized = params if isinstance(params, torch.nn.Module) else list(params)
         if not _holds_dtensor(materialized):
             instance = super().__new__(cls)
-            instance._materialized_params = materialized  # __init__ reads it (params may be a generator)
+            # __init__ reads it (params may be a generator)
+            instance._materialized_params = materialized
             return instance
         from .dtensor import DTensorMuon
 
@@ -205,14 +169,7 @@ class DistributedMuon(Muon):
         self._assign_owners()
         self._build_buckets(int(bucket_cap_mb * 2**20))
         self._init_local_state()
-        self._sync = True
-        self._start_cycle()
-        ref = weakref.ref(self)
-        self._hook_handles = [
-            p.register_post_accumulate_grad_hook(lambda param, ref=ref: _on_grad_ready(ref, param))
-            for p in self._params
-            if p.requires_grad
-        ]
+        self._register_hooks()
         self.last_step_wire_bytes = 0
         self.last_step_wire_breakdown: dict[str, int] = {}
 
@@ -256,67 +213,10 @@ class DistributedMuon(Muon):
         shapes = [
             self.matrix_view(self._params[i], self._group_of[i]).matrix_shapes for i in self._muon
         ]
-        owners = assign_owners(shapes, self.world_size)
+        sizes = [self._params[i].numel() * self._params[i].element_size() for i in self._muon]
+        owners = assign_owners(shapes, self.world_size, sizes=sizes)
         self.owner_rank: dict[int, int] = dict(zip(self._muon, owners))
         self._matrix_shapes = dict(zip(self._muon, shapes))
-
-    def _by_dtype_and_device(self, indices: list[int]) -> dict[tuple, list[int]]:
-        """``indices`` in readiness order (reverse registration: backward's order), grouped by
-        (dtype, device): one owner stream or set of flat buckets per group."""
-        groups: dict[tuple, list[int]] = {}
-        for i in sorted(indices, reverse=True):
-            p = self._params[i]
-            groups.setdefault((p.dtype, p.device), []).append(i)
-        return groups
-
-    def _build_buckets(self, cap_bytes: int) -> None:
-        """Owner streams (Muon), flat buckets (AdamW), and one launch order for both."""
-        numels = {i: p.numel() for i, p in enumerate(self._params)}
-        N = self.world_size
-        self._streams: list[_Stream] = []
-        buckets: list[_Bucket] = []
-        for (dtype, device), members in self._by_dtype_and_device(self._muon).items():
-            rdtype = self.reduce_dtype or dtype
-            cap = cap_bytes * 8 // torch.finfo(rdtype).bits
-            layout = plan_owner_streams(members, numels, self.owner_rank, N, cap)
-            recv = torch.zeros(layout.length, dtype=rdtype, device=device)  # (T,)
-            send = [torch.zeros(b.numel, dtype=rdtype, device=device) for b in layout.buckets]
-            if rdtype == dtype:  # reuse: gradients are consumed before parameters are sent
-                gather_in, gather_out = recv, send
-            else:
-                gather_in = torch.zeros(layout.length, dtype=dtype, device=device)
-                gather_out = [
-                    torch.zeros(b.numel, dtype=dtype, device=device) for b in layout.buckets
-                ]
-            stream = _Stream(layout, recv, send, gather_in, gather_out)
-            self._streams.append(stream)
-            buckets += [
-                _Bucket("muon", b.params, stream=stream, index=k)
-                for k, b in enumerate(layout.buckets)
-            ]
-        self._shards: list[_Shards] = []
-        for (dtype, device), members in self._by_dtype_and_device(self._adamw).items():
-            cap = cap_bytes * 8 // torch.finfo(dtype).bits
-            for layout in plan_flat_buckets(members, numels, N, cap):
-                full = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
-                shard, exp_avg, exp_avg_sq = (
-                    torch.zeros(layout.shard_numel, dtype=dtype, device=device) for _ in range(3)
-                )
-                shards = _Shards(layout, full, shard, exp_avg, exp_avg_sq)
-                self._shards.append(shards)
-                buckets.append(_Bucket("adamw", frozenset(layout.params), shards=shards))
-        # Launch order: by the last gradient a bucket waits for (backward runs in reverse).
-        position = {i: len(self._params) - 1 - i for i in range(len(self._params))}
-        buckets.sort(key=lambda b: max((position[p] for p in b.params), default=-1))
-        self._buckets = buckets
-        self._buckets_of: dict[int, list[_Bucket]] = {i: [] for i in range(len(self._params))}
-        for b in buckets:
-            for p in b.params:
-                self._buckets_of[p].append(b)
-        self._segments = {}  # AdamW parameter -> (its flat bucket, its segment in this shard)
-        for shards in self._shards:
-            for seg in shards.layout.segments(self.rank):
-                self._segments[seg.param] = (shards, seg)
 
     def _init_local_state(self) -> None:
         """Create this rank's state now (owned momentum, AdamW shard views, every step counter),
@@ -334,11 +234,11 @@ class DistributedMuon(Muon):
         for i in self._adamw:
             state = self.state[self._params[i]]
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            if i in self._segments:
-                shards, seg = self._segments[i]
+            if i in self._segments:  # a flat-bucket shard or a stream fill range
+                store, seg = self._segments[i]
                 window = slice(seg.buffer_start, seg.buffer_start + seg.length)
-                state["exp_avg"] = shards.exp_avg[window]
-                state["exp_avg_sq"] = shards.exp_avg_sq[window]
+                state["exp_avg"] = store.exp_avg[window]
+                state["exp_avg_sq"] = store.exp_avg_sq[window]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if hasattr(self, "_buckets"):
@@ -359,191 +259,30 @@ class DistributedMuon(Muon):
         shapes = [self._matrix_shapes[i] for i in self._muon]
         owners = [self.owner_rank[i] for i in self._muon]
         numels = [self._params[i].numel() for i in self._muon]
-        return format_ownership_table(names, shapes, owners, self.world_size, numels=numels)
+        table = format_ownership_table(names, shapes, owners, self.world_size, numels=numels)
+        stats = self.layout_stats()
+        return (
+            f"{table}\nowner streams: {stats['stream_elements']} elements per rank, "
+            f"{stats['fill_elements']} of them AdamW fill, {stats['padding_elements']} padding"
+        )
 
-    def communication_buffer_bytes(self) -> int:
-        """Bytes of the persistent reduction/gather buffers (not optimizer state)."""
-        tensors = [t for s in self._streams for t in [s.recv, *s.send]]
-        tensors += [
-            t
-            for s in self._streams
-            if s.gather_in is not s.recv
-            for t in [s.gather_in, *s.gather_out]
-        ]
-        tensors += [t for s in self._shards for t in (s.full, s.shard)]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    def remove_hooks(self) -> None:
-        """Detach the gradient hooks (the optimizer no longer reduces during backward)."""
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles = []
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (no reduction) for all but the last micro-batch."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
-    # ================================================================ reductions
-    def _start_cycle(self) -> None:
-        for b in self._buckets:
-            b.pending, b.work, b.launched = len(b.params), None, False
-        self._ready: set[int] = set()
-        self._next_launch = 0
-        self._reduced = False
-
-    def _grad_ready(self, param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: count the parameter in its buckets; launch full ones."""
-        if not self._sync:
-            return
-        i = self._index[id(param)]
-        if i in self._ready:
-            if any(b.launched for b in self._buckets_of[i]):
-                raise RuntimeError(
-                    f"gradient of '{self._name(param)}' accumulated again after its reduction was "
-                    "launched: use `with opt.no_sync():` for all but the last backward before step()"
-                )
-            return
-        self._ready.add(i)
-        for b in self._buckets_of[i]:
-            b.pending -= 1
-        # Launch strictly in bucket order so that every rank issues the same collectives.
-        while (
-            self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0
-        ):
-            self._launch(self._buckets[self._next_launch])
-            self._next_launch += 1
-
-    def _local_grad(self, i: int) -> torch.Tensor | None:
-        grad = self._params[i].grad
-        if grad is None:
-            return None
-        if grad.is_sparse:
-            raise ValueError(
-                f"parameter '{self._name(self._params[i])}' has a sparse gradient; DistributedMuon needs dense gradients"
-            )
-        return grad.reshape(-1)
-
-    def _launch(self, bucket: _Bucket) -> None:
-        """Copy local gradients into the bucket (pre-divided by N) and reduce-scatter it."""
-        if bucket.kind == "muon":
-            stream, layout = bucket.stream, bucket.stream.layout.buckets[bucket.index]
-            buf = stream.send[bucket.index]  # (N·L_b,)
-            for piece in layout.pieces:
-                dst = buf[piece.buffer_start : piece.buffer_start + piece.length]
-                grad = self._local_grad(piece.param)
-                if grad is None:
-                    dst.zero_()
-                else:
-                    dst.copy_(grad[piece.param_start : piece.param_start + piece.length])
-            out = stream.recv[layout.stream_start : layout.stream_start + layout.length]
-            tag = "muon"
-        else:
-            shards = bucket.shards
-            buf, out, tag = shards.full, shards.shard, "adamw"
-            for p, off, n in zip(shards.layout.params, shards.layout.offsets, shards.layout.numels):
-                grad = self._local_grad(p)
-                if grad is None:
-                    buf[off : off + n].zero_()
-                else:
-                    buf[off : off + n].copy_(grad)
-        if self.world_size > 1:
-            buf.div_(self.world_size)
-        bucket.work = self.comm.reduce_scatter(out, buf, tag=tag, async_op=True)
-        bucket.launched = True
-
-    def _finish_reductions(self) -> None:
-        """Launch every bucket backward did not (in order), then wait for all of them."""
-        if self._reduced:
-            return
-        for bucket in self._buckets[self._next_launch :]:
-            self._launch(bucket)
-        self._next_launch = len(self._buckets)
-        for bucket in self._buckets:
-            self.comm.wait(bucket.work, f"gradient reduce-scatter ({bucket.kind})")
-            bucket.work = None
-        self._reduced = True
-
-    def _reduced_grad(self, i: int) -> torch.Tensor:
-        """Averaged gradient of an owned Muon parameter (a view into the receive stream)."""
-        p = self._params[i]
-        stream = self._stream_of(i)
-        off = stream.layout.offsets[i]
-        grad = stream.recv[off : off + p.numel()].view(p.shape)
-        return grad if grad.dtype == p.dtype else grad.to(p.dtype)
-
-    def _stream_of(self, i: int) -> _Stream:
-        for stream in self._streams:
-            if i in stream.layout.offsets:
-                return stream
-        raise KeyError(i)
-
-    def _reduced_shard_grad(self, i: int) -> torch.Tensor:
-        shards, seg = self._segments[i]
-        return shards.shard[seg.buffer_start : seg.buffer_start + seg.length]
-
-    def _local_reduced_grads(self) -> dict[int, torch.Tensor]:
-        """Every reduced gradient this rank holds: owned matrices and AdamW segments."""
-        out = {i: self._reduced_grad(i) for i in self._muon if self.owner_rank[i] == self.rank}
-        out.update({i: self._reduced_shard_grad(i) for i in self._segments})
-        return out
-
-    # ================================================================ global operations
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the averaged gradient by its global norm (collective); returns the norm.
-
-        Same result as ``torch.nn.utils.clip_grad_norm_`` on the averaged gradients of every
-        parameter in one process. ``p.grad`` (local) is not touched: the reduced gradients that
-        ``step()`` uses are scaled.
-        """
-        if norm_type not in (2.0, float("inf")):
-            raise ValueError(f"norm_type must be 2.0 or inf, got {norm_type!r}")
-        self._finish_reductions()
-        grads = [g for g in self._local_reduced_grads().values() if g.numel()]
-        device = self.comm.device
-        if norm_type == 2.0:
-            local = torch.zeros((), dtype=torch.float64, device=device)
-            for n in torch._foreach_norm(grads, 2.0) if grads else []:
-                local += n.to(device, torch.float64) ** 2
-            self.comm.all_reduce(local.view(1), tag="clip")
-            total = local.sqrt().float()
-        else:
-            local = torch.zeros((), dtype=torch.float32, device=device)
-            for n in torch._foreach_norm(grads, float("inf")) if grads else []:
-                local = torch.maximum(local, n.to(device, torch.float32))
-            self.comm.all_reduce(local.view(1), op=dist.ReduceOp.MAX, tag="clip")
-            total = local
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for stream in self._streams:
-            stream.recv.mul_(coef.to(stream.recv.device))
-        for shards in self._shards:
-            shards.shard.mul_(coef.to(shards.shard.device))
-        return total
-
-    def _agree_on_gradients(self) -> tuple[list[bool], str | None]:
-        """One all-reduce (max) of per-parameter flags [has a gradient on some rank,
-        non-finite reduced gradient]; returns (present, first non-finite name)."""
-        P, device = len(self._params), self.comm.device
-        has_grad = [p.grad is not None for p in self._params]
-        flags = torch.zeros(2 * P, dtype=torch.int32)  # built on the host, one copy to device
-        flags[:P] = torch.tensor(has_grad, dtype=torch.int32)
-        flags = flags.to(device)
-        if self.nonfinite != "ignore":
-            local = {i: g for i, g in self._local_reduced_grads().items() if g.numel()}
-            if local:
-                max_abs = torch._foreach_norm(list(local.values()), float("inf"))  # NaN propagates
-                finite = torch.stack([m.to(device) for m in max_abs]).isfinite()
-                index = torch.tensor([P + i for i in local], device=device)
-                flags.index_copy_(0, index, (~finite).to(torch.int32))
-        self.comm.all_reduce(flags, op=dist.ReduceOp.MAX, tag="control")
-        present = [bool(f) for f in flags[:P].tolist()]
-        bad = flags[P:].nonzero()
-        return present, (self._name(self._params[int(bad[0])]) if bad.numel() else None)
+    def layout_stats(self) -> dict[str, Any]:
+        """Owner layout figures: ``ns_flops`` and ``muon_elements`` per rank (owned Muon
+        parameters), and over every owner stream: ``stream_elements`` (T per rank),
+        ``fill_elements`` (AdamW elements riding in the streams) and ``padding_elements``
+        (zeros on the wire, Σ over ranks)."""
+        shapes = [self._matrix_shapes[i] for i in self._muon]
+        owners = [self.owner_rank[i] for i in self._muon]
+        elements = [0] * self.world_size
+        for i in self._muon:
+            elements[self.owner_rank[i]] += self._params[i].numel()
+        return {
+            "ns_flops": rank_loads(shapes, owners, self.world_size),
+            "muon_elements": elements,
+            "stream_elements": sum(s.layout.length for s in self._streams),
+            "fill_elements": sum(s.layout.fill.numel for s in self._streams),
+            "padding_elements": sum(s.layout.padding() for s in self._streams),
+        }
 
     # ================================================================ step
     @torch.no_grad()
@@ -605,66 +344,3 @@ class DistributedMuon(Muon):
                 [s["step"] for s in states], lr=float(group["lr"]), beta1=beta1, beta2=beta2,
                 eps=group["eps"], weight_decay=group["weight_decay"],
             )  # fmt: skip
-
-    def _launch_adamw_gathers(self) -> list[tuple[Any, Callable[[], None]]]:
-        """All-gather every flat bucket's updated shard; returns (work, copy back) pairs."""
-        pending = []
-        for shards in self._shards:
-            for seg in shards.layout.segments(self.rank):
-                flat = self._params[seg.param].view(-1)
-                shards.shard[seg.buffer_start : seg.buffer_start + seg.length].copy_(
-                    flat[seg.param_start : seg.param_start + seg.length]
-                )
-            work = self.comm.all_gather(shards.full, shards.shard, tag="adamw", async_op=True)
-            pending.append((work, functools.partial(self._copy_back_flat, shards)))
-        return pending
-
-    def _launch_muon_gathers(self) -> list[tuple[Any, Callable[[], None]]]:
-        """All-gather the owner streams of updated matrices, bucket by bucket."""
-        pending = []
-        for stream in self._streams:
-            for i in stream.layout.owned[self.rank]:
-                off, p = stream.layout.offsets[i], self._params[i]
-                stream.gather_in[off : off + p.numel()].copy_(p.view(-1))
-            for k, bucket in enumerate(stream.layout.buckets):
-                mine = stream.gather_in[bucket.stream_start : bucket.stream_start + bucket.length]
-                work = self.comm.all_gather(stream.gather_out[k], mine, tag="muon", async_op=True)
-                pending.append(
-                    (work, functools.partial(self._copy_back_owned, bucket, stream.gather_out[k]))
-                )
-        return pending
-
-    def _wait_and_copy_back(self, pending: list[tuple[Any, Callable[[], None]]]) -> None:
-        for work, copy_back in pending:
-            self.comm.wait(work, "parameter all-gather")
-            copy_back()
-
-    def _copy_back_flat(self, shards: _Shards) -> None:
-        layout = shards.layout
-        for p, off, n in zip(layout.params, layout.offsets, layout.numels):
-            self._params[p].view(-1).copy_(shards.full[off : off + n])
-
-    def _copy_back_owned(self, bucket: OwnerBucket, gathered: torch.Tensor) -> None:
-        for piece in bucket.pieces:
-            if self.owner_rank[piece.param] == self.rank:
-                continue  # updated in place already
-            flat = self._params[piece.param].view(-1)
-            flat[piece.param_start : piece.param_start + piece.length].copy_(
-                gathered[piece.buffer_start : piece.buffer_start + piece.length]
-            )
-
-    # ================================================================ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """Full state, keyed like :class:`muonscale.Muon`'s. Collective: call on every rank."""
-        packed = super().state_dict()  # param_groups with indices; its "state" is replaced
-        step_counter, self.comm.counter = self.comm.counter, WireCounter()  # not a step's traffic
-        try:
-            packed["state"] = full_state.gather(self)
-        finally:
-            self.comm.counter = step_counter
-        return packed
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load full state (from this class, :class:`muonscale.Muon`, or DCP's
-        ``set_state_dict``); every rank keeps its part. No collectives."""
-        full_state.load(self, state_dict)

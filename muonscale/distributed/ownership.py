@@ -4,20 +4,37 @@ Every Muon parameter is owned **whole** by one rank: the owner receives its redu
 keeps its momentum, runs Newton–Schulz on all of its matrices and sends the updated parameter
 back. Because no matrix is ever split, the update is the same function as on one process.
 
-Assignment (deterministic: depends only on the list of matrix shapes and the world size, so
-every rank computes the same table without communicating):
+Assignment (deterministic: depends only on the list of matrix shapes, the optional sizes and
+the world size, so every rank computes the same table without communicating):
 
 * cost of a parameter = Σ over its matrices of ``newton_schulz_flops(m, n, steps)``
   = steps · (4m²n + 2m³) with m ≤ n (the NS FLOPs; ``steps`` only scales all costs alike);
-* greedy longest-processing-time (LPT): parameters in decreasing cost, ties by parameter index,
-  each to the rank with the least cost so far, ties by the lowest rank.
+* **FLOPs first** — greedy longest-processing-time (LPT): parameters in decreasing cost, ties
+  by parameter index, each to the rank with the least cost so far, ties by the lowest rank.
+  LPT is within 4/3 − 1/(3N) of the optimal makespan (Graham, "Bounds on multiprocessing
+  timing anomalies", SIAM J. Appl. Math. 17(2), 1969).
+* **then bytes** (only when ``sizes`` is given: the bytes each parameter puts in its owner's
+  stream) — local search by moves and pairwise swaps, the classic improvement step for
+  makespan scheduling (e.g. Finn & Horowitz, "A linear time approximation algorithm for
+  multiprocessor scheduling", BIT 19, 1979): while the rank h with the most bytes can hand a
+  parameter to another rank r, or swap one of its parameters for a smaller one of r, so that
+  both h and r end **below** h's current bytes and **no rank's FLOPs exceed the LPT makespan**,
+  apply the best such change (lowest resulting max(bytes_h, bytes_r); ties by the lowest
+  parameter index, then rank). Each change strictly lowers Σ_r bytes_r², so the search ends.
 
-LPT is within 4/3 of the optimal makespan (Graham, 1969). Ranks may own nothing when there are
-fewer Muon parameters than ranks.
+Guarantees: the FLOP makespan is at most LPT's (Graham's bound holds); the byte makespan is at
+most LPT's; at the end no single move or swap from the most-loaded rank lowers its bytes under
+that FLOP cap. Why bytes matter: :class:`~muonscale.distributed.DistributedMuon` sends every
+owner stream at the length of the longest one (see :mod:`.buckets`); what the owners leave
+uneven is filled with AdamW elements, or else padded, so a smaller byte imbalance needs less
+fill (and, without fill, less padding). Cost: parameters of equal (size, cost) are tried once
+per rank, so a pass is cheap for transformer-like parameter lists.
+Ranks may own nothing when there are fewer Muon parameters than ranks.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 from ..newton_schulz import newton_schulz_flops
@@ -41,11 +58,28 @@ def parameter_cost(entry, ns_steps: int = 5) -> int:
     return total
 
 
-def assign_owners(shapes: Sequence, world_size: int, *, ns_steps: int = 5) -> list[int]:
-    """Owner rank of each parameter; ``shapes[i]`` is ``(m, n)`` or a list of ``(m, n)``."""
+def parameter_elements(entry) -> int:
+    """Elements of one parameter (sum over its matrices)."""
+    return sum(m * n for m, n in _matrix_list(entry))
+
+
+def assign_owners(
+    shapes: Sequence,
+    world_size: int,
+    *,
+    ns_steps: int = 5,
+    sizes: Sequence[int] | None = None,
+) -> list[int]:
+    """Owner rank of each parameter; ``shapes[i]`` is ``(m, n)`` or a list of ``(m, n)``.
+
+    ``sizes[i]``: what parameter i weighs in its owner's stream (bytes or elements); when
+    given, bytes are balanced under the LPT FLOP makespan (module docstring). None: FLOPs only.
+    """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     costs = [parameter_cost(entry, ns_steps) for entry in shapes]
+    if sizes is not None and len(sizes) != len(costs):
+        raise ValueError(f"sizes has {len(sizes)} entries, shapes {len(costs)}")
     order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
     load = [0] * world_size
     owners = [0] * len(costs)
@@ -53,17 +87,91 @@ def assign_owners(shapes: Sequence, world_size: int, *, ns_steps: int = 5) -> li
         rank = min(range(world_size), key=lambda r: (load[r], r))
         owners[i] = rank
         load[rank] += costs[i]
+    if sizes is not None and world_size > 1:
+        _balance_sizes(owners, costs, [int(s) for s in sizes], world_size)
     return owners
+
+
+def _balance_sizes(owners: list[int], costs: list[int], sizes: list[int], world_size: int) -> None:
+    """Moves and swaps that lower the largest rank's ``sizes`` total, each rank's cost staying
+    at most the current cost makespan (in place; see the module docstring)."""
+    state = _Loads(owners, costs, sizes, world_size)
+    cap = max(state.flops)
+    for _ in range(4 * len(costs) + 1):  # Σ weight² strictly falls: a bound for safety only
+        weight, flops = state.weight, state.flops
+        h = max(range(world_size), key=lambda r: (weight[r], -r))
+        best = None  # (resulting pair max, parameter, rank, swapped parameter or -1)
+        for s_p, c_p in state.keys[h]:
+            p = state.members[h][s_p, c_p][0]
+            for r in range(world_size):
+                if r == h:
+                    continue
+                # a swap takes back q with W_r + s_p − W_h < s_q < s_p (both ranks end below
+                # W_h); a move takes nothing back and needs W_r + s_p < W_h
+                keys = state.keys[r]
+                lo = bisect.bisect_right(keys, (weight[r] + s_p - weight[h], float("inf")))
+                hi = bisect.bisect_left(keys, (s_p, -1))
+                candidates = [(s, c, state.members[r][s, c][0]) for s, c in keys[lo:hi]]
+                if 0 < s_p and weight[r] + s_p < weight[h]:
+                    candidates.append((0, 0, -1))
+                for s_q, c_q, q in candidates:
+                    if flops[r] + c_p - c_q > cap or flops[h] - c_p + c_q > cap:
+                        continue
+                    new_h, new_r = weight[h] - s_p + s_q, weight[r] + s_p - s_q
+                    key = (max(new_h, new_r), p, r, q)
+                    if best is None or key < best:
+                        best = key
+        if best is None:
+            return
+        _, p, r, q = best
+        state.transfer(p, h, r)
+        if q >= 0:
+            state.transfer(q, r, h)
+
+
+class _Loads:
+    """Per-rank cost and size totals, and each rank's parameters grouped by (size, cost):
+    parameters of one class are interchangeable, so only the lowest index of each is tried."""
+
+    def __init__(self, owners: list[int], costs: list[int], sizes: list[int], world_size: int):
+        self.owners, self.costs, self.sizes = owners, costs, sizes
+        self.flops = rank_totals(costs, owners, world_size)
+        self.weight = rank_totals(sizes, owners, world_size)
+        self.members: list[dict[tuple[int, int], list[int]]] = [{} for _ in range(world_size)]
+        for i in range(len(costs)):  # ascending index: every list starts sorted
+            self.members[owners[i]].setdefault((sizes[i], costs[i]), []).append(i)
+        self.keys = [sorted(m) for m in self.members]  # per rank, by size then cost
+
+    def transfer(self, i: int, src: int, dst: int) -> None:
+        cls = (self.sizes[i], self.costs[i])
+        self.members[src][cls].remove(i)
+        if not self.members[src][cls]:
+            del self.members[src][cls]
+            self.keys[src].remove(cls)
+        if cls not in self.members[dst]:
+            self.members[dst][cls] = []
+            bisect.insort(self.keys[dst], cls)
+        bisect.insort(self.members[dst][cls], i)
+        self.owners[i] = dst
+        self.flops[src] -= self.costs[i]
+        self.flops[dst] += self.costs[i]
+        self.weight[src] -= self.sizes[i]
+        self.weight[dst] += self.sizes[i]
+
+
+def rank_totals(values: Sequence[int], owners: Sequence[int], world_size: int) -> list[int]:
+    """Σ of ``values`` per rank under ``owners``."""
+    total = [0] * world_size
+    for value, rank in zip(values, owners):
+        total[rank] += value
+    return total
 
 
 def rank_loads(
     shapes: Sequence, owners: Sequence[int], world_size: int, *, ns_steps: int = 5
 ) -> list[int]:
     """NS FLOPs per rank under ``owners``."""
-    load = [0] * world_size
-    for entry, rank in zip(shapes, owners):
-        load[rank] += parameter_cost(entry, ns_steps)
-    return load
+    return rank_totals([parameter_cost(e, ns_steps) for e in shapes], owners, world_size)
 
 
 def format_ownership_table(
@@ -84,12 +192,9 @@ def format_ownership_table(
             f"{name:<40} {desc:<24} {rank:>5} {parameter_cost(entry, ns_steps) / 1e9:>9.3f}"
         )
     loads = rank_loads(shapes, owners, world_size, ns_steps=ns_steps)
-    elems = [0] * world_size
-    if numels is not None:
-        for n, rank in zip(numels, owners):
-            elems[rank] += n
+    elems = rank_totals(numels, owners, world_size) if numels is not None else None
     for rank in range(world_size):
         count = sum(1 for o in owners if o == rank)
-        extra = f", {elems[rank]} elements" if numels is not None else ""
+        extra = f", {elems[rank]} elements" if elems is not None else ""
         lines.append(f"rank {rank}: {count} parameters, {loads[rank] / 1e9:.3f} NS GFLOP{extra}")
     return "\n".join(lines)

@@ -1,0 +1,382 @@
+"""Runtime of :class:`~muonscale.distributed.DistributedMuon`'s buckets: the buffers laid out by
+:mod:`.buckets`, the gradient hooks that launch each bucket's reduce-scatter during backward,
+and the all-gathers that bring updated parameters back.
+
+:class:`BucketedReduction` is a mixin of ``DistributedMuon``; it reads the attributes the
+optimizer sets at construction (``comm``, ``world_size``, ``rank``, ``reduce_dtype``,
+``_params``, ``_muon``, ``_adamw``, ``owner_rank``) and owns the rest:
+
+* ``_streams``: one :class:`_Stream` per (dtype, device) of Muon parameters (owner streams,
+  with their AdamW fill, :class:`_FillShard`);
+* ``_shards``: one :class:`_Shards` per flat ZeRO-1 bucket of the other AdamW parameters;
+* ``_buckets``: every reduction unit in launch order; ``_segments``: AdamW parameter -> (its
+  :class:`_Shards` or :class:`_FillShard`, its segment on this rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .buckets import (
+    FlatBucket,
+    OwnerBucket,
+    OwnerStreams,
+    StreamFill,
+    plan_flat_buckets,
+    plan_owner_streams,
+)
+from .comm import Communicator
+
+
+@dataclass
+class _FillShard:
+    """This rank's range of a stream's AdamW fill: a ZeRO-1 shard that rides in the stream."""
+
+    layout: StreamFill
+    grad: torch.Tensor  # (fill_r,) view of the stream's recv: reduced gradients, then updated
+    #                     parameters (the stream's gather_in is its recv when there is a fill)
+    exp_avg: torch.Tensor  # (fill_r,) state of this range only
+    exp_avg_sq: torch.Tensor
+
+
+@dataclass
+class _Stream:
+    """Runtime buffers of the owner streams of one (dtype, device) of Muon parameters."""
+
+    layout: OwnerStreams
+    recv: torch.Tensor  # (T,) reduce dtype: this rank's reduced gradients
+    send: list[torch.Tensor]  # per bucket (N·L_b,) reduce dtype
+    gather_in: torch.Tensor  # (T,) param dtype: this rank's updated parameters
+    gather_out: list[torch.Tensor]  # per bucket (N·L_b,) param dtype
+    fill: _FillShard | None
+
+
+@dataclass
+class _Shards:
+    """Runtime buffers of one AdamW flat bucket (ZeRO-1)."""
+
+    layout: FlatBucket
+    full: torch.Tensor  # (padded,) local gradients in, gathered parameters out
+    shard: torch.Tensor  # (padded/N,) reduced gradient shard, then updated parameter shard
+    exp_avg: torch.Tensor  # (padded/N,) state of this shard only
+    exp_avg_sq: torch.Tensor
+
+    @property
+    def grad(self) -> torch.Tensor:
+        return self.shard
+
+
+class _Bucket:
+    """One reduction unit in launch order: an owner bucket of a stream or a flat bucket."""
+
+    def __init__(self, kind: str, params: frozenset[int], stream=None, index: int = 0, shards=None):
+        self.kind, self.params, self.stream, self.index, self.shards = (
+            kind,
+            params,
+            stream,
+            index,
+            shards,
+        )
+        self.pending = len(params)
+        self.work = None
+        self.launched = False
+
+
+def _on_grad_ready(optimizer_ref: weakref.ref, param: torch.Tensor) -> None:
+    optimizer = optimizer_ref()
+    if optimizer is not None:
+        optimizer._grad_ready(param)
+
+
+class BucketedReduction:
+    """Buckets, gradient hooks, reduce-scatter and all-gather of ``DistributedMuon``."""
+
+    comm: Communicator
+    world_size: int
+    rank: int
+    reduce_dtype: torch.dtype | None
+    _params: list[torch.Tensor]
+    _muon: list[int]
+    _adamw: list[int]
+    owner_rank: dict[int, int]
+
+    # ================================================================ construction
+    def _by_dtype_and_device(self, indices: list[int]) -> dict[tuple, list[int]]:
+        """``indices`` in readiness order (reverse registration: backward's order), grouped by
+        (dtype, device): one owner stream or set of flat buckets per group."""
+        groups: dict[tuple, list[int]] = {}
+        for i in sorted(indices, reverse=True):
+            p = self._params[i]
+            groups.setdefault((p.dtype, p.device), []).append(i)
+        return groups
+
+    def _build_buckets(self, cap_bytes: int) -> None:
+        """Owner streams (Muon, levelled with AdamW fill), flat buckets (the other AdamW
+        parameters), and one launch order for both."""
+        numels = {i: p.numel() for i, p in enumerate(self._params)}
+        N = self.world_size
+        adamw_groups = self._by_dtype_and_device(self._adamw)
+        filled: set[int] = set()
+        self._streams: list[_Stream] = []
+        buckets: list[_Bucket] = []
+        for (dtype, device), members in self._by_dtype_and_device(self._muon).items():
+            rdtype = self.reduce_dtype or dtype
+            cap = cap_bytes * 8 // torch.finfo(rdtype).bits
+            # Fill candidates: AdamW parameters of the stream's dtype, the last ready in
+            # backward first (they pair with the stream ends, which wait for the first layers).
+            fillers = sorted(adamw_groups.get((dtype, device), [])) if rdtype == dtype else []
+            layout = plan_owner_streams(members, numels, self.owner_rank, N, cap, fillers)
+            filled.update(layout.fill.params)
+            recv = torch.zeros(layout.length, dtype=rdtype, device=device)  # (T,)
+            send = [torch.zeros(b.numel, dtype=rdtype, device=device) for b in layout.buckets]
+            if rdtype == dtype:  # reuse: gradients are consumed before parameters are sent
+                gather_in, gather_out = recv, send
+            else:
+                gather_in = torch.zeros(layout.length, dtype=dtype, device=device)
+                gather_out = [
+                    torch.zeros(b.numel, dtype=dtype, device=device) for b in layout.buckets
+                ]
+            fill = None
+            if layout.fill.params:
+                start, n = layout.fill.stream_starts[self.rank], layout.fill.lengths[self.rank]
+                moments = [torch.zeros(n, dtype=dtype, device=device) for _ in range(2)]
+                fill = _FillShard(layout.fill, recv[start : start + n], *moments)
+            stream = _Stream(layout, recv, send, gather_in, gather_out, fill)
+            self._streams.append(stream)
+            buckets += [
+                _Bucket("muon", b.params, stream=stream, index=k)
+                for k, b in enumerate(layout.buckets)
+            ]
+        self._shards: list[_Shards] = []
+        for (dtype, device), members in adamw_groups.items():
+            cap = cap_bytes * 8 // torch.finfo(dtype).bits
+            members = [i for i in members if i not in filled]
+            for layout in plan_flat_buckets(members, numels, N, cap):
+                full = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+                shard, exp_avg, exp_avg_sq = (
+                    torch.zeros(layout.shard_numel, dtype=dtype, device=device) for _ in range(3)
+                )
+                shards = _Shards(layout, full, shard, exp_avg, exp_avg_sq)
+                self._shards.append(shards)
+                buckets.append(_Bucket("adamw", frozenset(layout.params), shards=shards))
+        # Launch order: by the last gradient a bucket waits for (backward runs in reverse).
+        position = {i: len(self._params) - 1 - i for i in range(len(self._params))}
+        buckets.sort(key=lambda b: max((position[p] for p in b.params), default=-1))
+        self._buckets = buckets
+        self._buckets_of: dict[int, list[_Bucket]] = {i: [] for i in range(len(self._params))}
+        for b in buckets:
+            for p in b.params:
+                self._buckets_of[p].append(b)
+        # AdamW parameter -> (its flat bucket or stream fill, its segment on this rank)
+        self._segments: dict[int, tuple[_Shards | _FillShard, Any]] = {}
+        for shards in self._shards:
+            for seg in shards.layout.segments(self.rank):
+                self._segments[seg.param] = (shards, seg)
+        for stream in self._streams:
+            if stream.fill is not None:
+                for seg in stream.fill.layout.segments(self.rank):
+                    self._segments[seg.param] = (stream.fill, seg)
+
+    def _register_hooks(self) -> None:
+        self._sync = True
+        self._start_cycle()
+        ref = weakref.ref(self)
+        self._hook_handles = [
+            p.register_post_accumulate_grad_hook(lambda param, ref=ref: _on_grad_ready(ref, param))
+            for p in self._params
+            if p.requires_grad
+        ]
+
+    # ================================================================ public helpers
+    def communication_buffer_bytes(self) -> int:
+        """Bytes of the persistent reduction/gather buffers (not optimizer state)."""
+        tensors = [t for s in self._streams for t in [s.recv, *s.send]]
+        tensors += [
+            t
+            for s in self._streams
+            if s.gather_in is not s.recv
+            for t in [s.gather_in, *s.gather_out]
+        ]
+        tensors += [t for s in self._shards for t in (s.full, s.shard)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks (the optimizer no longer reduces during backward)."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no reduction) for all but the last micro-batch."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    # ================================================================ reductions
+    def _start_cycle(self) -> None:
+        for b in self._buckets:
+            b.pending, b.work, b.launched = len(b.params), None, False
+        self._ready: set[int] = set()
+        self._next_launch = 0
+        self._reduced = False
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: count the parameter in its buckets; launch full ones."""
+        if not self._sync:
+            return
+        i = self._index[id(param)]
+        if i in self._ready:
+            if any(b.launched for b in self._buckets_of[i]):
+                raise RuntimeError(
+                    f"gradient of '{self._name(param)}' accumulated again after its reduction was "
+                    "launched: use `with opt.no_sync():` for all but the last backward before step()"
+                )
+            return
+        self._ready.add(i)
+        for b in self._buckets_of[i]:
+            b.pending -= 1
+        # Launch strictly in bucket order so that every rank issues the same collectives.
+        while (
+            self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0
+        ):
+            self._launch(self._buckets[self._next_launch])
+            self._next_launch += 1
+
+    def _local_grad(self, i: int) -> torch.Tensor | None:
+        grad = self._params[i].grad
+        if grad is None:
+            return None
+        if grad.is_sparse:
+            raise ValueError(
+                f"parameter '{self._name(self._params[i])}' has a sparse gradient; DistributedMuon needs dense gradients"
+            )
+        return grad.reshape(-1)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        """Copy local gradients into the bucket (pre-divided by N) and reduce-scatter it."""
+        if bucket.kind == "muon":
+            stream, layout = bucket.stream, bucket.stream.layout.buckets[bucket.index]
+            buf = stream.send[bucket.index]  # (N·L_b,)
+            for piece in layout.pieces:
+                dst = buf[piece.buffer_start : piece.buffer_start + piece.length]
+                grad = self._local_grad(piece.param)
+                if grad is None:
+                    dst.zero_()
+                else:
+                    dst.copy_(grad[piece.param_start : piece.param_start + piece.length])
+            out = stream.recv[layout.stream_start : layout.stream_start + layout.length]
+            tag = "muon"  # owner-stream traffic, the AdamW fill included
+        else:
+            shards = bucket.shards
+            buf, out, tag = shards.full, shards.shard, "adamw"
+            for p, off, n in zip(shards.layout.params, shards.layout.offsets, shards.layout.numels):
+                grad = self._local_grad(p)
+                if grad is None:
+                    buf[off : off + n].zero_()
+                else:
+                    buf[off : off + n].copy_(grad)
+        if self.world_size > 1:
+            buf.div_(self.world_size)
+        bucket.work = self.comm.reduce_scatter(out, buf, tag=tag, async_op=True)
+        bucket.launched = True
+
+    def _finish_reductions(self) -> None:
+        """Launch every bucket backward did not (in order), then wait for all of them."""
+        if self._reduced:
+            return
+        for bucket in self._buckets[self._next_launch :]:
+            self._launch(bucket)
+        self._next_launch = len(self._buckets)
+        for bucket in self._buckets:
+            self.comm.wait(bucket.work, f"gradient reduce-scatter ({bucket.kind})")
+            bucket.work = None
+        self._reduced = True
+
+    def _reduced_grad(self, i: int) -> torch.Tensor:
+        """Averaged gradient of an owned Muon parameter (a view into the receive stream)."""
+        p = self._params[i]
+        stream = self._stream_of(i)
+        off = stream.layout.offsets[i]
+        grad = stream.recv[off : off + p.numel()].view(p.shape)
+        return grad if grad.dtype == p.dtype else grad.to(p.dtype)
+
+    def _stream_of(self, i: int) -> _Stream:
+        for stream in self._streams:
+            if i in stream.layout.offsets:
+                return stream
+        raise KeyError(i)
+
+    def _reduced_shard_grad(self, i: int) -> torch.Tensor:
+        """Averaged gradient of this rank's segment of AdamW parameter ``i`` (a view)."""
+        store, seg = self._segments[i]
+        return store.grad[seg.buffer_start : seg.buffer_start + seg.length]
+
+    def _local_reduced_grads(self) -> dict[int, torch.Tensor]:
+        """Every reduced gradient this rank holds: owned matrices and AdamW segments."""
+        out = {i: self._reduced_grad(i) for i in self._muon if self.owner_rank[i] == self.rank}
+        out.update({i: self._reduced_shard_grad(i) for i in self._segments})
+        return out
+
+    # ================================================================ gathers
+    def _launch_adamw_gathers(self) -> list[tuple[Any, Callable[[], None]]]:
+        """All-gather every flat bucket's updated shard; returns (work, copy back) pairs."""
+        pending = []
+        for shards in self._shards:
+            for seg in shards.layout.segments(self.rank):
+                flat = self._params[seg.param].view(-1)
+                shards.shard[seg.buffer_start : seg.buffer_start + seg.length].copy_(
+                    flat[seg.param_start : seg.param_start + seg.length]
+                )
+            work = self.comm.all_gather(shards.full, shards.shard, tag="adamw", async_op=True)
+            pending.append((work, functools.partial(self._copy_back_flat, shards)))
+        return pending
+
+    def _launch_muon_gathers(self) -> list[tuple[Any, Callable[[], None]]]:
+        """All-gather the owner streams (updated matrices and fill), bucket by bucket."""
+        pending = []
+        for stream in self._streams:
+            for i in stream.layout.owned[self.rank]:
+                off, p = stream.layout.offsets[i], self._params[i]
+                stream.gather_in[off : off + p.numel()].copy_(p.view(-1))
+            if stream.fill is not None:  # updated AdamW segments (gather_in is recv here)
+                for seg in stream.fill.layout.segments(self.rank):
+                    flat = self._params[seg.param].view(-1)
+                    stream.fill.grad[seg.buffer_start : seg.buffer_start + seg.length].copy_(
+                        flat[seg.param_start : seg.param_start + seg.length]
+                    )
+            for k, bucket in enumerate(stream.layout.buckets):
+                mine = stream.gather_in[bucket.stream_start : bucket.stream_start + bucket.length]
+                work = self.comm.all_gather(stream.gather_out[k], mine, tag="muon", async_op=True)
+                pending.append(
+                    (work, functools.partial(self._copy_back_owned, bucket, stream.gather_out[k]))
+                )
+        return pending
+
+    def _wait_and_copy_back(self, pending: list[tuple[Any, Callable[[], None]]]) -> None:
+        for work, copy_back in pending:
+            self.comm.wait(work, "parameter all-gather")
+            copy_back()
+
+    def _copy_back_flat(self, shards: _Shards) -> None:
+        layout = shards.layout
+        for p, off, n in zip(layout.params, layout.offsets, layout.numels):
+            self._params[p].view(-1).copy_(shards.full[off : off + n])
+
+    def _copy_back_owned(self, bucket: OwnerBucket, gathered: torch.Tensor) -> None:
+        for piece in bucket.pieces:
+            if bucket.rank_of(piece) == self.rank:
+                continue  # updated in place already
+            flat = self._params[piece.param].view(-1)
+            flat[piece.param_start : piece.param_start + piece.length].copy_(
+                gathered[piece.buffer_start : piece.buffer_start + piece.length]
+            )
