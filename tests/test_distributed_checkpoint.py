@@ -3,6 +3,8 @@
 Save at 4 ranks (3 Muon matrices: one rank owns nothing), load at 2 and at 1 (also into
 single-process ``muonscale.Muon``), and save at 2 / load at 4; every resumed run must match
 the uninterrupted one. Every rank sees the same batch, so all layouts compute the same update.
+With fp32 main copies of a bf16 model (injected gradients whose bf16 mean is exact at any world
+size), resuming is bit-identical, at the same and at another world size.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from distributed_harness import shared_pool
-from test_distributed_dp import OPTS, make_model, train
+from test_distributed_dp import OPTS, bf16_models, main_copies, make_model, train, train_injected
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import muonscale
@@ -76,6 +78,46 @@ def test_save_2_load_4(tmp_path):
     reference = shared_pool(2).run(_save, path)[0][0]
     for got in shared_pool(4).run(_resume, path):
         _assert_close(got, reference, "saved at 2, resumed at 4")
+
+
+def _save_main(rank, world_size, path):
+    """bf16 model with fp32 main copies: SAVE_AT steps, checkpoint, on to TOTAL."""
+    model, _ = bf16_models(**MODEL)
+    opt = DistributedMuon(model, **OPTS, main_params_dtype=torch.float32, bucket_cap_mb=2e-4)
+    train_injected(model, opt, SAVE_AT)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    train_injected(model, opt, TOTAL - SAVE_AT, first_step=SAVE_AT)
+    return _params(model), main_copies(opt)
+
+
+def _resume_main(rank, world_size, path):
+    model, _ = bf16_models(seed=123, **MODEL)
+    opt = DistributedMuon(model, **OPTS, main_params_dtype=torch.float32)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    train_injected(model, opt, TOTAL - SAVE_AT, first_step=SAVE_AT)
+    return _params(model), main_copies(opt)
+
+
+def _assert_identical(got, want, what: str) -> None:
+    for name, kind in ((0, "parameters"), (1, "main copies")):
+        diff = max((got[name][n] - want[name][n]).abs().max().item() for n in want[name])
+        print(f"\n{what}: {kind} max |dW| vs uninterrupted = {diff:.3g}")
+        assert all(torch.equal(got[name][n], want[name][n]) for n in want[name]), (what, kind)
+
+
+def test_main_copies_resume_bit_identical_and_at_another_world_size(tmp_path):
+    path2, path4 = str(tmp_path / "main2"), str(tmp_path / "main4")
+    reference = shared_pool(2).run(_save_main, path2)[0]
+    for got in shared_pool(2).run(_resume_main, path2):
+        _assert_identical(got, reference, "main copies: saved at 2, resumed at 2")
+    saved4 = shared_pool(4).run(_save_main, path4)[0]
+    _assert_identical(saved4, reference, "main copies: 4 ranks vs 2 ranks, uninterrupted")
+    for got in shared_pool(2).run(_resume_main, path4):
+        _assert_identical(got, saved4, "main copies: saved at 4, resumed at 2")
 
 
 def _fresh_state_dict(rank, world_size):

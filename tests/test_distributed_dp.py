@@ -169,6 +169,91 @@ def test_bf16_reduce_stays_close():
     assert 0 < diff < 0.05
 
 
+# ---------------------------------------------------------------------------- main copies
+def bf16_models(seed: int = 0, **model_kw) -> tuple[TinyLM, TinyLM]:
+    """A bf16 model and an fp32 model holding the same (bf16-rounded) values."""
+    low = make_model(seed, **model_kw).bfloat16()
+    high = make_model(seed, **model_kw)
+    with torch.no_grad():
+        for p, q in zip(high.parameters(), low.parameters()):
+            p.copy_(q.float())
+    return low, high
+
+
+def inject_grads(model: nn.Module, step: int) -> None:
+    """The same gradient on every rank, k/64 with |k| ≤ 40 (in the parameter's dtype): the
+    bf16 mean over 2 or 4 ranks is then exact (every partial sum of g/N fits bf16's 8
+    significant bits), so the distributed run sees exactly the reference's gradients."""
+    g = torch.Generator().manual_seed(2000 + step)
+    for p in model.parameters():
+        p.grad = (torch.randint(-40, 41, p.shape, generator=g) / 64).to(p.dtype)
+
+
+def train_injected(model, opt, steps, *, first_step=0):
+    for step in range(first_step, first_step + steps):
+        opt.zero_grad()
+        inject_grads(model, step)
+        opt.step()
+
+
+def main_copies(opt: DistributedMuon) -> dict[str, torch.Tensor]:
+    """{name: gathered main copy} from the full state (collective)."""
+    full = opt.state_dict()["state"]
+    return {opt._name(p): full[i]["main_param"] for i, p in enumerate(opt._params)}
+
+
+def _main_params(rank, world_size, steps):
+    low, ref = bf16_models()
+    twin, _ = bf16_models()  # the same bf16 run without main copies: same wire bytes
+    ref_opt = muonscale.Muon(ref, **OPTS)
+    opt = DistributedMuon(low, **OPTS, main_params_dtype=torch.float32, bucket_cap_mb=2e-4)
+    twin_opt = DistributedMuon(twin, **OPTS, bucket_cap_mb=2e-4)
+    for o, m in ((ref_opt, ref), (opt, low), (twin_opt, twin)):
+        train_injected(m, o, steps)
+    mains = main_copies(opt)
+    want = dict(ref.named_parameters())
+    diff = max((mains[n] - want[n]).abs().max().item() for n in want)
+    bitwise = all(torch.equal(mains[n], want[n]) for n in want)
+    rounded = all(torch.equal(p, mains[n].bfloat16()) for n, p in low.named_parameters())
+    fp32_state = all(
+        v.dtype == torch.float32
+        for s in opt.state.values()
+        for v in s.values()
+        if torch.is_tensor(v)
+    )
+    local_main = sum(s["main_param"].numel() for s in opt.state.values() if "main_param" in s)
+    same_wire = opt.last_step_wire_breakdown == twin_opt.last_step_wire_breakdown
+    return diff, bitwise, rounded, fp32_state, local_main, same_wire, opt.layout_stats()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_bf16_parameters_with_fp32_main_copies_match_fp32(world_size):
+    """bf16 model, fp32 main copies where each rank updates (owned matrices, AdamW shards and
+    fill): the same as single-process fp32 Muon from the rounded weights, given the same
+    gradients; the model holds its main copies rounded; the wire carries bf16 as before."""
+    results = shared_pool(world_size).run(_main_params, 3)
+    diffs = [r[0] for r in results]
+    print(
+        f"\nbf16 + fp32 main copies, {world_size} ranks, 3 steps: max |dW| vs fp32 = "
+        f"{max(diffs):.3g}, bitwise: {[r[1] for r in results]}"
+    )
+    assert max(diffs) <= 1e-6
+    for _, _, rounded, fp32_state, _, same_wire, stats in results:
+        assert rounded and fp32_state and same_wire
+        assert stats["fill_elements"] > 0  # main copies inside stream fills were exercised
+    # every element has exactly one main copy over the ranks
+    total = sum(p.numel() for p in make_model().parameters())
+    assert sum(r[4] for r in results) == total
+    assert max(r[4] for r in results) < total
+
+
+def test_main_params_dtype_must_be_floating():
+    with pytest.raises(ValueError, match="main_params_dtype"):
+        DistributedMuon(make_model(), **OPTS, main_params_dtype=torch.int32)
+    with pytest.raises(ValueError, match="main_params_dtype"):
+        DistributedMuon(make_model(), **OPTS, main_params_dtype="float32")
+
+
 # ---------------------------------------------------------------------------- wire bytes
 class HandModel(nn.Module):
     """Four 8x8 Muon matrices and one 5-element AdamW vector: bytes computable by hand."""

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .. import functional
+from ..matrices import MatrixView
 from ..optimizer import Muon
 from .comm import Communicator, WireCounter
 from .dp_global import GlobalOperations
@@ -95,6 +96,13 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
             type), ``model.named_parameters()``, or param groups.
         process_group: the data-parallel group (None: the default group).
         reduce_dtype: dtype of the Muon gradient reduction (None: the parameter's dtype).
+        main_params_dtype: keep main copies in this dtype of the parameters with fewer bits
+            (e.g. ``torch.float32`` for a bf16 model, as DeepSpeed ZeRO-1 / Megatron's
+            distributed optimizer), only where this rank updates them: each owned Muon matrix
+            whole, each local AdamW segment. Their optimizer state is in the main dtype; the
+            reduced gradients update the main copies, which are then rounded into the
+            parameters, so the all-gather still sends the parameters' dtype. None: parameters
+            are updated in their own dtype.
         bucket_cap_mb: approximate size of one bucket (as DDP's ``bucket_cap_mb``).
         **muon_options: every :class:`muonscale.Muon` option.
 
@@ -102,7 +110,8 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
     :class:`muonscale.Muon`'s (momentum gathered from the owners, AdamW shards gathered), so
     ``torch.distributed.checkpoint`` sees replicated tensors and a checkpoint loads at any world
     size, even into single-process ``Muon``. ``load_state_dict()`` takes full state and keeps
-    the local part (no collectives); see :mod:`.full_state`.
+    the local part (no collectives); see :mod:`.full_state`. With main copies each entry also
+    holds ``main_param`` (parameter-shaped, main dtype, gathered whole).
 
     A rank that fails inside ``step()`` makes the others fail in their next collective after
     at most the process-group timeout (``init_process_group(timeout=...)``), with a
@@ -132,6 +141,11 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
                 "reduce_dtype does not apply to DTensor parameters: their gradients are reduced "
                 "by FSDP2 (set its MixedPrecisionPolicy(reduce_dtype=...) instead)"
             )
+        if kwargs.pop("main_params_dtype", None) is not None:
+            raise ValueError(
+                "main_params_dtype does not apply to DTensor parameters (set FSDP2's "
+                "MixedPrecisionPolicy instead)"
+            )
         kwargs.pop("bucket_cap_mb", None)
         return DTensorMuon(materialized, process_group=process_group, **kwargs)
 
@@ -141,10 +155,12 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
         process_group: dist.ProcessGroup | None = None,
         *,
         reduce_dtype: torch.dtype | None = None,
+        main_params_dtype: torch.dtype | None = None,
         bucket_cap_mb: float = 25.0,
         **muon_options: Any,
     ) -> None:
         params = self.__dict__.pop("_materialized_params", params)
+        self._model_of: dict[int, torch.Tensor] = {}  # id(main copy) -> model parameter
         super().__init__(params, **muon_options)
         if reduce_dtype is not None and not (
             isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point
@@ -152,11 +168,19 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
             raise ValueError(
                 f"reduce_dtype must be None or a floating torch.dtype, got {reduce_dtype!r}"
             )
+        if main_params_dtype is not None and not (
+            isinstance(main_params_dtype, torch.dtype) and main_params_dtype.is_floating_point
+        ):
+            raise ValueError(
+                "main_params_dtype must be None or a floating torch.dtype, "
+                f"got {main_params_dtype!r}"
+            )
         if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
             raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
         self.comm = Communicator(process_group, WireCounter())
         self.world_size, self.rank = self.comm.world_size, self.comm.rank
         self.reduce_dtype = reduce_dtype
+        self.main_params_dtype = main_params_dtype
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [g for g in self.param_groups for _ in g["params"]]
         self._index = {id(p): i for i, p in enumerate(self._params)}
@@ -218,27 +242,42 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
         self.owner_rank: dict[int, int] = dict(zip(self._muon, owners))
         self._matrix_shapes = dict(zip(self._muon, shapes))
 
+    @torch.no_grad()
     def _init_local_state(self) -> None:
-        """Create this rank's state now (owned momentum, AdamW shard views, every step counter),
-        so that no rank's state is empty (DCP's ``get_state_dict`` would otherwise call
-        ``step()`` on that rank alone)."""
+        """Create this rank's state now (owned momentum, AdamW shard views, every step counter,
+        main copies), so that no rank's state is empty (DCP's ``get_state_dict`` would otherwise
+        call ``step()`` on that rank alone)."""
         for i in self._muon:
             p, group = self._params[i], self._group_of[i]
             state = self.state[p]
             state["owner_rank"] = self.owner_rank[i]
             if self.owner_rank[i] == self.rank:
-                dtype = group["momentum_dtype"] or p.dtype
+                main_dtype = self._main_dtype(p.dtype)
+                dtype = group["momentum_dtype"] or main_dtype or p.dtype
                 state["momentum_buffer"] = torch.zeros_like(
                     p, dtype=dtype, memory_format=torch.preserve_format
                 )
+                if main_dtype is not None:  # the whole matrix: this rank updates it
+                    main = torch.empty_like(p, dtype=main_dtype).copy_(p)
+                    state["main_param"] = main
+                    self._model_of[id(main)] = p
         for i in self._adamw:
-            state = self.state[self._params[i]]
+            p = self._params[i]
+            state = self.state[p]
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             if i in self._segments:  # a flat-bucket shard or a stream fill range
                 store, seg = self._segments[i]
                 window = slice(seg.buffer_start, seg.buffer_start + seg.length)
                 state["exp_avg"] = store.exp_avg[window]
                 state["exp_avg_sq"] = store.exp_avg_sq[window]
+                if store.main_param is not None:
+                    state["main_param"] = store.main_param[window]
+                    state["main_param"].copy_(self._segment_of(p, seg))
+
+    @staticmethod
+    def _segment_of(p: torch.Tensor, seg: Any) -> torch.Tensor:
+        """This rank's segment of parameter ``p`` (a flat view)."""
+        return p.view(-1)[seg.param_start : seg.param_start + seg.length]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if hasattr(self, "_buckets"):
@@ -249,8 +288,19 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
         super().add_param_group(param_group)
 
     def init_state(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        """State is created at construction (owned Muon matrices, local AdamW shards)."""
-        return self.state[p]
+        """State is created at construction (owned Muon matrices, local AdamW shards); a main
+        copy's state is its model parameter's."""
+        return self.state[self.model_param(p)]
+
+    def model_param(self, p: torch.Tensor) -> torch.Tensor:
+        """The model parameter that ``p`` (a main copy, or the parameter itself) stands for."""
+        return self._model_of.get(id(p), p)
+
+    def matrix_view(self, p: torch.Tensor, group: Mapping[str, Any]) -> MatrixView:
+        return super().matrix_view(self.model_param(p), group)
+
+    def _name(self, p: torch.Tensor) -> str:
+        return super()._name(self.model_param(p))
 
     # ================================================================ public helpers
     def ownership_table(self) -> str:
@@ -315,9 +365,13 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
                 continue
             indices = [self._index[id(p)] for p in group["params"]]
             mine = [i for i in indices if present[i] and self.owner_rank[i] == self.rank]
-            self.update_group(
-                group, [self._params[i] for i in mine], [self._reduced_grad(i) for i in mine]
-            )
+            # the tensors updated: main copies where kept, else the parameters themselves
+            targets = [self.state[self._params[i]].get("main_param", self._params[i]) for i in mine]
+            grads = [self._reduced_grad(i, t.dtype) for i, t in zip(mine, targets)]
+            self.update_group(group, targets, grads)
+            for i, target in zip(mine, targets):
+                if target is not self._params[i]:
+                    self._params[i].copy_(target)  # rounded into the model's parameter
 
     def _update_adamw_shards(self, present: list[bool]) -> None:
         for group in self.param_groups:
@@ -330,17 +384,18 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
                     self.state[self._params[i]]["step"] += 1
             if not local:
                 continue
-            params, states = [], []
-            for i in local:
-                seg = self._segments[i][1]
-                params.append(
-                    self._params[i].view(-1)[seg.param_start : seg.param_start + seg.length]
-                )
-                states.append(self.state[self._params[i]])
+            states = [self.state[self._params[i]] for i in local]
+            segments = [self._segment_of(self._params[i], self._segments[i][1]) for i in local]
+            # the tensors updated: main copies where kept, else the parameters' segments
+            params = [s.get("main_param", seg) for s, seg in zip(states, segments)]
+            grads = [self._reduced_shard_grad(i) for i in local]
+            grads = [g if g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(grads, params)]
             beta1, beta2 = group["betas"]
             functional.adamw(
-                params, [self._reduced_shard_grad(i) for i in local],
-                [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                 [s["step"] for s in states], lr=float(group["lr"]), beta1=beta1, beta2=beta2,
                 eps=group["eps"], weight_decay=group["weight_decay"],
             )  # fmt: skip
+            for target, segment in zip(params, segments):
+                if target is not segment:
+                    segment.copy_(target)  # rounded into the model's parameter

@@ -93,16 +93,17 @@ class GlobalOperations:
 
     @torch.no_grad()
     def _gather_fill_state(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Full AdamW state of the parameters in stream fills (collective: one all-gather per
-        moment and stream, each rank's range padded to the longest)."""
+        """Full AdamW state (and main copies) of the parameters in stream fills (collective: one
+        all-gather per moment and stream, each rank's range padded to the longest)."""
         full: dict[int, dict[str, torch.Tensor]] = {}
         for stream in self._streams:
             fill = stream.fill
             if fill is None:
                 continue
             layout, width = fill.layout, max(fill.layout.lengths)
+            names = full_state.sharded_names(fill)
             gathered = {}
-            for name in full_state.ADAMW_MOMENTS:
+            for name in names:
                 mine = getattr(fill, name)
                 padded = torch.zeros(width, dtype=mine.dtype, device=mine.device)
                 padded[: mine.numel()].copy_(mine)
@@ -113,12 +114,12 @@ class GlobalOperations:
             for i in layout.params:
                 p = self._params[i]
                 full[i] = {"step": self.state[p]["step"].clone()}
-                for name in full_state.ADAMW_MOMENTS:
+                for name in names:
                     full[i][name] = torch.empty_like(p, dtype=gathered[name].dtype)
             for rank in range(self.world_size):
                 for seg in layout.segments(rank):
                     src = rank * width + seg.buffer_start
-                    for name in full_state.ADAMW_MOMENTS:
+                    for name in names:
                         full[seg.param][name].view(-1)[
                             seg.param_start : seg.param_start + seg.length
                         ] = gathered[name][src : src + seg.length]

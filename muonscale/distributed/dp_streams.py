@@ -11,6 +11,10 @@ optimizer sets at construction (``comm``, ``world_size``, ``rank``, ``reduce_dty
 * ``_shards``: one :class:`_Shards` per flat ZeRO-1 bucket of the other AdamW parameters;
 * ``_buckets``: every reduction unit in launch order; ``_segments``: AdamW parameter -> (its
   :class:`_Shards` or :class:`_FillShard`, its segment on this rank).
+
+With main copies (``main_params_dtype``), a flat shard or fill range of low-precision
+parameters also holds ``main_param``, the main copies of its elements, and its AdamW moments
+are in the main dtype; the gradient and gather buffers keep the parameters' dtype.
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ class _FillShard:
     layout: StreamFill
     grad: torch.Tensor  # (fill_r,) view of the stream's recv: reduced gradients, then updated
     #                     parameters (the stream's gather_in is its recv when there is a fill)
-    exp_avg: torch.Tensor  # (fill_r,) state of this range only
+    exp_avg: torch.Tensor  # (fill_r,) state of this range only (main dtype with main copies)
     exp_avg_sq: torch.Tensor
+    main_param: torch.Tensor | None = None  # (fill_r,) main copies of this range, or None
 
 
 @dataclass
@@ -65,8 +70,9 @@ class _Shards:
     layout: FlatBucket
     full: torch.Tensor  # (padded,) local gradients in, gathered parameters out
     shard: torch.Tensor  # (padded/N,) reduced gradient shard, then updated parameter shard
-    exp_avg: torch.Tensor  # (padded/N,) state of this shard only
+    exp_avg: torch.Tensor  # (padded/N,) state of this shard only (main dtype with main copies)
     exp_avg_sq: torch.Tensor
+    main_param: torch.Tensor | None = None  # (padded/N,) main copies of this shard, or None
 
     @property
     def grad(self) -> torch.Tensor:
@@ -102,12 +108,20 @@ class BucketedReduction:
     world_size: int
     rank: int
     reduce_dtype: torch.dtype | None
+    main_params_dtype: torch.dtype | None
     _params: list[torch.Tensor]
     _muon: list[int]
     _adamw: list[int]
     owner_rank: dict[int, int]
 
     # ================================================================ construction
+    def _main_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
+        """dtype of the main copies of parameters of ``dtype`` (None: updated in their own)."""
+        main = self.main_params_dtype
+        if main is None or not dtype.is_floating_point:
+            return None
+        return main if torch.finfo(dtype).bits < torch.finfo(main).bits else None
+
     def _by_dtype_and_device(self, indices: list[int]) -> dict[tuple, list[int]]:
         """``indices`` in readiness order (reverse registration: backward's order), grouped by
         (dtype, device): one owner stream or set of flat buckets per group."""
@@ -146,8 +160,14 @@ class BucketedReduction:
             fill = None
             if layout.fill.params:
                 start, n = layout.fill.stream_starts[self.rank], layout.fill.lengths[self.rank]
-                moments = [torch.zeros(n, dtype=dtype, device=device) for _ in range(2)]
-                fill = _FillShard(layout.fill, recv[start : start + n], *moments)
+                main_dtype = self._main_dtype(dtype)
+                moments = [
+                    torch.zeros(n, dtype=main_dtype or dtype, device=device) for _ in range(2)
+                ]
+                main = (
+                    None if main_dtype is None else torch.zeros(n, dtype=main_dtype, device=device)
+                )
+                fill = _FillShard(layout.fill, recv[start : start + n], *moments, main)
             stream = _Stream(layout, recv, send, gather_in, gather_out, fill)
             self._streams.append(stream)
             buckets += [
@@ -158,12 +178,18 @@ class BucketedReduction:
         for (dtype, device), members in adamw_groups.items():
             cap = cap_bytes * 8 // torch.finfo(dtype).bits
             members = [i for i in members if i not in filled]
+            main_dtype = self._main_dtype(dtype)
             for layout in plan_flat_buckets(members, numels, N, cap):
                 full = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
-                shard, exp_avg, exp_avg_sq = (
-                    torch.zeros(layout.shard_numel, dtype=dtype, device=device) for _ in range(3)
+                shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+                exp_avg, exp_avg_sq = (
+                    torch.zeros(layout.shard_numel, dtype=main_dtype or dtype, device=device)
+                    for _ in range(2)
                 )
-                shards = _Shards(layout, full, shard, exp_avg, exp_avg_sq)
+                main = None
+                if main_dtype is not None:
+                    main = torch.zeros(layout.shard_numel, dtype=main_dtype, device=device)
+                shards = _Shards(layout, full, shard, exp_avg, exp_avg_sq, main)
                 self._shards.append(shards)
                 buckets.append(_Bucket("adamw", frozenset(layout.params), shards=shards))
         # Launch order: by the last gradient a bucket waits for (backward runs in reverse).
@@ -302,13 +328,15 @@ class BucketedReduction:
             bucket.work = None
         self._reduced = True
 
-    def _reduced_grad(self, i: int) -> torch.Tensor:
-        """Averaged gradient of an owned Muon parameter (a view into the receive stream)."""
+    def _reduced_grad(self, i: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Averaged gradient of an owned Muon parameter in ``dtype`` (None: the parameter's);
+        a view into the receive stream when that is its dtype."""
         p = self._params[i]
         stream = self._stream_of(i)
         off = stream.layout.offsets[i]
         grad = stream.recv[off : off + p.numel()].view(p.shape)
-        return grad if grad.dtype == p.dtype else grad.to(p.dtype)
+        dtype = dtype or p.dtype
+        return grad if grad.dtype == dtype else grad.to(dtype)
 
     def _stream_of(self, i: int) -> _Stream:
         for stream in self._streams:

@@ -2,7 +2,9 @@
 
 Checkpoint format (a choice, documented here): ``state_dict()`` returns the **full** state,
 keyed exactly like single-process :class:`muonscale.Muon`'s (``momentum_buffer`` per Muon
-matrix; ``step``, ``exp_avg``, ``exp_avg_sq`` per AdamW parameter, parameter-shaped):
+matrix; ``step``, ``exp_avg``, ``exp_avg_sq`` per AdamW parameter, parameter-shaped), plus
+``main_param`` (parameter-shaped, main dtype) for every parameter with a main copy
+(``main_params_dtype``), so that a resumed run is bit-identical:
 
 * Why not per-rank shards: ``torch.distributed.checkpoint`` treats plain tensors under the same
   key on different ranks as replicas and keeps one of them, so shards saved as plain tensors
@@ -26,28 +28,41 @@ if TYPE_CHECKING:
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
+def sharded_names(store: Any) -> tuple[str, ...]:
+    """The element-wise sharded state of a flat shard or fill range: the AdamW moments, and
+    ``main_param`` where it keeps main copies."""
+    return ADAMW_MOMENTS + (() if store.main_param is None else ("main_param",))
+
+
 @torch.no_grad()
 def gather(opt: DistributedMuon) -> dict[int, dict[str, torch.Tensor]]:
     """``{parameter index: state}`` for every parameter, on every rank (collective)."""
     full: dict[int, dict[str, torch.Tensor]] = {}
-    for i in opt._muon:  # momentum lives on the owner only
+    for i in opt._muon:  # momentum (and main copy) live on the owner only
         p, group, owner = opt._params[i], opt._group_of[i], opt.owner_rank[i]
-        if owner == opt.rank:
-            buf = opt.state[p]["momentum_buffer"].clone()
-        else:
-            buf = torch.empty_like(p, dtype=group["momentum_dtype"] or p.dtype)
-        opt.comm.broadcast(buf, src=owner, tag="checkpoint")
-        full[i] = {"momentum_buffer": buf}
+        main_dtype = opt._main_dtype(p.dtype)
+        dtypes = {"momentum_buffer": group["momentum_dtype"] or main_dtype or p.dtype}
+        if main_dtype is not None:
+            dtypes["main_param"] = main_dtype
+        full[i] = {}
+        for name, dtype in dtypes.items():
+            if owner == opt.rank:
+                buf = opt.state[p][name].clone()
+            else:
+                buf = torch.empty_like(p, dtype=dtype)
+            opt.comm.broadcast(buf, src=owner, tag="checkpoint")
+            full[i][name] = buf
     for shards in opt._shards:  # AdamW moments: shard r of every flat bucket on rank r
         gathered = {}
-        for name in ADAMW_MOMENTS:
-            gathered[name] = torch.empty_like(shards.full)  # (padded,)
-            opt.comm.all_gather(gathered[name], getattr(shards, name), tag="checkpoint")
+        for name in sharded_names(shards):
+            mine = getattr(shards, name)
+            gathered[name] = shards.full.new_empty(shards.full.numel(), dtype=mine.dtype)
+            opt.comm.all_gather(gathered[name], mine, tag="checkpoint")  # (padded,)
         layout = shards.layout
         for i, off, n in zip(layout.params, layout.offsets, layout.numels):
             p = opt._params[i]
             full[i] = {"step": opt.state[p]["step"].clone()}
-            for name in ADAMW_MOMENTS:
+            for name in gathered:
                 full[i][name] = gathered[name][off : off + n].view(p.shape).clone()
     return {i: full[i] for i in sorted(full)}
 
@@ -55,7 +70,9 @@ def gather(opt: DistributedMuon) -> dict[int, dict[str, torch.Tensor]]:
 @torch.no_grad()
 def load(opt: DistributedMuon, state_dict: dict[str, Any]) -> None:
     """Take full state (keys matched through the saved param groups, as torch does) and keep
-    the local part: owned momentum, this rank's AdamW segments, every step counter."""
+    the local part: owned momentum, this rank's AdamW segments, every step counter, and the
+    main copies of those (then rounded into the model's parameters; a checkpoint without them
+    leaves the main copies equal to the parameters)."""
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(opt.param_groups):
         raise ValueError(
@@ -79,25 +96,44 @@ def load(opt: DistributedMuon, state_dict: dict[str, Any]) -> None:
     for i in opt._muon:
         if opt.owner_rank[i] != opt.rank:
             continue
-        p = opt._params[i]
-        source = saved_state.get(key_of[i], {}).get("momentum_buffer")
-        buf = opt.state[p]["momentum_buffer"]
+        p, state = opt._params[i], opt.state[opt._params[i]]
+        entry = saved_state.get(key_of[i], {})
+        source = entry.get("momentum_buffer")
+        buf = state["momentum_buffer"]
         if source is None:
             buf.zero_()
         else:
             buf.copy_(source.view(p.shape))
+        if "main_param" in state:
+            _load_main(state["main_param"], p, entry.get("main_param"))
     for i in opt._adamw:
         entry = saved_state.get(key_of[i], {})
-        state = opt.state[opt._params[i]]
+        p = opt._params[i]
+        state = opt.state[p]
         state["step"].fill_(float(entry["step"]) if "step" in entry else 0.0)
         if i not in opt._segments:
             continue
         seg = opt._segments[i][1]
+        window = slice(seg.param_start, seg.param_start + seg.length)
         for name in ADAMW_MOMENTS:
             source = entry.get(name)
             if source is None:
                 state[name].zero_()
             else:
-                state[name].copy_(
-                    source.reshape(-1)[seg.param_start : seg.param_start + seg.length]
-                )
+                state[name].copy_(source.reshape(-1)[window])
+        if "main_param" in state:
+            source = entry.get("main_param")
+            _load_main(
+                state["main_param"],
+                p.view(-1)[window],
+                None if source is None else source.reshape(-1)[window],
+            )
+
+
+def _load_main(main: torch.Tensor, model: torch.Tensor, source: torch.Tensor | None) -> None:
+    """Main copy from the checkpoint (else from the model's parameter), rounded into it."""
+    if source is None:
+        main.copy_(model)
+    else:
+        main.copy_(source.view(main.shape))
+        model.copy_(main)

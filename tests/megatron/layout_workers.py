@@ -9,7 +9,8 @@ PP = 1) rather than from the order of construction, which differs per pipeline s
   sliced to the rank's TP shard; the tied embedding's pipeline copy gets the embedding's values;
 * gradients: N(0, 1) from (canonical name, step), written where Megatron's DDP leaves reduced
   gradients (``main_grad``, fp32) — the optimizer reads them as already reduced — or into
-  ``.grad`` (then the optimizer averages over data parallel itself).
+  ``.grad`` (then the optimizer averages over data parallel itself); ``bf16_grads``: rounded
+  to bf16 values first (what a bf16 model's ``.grad`` holds), for fp32 references of those.
 
 ``run_layout`` returns (from global rank 0) the full parameters by canonical name, gathered
 over TP and pipeline stages, the optimizer's main copies the same way, and the per-step
@@ -103,9 +104,13 @@ def canonical_init(model, names: dict[str, str]) -> None:
         p.copy_(W.local_slice(full, p))
 
 
-def inject(model, names: dict[str, str], step: int, where: str, scale: float) -> None:
+def inject(
+    model, names: dict[str, str], step: int, where: str, scale: float, bf16: bool = False
+) -> None:
     for name, p in model.named_parameters():
         full = torch.randn(W.full_shape(p), generator=_seeded(names[name], 1 + step)) * scale
+        if bf16:
+            full = full.bfloat16().float()
         g = W.local_slice(full, p)
         if where == "main_grad":
             p.main_grad = g.float()
@@ -176,7 +181,8 @@ def _poison(model, where: str) -> None:
 def _train(model, names, opt, spec: dict, steps: range) -> list[float]:
     norms = []
     for step in steps:
-        inject(model, names, step, spec.get("grads_in", "grad"), spec.get("grad_scale", 1.0))
+        where, scale = spec.get("grads_in", "grad"), spec.get("grad_scale", 1.0)
+        inject(model, names, step, where, scale, spec.get("bf16_grads", False))
         if spec.get("nan_at") == (step, dist.get_rank()):
             _poison(model, spec.get("grads_in", "grad"))
         opt.step()
@@ -187,14 +193,19 @@ def _train(model, names, opt, spec: dict, steps: range) -> list[float]:
 
 def _result(model, names, opt, norms) -> dict:
     mains = None
+    local_names = {id(p): n for n, p in model.named_parameters()}
     copies = getattr(opt, "main_params", None)
     if copies is not None and copies.copied:
-        local_names = {id(p): n for n, p in model.named_parameters()}
         mains = gather_model(
             model,
             names,
             {local_names[id(copies.model_params[i])]: copies.plans[i].param for i in copies.copied},
         )
+    elif opt.dp_mode == "zero1" and getattr(opt, "main_params_dtype", None) is not None:
+        full = opt.state_dict()["state"]  # collective over data parallel: main copies gathered
+        held = {local_names[id(p)]: full[i].get("main_param") for i, p in enumerate(opt._params)}
+        if any(v is not None for v in held.values()):
+            mains = gather_model(model, names, {n: v for n, v in held.items() if v is not None})
     full = gather_model(model, names)
     return dict(
         params=full, mains=mains, norms=norms, dp_mode=opt.dp_mode, summary=opt.summary(),

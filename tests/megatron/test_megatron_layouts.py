@@ -100,6 +100,22 @@ def test_bf16_parameters_with_fp32_main_copies_track_fp32(pool2, fp32_from_bf16)
     assert drift > 10 * max(delta, 1e-7)
 
 
+def test_zero1_bf16_main_copies_track_fp32(pool4, pool2):
+    """bf16 model under ZeRO-1 at TP 2 × DP 2: each DP rank keeps fp32 main copies of what it
+    updates; gathered, they equal an fp32 run from the rounded weights given the same (bf16)
+    gradients, and the model holds them rounded."""
+    fp32 = _run(pool2, tp=1, round_to_bf16=True, bf16_grads=True, options=BASE)
+    options = dict(BASE, grads_reduced=None, dp_mode="zero1")
+    run = _run(pool4, tp=2, dtype="bf16", grads_in="grad", bf16_grads=True, options=options)
+    assert run["dp_mode"] == "zero1" and run["mains"] is not None
+    delta = L.max_abs_diff(fp32["params"], run["mains"])
+    print(f"\nbf16 TP2xDP2 zero1: fp32 main copies vs fp32 run {delta:.3g}")
+    assert delta <= 1e-6
+    assert run["mains"].keys() == run["params"].keys()
+    for name, main in run["mains"].items():
+        assert torch.equal(run["params"][name], main.bfloat16().float()), name
+
+
 def test_resume_with_main_copies_is_bit_identical(pool2, tmp_path):
     spec = dict(tp=2, dtype="bf16", steps=4, save_at=2, folder=str(tmp_path), options=BASE)
     uninterrupted = _run(pool2, L.run_and_save, **spec)

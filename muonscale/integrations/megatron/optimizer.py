@@ -179,9 +179,10 @@ class MegatronDistributedMuon(_GlobalGradNorm, _TensorParallelMatrices, Distribu
     (``dp_mode="zero1"``): gradients reduce-scattered to owner ranks during backward, each Muon
     matrix updated by one DP rank (its TP pieces exchanged exactly within that rank's TP group),
     AdamW sharded ZeRO-1, parameters all-gathered. Do not wrap the model in Megatron's DDP.
-    Parameters are updated in their own dtype (no main copies: use ``dp_mode="replicated"``
-    for bf16 models). ``state_dict()`` is the full state over data parallel (collective), so a
-    checkpoint loads at another data-parallel size (same TP size)."""
+    With ``main_params_dtype`` (bf16 models), each rank keeps main copies of what it updates
+    only (owned matrices, AdamW shards), as Megatron's distributed optimizer; the all-gather
+    sends bf16. ``state_dict()`` is the full state over data parallel (collective; main copies
+    included), so a checkpoint loads at another data-parallel size (same TP size)."""
 
     dp_mode = "zero1"
 
@@ -194,7 +195,13 @@ class MegatronDistributedMuon(_GlobalGradNorm, _TensorParallelMatrices, Distribu
     ) -> None:
         self._init_megatron(plans, groups, config)
         param_groups, options = _muon_arguments(self.plans, config)
-        super().__init__(param_groups, process_group=groups.dp, **options, **dp_options)
+        super().__init__(
+            param_groups,
+            process_group=groups.dp,
+            main_params_dtype=config.main_params_dtype,
+            **options,
+            **dp_options,
+        )
         self._finish_megatron_init()
         self.wire_counter = self.comm.counter
         self._init_grad_norm(self.wire_counter, dp_replicated=False)
@@ -230,10 +237,6 @@ class MegatronDistributedMuon(_GlobalGradNorm, _TensorParallelMatrices, Distribu
         self.clip_grad_norm_(self.config.clip_grad)
         super().step()
         return loss
-
-
-def pl_dtype(plans: Sequence[ParamPlan], name: str) -> torch.dtype:
-    return next(pl.param.dtype for pl in plans if pl.name == name)
 
 
 def _check_self_reduction(plans: Sequence[ParamPlan], groups: MegatronGroups) -> None:
@@ -288,20 +291,6 @@ def megatron_muon(
         zero1_blockers.append("expert parameters (their data-parallel group differs)")
     if groups.pp_size > 1:
         zero1_blockers.append("pipeline parallelism")
-    main_dtype = config.main_params_dtype
-    low = [
-        pl.name
-        for pl in plans
-        if main_dtype is not None
-        and pl.param.is_floating_point()
-        and torch.finfo(pl.param.dtype).bits < torch.finfo(main_dtype).bits
-    ]
-    if low:
-        zero1_blockers.append(
-            f"{pl_dtype(plans, low[0])} parameters with main_params_dtype={main_dtype} (e.g. "
-            f"{low[0]!r}): ZeRO-1 here keeps no main copies; use dp_mode='replicated' or "
-            "main_params_dtype=None"
-        )
     mode = config.dp_mode
     if mode == "auto":
         mode = "replicated" if zero1_blockers or MegatronGroups.size(groups.dp) == 1 else "zero1"

@@ -86,7 +86,8 @@ class _TensorParallelMatrices:
         batches: dict[bool, list[tuple[torch.Tensor, MatrixLayout]]] = {False: [], True: []}
         slots: list[list[tuple[bool, int, tuple[int, int]]]] = []
         for p, direction in zip(params, directions):
-            plan = self._plan_by_id[id(p)]
+            model_param = getattr(self, "model_param", None)  # a main copy's model parameter
+            plan = self._plan_by_id[id(p if model_param is None else model_param(p))]
             kind = plan.expert
             group_size = MegatronGroups.size(self._tp_group(kind))
             # A head of a QKV split lies whole on one rank; Q, K, V blocks are dim-0 pieces.
