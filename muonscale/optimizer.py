@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from . import functional
+from .kernels.newton_schulz_fast import clear_workspaces as release_workspaces
 from .matrices import MATRIX_MODES, MatrixView, row_blocks
 from .newton_schulz import DEFAULT_EPS, resolve_schedule
 from .params import ALGORITHMS, RouteDecision, Rule, route, route_one, routing_summary
@@ -442,7 +443,10 @@ class Muon(torch.optim.Optimizer):
         if bad is not None:
             self._handle_nonfinite(bad)
             return loss
-        self._apply_updates()
+        try:
+            self._apply_updates()
+        finally:
+            release_workspaces()  # NS scratch is not held through the next forward/backward
         return loss
 
     def _apply_updates(self) -> None:

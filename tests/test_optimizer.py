@@ -181,6 +181,21 @@ def test_chunked_adamw_equals_one_chunk(budget):
         assert torch.equal(a, b)
 
 
+def test_step_releases_newton_schulz_workspaces():
+    """NS scratch is not held between steps (it would sit on top of the next forward/backward's
+    activations); within a step it is reused."""
+    from muonscale.kernels.newton_schulz_fast import cached_workspace_bytes
+
+    p = nn.Parameter(torch.randn(32, 48))
+    opt = Muon([p], lr=0.01, ns_dtype=torch.float32)
+    for _ in range(2):
+        p.grad = torch.randn(32, 48)
+        before = p.detach().clone()
+        opt.step()
+        assert not torch.equal(before, p)
+        assert cached_workspace_bytes() == 0
+
+
 class TinyNet(nn.Module):
     def __init__(self):
         super().__init__()

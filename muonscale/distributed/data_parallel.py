@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .. import functional
+from ..kernels.newton_schulz_fast import clear_workspaces as release_workspaces
 from ..matrices import MatrixView
 from ..optimizer import Muon
 from .comm import Communicator, WireCounter
@@ -355,6 +356,7 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
             muon_gathers = self._launch_muon_gathers()
             self._wait_and_copy_back(adamw_gathers + muon_gathers)
         finally:
+            release_workspaces()  # NS scratch is not held through the next forward/backward
             self._start_cycle()
             self.last_step_wire_bytes, self.last_step_wire_breakdown = self.comm.counter.take()
         return loss

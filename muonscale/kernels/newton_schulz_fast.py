@@ -76,9 +76,12 @@ elementwise parts).
 
 Workspaces are cached per (shape, dtype, device, method) and bounded: a stack whose workspace
 would exceed ``max_workspace_bytes`` (default 256 MiB, env ``MUONSCALE_NS_WORKSPACE_MB``) is
-processed in chunks along the batch dim, and the whole cache keeps at most that many bytes
-between optimizer steps (least recently used workspaces are dropped first);
-:func:`clear_workspaces` frees it. Not thread-safe, and not for concurrent use on several
+processed in chunks along the batch dim, and the whole cache holds at most that many bytes
+(least recently used workspaces are dropped first). The optimizers call
+:func:`clear_workspaces` at the end of every step, so the scratch is reused across the chunks
+and shapes of one step but not held through the next forward/backward (on CPU that lowered
+the bench's peak RSS by 16–26 MiB for 0.5 ms per step; on CUDA the caching allocator hands the
+freed blocks to activations). Not thread-safe, and not for concurrent use on several
 CUDA streams.
 """
 
