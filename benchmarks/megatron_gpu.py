@@ -55,29 +55,51 @@ the same hyper-parameters directly on the bf16 parameters (no weight decay for 1
 Megatron's default groups), DP mean and ``clip_grad_norm_`` by hand (exact at the smoke's TP 1). Only a GPU run covers Megatron's DDP (``main_grad`` buffers,
 ``finalize_model_grads``), ``get_megatron_optimizer`` and muonscale reading ``main_grad``, NCCL,
 CUDA timing and memory. Nothing of torch.cuda is replaced on the GPU path.
+
+Code: this file holds the config (every field a flag) and ``main``; the model, data, arms,
+timing and report live in ``benchmarks/megatron_gpu_parts/`` (one module each).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import socket
-import statistics
 import sys
-import time
 import traceback
-from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-ARMS = ("megatron_adam", "muonscale")
-CPU_STANDIN = "adamw_cpu_standin"
+# The parts live in benchmarks/megatron_gpu_parts/. ``python benchmarks/megatron_gpu.py`` (and
+# torchrun) already put benchmarks/ first on sys.path; this makes the imports work when the
+# script is loaded another way (tests load it by path).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+from megatron_gpu_parts.arms import (  # noqa: E402
+    ARMS,
+    CPU_STANDIN,
+    Arm,
+    StandinAdamW,
+    build_arm,
+    standin_mean_over_dp,
+)
+from megatron_gpu_parts.device import Device, cpu_shims  # noqa: E402
+from megatron_gpu_parts.measure import eval_loss, run, train_step  # noqa: E402
+from megatron_gpu_parts.model import Batches, build_gpt, resolve_spec, seed_weights  # noqa: E402
+from megatron_gpu_parts.report import med, print_table, sanity, summarize, write_json  # noqa: E402
+
+__all__ = [  # the parts, re-exported: everything the script defined before it was split
+    "ARMS", "CPU_STANDIN", "SPECS", "SMOKE_DEFAULTS", "Arm", "Batches", "BenchConfig", "Device",
+    "StandinAdamW", "build_arm", "build_gpt", "build_parser", "cpu_shims", "eval_loss",
+    "free_port", "main", "med", "parse_config", "print_table", "resolve_spec", "run", "sanity",
+    "seed_weights", "standin_mean_over_dp", "summarize", "train_step", "write_json",
+]  # fmt: skip
+
 SPECS = ("auto", "local", "te")
 
 
@@ -187,447 +209,10 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
         raise  # unreachable: parser.error exits
 
 
-# ---------------------------------------------------------------------------------------------
-# Device helpers: the only CUDA-specific calls of the script
-
-
-class Device:
-    """Synchronization and memory counters: CUDA's on GPU, no-ops / peak RSS on CPU."""
-
-    def __init__(self, smoke: bool) -> None:
-        self.cuda = not smoke
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.torch_device = torch.device("cuda", local_rank) if self.cuda else torch.device("cpu")
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def allocated(self) -> int:
-        return torch.cuda.memory_allocated() if self.cuda else 0
-
-    def reset_peak(self) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-
-    def peak(self) -> int:
-        if self.cuda:
-            return torch.cuda.max_memory_allocated()
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-    def name(self) -> str:
-        return torch.cuda.get_device_name() if self.cuda else "cpu"
-
-
-def cpu_shims() -> None:
-    """(--smoke only) Megatron-Core's local attention takes its scratch buffer from a CUDA-only
-    ``GlobalMemoryBuffer`` and forks the CUDA RNG for dropout; replace both on CPU."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import random as mrandom
-    from megatron.core.utils import GlobalMemoryBuffer
-
-    class CPUBuffer(GlobalMemoryBuffer):
-        def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
-            return torch.empty(tensor_shape, dtype=dtype)
-
-    ps._GLOBAL_MEMORY_BUFFER = CPUBuffer()
-    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# Model, data, arms
-
-
-def resolve_spec(spec: str) -> str:
-    """``auto`` → ``te`` when transformer_engine imports, else ``local``."""
-    if spec != "auto":
-        return spec
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:
-        return "local"
-    return "te"
-
-
-def seed_weights(cfg: BenchConfig, device: Device) -> None:
-    """Reset every RNG Megatron initializes weights from, so both arms start equal."""
-    torch.manual_seed(cfg.seed)
-    if device.cuda:
-        from megatron.core import tensor_parallel
-
-        tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
-    else:
-        cpu_shims()
-
-
-def build_gpt(cfg: BenchConfig, spec: str, device: Device) -> nn.Module:
-    """Megatron's GPTModel with bf16 parameters inside ``Float16Module`` (as megatron.training)."""
-    from megatron.core.models.gpt import GPTModel, gpt_layer_specs
-    from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    config = TransformerConfig(
-        num_layers=cfg.layers,
-        hidden_size=cfg.hidden,
-        num_attention_heads=cfg.heads,
-        num_query_groups=cfg.num_query_groups,
-        ffn_hidden_size=cfg.ffn_hidden_size,
-        tensor_model_parallel_size=cfg.tp,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        use_cpu_initialization=not device.cuda,
-    )
-    layer_spec = (
-        gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-        if spec == "te"
-        else gpt_layer_specs.get_gpt_layer_local_spec()
-    )
-    gpt = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec,
-        vocab_size=cfg.vocab,
-        max_sequence_length=cfg.seq,
-        position_embedding_type="learned_absolute",
-    )
-    return Float16Module(config, gpt.to(device.torch_device))
-
-
-class Batches:
-    """Windows of the bundled corpus (bytes): batch ``(step, micro)`` is a pure function of the
-    seed, the same for both arms; each data-parallel rank keeps its slice of the global batch."""
-
-    def __init__(self, cfg: BenchConfig, device: Device) -> None:
-        from megatron.core import parallel_state as ps
-
-        from muonscale.train.data import ByteTokenizer, load_corpus
-
-        self.cfg = cfg
-        self.tokens = ByteTokenizer().encode(load_corpus()).to(torch.int64)
-        if self.tokens.numel() <= cfg.seq + 1:
-            raise ValueError(f"--seq {cfg.seq} is longer than the corpus ({self.tokens.numel()} tokens)")  # fmt: skip
-        self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        self.device = device.torch_device
-        self.positions = torch.arange(cfg.seq, device=self.device).unsqueeze(0).expand(cfg.micro_batch, -1)  # fmt: skip
-        self.mask = torch.triu(torch.ones(cfg.seq, cfg.seq, dtype=torch.bool, device=self.device), 1)[None, None]  # fmt: skip
-
-    def get(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, labels), each (micro_batch, seq) on this rank."""
-        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step * 1009 + micro)
-        global_batch = self.cfg.micro_batch * self.dp_size
-        starts = torch.randint(
-            0, self.tokens.numel() - self.cfg.seq - 1, (global_batch,), generator=g
-        )
-        mine = starts.chunk(self.dp_size)[self.dp_rank].tolist()
-        window = torch.stack([self.tokens[s : s + self.cfg.seq + 1] for s in mine]).to(self.device)
-        return window[:, :-1], window[:, 1:]
-
-    def fixed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The held-out batch both arms are evaluated on before and after training."""
-        return self.get(step=-1, micro=0)
-
-
-@dataclass
-class Arm:
-    """One contender: a model, its optimizer and the two gradient hooks of Megatron's loop."""
-
-    name: str
-    model: nn.Module
-    optimizer: Any
-    zero_grad_buffer: Callable[[], None]
-    finalize_grads: Callable[[], None]
-    grad_norms: list[float | None] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
-    times: dict[str, dict[str, list[float]]] = field(default_factory=dict)
-    memory: dict[str, int] = field(default_factory=dict)
-    loss_before: float = math.nan
-
-    def grad_norm(self, step_result: Any) -> float | None:
-        """Megatron's step returns (success, grad_norm, zeros); muonscale keeps last_grad_norm."""
-        if isinstance(step_result, tuple) and len(step_result) == 3:
-            return None if step_result[1] is None else float(step_result[1])
-        norm = getattr(self.optimizer, "last_grad_norm", None)
-        return None if norm is None else float(norm)
-
-
-def build_arm(name: str, cfg: BenchConfig, spec: str, device: Device) -> Arm:
-    """Build the model (seeded identically for every arm) and the arm's optimizer."""
-    seed_weights(cfg, device)
-    model = build_gpt(cfg, spec, device)
-    if device.cuda:
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
-        )
-        model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-        zero_grad_buffer = model.zero_grad_buffer
-        finalize = lambda: finalize_model_grads([model])  # noqa: E731
-    else:
-        zero_grad_buffer = finalize = lambda: None  # noqa: E731
-    if name == "muonscale":
-        from muonscale.integrations.megatron import MegatronMuonConfig, megatron_muon
-
-        optimizer = megatron_muon(
-            [model],
-            MegatronMuonConfig(
-                lr=cfg.lr, weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
-                adam_beta1=0.9, adam_beta2=0.95, main_params_dtype=torch.float32,
-                dp_mode="replicated",
-            ),
-        )  # fmt: skip
-    elif name == "megatron_adam":
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-        optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam", bf16=True, params_dtype=torch.bfloat16, lr=cfg.lr,
-                weight_decay=cfg.weight_decay, adam_beta1=0.9, adam_beta2=0.95,
-                clip_grad=cfg.clip_grad, use_distributed_optimizer=False,
-            ),
-            [model],
-        )  # fmt: skip
-    elif name == CPU_STANDIN:
-        optimizer = StandinAdamW(model, cfg)
-        finalize = lambda: standin_mean_over_dp(model)  # noqa: E731
-    else:
-        raise ValueError(f"unknown arm {name!r}")
-    return Arm(name, model, optimizer, zero_grad_buffer, finalize)
-
-
-class StandinAdamW(torch.optim.AdamW):
-    """(--smoke only) What ``get_megatron_optimizer`` builds underneath when TE and apex are
-    absent, on the model's own parameters: ``torch.optim.AdamW``, no weight decay for 1-D
-    tensors, global-norm clip before the step (``clip_grad_norm_``: exact at TP 1)."""
-
-    def __init__(self, model: nn.Module, cfg: BenchConfig) -> None:
-        params = [p for p in model.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        super().__init__(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
-        self.clip_grad, self.last_grad_norm = cfg.clip_grad, None
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        params = [p for g in self.param_groups for p in g["params"]]
-        max_norm = self.clip_grad if self.clip_grad > 0 else math.inf
-        self.last_grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return super().step(closure)
-
-
-def standin_mean_over_dp(model: nn.Module) -> None:
-    """(--smoke stand-in for Megatron's DDP) mean of ``.grad`` over the data-parallel group."""
-    from megatron.core import parallel_state as ps
-
-    group = ps.get_data_parallel_group()
-    if dist.get_world_size(group) > 1:
-        for p in model.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=group)
-                p.grad.div_(dist.get_world_size(group))
-
-
-# ---------------------------------------------------------------------------------------------
-# Steps and timing
-
-
-def train_step(arm: Arm, batches: Batches, step: int, n_micro: int, device: Device, phase: str) -> None:  # fmt: skip
-    """One optimizer step of ``n_micro`` micro-batches, as Megatron's loop; records the times
-    (total, forward+backward incl. gradient reduction, optimizer step), loss and grad norm."""
-    data = [batches.get(step, m) for m in range(n_micro)]
-    device.sync()
-    t0 = time.perf_counter()
-    arm.zero_grad_buffer()
-    arm.optimizer.zero_grad()
-    loss_sum = torch.zeros((), device=device.torch_device)
-    for inputs, labels in data:
-        loss = arm.model(inputs, batches.positions, batches.mask, labels=labels).mean() / n_micro
-        loss.backward()
-        loss_sum += loss.detach()
-    arm.finalize_grads()
-    device.sync()
-    t1 = time.perf_counter()
-    result = arm.optimizer.step()
-    device.sync()
-    t2 = time.perf_counter()
-    times = arm.times.setdefault(phase, {"step": [], "fwd_bwd": [], "opt": []})
-    times["step"].append(t2 - t0)
-    times["fwd_bwd"].append(t1 - t0)
-    times["opt"].append(t2 - t1)
-    arm.losses.append(float(loss_sum))
-    arm.grad_norms.append(arm.grad_norm(result))
-
-
-@torch.no_grad()
-def eval_loss(arm: Arm, batches: Batches) -> float:
-    """Loss on the fixed batch, averaged over data-parallel ranks."""
-    from megatron.core import parallel_state as ps
-
-    inputs, labels = batches.fixed()
-    loss = arm.model(inputs, batches.positions, batches.mask, labels=labels).mean().float()
-    dist.all_reduce(loss, group=ps.get_data_parallel_group())
-    return loss.item() / ps.get_data_parallel_world_size()
-
-
-def run(cfg: BenchConfig, device: Device, result: dict, save: Callable[[], None]) -> None:
-    """Build the arms, measure; fills ``result`` step by step (``save`` after each phase)."""
-    from megatron.core import parallel_state as ps
-
-    t_start = time.perf_counter()
-
-    def time_left() -> float:
-        return cfg.budget_s - (time.perf_counter() - t_start) if cfg.budget_s else math.inf
-
-    spec = resolve_spec(cfg.spec)
-    batches = Batches(cfg, device)
-    dp = ps.get_data_parallel_world_size()
-    tokens_per_micro = cfg.micro_batch * cfg.seq * dp
-    result["meta"].update(spec=spec, dp=dp, tokens_per_micro_batch=tokens_per_micro)
-    names = ARMS if device.cuda else ("muonscale", CPU_STANDIN)
-
-    arms: dict[str, Arm] = {}
-    for name in names:  # build + warm-up alone: the arm's own peak memory
-        base = device.allocated()
-        device.reset_peak()
-        arm = arms[name] = build_arm(name, cfg, spec, device)
-        arm.loss_before = eval_loss(arm, batches)
-        for step in range(cfg.warmup):
-            train_step(arm, batches, step, 1, device, "warmup")
-        device.sync()
-        arm.memory.update(peak_bytes=device.peak() - base, resident_bytes=device.allocated() - base)
-    result["meta"]["muonscale_dp_mode"] = getattr(arms["muonscale"].optimizer, "dp_mode", None)
-    result["phases_done"].append("build+warmup")
-    save()
-
-    rounds_done = 0
-    for r in range(cfg.rounds):  # interleaved: A B, B A, ...
-        order = list(arms.values()) if r % 2 == 0 else list(reversed(arms.values()))
-        for arm in order:
-            for i in range(cfg.steps_per_round):
-                train_step(arm, batches, cfg.warmup + r * cfg.steps_per_round + i, 1, device, "one_micro")  # fmt: skip
-        rounds_done += 1
-        if time_left() < 0:
-            break
-    result["rounds_done"] = rounds_done
-    result["phases_done"].append("one_micro")
-    summarize(cfg, arms, result, tokens_per_micro)
-    save()
-
-    if cfg.accum:
-        per_arm = {a.name: cfg.accum * med(a.times["one_micro"]["fwd_bwd"]) + med(a.times["one_micro"]["opt"]) for a in arms.values()}  # fmt: skip
-        estimate = cfg.accum_rounds * sum(per_arm.values())
-        if estimate > time_left():
-            result["accum_point"] = f"skipped: needs ~{estimate:.0f}s, {time_left():.0f}s left of --budget-s"  # fmt: skip
-        else:
-            first = cfg.warmup + cfg.rounds * cfg.steps_per_round
-            for r in range(cfg.accum_rounds):
-                order = list(arms.values()) if r % 2 == 0 else list(reversed(arms.values()))
-                for arm in order:
-                    train_step(arm, batches, first + r, cfg.accum, device, "accum")
-            result["accum_point"] = "measured"
-            result["phases_done"].append("accum")
-        summarize(cfg, arms, result, tokens_per_micro)
-
-    for arm in arms.values():
-        result["arms"][arm.name]["loss_after"] = eval_loss(arm, batches)
-    result["sanity"] = sanity(result)
-    result["phases_done"].append("loss")
-
-
-def med(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
-def summarize(cfg: BenchConfig, arms: dict[str, Arm], result: dict, tokens_per_micro: int) -> None:
-    """Medians, tokens/s and ratios into ``result``."""
-    for arm in arms.values():
-        one = arm.times["one_micro"]
-        row = {
-            "tokens_per_s_one_micro": tokens_per_micro / med(one["step"]),
-            "step_ms": 1e3 * med(one["step"]),
-            "fwd_bwd_ms": 1e3 * med(one["fwd_bwd"]),
-            "optimizer_step_ms": 1e3 * med(one["opt"]),
-            "timed_steps": len(one["step"]),
-            "peak_memory_bytes": arm.memory["peak_bytes"],
-            "resident_memory_bytes": arm.memory["resident_bytes"],
-            "loss_before": arm.loss_before,
-            "train_losses": arm.losses,
-            "grad_norms": arm.grad_norms,
-        }
-        if cfg.accum:
-            row["tokens_per_s_accum_composed"] = cfg.accum * tokens_per_micro / (cfg.accum * med(one["fwd_bwd"]) + med(one["opt"]))  # fmt: skip
-        if "accum" in arm.times:
-            row["tokens_per_s_accum_measured"] = cfg.accum * tokens_per_micro / med(arm.times["accum"]["step"])  # fmt: skip
-        result["arms"].setdefault(arm.name, {}).update(row)
-    base_name = ARMS[0] if ARMS[0] in arms else CPU_STANDIN
-    base, ours = result["arms"][base_name], result["arms"]["muonscale"]
-    result["baseline"] = base_name
-    for key in ("one_micro", "accum_composed", "accum_measured"):
-        if f"tokens_per_s_{key}" in ours and f"tokens_per_s_{key}" in base:
-            result[f"throughput_ratio_{key}"] = ours[f"tokens_per_s_{key}"] / base[f"tokens_per_s_{key}"]  # fmt: skip
-    if cfg.accum:
-        result["accum_tokens_per_step"] = cfg.accum * tokens_per_micro
-    result["optimizer_step_ratio"] = ours["optimizer_step_ms"] / base["optimizer_step_ms"]
-
-
-def sanity(result: dict) -> dict:
-    """Both arms: equal start (same weights), finite losses, loss on the fixed batch decreased,
-    and equal first-step gradient norms (same weights, same batch, both clip the global norm)."""
-    arms = result["arms"]
-    out: dict[str, Any] = {}
-    before = [a["loss_before"] for a in arms.values()]
-    out["same_initial_loss"] = max(before) - min(before) <= 1e-3 * max(abs(b) for b in before)
-    for name, a in arms.items():
-        losses = a["train_losses"] + [a["loss_before"], a["loss_after"]]
-        out[f"{name}_finite"] = all(math.isfinite(x) for x in losses)
-        out[f"{name}_decreased"] = a["loss_after"] < a["loss_before"]
-    first_norms = [a["grad_norms"][0] for a in arms.values() if a["grad_norms"] and a["grad_norms"][0] is not None]  # fmt: skip
-    if len(first_norms) == len(arms):
-        out["first_grad_norms"] = first_norms
-        out["same_first_grad_norm"] = max(first_norms) - min(first_norms) <= 1e-2 * max(first_norms)
-    out["ok"] = all(v for k, v in out.items() if isinstance(v, bool))
-    return out
-
-
-def print_table(result: dict) -> None:
-    cols = [("arm", "{}"), ("tokens_per_s_one_micro", "{:,.0f}"), ("step_ms", "{:.1f}"),
-            ("fwd_bwd_ms", "{:.1f}"), ("optimizer_step_ms", "{:.2f}"), ("peak_memory_bytes", "{:,}"),
-            ("loss_before", "{:.3f}"), ("loss_after", "{:.3f}"),
-            ("tokens_per_s_accum_composed", "{:,.0f}"), ("tokens_per_s_accum_measured", "{:,.0f}")]  # fmt: skip
-    rows = [[name] + [fmt.format(a[c]) if c in a else "-" for c, fmt in cols[1:]] for name, a in result["arms"].items()]  # fmt: skip
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, (c, _) in enumerate(cols)]
-    print("  ".join(c.ljust(w) for (c, _), w in zip(cols, widths)))
-    for r in rows:
-        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
-    for key in ("throughput_ratio_one_micro", "throughput_ratio_accum_composed", "throughput_ratio_accum_measured", "optimizer_step_ratio"):  # fmt: skip
-        if key in result:
-            print(f"{key} (muonscale / {result['baseline']}): {result[key]:.4f}")
-    if "accum_point" in result:
-        print(
-            f"accumulation point ({result['accum_tokens_per_step']:,} tokens/step): {result['accum_point']}"
-        )
-    print(f"sanity: {result.get('sanity')}")
-
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def write_json(path: str, result: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
 
 
 def main(argv: list[str] | None = None) -> int:
