@@ -68,6 +68,18 @@ def test_pipeline_and_tensor_parallel_match_one_rank(pool4, reference, tp, pp):
         assert "output_layer" not in run["summary"] or "shared" not in run["summary"]
 
 
+def test_zero1_clipping_matches_one_rank(pool4, reference):
+    """ZeRO-1 (TP 2 × DP 2, gradients reduce-scattered by the optimizer): the global norm sums
+    the reduced shards over DP and TP ranks, counting TP duplicates once."""
+    options = dict(BASE, grads_reduced=None, dp_mode="zero1", clip_grad=CLIP)
+    run = _run(pool4, tp=2, pp=1, tied=True, grads_in="grad", options=options)
+    assert run["dp_mode"] == "zero1"
+    delta = L.max_abs_diff(reference["params"], run["params"])
+    print(f"\nTP2 x DP2 zero1 vs TP1, clip {CLIP}: max|dW| = {delta:.3g}; norms {run['norms']}")
+    assert run["norms"] == pytest.approx(reference["norms"], rel=1e-6)
+    assert delta <= 1e-6
+
+
 def test_clipping_acts(pool4, reference):
     """Without clipping the same run ends elsewhere (measured 1.9e-4: Muon's update does not
     depend on the gradient's scale and AdamW's hardly, so clipping moves parameters only through
