@@ -151,6 +151,17 @@ def test_chunked_update_equals_one_chunk():
             assert torch.equal(a, b)
 
 
+def test_update_chunk_defaults_per_device(monkeypatch):
+    from muonscale import functional
+
+    monkeypatch.delenv(functional.UPDATE_CHUNK_ENV, raising=False)
+    assert functional.default_update_chunk_bytes(torch.device("cpu")) == 128 * 2**20
+    assert functional.default_update_chunk_bytes(torch.device("cuda", 0)) == 1024 * 2**20
+    assert functional.default_update_chunk_bytes(None) == 128 * 2**20
+    monkeypatch.setenv(functional.UPDATE_CHUNK_ENV, "64")
+    assert functional.default_update_chunk_bytes(torch.device("cuda", 0)) == 64 * 2**20
+
+
 @pytest.mark.parametrize("budget", [4, 100, 1000, 5000])
 def test_chunked_adamw_equals_one_chunk(budget):
     """AdamW's denominators built in flat segments of bounded bytes: the same bits as all at
