@@ -131,6 +131,41 @@ def test_same_batch_matches_single_process(world_size):
         assert "rank 3: 0 parameters" in results[0][2] or "0 parameters" in results[0][2]
 
 
+def _waves(rank, world_size, steps):
+    """Small update chunks: each owned matrix is its own wave, and each bucket's all-gather is
+    launched as soon as its slice is final (before the later waves' Newton–Schulz)."""
+    import os
+
+    os.environ["MUONSCALE_UPDATE_CHUNK_MB"] = "1e-4"
+    try:
+        ref = reference(steps, dict(n_hidden=8))
+        model = make_model(n_hidden=8)
+        opt = DistributedMuon(model, **OPTS, bucket_cap_mb=1e-4)
+        launched_before_wave = []
+        update = opt._update_owned_matrices
+
+        def recording(present, only=None):
+            launched_before_wave.append(opt.comm.counter.calls_by_key["muon/all_gather"])
+            return update(present, only=only)
+
+        opt._update_owned_matrices = recording
+        train(model, opt, steps)
+    finally:
+        del os.environ["MUONSCALE_UPDATE_CHUNK_MB"]
+    bitwise = all(torch.equal(p, q) for p, q in zip(ref.parameters(), model.parameters()))
+    return bitwise, launched_before_wave
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gathers_start_while_later_matrices_are_orthogonalized(world_size):
+    results = shared_pool(world_size).run(_waves, 3)
+    assert all(bitwise for bitwise, _ in results)
+    several = [launched for _, launched in results if len(launched) // 3 > 1]
+    assert several  # some rank owns several matrices, so it runs several waves
+    for launched in several:  # its later waves ran after some gathers had started
+        assert max(launched[1 : len(launched) // 3]) > 0
+
+
 def test_row_split_parameters_match_single_process():
     # a parameter orthogonalized as several row blocks (as a fused QKV) is still owned whole
     muon_kw = dict(splits={"blocks.1.weight": 2, "blocks.2.weight": [3, 7]}, nesterov=False)
@@ -537,7 +572,7 @@ def _fault(rank, world_size):
     train(model, opt, 1)
     if rank == 1:
 
-        def broken(present):
+        def broken(*args, **kwargs):
             raise RuntimeError("injected failure on rank 1")
 
         opt._update_owned_matrices = broken

@@ -66,8 +66,9 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
              raise / skip / go on                      2(N−1)/N · 8·P bytes
           3. AdamW on the local shards and fill range (state for those only)
              ──▶ all-gather of the flat buckets (async)
-          4. Muon on owned matrices: momentum, batched Newton–Schulz, update
-             ──▶ all-gather of the owner streams (async)        (N−1)/N · S
+          4. Muon on owned matrices in waves along the owner stream (momentum, batched
+             Newton–Schulz, update); each bucket's all-gather starts (async) as soon as its
+             slice is final, overlapping the later waves          (N−1)/N · S
           5. wait, copy gathered parameters back
 
     Total ≈ reduce-scatter + all-gather of every parameter = the volume of ZeRO-1 AdamW
@@ -352,8 +353,7 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
                 return loss
             self._update_adamw_shards(present)
             adamw_gathers = self._launch_adamw_gathers()
-            self._update_owned_matrices(present)
-            muon_gathers = self._launch_muon_gathers()
+            muon_gathers = self._update_owned_and_gather(present)
             self._wait_and_copy_back(adamw_gathers + muon_gathers)
         finally:
             release_workspaces()  # NS scratch is not held through the next forward/backward
@@ -361,12 +361,49 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
             self.last_step_wire_bytes, self.last_step_wire_breakdown = self.comm.counter.take()
         return loss
 
-    def _update_owned_matrices(self, present: list[bool]) -> None:
+    def _update_owned_and_gather(self, present: list[bool]) -> list[tuple[Any, Any]]:
+        """Update the owned matrices in waves along the owner stream and launch each bucket's
+        all-gather as soon as this rank's slice of it is final, so the gathers of early buckets
+        overlap the Newton–Schulz of later ones. Waves hold at most one update chunk
+        (:func:`muonscale.functional.default_update_chunk_bytes`); every rank launches the same
+        buckets in the same order, only the timing differs. Returns (work, copy back) pairs."""
+        pending = []
+        for stream in self._streams:
+            self._write_fill_for_gather(stream)
+            owned = stream.layout.owned[self.rank]
+            budget = functional.default_update_chunk_bytes(stream.gather_in.device)
+            waves: list[list[int]] = []
+            used = 0
+            for i in owned:
+                cost = self._params[i].numel() * self._params[i].element_size()
+                if not waves or (used + cost > budget and waves[-1]):
+                    waves.append([])
+                    used = 0
+                waves[-1].append(i)
+                used += cost
+            next_bucket = 0
+            for wave in waves:
+                self._update_owned_matrices(present, only=set(wave))
+                self._write_owned_for_gather(stream, wave)
+                last = wave[-1]
+                ready = stream.layout.offsets[last] + stream.layout.numels[last]
+                launched, next_bucket = self._launch_stream_buckets(stream, next_bucket, ready)
+                pending += launched
+            launched, _ = self._launch_stream_buckets(stream, next_bucket, stream.layout.length)
+            pending += launched
+        return pending
+
+    def _update_owned_matrices(self, present: list[bool], only: set[int] | None = None) -> None:
+        """Muon step of the owned matrices (those in ``only``, when given)."""
         for group in self.param_groups:
             if group["algorithm"] != "muon":
                 continue
             indices = [self._index[id(p)] for p in group["params"]]
-            mine = [i for i in indices if present[i] and self.owner_rank[i] == self.rank]
+            mine = [
+                i
+                for i in indices
+                if present[i] and self.owner_rank[i] == self.rank and (only is None or i in only)
+            ]
             # the tensors updated: main copies where kept, else the parameters themselves
             targets = [self.state[self._params[i]].get("main_param", self._params[i]) for i in mine]
             grads = [self._reduced_grad(i, t.dtype) for i, t in zip(mine, targets)]

@@ -369,26 +369,39 @@ class BucketedReduction:
             pending.append((work, functools.partial(self._copy_back_flat, shards)))
         return pending
 
-    def _launch_muon_gathers(self) -> list[tuple[Any, Callable[[], None]]]:
-        """All-gather the owner streams (updated matrices and fill), bucket by bucket."""
-        pending = []
-        for stream in self._streams:
-            for i in stream.layout.owned[self.rank]:
-                off, p = stream.layout.offsets[i], self._params[i]
-                stream.gather_in[off : off + p.numel()].copy_(p.view(-1))
-            if stream.fill is not None:  # updated AdamW segments (gather_in is recv here)
-                for seg in stream.fill.layout.segments(self.rank):
-                    flat = self._params[seg.param].view(-1)
-                    stream.fill.grad[seg.buffer_start : seg.buffer_start + seg.length].copy_(
-                        flat[seg.param_start : seg.param_start + seg.length]
-                    )
-            for k, bucket in enumerate(stream.layout.buckets):
-                mine = stream.gather_in[bucket.stream_start : bucket.stream_start + bucket.length]
-                work = self.comm.all_gather(stream.gather_out[k], mine, tag="muon", async_op=True)
-                pending.append(
-                    (work, functools.partial(self._copy_back_owned, bucket, stream.gather_out[k]))
+    def _write_fill_for_gather(self, stream: _Stream) -> None:
+        """Updated AdamW fill segments into the stream's gather buffer (its recv here)."""
+        if stream.fill is not None:
+            for seg in stream.fill.layout.segments(self.rank):
+                flat = self._params[seg.param].view(-1)
+                stream.fill.grad[seg.buffer_start : seg.buffer_start + seg.length].copy_(
+                    flat[seg.param_start : seg.param_start + seg.length]
                 )
-        return pending
+
+    def _write_owned_for_gather(self, stream: _Stream, indices: list[int]) -> None:
+        """Updated owned parameters ``indices`` into the stream's gather buffer."""
+        for i in indices:
+            off, p = stream.layout.offsets[i], self._params[i]
+            stream.gather_in[off : off + p.numel()].copy_(p.view(-1))
+
+    def _launch_stream_buckets(
+        self, stream: _Stream, first: int, ready: int
+    ) -> tuple[list[tuple[Any, Callable[[], None]]], int]:
+        """Launch the all-gathers of buckets ``first, first + 1, …`` whose slice of this rank's
+        stream ends at or before ``ready`` (everything before it is final). Returns the (work,
+        copy back) pairs and the first bucket not launched."""
+        pending = []
+        buckets = stream.layout.buckets
+        k = first
+        while k < len(buckets) and buckets[k].stream_start + buckets[k].length <= ready:
+            bucket = buckets[k]
+            mine = stream.gather_in[bucket.stream_start : bucket.stream_start + bucket.length]
+            work = self.comm.all_gather(stream.gather_out[k], mine, tag="muon", async_op=True)
+            pending.append(
+                (work, functools.partial(self._copy_back_owned, bucket, stream.gather_out[k]))
+            )
+            k += 1
+        return pending, k
 
     def _wait_and_copy_back(self, pending: list[tuple[Any, Callable[[], None]]]) -> None:
         for work, copy_back in pending:
