@@ -24,18 +24,11 @@ import torch.distributed as dist
 
 
 def cpu_shims() -> None:
-    """Megatron-Core's local attention takes its scratch buffer from a CUDA-only
-    ``GlobalMemoryBuffer`` and forks the CUDA RNG for dropout; replace both on CPU."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import random as mrandom
-    from megatron.core.utils import GlobalMemoryBuffer
+    """Megatron-Core's local path on CPU: its attention scratch buffer and dropout RNG tracker
+    are CUDA-only (see :func:`muonscale.integrations.megatron.cpu.use_cpu_buffers`)."""
+    from muonscale.integrations.megatron.cpu import use_cpu_buffers
 
-    class CPUBuffer(GlobalMemoryBuffer):
-        def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
-            return torch.empty(tensor_shape, dtype=dtype)
-
-    ps._GLOBAL_MEMORY_BUFFER = CPUBuffer()
-    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    use_cpu_buffers()
 
 
 def build_model(args, device: torch.device):

@@ -124,7 +124,7 @@ def gather_model(model, names: dict[str, str], tensors: dict[str, torch.Tensor] 
     local = {}
     for name, p in model.named_parameters():
         data = tensors[name] if tensors is not None and name in tensors else p
-        local[names[name]] = _gather_like(p, data).float()
+        local[names[name]] = W.gather_full(p, data).float()
     everything = [None] * dist.get_world_size()
     dist.all_gather_object(everything, local)
     merged: dict[str, torch.Tensor] = {}
@@ -132,19 +132,6 @@ def gather_model(model, names: dict[str, str], tensors: dict[str, torch.Tensor] 
         for name, value in part.items():
             merged.setdefault(name, value)
     return dict(sorted(merged.items()))
-
-
-def _gather_like(p, data: torch.Tensor) -> torch.Tensor:
-    info = W._tp_info(p)
-    data = data.detach()
-    if info is None:
-        return data.clone()
-    dim, stride, group = info
-    t = dist.get_world_size(group)
-    shards = [torch.empty_like(data) for _ in range(t)]
-    dist.all_gather(shards, data.contiguous(), group=group)
-    per_rank = [s.chunk(stride, dim=dim) for s in shards]
-    return torch.cat([per_rank[r][c] for c in range(stride) for r in range(t)], dim=dim)
 
 
 # ----------------------------------------------------------------------------- runs

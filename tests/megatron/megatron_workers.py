@@ -35,19 +35,10 @@ COST = dict(
 
 # ----------------------------------------------------------------------------- Megatron on CPU
 def cpu_shims() -> None:
-    """Two CUDA-only spots of Megatron-Core's local (non-TE) path, replaced for CPU runs:
-    the attention scratch buffer (``GlobalMemoryBuffer`` allocates on the current CUDA device)
-    and the dropout RNG tracker (forks CUDA RNG state; dropout is 0 here anyway)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import random as mrandom
-    from megatron.core.utils import GlobalMemoryBuffer
+    """Megatron-Core's local path on CPU (attention scratch buffer, dropout RNG tracker)."""
+    from muonscale.integrations.megatron.cpu import use_cpu_buffers
 
-    class CPUBuffer(GlobalMemoryBuffer):
-        def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
-            return torch.empty(tensor_shape, dtype=dtype)
-
-    ps._GLOBAL_MEMORY_BUFFER = CPUBuffer()
-    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    use_cpu_buffers()
 
 
 def setup_parallel(tp: int, etp: int | None = None) -> None:
@@ -115,10 +106,11 @@ def local_slice(full: torch.Tensor, p) -> torch.Tensor:
     return torch.cat([pieces[c * t + r] for c in range(stride)], dim=dim).contiguous()
 
 
-def gather_full(p: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`local_slice`: the full tensor in canonical order."""
+def gather_full(p: torch.Tensor, data: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of :func:`local_slice`: the full tensor in canonical order (of ``data``, laid
+    out as ``p``'s shard, e.g. its main copy; default ``p`` itself)."""
     info = _tp_info(p)
-    data = p.detach()
+    data = (p if data is None else data).detach()
     if info is None:
         return data.clone()
     dim, stride, group = info
