@@ -24,7 +24,7 @@ bench: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# Megatron-Core needs Python >= 3.12: its own venv (.venv-megatron, ~5 GB, 3-5 min to build).
+# Megatron-Core needs Python >= 3.12: its own venv (.venv-megatron, ~5.5 GB, ~2 min to build).
 test-megatron:
 	bash .ci/megatron_env.sh
 	PYTHONPATH=. .venv-megatron/bin/python -m pytest tests/megatron -q -p no:cacheprovider
