@@ -149,42 +149,26 @@ def muon(
 
     Parameters are processed in chunks of at most ``max_chunk_bytes`` of transient memory
     (directions and their Newton–Schulz copies; -1: :func:`default_update_chunk_bytes`, from
-    ``MUONSCALE_UPDATE_CHUNK_MB``, else 128 MiB on CPU and 1 GiB on CUDA; None: all at once), so the step's peak memory
-    does not grow with the model. Every parameter's update is independent of the others, so
-    chunking does not change the result.
+    ``MUONSCALE_UPDATE_CHUNK_MB``, else 128 MiB on CPU and 1 GiB on CUDA; None: all at once),
+    so the step's peak memory does not grow with the model. Every parameter's update is
+    independent of the others, so chunking does not change the result.
     """
     if not params:
         return
     budget = (
         default_update_chunk_bytes(params[0].device) if max_chunk_bytes == -1 else max_chunk_bytes
     )
-    for chunk in update_chunks(params, views, ns_dtype=ns_dtype, max_chunk_bytes=budget):
-        _muon_chunk(
-            [params[i] for i in chunk], [grads[i] for i in chunk],
-            [momentum_buffers[i] for i in chunk], views=[views[i] for i in chunk], lr=lr,
-            weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-            coefficients=coefficients, ns_dtype=ns_dtype, scale=scale, eps=eps,
-            ns_method=ns_method,
-        )  # fmt: skip
-
-
-def _muon_chunk(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    momentum_buffers: Sequence[torch.Tensor],
-    *,
-    views: Sequence[MatrixView],
-    lr: float,
-    weight_decay: float,
-    momentum: float,
-    nesterov: bool,
-    ns_steps: int,
-    coefficients,
-    ns_dtype: torch.dtype | None,
-    scale: str,
-    eps: float,
-    ns_method: str,
-) -> None:
+    chunks = update_chunks(params, views, ns_dtype=ns_dtype, max_chunk_bytes=budget)
+    if len(chunks) > 1:
+        for chunk in chunks:
+            muon(
+                [params[i] for i in chunk], [grads[i] for i in chunk],
+                [momentum_buffers[i] for i in chunk], views=[views[i] for i in chunk], lr=lr,
+                weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype, scale=scale,
+                eps=eps, ns_method=ns_method, max_chunk_bytes=None,
+            )  # fmt: skip
+        return
     directions = momentum_directions_(grads, momentum_buffers, momentum=momentum, nesterov=nesterov)
     matrices, owner = [], []
     for index, (direction, view) in enumerate(zip(directions, views)):
@@ -288,6 +272,10 @@ def _elementwise_chunks(
     for i, group in enumerate(tensors):
         numel, itemsize = group[0].numel(), group[0].element_size()
         if not all(t.is_contiguous() for t in group):
+            groups[-1].append((i, None, None))
+            used += numel * itemsize
+            continue
+        if numel * itemsize <= budget - used:  # fits whole in the current group
             groups[-1].append((i, None, None))
             used += numel * itemsize
             continue
