@@ -8,6 +8,8 @@ imported only once a command runs, so ``muonscale --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import signal
 import sys
 
 DESCRIPTION = "Muon optimizer at AdamW's speed: benchmark it, train with it."
@@ -86,7 +88,7 @@ def _config_or_exit(cls: type, args: argparse.Namespace):
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from muonscale.bench import BenchConfig, run_bench
+    from muonscale.bench import BenchConfig, prepare_out_dir, run_bench
     from muonscale.bench.runner import train_config_for
 
     config = _config_or_exit(BenchConfig, args)
@@ -95,17 +97,39 @@ def _bench(args: argparse.Namespace) -> int:
             train_config_for(config, contender, config.lr_for(contender))
         except ValueError as error:
             args.command_parser.error(str(error))
-    run_bench(config)
+    try:
+        out_dir = prepare_out_dir(config.out)
+    except OSError as error:
+        args.command_parser.error(str(error))
+    run_bench(dataclasses.replace(config, out=str(out_dir)))
     return 0
 
 
 def _train(args: argparse.Namespace) -> int:
+    from muonscale.train.checkpoint import CheckpointError
     from muonscale.train.config import TrainConfig
 
     config = _config_or_exit(TrainConfig, args)
-    from muonscale.train.trainer import TrainingRun
+    from muonscale.train.trainer import CheckpointExistsError, TrainingRun
 
-    TrainingRun(config).run(progress=args.progress)
+    try:
+        run = TrainingRun(config)
+        summary = run.run(progress=args.progress)
+    except (CheckpointExistsError, CheckpointError, FileNotFoundError) as error:
+        print(f"muonscale train: error: {error}", file=sys.stderr)
+        return 1
+    for name, (saved, now) in run.resume_changes.items():
+        print(f"muonscale train: resumed with {name} {now} (checkpoint had {saved})",
+              file=sys.stderr)  # fmt: skip
+    if summary.interrupted:
+        where = (
+            f"checkpoint at step {summary.steps}: {summary.checkpoint}; continue with "
+            f"--resume auto --out-dir {config.out_dir}"
+            if summary.checkpoint
+            else "nothing saved (--out-dir none)"
+        )
+        print(f"muonscale train: interrupted by {summary.signal}; {where}", file=sys.stderr)
+        return 128 + int(getattr(signal.Signals, summary.signal or "SIGINT"))
     return 0
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from muonscale.train.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from muonscale.train.config import TrainConfig
 from muonscale.train.data import load_corpus
 from muonscale.train.trainer import NonFiniteLossError, TrainingRun
@@ -180,7 +181,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_pat
         run.run(progress=False)
     checkpoint = tmp_path / "checkpoint.pt"
     assert _file_digest(checkpoint) == digests["before"]
-    assert torch.load(checkpoint, weights_only=True)["step"] == 4
+    assert read_checkpoint(checkpoint)["step"] == 4
     with pytest.raises(NonFiniteLossError, match="not overwriting"):
         run.save_checkpoint(checkpoint)  # explicit saves of a bad state are refused too
     assert _file_digest(checkpoint) == digests["before"]
@@ -204,7 +205,7 @@ def test_ctrl_c_saves_and_auto_resume_finishes_identically(corpus, tmp_path):
     _inject(interrupted, 4, ctrl_c)
     summary = interrupted.run(progress=False)
     assert summary.interrupted and summary.steps == 4
-    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 4
+    assert read_checkpoint(tmp_path / "checkpoint.pt")["step"] == 4
 
     resumed = TrainingRun(config, text=corpus)
     summary = resumed.run(progress=True)  # exercises the tqdm bar too

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,11 +21,26 @@ from typing import TextIO
 
 from muonscale.bench.config import BenchConfig
 
-__all__ = ["BenchConfig", "default_out_dir", "run_bench", "torch_threads"]
+__all__ = ["BenchConfig", "default_out_dir", "prepare_out_dir", "run_bench", "torch_threads"]
 
 
 def default_out_dir() -> Path:
     return Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S", time.gmtime())
+
+
+def prepare_out_dir(path: str | Path | None) -> Path:
+    """Create the output folder (``None``: :func:`default_out_dir`) and check that a file can
+    be written in it, before any training; raise ``OSError`` naming the folder otherwise."""
+    out_dir = Path(path) if path else default_out_dir()
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as error:
+        raise OSError(
+            error.errno, f"--out {out_dir} is not a writable folder: {error.strerror or error}"
+        ) from error
+    return out_dir
 
 
 def run_bench(
@@ -38,6 +54,8 @@ def run_bench(
     ``make_run(config, contender, lr, steps=None)`` builds one training run (default:
     :func:`muonscale.bench.runner.make_run`); tests pass a fake.
     """
+    out_dir = prepare_out_dir(config.out)
+    config = dataclasses.replace(config, out=str(out_dir))
     if config.nproc > 1:
         return _run_distributed(config)
     with torch_threads(config.threads):
@@ -114,13 +132,13 @@ def _run_bench(config: BenchConfig, make_run: Callable | None, stream: TextIO) -
         sweep=sweep,
         wall_seconds=time.perf_counter() - start,
     )
+    print(format_table(report), file=stream, flush=True)  # before any file can fail
     plot_files = []
     if config.plots:
         from muonscale.bench.plots import plot_report
 
         plot_files = plot_report(report, out_dir)
     write_report(report, out_dir, plot_files)
-    print(format_table(report), file=stream)
     print(f"\nreport: {out_dir / 'report.md'}  ({report['wall_seconds']:.0f}s)", file=stream)
     return report
 

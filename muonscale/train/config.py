@@ -26,6 +26,13 @@ SCHEDULES = ("cosine", "wsd", "constant")
 AUTOCAST_DTYPES = ("none", "bfloat16")
 TENSOR_DTYPES = ("float32", "bfloat16", "float16")
 TOKENIZERS = ("byte", "bpe")
+MAX_SEED = 2**63 - 1
+"""torch.manual_seed and numpy's generators take non-negative seeds below 2**64."""
+MAX_BPE_VOCAB_SIZE = 2**18
+"""262,144 tokens: above the largest published LLM vocabularies (Gemma's 256,000). Far larger
+values (1e9) make the tokenizers library abort the process instead of raising."""
+MAX_TOKENS_PER_STEP = 2**24
+"""16,777,216 tokens: the largest published pre-training batch (Llama 3 405B, 16M tokens)."""
 
 
 @dataclass(kw_only=True)
@@ -200,9 +207,11 @@ class TrainConfig:
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (0: only at the end and on Ctrl-C)."""
     out_dir: str | None = "runs/train"
-    """Folder for metrics.jsonl (appended) and checkpoint.pt (overwritten); none: write nothing."""
+    """Folder for metrics.jsonl (appended) and checkpoint.pt; none: write nothing."""
     resume: str | None = None
     """Checkpoint to resume from; 'auto': out_dir/checkpoint.pt when it exists."""
+    overwrite: bool = False
+    """Start a new run even though out_dir already holds a checkpoint (it is replaced)."""
     log_every: int = 10
     """Write a metrics.jsonl record (and refresh the progress bar) every this many steps."""
 
@@ -219,6 +228,17 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_every", "checkpoint_every", "log_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.grad_clip is not None and not self.grad_clip >= 0:
+            raise ValueError(
+                f"grad_clip must be >= 0 (0 or none disables clipping), got {self.grad_clip}"
+            )
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, {MAX_SEED}], got {self.seed}")
+        if not 256 <= self.bpe_vocab_size <= MAX_BPE_VOCAB_SIZE:
+            raise ValueError(
+                f"bpe_vocab_size must be in [256, {MAX_BPE_VOCAB_SIZE:,}] (256 byte tokens plus "
+                f"merges), got {self.bpe_vocab_size:,}"
+            )
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
         self.adamw_betas = tuple(self.adamw_betas)
@@ -247,6 +267,13 @@ class TrainConfig:
     def gradient_accumulation_steps(self) -> int:
         """tokens_per_step / (micro_batch_size * context_length)."""
         per_micro = self.tokens_per_micro_batch
+        for name, value in (("tokens_per_step", self.tokens_per_step),
+                            ("micro_batch_size * context_length", per_micro)):  # fmt: skip
+            if value is not None and value > MAX_TOKENS_PER_STEP:
+                raise ValueError(
+                    f"{name} = {value:,} exceeds the limit of {MAX_TOKENS_PER_STEP:,} tokens "
+                    "per step"
+                )
         if self.tokens_per_step is None:
             return 1
         if self.tokens_per_step < per_micro or self.tokens_per_step % per_micro:

@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import sys
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -19,21 +22,36 @@ from typing import Any
 
 import torch
 
+from muonscale.train.checkpoint import FORMAT as CHECKPOINT_FORMAT
+from muonscale.train.checkpoint import read_checkpoint, write_checkpoint
 from muonscale.train.config import TrainConfig
 from muonscale.train.data import ByteTokenizer, TokenDataset, load_corpus
 from muonscale.train.model import GPT
 from muonscale.train.optimizers import build_optimizer, optimizer_state_bytes
 from muonscale.train.schedule import LRSchedule, build_scheduler
 
-__all__ = ["NonFiniteLossError", "RunSummary", "StepResult", "TrainingRun", "build_optimizer"]
+__all__ = [
+    "CheckpointExistsError",
+    "NonFiniteLossError",
+    "RunSummary",
+    "StepResult",
+    "TrainingRun",
+    "build_optimizer",
+]
 
-CHECKPOINT_FORMAT = 1
 CHECKPOINT_NAME = "checkpoint.pt"
 METRICS_NAME = "metrics.jsonl"
 
 
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or inf; no optimizer step was taken for it."""
+
+
+class CheckpointExistsError(FileExistsError):
+    """A new run (no ``resume``, no ``overwrite``) would replace an earlier run's checkpoint."""
+
+# Hyperparameters a resumed run may change; they are applied (the checkpoint's are replaced).
+RESUMABLE_CHANGES = ("lr", "adamw_lr", "weight_decay", "adamw_betas", "momentum", "ns_steps")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +83,9 @@ class RunSummary:
     seconds: float
     """Wall time of this ``run()`` call."""
     interrupted: bool
-    """True when stopped by Ctrl-C (KeyboardInterrupt); a checkpoint was saved."""
+    """True when stopped by Ctrl-C or SIGTERM (at a step boundary); a checkpoint was saved."""
+    signal: str | None = None
+    """Name of the signal that stopped the run (SIGINT, SIGTERM), when one did."""
     checkpoint: str | None
     """Path of the last checkpoint written (None when out_dir is None)."""
 
@@ -132,6 +152,8 @@ class TrainingRun:
         self.scheduler = build_scheduler(self.optimizer, self.schedule)
         self.step_count = 0
         self.last_checkpoint: tuple[str, int] | None = None  # (path, step) of the last good save
+        # hyperparameters that differ from the loaded checkpoint's: name -> (saved, now)
+        self.resume_changes: dict[str, tuple[Any, Any]] = {}
 
     # ------------------------------------------------------------------ one step
     def _autocast(self):
@@ -238,9 +260,9 @@ class TrainingRun:
         return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
 
     def save_checkpoint(self, path: str | os.PathLike) -> Path:
-        """Write model, optimizer, scheduler, step, RNG states and config to ``path``
-        atomically (temporary file in the same folder, then ``os.replace``). Refuses to write
-        non-finite parameters, so the last good checkpoint is never overwritten by a bad state."""
+        """Write model, optimizer, scheduler, step, RNG states and config to ``path`` with
+        :func:`muonscale.train.checkpoint.write_checkpoint` (atomic, fsynced, digest). Refuses
+        to write non-finite parameters, so the last good checkpoint is never overwritten."""
         path = Path(path)
         if not self.parameters_finite():
             raise NonFiniteLossError(
@@ -258,47 +280,59 @@ class TrainingRun:
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
             },
         }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            torch.save(state, temporary)
-            os.replace(temporary, path)
-        finally:
-            temporary.unlink(missing_ok=True)
+        write_checkpoint(state, path)
         self.last_checkpoint = (str(path), self.step_count)
         return path
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint written by :meth:`save_checkpoint` (same model shape and
-        optimizer required)."""
+        optimizer required). This run's hyperparameters (:data:`RESUMABLE_CHANGES`) replace
+        the checkpoint's; the differences are kept in ``self.resume_changes``."""
         path = Path(path)
-        if not path.exists():
-            raise FileNotFoundError(f"checkpoint {path} does not exist")
-        state = torch.load(path, map_location=self.device, weights_only=True)
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(
-                f"checkpoint {path} has format {state.get('format')}, expected {CHECKPOINT_FORMAT}"
-            )
+        state = read_checkpoint(path, map_location=self.device)
         saved = TrainConfig.from_dict(state["config"])
         if saved.model_config() != self.model_config or saved.optimizer != self.config.optimizer:
             raise ValueError(
                 f"checkpoint {path} was written for model {saved.model_config()} with optimizer "
                 f"{saved.optimizer!r}; this run has {self.model_config} with {self.config.optimizer!r}"
             )
+        # Group hyperparameters and peak lrs as this run's config builds them; the
+        # checkpoint's groups would otherwise win silently.
+        fresh_groups = [
+            {key: value for key, value in group.items() if key != "params"}
+            for group in self.optimizer.param_groups
+        ]
+        fresh_base_lrs = list(self.scheduler.base_lrs)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self._load_scheduler_state(state["scheduler"])
+        if len(self.optimizer.param_groups) != len(fresh_groups):
+            raise ValueError(
+                f"checkpoint {path} has {len(self.optimizer.param_groups)} parameter groups, "
+                f"this run builds {len(fresh_groups)}"
+            )
+        for group, fresh in zip(self.optimizer.param_groups, fresh_groups):
+            group.update(fresh)
+        self._load_scheduler_state(state["scheduler"], fresh_base_lrs)
         torch.set_rng_state(state["rng"]["torch"].cpu())
         if state["rng"]["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([s.cpu() for s in state["rng"]["cuda"]])
         self.step_count = int(state["step"])
         self.last_checkpoint = (str(path), self.step_count)
+        self.resume_changes = {
+            name: (getattr(saved, name), getattr(self.config, name))
+            for name in RESUMABLE_CHANGES
+            if getattr(saved, name) != getattr(self.config, name)
+        }
 
-    def _load_scheduler_state(self, scheduler_state: dict[str, Any]) -> None:
-        """Restore the scheduler's position but keep this run's schedule (so ``--steps`` can
-        be raised on resume); the learning rates are recomputed exactly as LambdaLR does."""
+    def _load_scheduler_state(
+        self, scheduler_state: dict[str, Any], base_lrs: list[float]
+    ) -> None:
+        """Restore the scheduler's position but keep this run's schedule and peak lrs (so
+        ``--steps`` and ``--lr`` can change on resume); the learning rates are recomputed
+        exactly as LambdaLR does."""
         scheduler_state = dict(scheduler_state)
         scheduler_state["lr_lambdas"] = [None] * len(self.scheduler.lr_lambdas)
+        scheduler_state["base_lrs"] = list(base_lrs)
         self.scheduler.load_state_dict(scheduler_state)
         epoch = self.scheduler.last_epoch
         for group, base_lr in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
@@ -318,18 +352,45 @@ class TrainingRun:
             )
         return Path(resume)
 
+    def _check_not_overwriting(self, checkpoint_path: Path | None) -> None:
+        config = self.config
+        if checkpoint_path is None or config.resume is not None or config.overwrite:
+            return
+        if checkpoint_path.exists():
+            raise CheckpointExistsError(
+                f"{checkpoint_path} holds an earlier run's checkpoint; pass --resume auto to "
+                "continue that run, another --out-dir to start a new one next to it, or "
+                "--overwrite to replace it"
+            )
+
     def run(self, progress: bool = True) -> RunSummary:
         """Train until ``config.steps``: evaluate every ``eval_every`` steps and at the end, log
         JSONL metrics every ``log_every`` steps, checkpoint every ``checkpoint_every`` steps and
-        at the end. Ctrl-C saves a checkpoint and returns (``interrupted=True``); a NaN/inf
-        loss raises :class:`NonFiniteLossError` and leaves the last good checkpoint in place."""
+        at the end.
+
+        SIGINT (Ctrl-C) and SIGTERM stop the run at the next step boundary, never inside a
+        step; a checkpoint is saved and ``interrupted=True`` returned. Signals arriving during
+        that save are deferred until it is written. A NaN/inf loss raises
+        :class:`NonFiniteLossError` and leaves the last good checkpoint in place. Refuses
+        (:class:`CheckpointExistsError`) to start a new run over an earlier run's checkpoint
+        unless ``config.resume`` or ``config.overwrite`` is set."""
         config = self.config
         started = time.perf_counter()
         out_dir = Path(config.out_dir) if config.out_dir else None
         checkpoint_path = out_dir / CHECKPOINT_NAME if out_dir else None
+        self._check_not_overwriting(checkpoint_path)
         resume_path = self._resume_path(checkpoint_path)
         if resume_path is not None:
             self.load_checkpoint(resume_path)
+        with _StopSignals() as stop:
+            summary = self._run_loop(progress, checkpoint_path, out_dir, stop)
+        summary.seconds = time.perf_counter() - started
+        return summary
+
+    def _run_loop(
+        self, progress: bool, checkpoint_path: Path | None, out_dir: Path | None, stop
+    ) -> RunSummary:
+        config = self.config
         log = _MetricsLog(out_dir / METRICS_NAME if out_dir else None)
         log.write(
             event="start",
@@ -338,6 +399,7 @@ class TrainingRun:
             parameters=self.model.num_parameters(),
             flops_per_token=self.model.flops_per_token(),
             tokens_per_step=self.tokens_per_step,
+            resume_changes={k: list(v) for k, v in self.resume_changes.items()},
         )
         bar = _progress_bar(progress, total=config.steps, initial=self.step_count)
         if bar is not None:
@@ -348,6 +410,8 @@ class TrainingRun:
         window_tokens, window_seconds = 0, 0.0
         try:
             while self.step_count < config.steps:
+                if stop.signal is not None:
+                    raise KeyboardInterrupt
                 result = self.step()
                 window_tokens += result.tokens
                 window_seconds += result.step_seconds
@@ -375,7 +439,7 @@ class TrainingRun:
                     self.save_checkpoint(checkpoint_path)
         except KeyboardInterrupt:
             interrupted = True
-            log.write(event="interrupted", step=self.step_count)
+            log.write(event="interrupted", step=self.step_count, signal=stop.signal)
         except NonFiniteLossError as error:
             log.write(event="nonfinite_loss", step=self.step_count, message=str(error))
             raise
@@ -383,6 +447,7 @@ class TrainingRun:
             if bar is not None:
                 bar.close()
             log.close()
+        stop.saving = True
         if checkpoint_path is not None and self.last_checkpoint != (
             str(checkpoint_path),
             self.step_count,
@@ -393,10 +458,44 @@ class TrainingRun:
             tokens=self.step_count * self.tokens_per_step,
             train_loss=result.loss if result else None,
             val_loss=val_loss,
-            seconds=time.perf_counter() - started,
+            seconds=0.0,
             interrupted=interrupted,
+            signal=stop.signal or ("SIGINT" if interrupted else None),
             checkpoint=str(checkpoint_path) if checkpoint_path else None,
         )
+
+
+class _StopSignals:
+    """While active (main thread only), SIGINT and SIGTERM set ``signal`` instead of raising:
+    the loop stops at the next step boundary and saves; later signals are only reported."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self.saving = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for number in self.SIGNALS:
+                self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+    def _handle(self, number: int, frame) -> None:
+        name = signal.Signals(number).name
+        if self.saving:
+            what = f"{name} deferred: writing the checkpoint first"
+        elif self.signal is None:
+            what = f"{name}: stopping after the current step, then saving a checkpoint"
+        else:
+            what = f"{name} again: still finishing the step (SIGKILL abandons it unsaved)"
+        self.signal = self.signal or name
+        print(f"muonscale train: {what}", file=sys.stderr, flush=True)
 
 
 class _MetricsLog:
