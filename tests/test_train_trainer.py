@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from muonscale.train.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from muonscale.train.checkpoint import read_checkpoint
 from muonscale.train.config import TrainConfig
 from muonscale.train.data import load_corpus
 from muonscale.train.trainer import NonFiniteLossError, TrainingRun
