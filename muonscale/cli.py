@@ -27,6 +27,7 @@ examples:
   muonscale bench                                  # the default CPU comparison
   muonscale bench --baselines torch-muon           # add torch.optim.Muon
   muonscale bench --sweep --steps 200              # pick each contender's lr by a short sweep
+  muonscale bench --data my_corpus.txt --tokenizer bpe   # on your own text, BPE tokens
   muonscale bench --device cuda --model gpt2-small --tokens-per-step 65536 --micro-batch-size 16
 """
 
@@ -97,6 +98,13 @@ def _bench(args: argparse.Namespace) -> int:
             train_config_for(config, contender, config.lr_for(contender))
         except ValueError as error:
             args.command_parser.error(str(error))
+    if config.data is not None:
+        from muonscale.train.data import load_corpus
+
+        try:
+            load_corpus(config.data)
+        except (OSError, ValueError) as error:
+            args.command_parser.error(f"--data: {error}")
     try:
         out_dir = prepare_out_dir(config.out)
     except OSError as error:

@@ -54,6 +54,13 @@ class BenchConfig:
     """Override the preset's number of attention heads."""
     tokens_per_step: int = 1024
     """Tokens per optimizer step; a multiple of the preset's context length (128 for tiny)."""
+    data: str | None = None
+    """UTF-8 text file or folder of .txt files to train on; default: the bundled Shakespeare
+    corpus (the same reader as muonscale train --data)."""
+    tokenizer: Literal["byte", "bpe"] = "byte"
+    """byte (UTF-8 bytes, vocab 256) or bpe (byte-level BPE trained on the corpus)."""
+    bpe_vocab_size: int = 4096
+    """Vocabulary size of the bpe tokenizer (the model's vocab grows to fit)."""
     micro_batch_size: int | None = None
     """Sequences per forward/backward; None: the whole step in one micro-batch."""
     lr_adamw: float = DEFAULT_LR["adamw"]
@@ -145,6 +152,10 @@ class BenchConfig:
             raise ValueError(f"--schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.parallel not in PARALLEL_MODES:
             raise ValueError(f"--parallel must be one of {PARALLEL_MODES}, got {self.parallel!r}")
+        if self.tokenizer not in ("byte", "bpe"):
+            raise ValueError(f"--tokenizer must be byte or bpe, got {self.tokenizer!r}")
+        if self.nproc > 1 and (self.data is not None or self.tokenizer != "byte"):
+            raise ValueError("--data and --tokenizer are not supported with --nproc > 1 yet")
         if self.nproc == 1 and self.parallel != "dp":
             raise ValueError(f"--parallel {self.parallel} needs --nproc >= 2")
 
