@@ -121,14 +121,10 @@ def _train(args: argparse.Namespace) -> int:
     from muonscale.train.trainer import CheckpointExistsError, TrainingRun
 
     try:
-        run = TrainingRun(config)
-        summary = run.run(progress=args.progress)
+        summary = TrainingRun(config).run(progress=args.progress)
     except (CheckpointExistsError, CheckpointError, FileNotFoundError) as error:
         print(f"muonscale train: error: {error}", file=sys.stderr)
         return 1
-    for name, (saved, now) in run.resume_changes.items():
-        print(f"muonscale train: resumed with {name} {now} (checkpoint had {saved})",
-              file=sys.stderr)  # fmt: skip
     if summary.interrupted:
         where = (
             f"checkpoint at step {summary.steps}: {summary.checkpoint}; continue with "

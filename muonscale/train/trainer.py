@@ -382,6 +382,9 @@ class TrainingRun:
         resume_path = self._resume_path(checkpoint_path)
         if resume_path is not None:
             self.load_checkpoint(resume_path)
+            for name, (saved, now) in self.resume_changes.items():
+                print(f"muonscale train: resuming with {name}={now} (the checkpoint had {saved})",
+                      file=sys.stderr)  # fmt: skip
         with _StopSignals() as stop:
             summary = self._run_loop(progress, checkpoint_path, out_dir, stop)
         summary.seconds = time.perf_counter() - started
