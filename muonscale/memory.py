@@ -48,10 +48,13 @@ def chunk_bytes_for(max_chunk_bytes: ChunkBytes, device: torch.device | None) ->
         kind = device.type if device is not None else "cpu"
         return DEFAULT_UPDATE_CHUNK_MIB.get(kind, DEFAULT_UPDATE_CHUNK_MIB["cpu"]) * 2**20
     if max_chunk_bytes is not None and (
-        not isinstance(max_chunk_bytes, int) or isinstance(max_chunk_bytes, bool)
+        not isinstance(max_chunk_bytes, int)
+        or isinstance(max_chunk_bytes, bool)
+        or max_chunk_bytes < 1
     ):
         raise ValueError(
-            f"max_chunk_bytes must be an int, {PER_DEVICE!r} or None, got {max_chunk_bytes!r}"
+            f"max_chunk_bytes must be a positive int, {PER_DEVICE!r} or None, "
+            f"got {max_chunk_bytes!r}"
         )
     return max_chunk_bytes
 
