@@ -13,7 +13,7 @@ and optimizer step:
 
 Gradient reduction is the framework's (FSDP2's reduce-scatter) and is not counted here.
 
-    .venv/bin/python benchmarks/dtensor_layouts.py [--dim 256] [--layers 2] [--steps 3]
+    PYTHONPATH=. python3 benchmarks/dtensor_layouts.py [--dim 256] [--layers 2] [--steps 3]
 """
 
 from __future__ import annotations

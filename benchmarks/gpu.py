@@ -1,5 +1,5 @@
-"""GPU benchmark of the Newton–Schulz fast path, the Muon optimizer step (issue 6) and
-muonscale under Megatron-Core vs Megatron's Adam (issue 7).
+"""GPU benchmark of the Newton–Schulz fast path, the Muon optimizer step and
+muonscale under Megatron-Core vs Megatron's Adam.
 
     PYTHONPATH=. python3 benchmarks/gpu.py                 # one H200, < 6 minutes
     PYTHONPATH=. python3 benchmarks/gpu.py --smoke         # tiny shapes, CPU, < 60 s
@@ -16,7 +16,7 @@ Writes ``$OUT/gpu_bench.json`` (``--out`` > env ``OUT`` > ``./runs/gpu``; a fold
 section, and prints one table per section. Needs only torch, triton, numpy and muonscale;
 the ``megatron`` section also needs megatron-core (``.megatron-site/`` or installed).
 
-Sections (code in ``benchmarks/gpu_sections/``, one module each; every one wrapped: a failure
+Sections (code in ``benchmarks/gpu_parts/``, one module each; every one wrapped: a failure
 is recorded in the JSON and the rest still runs; a global time guard skips what no longer fits):
 
 * ``matmul``      measured bf16 matmul rate (large square matmul), TFLOP/s.
@@ -58,23 +58,16 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks.gpu_parts.correctness import section_correctness
+from benchmarks.gpu_parts.e2e import section_e2e
+from benchmarks.gpu_parts.matmul import section_matmul
+from benchmarks.gpu_parts.megatron_leg import section_megatron
+from benchmarks.gpu_parts.memory import section_memory
+from benchmarks.gpu_parts.models import GPT2
+from benchmarks.gpu_parts.ns import section_ns
+from benchmarks.gpu_parts.optimizer import section_optimizer
+from benchmarks.gpu_parts.timing import Clock
 from muonscale.kernels import clear_workspaces, triton_available
-
-# The sections live in benchmarks/gpu_sections/. ``python3 benchmarks/gpu.py`` already puts
-# benchmarks/ first on sys.path; this makes the imports work when gpu.py is loaded another way.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)
-
-from gpu_sections.correctness import section_correctness  # noqa: E402
-from gpu_sections.e2e import section_e2e  # noqa: E402
-from gpu_sections.matmul import section_matmul  # noqa: E402
-from gpu_sections.megatron_leg import section_megatron  # noqa: E402
-from gpu_sections.memory import section_memory  # noqa: E402
-from gpu_sections.models import GPT2  # noqa: E402
-from gpu_sections.ns import section_ns  # noqa: E402
-from gpu_sections.optimizer import section_optimizer  # noqa: E402
-from gpu_sections.timing import Clock  # noqa: E402
 
 
 class Guard:

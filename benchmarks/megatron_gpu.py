@@ -1,4 +1,4 @@
-"""Megatron-Core GPT under Megatron's own DDP: tokens/s of muonscale vs Megatron's Adam (issue 7).
+"""Megatron-Core GPT under Megatron's own DDP: tokens/s of muonscale vs Megatron's Adam.
 
 GPU (NCCL), from the repository root, with megatron-core 0.19.2 installed or carried as the
 wheels of ``bash .ci/megatron_site.sh`` (``.megatron-site/``)::
@@ -30,7 +30,7 @@ optimizer), as ``megatron.training`` builds it. One step, as Megatron's training
 ``zero_grad_buffer()`` and ``optimizer.zero_grad()``; forward/backward of each micro-batch (loss
 mean ÷ micro-batches); ``finalize_model_grads([model])``; ``optimizer.step()``.
 
-Measured (shared/DESIGN.md, "Metrics"): each arm first runs its warm-up steps alone, which also
+Measured (docs/metrics.md): each arm first runs its warm-up steps alone, which also
 gives its peak memory (``torch.cuda.max_memory_allocated`` minus what was allocated before the
 arm was built, i.e. its model, gradient buffers, optimizer state and activations); then timed
 rounds interleave the arms (A B, B A, ...), ``torch.cuda.synchronize()`` around each step and
@@ -73,14 +73,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# The parts live in benchmarks/megatron_gpu_parts/. ``python benchmarks/megatron_gpu.py`` (and
-# torchrun) already put benchmarks/ first on sys.path; this makes the imports work when the
-# script is loaded another way (tests load it by path).
-_HERE = os.path.dirname(os.path.abspath(__file__))
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)
-
-from megatron_gpu_parts.arms import (  # noqa: E402
+from benchmarks.megatron_gpu_parts.arms import (
     ARMS,
     CPU_STANDIN,
     Arm,
@@ -88,10 +81,10 @@ from megatron_gpu_parts.arms import (  # noqa: E402
     build_arm,
     standin_mean_over_dp,
 )
-from megatron_gpu_parts.device import Device, cpu_shims  # noqa: E402
-from megatron_gpu_parts.measure import eval_loss, run, train_step  # noqa: E402
-from megatron_gpu_parts.model import Batches, build_gpt, resolve_spec, seed_weights  # noqa: E402
-from megatron_gpu_parts.report import med, print_table, sanity, summarize, write_json  # noqa: E402
+from benchmarks.megatron_gpu_parts.device import Device, cpu_shims
+from benchmarks.megatron_gpu_parts.measure import eval_loss, run, train_step
+from benchmarks.megatron_gpu_parts.model import Batches, build_gpt, resolve_spec, seed_weights
+from benchmarks.megatron_gpu_parts.report import med, print_table, sanity, summarize, write_json
 
 __all__ = [  # the parts, re-exported: everything the script defined before it was split
     "ARMS", "CPU_STANDIN", "SPECS", "SMOKE_DEFAULTS", "Arm", "Batches", "BenchConfig", "Device",

@@ -10,12 +10,12 @@ mark): build the parameters, give them gradients (what a training step holds bef
 * ``optimizer``: peak minus the RSS just before the first step (state + transients);
 * ``state``: the optimizer-state bytes counted from its tensors.
 
-No activations are involved: this isolates what the optimizer adds. DESIGN.md's end-to-end
-memory target is measured on GPU (benchmarks/gpu.py); ``muonscale bench`` reports the CPU
+No activations are involved: this isolates what the optimizer adds. The end-to-end
+memory is measured on GPU (benchmarks/gpu.py); ``muonscale bench`` reports the CPU
 end-to-end peak for the tiny model.
 
-    python benchmarks/step_memory.py                      # 12 layers (GPT-2 small), ~2 min
-    python benchmarks/step_memory.py --layers 4 --json out.json
+    PYTHONPATH=. python3 benchmarks/step_memory.py                      # 12 layers (GPT-2 small), ~2 min
+    PYTHONPATH=. python3 benchmarks/step_memory.py --layers 4 --json out.json
 """
 
 from __future__ import annotations
@@ -52,10 +52,8 @@ def _peak_rss_bytes() -> int:
 def child(name: str, layers: int, steps: int) -> dict:
     import torch
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from optimizer_step import gpt2_small_parameters
-
     import muonscale
+    from benchmarks.optimizer_step import gpt2_small_parameters
 
     torch.set_num_threads(1)
     named = gpt2_small_parameters(layers)

@@ -1,10 +1,10 @@
 """Bytes on the wire per optimizer step per rank: DistributedMuon vs AdamW (DDP, ZeRO-1, torch's
 ZeroRedundancyOptimizer), all counted by ``muonscale.distributed.comm`` with the ring model.
 
-    python benchmarks/wire_bytes.py                      # GPT-2-small shapes, 4 gloo ranks
-    python benchmarks/wire_bytes.py --world-size 8 --simulate --rows muon,muon-bf16,zero1
-    python benchmarks/wire_bytes.py --preset bench-dp --world-size 4   # `muonscale bench`'s model
-    python benchmarks/wire_bytes.py --preset tiny --world-size 2 --json
+    PYTHONPATH=. python3 benchmarks/wire_bytes.py                      # GPT-2-small shapes, 4 gloo ranks
+    PYTHONPATH=. python3 benchmarks/wire_bytes.py --world-size 8 --simulate --rows muon,muon-bf16,zero1
+    PYTHONPATH=. python3 benchmarks/wire_bytes.py --preset bench-dp --world-size 4   # `muonscale bench`'s model
+    PYTHONPATH=. python3 benchmarks/wire_bytes.py --preset tiny --world-size 2 --json
 
 Launches N gloo processes itself (or runs under ``torchrun``). Presets: ``gpt2-small`` and
 ``tiny`` are GPT-2's parameter shapes (tied embedding/head); ``bench-dp`` is the 2-layer
@@ -45,7 +45,6 @@ import json
 import os
 import queue as queue_module
 import socket
-import sys
 
 import torch
 import torch.distributed as dist
@@ -406,7 +405,6 @@ def main(argv=None) -> None:
         parser.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
     if args.simulate and {"ddp", "zero"} & set(args.rows):
         parser.error("--simulate measures DistributedMuon rows only: --rows muon,muon-bf16,zero1")
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     if "RANK" in os.environ:  # torchrun

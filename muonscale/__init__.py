@@ -1,12 +1,12 @@
 """muonscale: the Muon optimizer for LLM training, at AdamW's speed, on the distributed engines
 people already use. ``import muonscale`` needs only torch."""
 
+from .flops import newton_schulz_flops
 from .matrices import MatrixView
 from .newton_schulz import (
     COEFFICIENT_PRESETS,
     default_ns_dtype,
     newton_schulz,
-    newton_schulz_flops,
     resolve_coefficients,
 )
 from .optimizer import Muon, NonFiniteGradientError

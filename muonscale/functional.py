@@ -8,15 +8,22 @@ every layout runs exactly the same arithmetic.
 from __future__ import annotations
 
 import math
-import os
 from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
 
-from .kernels.newton_schulz_fast import newton_schulz_fast
+from .kernels.newton_schulz_fast import NSMethodChoice, newton_schulz_fast
 from .matrices import MatrixView
-from .newton_schulz import DEFAULT_EPS, default_ns_dtype
+from .memory import (
+    DEFAULT_NS_WORKSPACE_BYTES,
+    PER_DEVICE,
+    ChunkBytes,
+    chunk_bytes_for,
+    group_by_budget,
+    split_by_budget,
+)
+from .newton_schulz import DEFAULT_EPS, CoefficientSpec, default_ns_dtype
 from .scaling import update_scale
 
 
@@ -44,16 +51,18 @@ def orthogonalize_matrices(
     matrices: Sequence[torch.Tensor],
     *,
     ns_steps: int,
-    coefficients,
+    coefficients: CoefficientSpec,
     ns_dtype: torch.dtype | None,
     eps: float = DEFAULT_EPS,
-    method: str = "auto",
+    method: NSMethodChoice = "auto",
+    max_workspace_bytes: int = DEFAULT_NS_WORKSPACE_BYTES,
 ) -> list[torch.Tensor]:
     """Newton–Schulz of every matrix, batched: matrices with the same (short, long) shape are
     stacked (tall ones transposed) and orthogonalized in place in one call of
     :func:`muonscale.kernels.newton_schulz_fast` (workspace reuse; Triton symmetric products on
     CUDA; ``method="auto"`` takes the Gram form for wide float32 matrices, where it is as
-    accurate and cheaper). Returns matrices in the input's shapes, in ``ns_dtype``."""
+    accurate and cheaper; ``max_workspace_bytes`` bounds its scratch). Returns matrices in the
+    input's shapes, in ``ns_dtype``."""
     buckets: dict[tuple, list[int]] = defaultdict(list)
     for i, mat in enumerate(matrices):
         m, n = mat.shape
@@ -66,32 +75,13 @@ def orthogonalize_matrices(
             mat = matrices[i]
             stack[slot].copy_(mat.mT if mat.shape[0] > mat.shape[1] else mat)
         ortho = newton_schulz_fast(
-            stack, ns_steps, coefficients, dtype, eps, out=stack, method=method, backend="auto"
-        )
+            stack, ns_steps, coefficients, dtype, eps, out=stack, method=method, backend="auto",
+            max_workspace_bytes=max_workspace_bytes,
+        )  # fmt: skip
         for slot, i in enumerate(indices):
             o = ortho[slot]
             out[i] = o.mT if matrices[i].shape[0] > matrices[i].shape[1] else o
     return out  # type: ignore[return-value]
-
-
-UPDATE_CHUNK_ENV = "MUONSCALE_UPDATE_CHUNK_MB"
-"""Environment variable: the ``max_chunk_bytes`` of :func:`muon` / :func:`adamw`, in MiB."""
-
-DEFAULT_UPDATE_CHUNK_MIB = {"cpu": 128, "cuda": 1024}
-"""Chunk size without the environment variable. On CPU a small chunk costs nothing measurable
-(batching matters little) and keeps RSS down; on CUDA every chunk costs kernel launches, so
-chunks are larger: a GPT-2-medium step is 2 chunks, GPT-2-XL's 6 × 1 GiB of transients
-instead of ≈ 8 GiB at once."""
-
-
-def default_update_chunk_bytes(device: torch.device | None = None) -> int:
-    """``MUONSCALE_UPDATE_CHUNK_MB`` if set, else :data:`DEFAULT_UPDATE_CHUNK_MIB` for
-    ``device``'s type (CPU's for other or unknown devices), in bytes."""
-    env = os.environ.get(UPDATE_CHUNK_ENV)
-    if env is not None:
-        return int(float(env) * 2**20)
-    kind = device.type if device is not None else "cpu"
-    return DEFAULT_UPDATE_CHUNK_MIB.get(kind, DEFAULT_UPDATE_CHUNK_MIB["cpu"]) * 2**20
 
 
 def update_chunks(
@@ -106,20 +96,12 @@ def update_chunks(
     that is a chunk alone; None: one chunk). Parameters with the same matrix shapes are
     adjacent, so each chunk still batches them."""
     order = sorted(range(len(params)), key=lambda i: (tuple(views[i].matrix_shapes), i))
-    if max_chunk_bytes is None:
-        return [order]
-    chunks: list[list[int]] = []
-    used = 0
+    costs = []
     for i in order:
         p = params[i]
         dtype = ns_dtype if ns_dtype is not None else default_ns_dtype(p.device)
-        cost = p.numel() * (p.element_size() + torch.finfo(dtype).bits // 8)
-        if not chunks or (used + cost > max_chunk_bytes and chunks[-1]):
-            chunks.append([])
-            used = 0
-        chunks[-1].append(i)
-        used += cost
-    return chunks
+        costs.append(p.numel() * (p.element_size() + torch.finfo(dtype).bits // 8))
+    return [[order[j] for j in group] for group in group_by_budget(costs, max_chunk_bytes)]
 
 
 def muon(
@@ -133,12 +115,13 @@ def muon(
     momentum: float,
     nesterov: bool,
     ns_steps: int,
-    coefficients,
+    coefficients: CoefficientSpec,
     ns_dtype: torch.dtype | None,
     scale: str,
     eps: float = DEFAULT_EPS,
-    ns_method: str = "auto",
-    max_chunk_bytes: int | None = -1,
+    ns_method: NSMethodChoice = "auto",
+    max_chunk_bytes: ChunkBytes = PER_DEVICE,
+    max_workspace_bytes: int = DEFAULT_NS_WORKSPACE_BYTES,
 ) -> None:
     """One Muon step, in place on ``params`` and ``momentum_buffers``::
 
@@ -148,16 +131,15 @@ def muon(
         W ← W − lr · s(m, n) · O             # s: scale rule of each matrix
 
     Parameters are processed in chunks of at most ``max_chunk_bytes`` of transient memory
-    (directions and their Newton–Schulz copies; -1: :func:`default_update_chunk_bytes`, from
-    ``MUONSCALE_UPDATE_CHUNK_MB``, else 128 MiB on CPU and 1 GiB on CUDA; None: all at once),
-    so the step's peak memory does not grow with the model. Every parameter's update is
-    independent of the others, so chunking does not change the result.
+    (directions and their Newton–Schulz copies; a number of bytes,
+    :data:`~muonscale.memory.PER_DEVICE` or :data:`~muonscale.memory.UNCHUNKED`), so the
+    step's peak memory does not grow with the model; ``max_workspace_bytes`` bounds the
+    Newton–Schulz scratch. Every parameter's update is independent of the others, so chunking
+    does not change the result.
     """
     if not params:
         return
-    budget = (
-        default_update_chunk_bytes(params[0].device) if max_chunk_bytes == -1 else max_chunk_bytes
-    )
+    budget = chunk_bytes_for(max_chunk_bytes, params[0].device)
     chunks = update_chunks(params, views, ns_dtype=ns_dtype, max_chunk_bytes=budget)
     if len(chunks) > 1:
         for chunk in chunks:
@@ -167,6 +149,7 @@ def muon(
                 weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                 ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype, scale=scale,
                 eps=eps, ns_method=ns_method, max_chunk_bytes=None,
+                max_workspace_bytes=max_workspace_bytes,
             )  # fmt: skip
         return
     directions = momentum_directions_(grads, momentum_buffers, momentum=momentum, nesterov=nesterov)
@@ -182,6 +165,7 @@ def muon(
         ns_dtype=ns_dtype,
         eps=eps,
         method=ns_method,
+        max_workspace_bytes=max_workspace_bytes,
     )
     per_param: list[list[torch.Tensor]] = [[] for _ in params]
     for index, mat in zip(owner, orthogonal):
@@ -209,7 +193,7 @@ def adamw(
     beta2: float,
     eps: float,
     weight_decay: float,
-    max_chunk_bytes: int | None = -1,
+    max_chunk_bytes: ChunkBytes = PER_DEVICE,
 ) -> None:
     """One AdamW step (Loshchilov & Hutter), in place, the same arithmetic as
     ``torch.optim.AdamW``'s single-tensor path, run with foreach kernels::
@@ -218,8 +202,8 @@ def adamw(
         m ← m.lerp(G, 1 − β₁);  v ← β₂ v + (1 − β₂) G²
         W ← W − lr / (1 − β₁ᵗ) · m / (√v / √(1 − β₂ᵗ) + ε)
 
-    The denominators are computed ``max_chunk_bytes`` at a time (-1: the default of
-    :func:`default_update_chunk_bytes`; None: all at once), the same bits either way.
+    The denominators are computed ``max_chunk_bytes`` at a time (as in :func:`muon`), the
+    same bits either way.
     """
     if not params:
         return
@@ -240,11 +224,15 @@ def adamw(
     bias_correction2_sqrt = [math.sqrt(1 - beta2**t) for t in steps]
     # The denominators are the only temporaries: built for flat segments of at most
     # ``max_chunk_bytes`` at a time (elementwise, so the same bits as all at once).
-    budget = (
-        default_update_chunk_bytes(params[0].device) if max_chunk_bytes == -1 else max_chunk_bytes
-    )
+    budget = chunk_bytes_for(max_chunk_bytes, params[0].device)
     tensors = list(zip(params, exp_avgs, exp_avg_sqs))
-    for chunk in _elementwise_chunks(tensors, budget):
+    nbytes = [p.numel() * p.element_size() for p in params]
+    # a tuple that is not contiguous cannot be viewed flat: it is taken whole (itemsize 0)
+    itemsizes = [
+        p.element_size() if all(t.is_contiguous() for t in group) else 0
+        for p, group in zip(params, tensors)
+    ]
+    for chunk in split_by_budget(nbytes, budget, itemsizes=itemsizes):
         seg_params, seg_avgs, seg_sqs, sizes, corrections = [], [], [], [], []
         for i, start, stop in chunk:
             for out, t in zip((seg_params, seg_avgs, seg_sqs), tensors[i]):
@@ -257,39 +245,3 @@ def adamw(
         torch._foreach_addcdiv_(seg_params, seg_avgs, denoms, sizes)
         del denoms
 
-
-def _elementwise_chunks(
-    tensors: Sequence[tuple[torch.Tensor, ...]], budget: int | None
-) -> list[list[tuple[int, int | None, int | None]]]:
-    """Groups of (index, start, stop) flat element ranges of ``tensors[index]`` (tuples of
-    same-shape tensors), each group at most ``budget`` bytes of the first tensor's dtype.
-    ``start=None``: the whole tensor (no budget, or a non-contiguous tuple that cannot be
-    viewed flat)."""
-    if budget is None:
-        return [[(i, None, None) for i in range(len(tensors))]]
-    groups: list[list[tuple[int, int | None, int | None]]] = [[]]
-    used = 0
-    for i, group in enumerate(tensors):
-        numel, itemsize = group[0].numel(), group[0].element_size()
-        if not all(t.is_contiguous() for t in group):
-            groups[-1].append((i, None, None))
-            used += numel * itemsize
-            continue
-        if numel * itemsize <= budget - used:  # fits whole in the current group
-            groups[-1].append((i, None, None))
-            used += numel * itemsize
-            continue
-        start = 0
-        while start < numel:
-            take = min(numel - start, max(budget - used, 0) // itemsize)
-            if take == 0:
-                if not groups[-1]:  # budget below one element: one element at a time
-                    take = 1
-                else:
-                    groups.append([])
-                    used = 0
-                    continue
-            groups[-1].append((i, start, start + take))
-            used += take * itemsize
-            start += take
-    return [g for g in groups if g]

@@ -1,20 +1,10 @@
 """Newton–Schulz orthogonalization: the pure math of Muon, on plain tensors.
 
-Given G (m×n), Muon wants the polar factor U Vᵀ of G = U S Vᵀ: the nearest semi-orthogonal
-matrix. A quintic Newton–Schulz iteration gets close to it with matmuls only::
-
-    X₀ = G / ‖G‖_F                                  # every singular value in (0, 1]
-    A  = X Xᵀ                                       # (m, m), symmetric
-    X  ← a X + (b A + c A²) X                       # f(X) = a X + b (X Xᵀ) X + c (X Xᵀ)² X
-
-Each step maps every singular value σ to p(σ) = aσ + bσ³ + cσ⁵ while leaving the singular
-vectors alone. The coefficients are chosen to push small σ up fast, not to converge exactly:
-Keller Jordan's fixed (3.4445, −4.7750, 2.0315) deliberately lands the singular values in
-roughly [0.7, 1.2] after 5 steps, which does not hurt training and saves steps. Per-step
-coefficient lists (Polar Express, Jiacheng's six-step schedule) get a tighter band.
-
-The iteration runs on the short side: a tall G (m > n) is transposed so that A is the
-smaller Gram matrix. Cost for m ≤ n and k steps: k · (4m²n + 2m³) FLOPs.
+Muon replaces each matrix update G by the nearest semi-orthogonal matrix, the polar factor
+U Vᵀ of G = U S Vᵀ. A quintic Newton–Schulz iteration approximates it with matmuls only, so it
+runs fast in low precision on accelerators. This module is the reference implementation (and
+the coefficient presets); :mod:`muonscale.kernels` computes the same function faster. The
+iteration, the presets and their cost are described in ``docs/newton_schulz.md``.
 """
 
 from __future__ import annotations
@@ -25,6 +15,10 @@ from dataclasses import dataclass
 import torch
 
 Coefficients = tuple[float, float, float]
+"""One quintic step's (a, b, c): σ ↦ aσ + bσ³ + cσ⁵."""
+
+CoefficientSpec = str | Coefficients | Sequence[Coefficients]
+"""A preset name (see :data:`COEFFICIENT_PRESETS`), one (a, b, c) for every step, or a list."""
 
 DEFAULT_EPS = 1e-7
 """Floor of the Frobenius norm when normalizing (same as torch.optim.Muon's ``eps``)."""
@@ -144,16 +138,10 @@ def default_ns_dtype(device: torch.device | str) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
-def newton_schulz_flops(m: int, n: int, steps: int) -> int:
-    """FLOPs of ``steps`` quintic steps on an m×n matrix (counted on the short side)."""
-    m, n = min(m, n), max(m, n)
-    return steps * (4 * m * m * n + 2 * m**3)
-
-
 def newton_schulz(
     G: torch.Tensor,
     steps: int = 5,
-    coefficients: str | Coefficients | Sequence[Coefficients] = "keller",
+    coefficients: CoefficientSpec = "keller",
     ns_dtype: torch.dtype | None = None,
     eps: float = DEFAULT_EPS,
 ) -> torch.Tensor:

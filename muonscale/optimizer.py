@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from . import functional
-from .kernels.newton_schulz_fast import clear_workspaces as release_workspaces
+from .kernels import clear_workspaces
 from .matrices import MATRIX_MODES, MatrixView, row_blocks
+from .memory import MemoryBudget
 from .newton_schulz import DEFAULT_EPS, resolve_schedule
 from .params import ALGORITHMS, RouteDecision, Rule, route, route_one, routing_summary
 from .qkv import QKV_SPLIT_MODES, QKVLayout
@@ -173,6 +174,7 @@ class Muon(torch.optim.Optimizer):
         )  # fmt: skip
         self.nonfinite = nonfinite
         self.skipped_steps = 0
+        self.memory = MemoryBudget.from_environment()  # the environment is read here only
         self.param_names: dict[int, str] = {}
         self.routing: dict[str, RouteDecision] = {}
         self._rules = list(rules or ())
@@ -376,6 +378,7 @@ class Muon(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self.__dict__.setdefault("memory", MemoryBudget.from_environment())
         # Options added after a checkpoint was written get their defaults here.
         for group in self.param_groups:
             group.setdefault("algorithm", "muon")
@@ -446,7 +449,7 @@ class Muon(torch.optim.Optimizer):
         try:
             self._apply_updates()
         finally:
-            release_workspaces()  # NS scratch is not held through the next forward/backward
+            clear_workspaces()  # NS scratch is not held through the next forward/backward
         return loss
 
     def _apply_updates(self) -> None:
@@ -470,6 +473,8 @@ class Muon(torch.optim.Optimizer):
                 nesterov=group["nesterov"], ns_steps=group["ns_steps"],
                 coefficients=group["coefficients"], ns_dtype=group["ns_dtype"],
                 scale=group["scale"], eps=group["ns_eps"], ns_method=group["ns_method"],
+                max_chunk_bytes=self.memory.update_chunk_bytes,
+                max_workspace_bytes=self.memory.ns_workspace_bytes,
             )  # fmt: skip
         else:
             beta1, beta2 = group["betas"]
@@ -477,6 +482,7 @@ class Muon(torch.optim.Optimizer):
                 params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                 [s["step"] for s in states], lr=float(group["lr"]), beta1=beta1, beta2=beta2,
                 eps=group["eps"], weight_decay=group["weight_decay"],
+                max_chunk_bytes=self.memory.update_chunk_bytes,
             )  # fmt: skip
 
 

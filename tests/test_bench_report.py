@@ -41,7 +41,7 @@ def synthetic_records():
     return config, {"adamw": adamw, "muon": muon}
 
 
-def test_build_report_figures_and_targets():
+def test_build_report_figures_and_published_references():
     config, records = synthetic_records()
     peak = {
         "adamw": {"peak_memory_bytes": 1000, "source": "test"},
@@ -59,18 +59,21 @@ def test_build_report_figures_and_targets():
     assert muon["steps_to_adamw_final_loss"] == pytest.approx(18.0)
     assert muon["final_val_loss"] == 2.0 and muon["optimizer_state_bytes"] == 400
     assert "wire_bytes_per_step" in muon
-    met = {t["name"]: t["met"] for t in report["targets"]}
-    assert met == {
-        "steps_to_adamw_final_loss_ratio": True,
-        "muon_final_loss_minus_torch_muon": None,  # baseline not run: not measured
-        "throughput_ratio": False,
-        "peak_memory_ratio": True,
-    }
+    figures = {f["name"]: f for f in report["figures"]}
+    assert set(figures) == {  # torch-muon not run: no loss difference to report
+        "steps_to_adamw_final_loss_ratio", "throughput_ratio", "peak_memory_ratio",
+    }  # fmt: skip
+    assert figures["steps_to_adamw_final_loss_ratio"]["value"] == pytest.approx(0.45)
+    assert figures["throughput_ratio"]["value"] == pytest.approx(0.8)
+    assert figures["peak_memory_ratio"]["published"] is None
     table = format_table(report)
-    assert "18 (0.45x)" in table and "NOT MET" in table
+    assert "18 (0.45x)" in table
+    assert "- throughput_ratio = 0.800; published: 0.979" in table
+    assert "NVIDIA" in table and "arXiv:2502.16982" in table  # each published figure's source
+    assert "target" not in table.lower() and "MET" not in table
 
 
-def test_torch_muon_target_and_never_reached():
+def test_torch_muon_difference_and_never_reached():
     config, records = synthetic_records()
     records["muon"].val_losses[-4:] = [3.9, 3.8, 3.7, 3.6]  # never reaches AdamW's 2.6
     records["torch-muon"] = record(
@@ -80,11 +83,11 @@ def test_torch_muon_target_and_never_reached():
     assert report["steps_to_adamw_final_loss_ratio"] is None
     assert report["contenders"]["muon"]["steps_to_adamw_final_loss"] is None
     assert report["peak_memory_ratio"] is None
-    targets = {t["name"]: t for t in report["targets"]}
-    assert targets["steps_to_adamw_final_loss_ratio"]["met"] is False
-    assert targets["muon_final_loss_minus_torch_muon"]["value"] == pytest.approx(-0.02)
-    assert targets["muon_final_loss_minus_torch_muon"]["met"] is True
-    assert targets["peak_memory_ratio"]["met"] is None
+    figures = {f["name"]: f for f in report["figures"]}
+    assert figures["steps_to_adamw_final_loss_ratio"]["value"] is None
+    assert "never reached" in figures["steps_to_adamw_final_loss_ratio"]["note"]
+    assert figures["muon_final_loss_minus_torch_muon"]["value"] == pytest.approx(-0.02)
+    assert figures["peak_memory_ratio"]["value"] is None
     assert "never" in format_table(report)
 
 

@@ -152,14 +152,41 @@ def test_chunked_update_equals_one_chunk():
 
 
 def test_update_chunk_defaults_per_device(monkeypatch):
-    from muonscale import functional
+    from muonscale.memory import PER_DEVICE, chunk_bytes_for
 
-    monkeypatch.delenv(functional.UPDATE_CHUNK_ENV, raising=False)
-    assert functional.default_update_chunk_bytes(torch.device("cpu")) == 128 * 2**20
-    assert functional.default_update_chunk_bytes(torch.device("cuda", 0)) == 1024 * 2**20
-    assert functional.default_update_chunk_bytes(None) == 128 * 2**20
-    monkeypatch.setenv(functional.UPDATE_CHUNK_ENV, "64")
-    assert functional.default_update_chunk_bytes(torch.device("cuda", 0)) == 64 * 2**20
+    assert chunk_bytes_for(PER_DEVICE, torch.device("cpu")) == 128 * 2**20
+    assert chunk_bytes_for(PER_DEVICE, torch.device("cuda", 0)) == 1024 * 2**20
+    assert chunk_bytes_for(PER_DEVICE, None) == 128 * 2**20
+    assert chunk_bytes_for(4096, torch.device("cuda", 0)) == 4096
+    assert chunk_bytes_for(None, torch.device("cpu")) is None
+    with pytest.raises(ValueError, match="max_chunk_bytes"):
+        chunk_bytes_for(-1, torch.device("cpu"))
+
+
+def test_memory_budget_is_read_from_the_environment_at_construction(monkeypatch):
+    """The environment variables are read once, when the optimizer is built; the functional
+    layer receives plain numbers (and never reads the environment)."""
+    from muonscale.memory import (
+        DEFAULT_NS_WORKSPACE_BYTES,
+        NS_WORKSPACE_ENV,
+        PER_DEVICE,
+        UPDATE_CHUNK_ENV,
+        MemoryBudget,
+    )
+
+    monkeypatch.delenv(UPDATE_CHUNK_ENV, raising=False)
+    monkeypatch.delenv(NS_WORKSPACE_ENV, raising=False)
+    p = nn.Parameter(torch.randn(8, 12))
+    assert Muon([p]).memory == MemoryBudget(PER_DEVICE, DEFAULT_NS_WORKSPACE_BYTES)
+    monkeypatch.setenv(UPDATE_CHUNK_ENV, "64")
+    monkeypatch.setenv(NS_WORKSPACE_ENV, "0.5")
+    opt = Muon([p])
+    assert opt.memory == MemoryBudget(64 * 2**20, 2**19)
+    monkeypatch.setenv(UPDATE_CHUNK_ENV, "1")  # later changes do not reach a built optimizer
+    assert opt.memory.update_chunk_bytes == 64 * 2**20
+    monkeypatch.setenv(UPDATE_CHUNK_ENV, "lots")
+    with pytest.raises(ValueError, match=UPDATE_CHUNK_ENV):
+        Muon([p])
 
 
 @pytest.mark.parametrize("budget", [4, 100, 1000, 5000])
@@ -195,7 +222,7 @@ def test_chunked_adamw_equals_one_chunk(budget):
 def test_step_releases_newton_schulz_workspaces():
     """NS scratch is not held between steps (it would sit on top of the next forward/backward's
     activations); within a step it is reused."""
-    from muonscale.kernels.newton_schulz_fast import cached_workspace_bytes
+    from muonscale.kernels import cached_workspace_bytes
 
     p = nn.Parameter(torch.randn(32, 48))
     opt = Muon([p], lr=0.01, ns_dtype=torch.float32)

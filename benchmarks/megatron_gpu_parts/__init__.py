@@ -6,6 +6,6 @@
 * :mod:`.measure` one training step, the loss on the fixed batch, the phases of a run;
 * :mod:`.report`  medians, tokens/s and ratios, sanity checks, the table and the JSON file.
 
-Imported as a top-level package: ``python benchmarks/megatron_gpu.py`` puts ``benchmarks/``
-first on ``sys.path`` (and the script inserts it when loaded another way).
+Imported as ``benchmarks.megatron_gpu_parts``: run the script from the repository root with
+``PYTHONPATH=.`` (see its docstring).
 """

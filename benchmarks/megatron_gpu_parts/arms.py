@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_gpu_parts.device import Device
-from megatron_gpu_parts.model import build_gpt, seed_weights
+from .device import Device
+from .model import build_gpt, seed_weights
 
 if TYPE_CHECKING:  # the config lives in the entry script, benchmarks/megatron_gpu.py
     from megatron_gpu import BenchConfig

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from megatron_gpu_parts.arms import ARMS, CPU_STANDIN, Arm, build_arm
-from megatron_gpu_parts.device import Device
-from megatron_gpu_parts.model import Batches, resolve_spec
-from megatron_gpu_parts.report import med, sanity, summarize
+from .arms import ARMS, CPU_STANDIN, Arm, build_arm
+from .device import Device
+from .model import Batches, resolve_spec
+from .report import med, sanity, summarize
 
 if TYPE_CHECKING:  # the config lives in the entry script, benchmarks/megatron_gpu.py
     from megatron_gpu import BenchConfig

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from megatron_gpu_parts.device import Device, cpu_shims
+from .device import Device, cpu_shims
 
 if TYPE_CHECKING:  # the config lives in the entry script, benchmarks/megatron_gpu.py
     from megatron_gpu import BenchConfig

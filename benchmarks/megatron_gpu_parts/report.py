@@ -8,7 +8,7 @@ import os
 import statistics
 from typing import TYPE_CHECKING, Any
 
-from megatron_gpu_parts.arms import ARMS, CPU_STANDIN, Arm
+from .arms import ARMS, CPU_STANDIN, Arm
 
 if TYPE_CHECKING:  # the config lives in the entry script, benchmarks/megatron_gpu.py
     from megatron_gpu import BenchConfig

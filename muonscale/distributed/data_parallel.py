@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from .. import functional
-from ..kernels.newton_schulz_fast import clear_workspaces as release_workspaces
+from ..kernels import clear_workspaces
 from ..matrices import MatrixView
+from ..memory import chunk_bytes_for, group_by_budget
 from ..optimizer import Muon
 from .comm import Communicator, WireCounter
 from .dp_global import GlobalOperations
@@ -356,7 +357,7 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
             muon_gathers = self._update_owned_and_gather(present)
             self._wait_and_copy_back(adamw_gathers + muon_gathers)
         finally:
-            release_workspaces()  # NS scratch is not held through the next forward/backward
+            clear_workspaces()  # NS scratch is not held through the next forward/backward
             self._start_cycle()
             self.last_step_wire_bytes, self.last_step_wire_breakdown = self.comm.counter.take()
         return loss
@@ -365,22 +366,15 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
         """Update the owned matrices in waves along the owner stream and launch each bucket's
         all-gather as soon as this rank's slice of it is final, so the gathers of early buckets
         overlap the Newton–Schulz of later ones. Waves hold at most one update chunk
-        (:func:`muonscale.functional.default_update_chunk_bytes`); every rank launches the same
+        (``self.memory.update_chunk_bytes``); every rank launches the same
         buckets in the same order, only the timing differs. Returns (work, copy back) pairs."""
         pending = []
         for stream in self._streams:
             self._write_fill_for_gather(stream)
             owned = stream.layout.owned[self.rank]
-            budget = functional.default_update_chunk_bytes(stream.gather_in.device)
-            waves: list[list[int]] = []
-            used = 0
-            for i in owned:
-                cost = self._params[i].numel() * self._params[i].element_size()
-                if not waves or (used + cost > budget and waves[-1]):
-                    waves.append([])
-                    used = 0
-                waves[-1].append(i)
-                used += cost
+            budget = chunk_bytes_for(self.memory.update_chunk_bytes, stream.gather_in.device)
+            sizes = [self._params[i].numel() * self._params[i].element_size() for i in owned]
+            waves = [[owned[j] for j in wave] for wave in group_by_budget(sizes, budget)]
             next_bucket = 0
             for wave in waves:
                 self._update_owned_matrices(present, only=set(wave))
@@ -434,6 +428,7 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
                 params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                 [s["step"] for s in states], lr=float(group["lr"]), beta1=beta1, beta2=beta2,
                 eps=group["eps"], weight_decay=group["weight_decay"],
+                max_chunk_bytes=self.memory.update_chunk_bytes,
             )  # fmt: skip
             for target, segment in zip(params, segments):
                 if target is not segment:

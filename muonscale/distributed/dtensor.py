@@ -271,6 +271,7 @@ class DTensorMuon(Muon):
             [local_tensor(s["exp_avg"]) for s in states], [local_tensor(s["exp_avg_sq"]) for s in states],
             [s["step"] for s in states], lr=float(group["lr"]), beta1=beta1, beta2=beta2,
             eps=group["eps"], weight_decay=group["weight_decay"],
+            max_chunk_bytes=self.memory.update_chunk_bytes,
         )  # fmt: skip
 
     def _muon(self, entries: list[tuple[torch.Tensor, Mapping[str, Any]]]) -> None:
@@ -345,6 +346,7 @@ class DTensorMuon(Muon):
                 coefficients=group["coefficients"],
                 ns_dtype=ns_dtype,
                 eps=eps,
+                max_workspace_bytes=self.memory.ns_workspace_bytes,
             )
             for (slot, j, _), o in zip(items, ortho):
                 per_param[slot][j] = o
@@ -378,6 +380,7 @@ class DTensorMuon(Muon):
             (o,) = functional.orthogonalize_matrices(
                 [u], ns_steps=group["ns_steps"], coefficients=group["coefficients"],
                 ns_dtype=group["ns_dtype"], eps=group["ns_eps"],
+                max_workspace_bytes=self.memory.ns_workspace_bytes,
             )  # fmt: skip
             out[id(p)] = (o, -update_scale(group["scale"], p.shape[0], math.prod(p.shape[1:])))
         return out

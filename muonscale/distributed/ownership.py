@@ -37,7 +37,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from ..newton_schulz import newton_schulz_flops
+from ..flops import newton_schulz_flops
 
 Shape = tuple[int, int]
 

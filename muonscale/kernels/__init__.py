@@ -3,30 +3,36 @@
 * :func:`newton_schulz_fast` — drop-in for ``newton_schulz`` on stacks of same-shape matrices:
   preallocated workspaces, Triton symmetric kernels on CUDA, optional Gram-matrix form.
 * :func:`newton_schulz_batched_` — the in-place core on a normalized ``(k, m, n)`` stack.
+* :mod:`muonscale.kernels.process_state` — the workspace cache and Triton availability, and
+  :func:`clear_workspaces`, the one way to release the cached scratch.
 * :mod:`muonscale.kernels.triton_symmetric` — the Triton kernels (imported lazily: the library
   imports and runs without ``triton``).
 """
 
 from muonscale.kernels.newton_schulz_fast import (
     GRAM_POLICY,
-    NSWorkspace,
+    NSBackend,
+    NSMethodChoice,
     choose_method,
-    clear_workspaces,
-    gram_flops,
     newton_schulz_batched_,
     newton_schulz_fast,
-    plain_flops,
+)
+from muonscale.kernels.process_state import (
+    NSWorkspace,
+    cached_workspace_bytes,
+    clear_workspaces,
     triton_available,
 )
 
 __all__ = [
     "GRAM_POLICY",
+    "NSBackend",
+    "NSMethodChoice",
     "NSWorkspace",
+    "cached_workspace_bytes",
     "choose_method",
     "clear_workspaces",
-    "gram_flops",
     "newton_schulz_batched_",
     "newton_schulz_fast",
-    "plain_flops",
     "triton_available",
 ]

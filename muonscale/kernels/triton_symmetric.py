@@ -1,39 +1,12 @@
 """Triton kernels for the symmetric products of Newton–Schulz.
 
-One Newton–Schulz step on X (m×n, m <= n) is::
-
-    # f(X) = a X + b (X Xᵀ) X + c (X Xᵀ)² X
-    A = X Xᵀ                 # (m, m), symmetric            2m²n FLOPs as a plain matmul
-    B = b A + c A·A          # (m, m), symmetric (A·A = A Aᵀ) 2m³
-    X ← a X + B X            # (m, n), a plain matmul       2m²n
-
-The first two products have symmetric results, so only the tiles on and above the diagonal
-have to be computed: the kernel here computes tile (i, j), i <= j, once and writes it to both
-(i, j) and (j, i). That halves their FLOPs: m²n + m³ instead of 2m²n + 2m³.
-
-Everything reduces to one kernel, a "symmetric-result matmul" with a fused epilogue::
-
-    C = alpha · X Yᵀ + beta · Z + gamma · I          # X, Y: (k, m, p), Z, C: (k, m, m)
-
-valid whenever X Yᵀ is known to be symmetric: Y = X (a Gram matrix, "syrk"), or X and Y
-symmetric matrices that commute (then X Yᵀ = X Y = Y X = (X Y)ᵀ), e.g. two polynomials in the
-same matrix, as in the Gram-matrix form of Newton–Schulz (see ``newton_schulz_fast``).
-Uses of it:
-
-* ``A = X Xᵀ``                         -> ``sym_matmul(X)``
-* ``B = b A + c A·A``                  -> ``sym_matmul(A, alpha=c, Z=A, beta=b)``  (A·A = A Aᵀ)
-* ``P = a I + b R + c R²``             -> ``sym_matmul(R, alpha=c, Z=R, beta=b, gamma=a)``
-* ``R P²`` (R, P commute)              -> ``sym_matmul(R, P2)``
-
-Diagonal tiles are symmetrized, ``(T + Tᵀ)/2``, so C is exactly symmetric. Accumulation is in
-float32 whatever the input dtype; C is written in X's dtype. Batched over a leading dim: the
-grid is (number of upper-triangular tiles, batch).
-
-Importing this module needs ``triton``; ``muonscale.kernels`` imports it lazily and only for
-CUDA tensors. On CPU the kernels run under the Triton interpreter (tests), either because
-``TRITON_INTERPRET=1`` was set before import, or because a CPU tensor is passed (an
-interpreted twin of each kernel is built on first use). The interpreter gives wrong results
-for bfloat16 ``tl.dot`` (triton-lang/triton#11584): test it in float32/float16 only.
+Two of the three products of a Newton–Schulz step (X Xᵀ, and A·A for symmetric A) have
+symmetric results, so one kernel, :func:`sym_matmul` (C = α·X Yᵀ + β·Z + γ·I for X Yᵀ known
+to be symmetric), computes only the tiles on and above the diagonal and mirrors them: half
+the FLOPs of those products. Accumulation is in float32; C is written in X's dtype and is
+exactly symmetric. Importing this module needs ``triton``; :mod:`muonscale.kernels` imports
+it lazily and only for CUDA tensors. On CPU the kernels run under the Triton interpreter
+(tests). How the kernel is used and its caveats are in ``docs/newton_schulz.md``.
 """
 
 from __future__ import annotations

@@ -116,6 +116,7 @@ class _TensorParallelMatrices:
             coefficients=group["coefficients"],
             ns_dtype=group["ns_dtype"],
             eps=group["ns_eps"],
+            max_workspace_bytes=self.memory.ns_workspace_bytes,
         )
 
         def orthogonalize(_indices: list[int], matrices: list[torch.Tensor]) -> list[torch.Tensor]:

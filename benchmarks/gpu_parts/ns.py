@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import torch
 
+from muonscale.flops import gram_flops, newton_schulz_flops
 from muonscale.kernels import (
     choose_method,
     clear_workspaces,
-    gram_flops,
     newton_schulz_fast,
-    plain_flops,
     triton_available,
 )
-from muonscale.newton_schulz import newton_schulz, newton_schulz_flops, resolve_coefficients
+from muonscale.newton_schulz import newton_schulz, resolve_coefficients
 
 from .matmul import matmul_rate
 from .models import gpt2_shapes
@@ -66,7 +65,7 @@ def section_ns(bench) -> dict:
             "shape": (k, r, c), "ns_flops": flops, "floor_s": flops / rate,
             "auto_method": choose_method(m, n, dt),
             "gram_r2_flops": k * gram_flops(m, n, 5, restart_every=2),
-            "plain_sym_flops": k * plain_flops(m, n, 5, symmetric=True),
+            "plain_sym_flops": k * newton_schulz_flops(m, n, 5, symmetric=True),
         }  # fmt: skip
         for name, t in times.items():
             row[f"{name}_ms"] = t * 1e3

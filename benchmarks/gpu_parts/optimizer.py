@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from muonscale.flops import newton_schulz_flops
 from muonscale.kernels import newton_schulz_fast
-from muonscale.newton_schulz import newton_schulz_flops
 
 from .matmul import matmul_rate
 from .models import CONTEXT, VOCAB, make_optimizer, param_set, state_bytes

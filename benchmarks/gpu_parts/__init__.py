@@ -1,9 +1,9 @@
-"""Sections of ``benchmarks/gpu.py``, one module each.
+"""The parts of ``benchmarks/gpu.py`` (the driver), one module per section.
 
 Every section is a function ``section_<name>(bench) -> dict`` that the driver
 (``benchmarks/gpu.py``: flags, time guard, JSON writing) calls through ``Bench.run``. What a
 section reads from ``bench``: ``device``, ``dtype``, ``smoke``, ``clock`` (a
-:class:`~gpu_sections.timing.Clock`), ``guard`` (``.left()`` seconds), ``models`` (name ->
+:class:`~benchmarks.gpu_parts.timing.Clock`), ``guard`` (``.left()`` seconds), ``models`` (name ->
 (n_layer, d_model, n_head)), ``matmul_rate`` (FLOP/s, set by the matmul section),
 ``cleanup()``, and for the Megatron leg ``args``, ``out_dir`` and ``results``.
 

@@ -1,0 +1,162 @@
+"""Process-wide state of the Newton–Schulz kernels, kept apart from the iterations.
+
+Three things outlive one call: the workspace cache (preallocated buffers per stack shape, so
+the hot path allocates nothing per step), whether the Triton kernels load and run (imported
+lazily, so ``import muonscale`` never needs triton; a failing kernel disables them for the rest
+of the process), and the ``torch.compile``-d iteration. :func:`clear_workspaces` is the one way
+to release the cached memory; the optimizers call it at the end of every step, so scratch is
+reused across the chunks and shapes of one step but not held through the next forward and
+backward. Not thread-safe, and not for concurrent use on several CUDA streams.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+NSMethod = Literal["plain", "gram"]
+"""A Newton–Schulz formulation: the reference iteration or the Gram-matrix form."""
+
+__all__ = [
+    "NSMethod",
+    "NSWorkspace",
+    "cached_workspace_bytes",
+    "clear_workspaces",
+    "compiled",
+    "disable_triton",
+    "get_workspace",
+    "triton_available",
+    "triton_module",
+    "workspace_bytes",
+]
+
+MAX_CACHED_WORKSPACES = 64
+"""At most this many workspaces are cached, whatever their bytes."""
+
+
+@dataclass
+class NSWorkspace:
+    """Buffers for Newton–Schulz on one (k, m, n) stack, allocated on first use and reused.
+
+    ``x`` is the iterate (the caller fills it); every other buffer is scratch.
+    """
+
+    shape: tuple[int, int, int]
+    dtype: torch.dtype
+    device: torch.device
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        buf = self.buffers.get(name)
+        if buf is None or buf.shape != torch.Size(shape):
+            buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self.buffers[name] = buf
+        return buf
+
+    @property
+    def x(self) -> torch.Tensor:
+        return self.get("x", self.shape)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+
+def workspace_bytes(k: int, m: int, n: int, itemsize: int, method: NSMethod) -> int:
+    """Bytes of a workspace for a (k, m, n) stack (x and scratch)."""
+    if method == "gram":
+        return k * itemsize * (2 * m * n + 5 * m * m + 1)
+    return k * itemsize * (2 * m * n + 2 * m * m + 1)
+
+
+_workspaces: OrderedDict[tuple, NSWorkspace] = OrderedDict()
+
+
+def get_workspace(
+    shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    device: torch.device,
+    method: NSMethod,
+    *,
+    max_cached_bytes: int,
+) -> NSWorkspace:
+    """The cached workspace for (shape, dtype, device, method). Least recently used ones are
+    dropped while the cache would hold more than :data:`MAX_CACHED_WORKSPACES` entries or more
+    than ``max_cached_bytes`` with this one, so the memory kept does not grow with the number
+    of matrix shapes."""
+    key = (tuple(shape), dtype, str(device), method)
+    ws = _workspaces.get(key)
+    if ws is not None:
+        _workspaces.move_to_end(key)
+        return ws
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    needed = workspace_bytes(*shape, itemsize, method)
+    while _workspaces and (
+        len(_workspaces) >= MAX_CACHED_WORKSPACES
+        or cached_workspace_bytes() + needed > max_cached_bytes
+    ):
+        _workspaces.popitem(last=False)
+    ws = NSWorkspace(tuple(shape), dtype, torch.device(device))
+    _workspaces[key] = ws
+    return ws
+
+
+def cached_workspace_bytes() -> int:
+    """Bytes held by the workspace cache now."""
+    return sum(ws.nbytes() for ws in _workspaces.values())
+
+
+def clear_workspaces() -> None:
+    """Drop every cached workspace (frees their memory)."""
+    _workspaces.clear()
+
+
+# Triton availability: lazy, so importing muonscale never imports triton.
+_triton: dict[str, object] = {}
+
+
+def triton_available() -> bool:
+    """True when ``triton`` imports and the symmetric kernels module loads (and no kernel
+    failed since; see :func:`disable_triton`)."""
+    if "ok" not in _triton:
+        try:
+            from muonscale.kernels import triton_symmetric
+
+            _triton["module"] = triton_symmetric
+            _triton["ok"] = True
+        except Exception as exc:  # ImportError, or a broken triton install
+            _triton["ok"] = False
+            _triton["error"] = repr(exc)
+    return bool(_triton["ok"])
+
+
+def triton_module():
+    """:mod:`muonscale.kernels.triton_symmetric`; raises when it is unavailable."""
+    if not triton_available():
+        raise RuntimeError(f"triton backend unavailable: {_triton.get('error')}")
+    return _triton["module"]
+
+
+def disable_triton(exc: BaseException) -> None:
+    """``backend="auto"`` falls back to torch for the rest of the process, once, loudly."""
+    _triton["ok"] = False
+    _triton["error"] = repr(exc)
+    warnings.warn(
+        f"muonscale: Triton Newton–Schulz kernels failed ({exc!r}); using torch.bmm from now on",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+_compiled: dict[str, Callable] = {}
+
+
+def compiled(name: str, fn: Callable) -> Callable:
+    """``torch.compile(fn)``, compiled once per process under ``name``."""
+    if name not in _compiled:
+        _compiled[name] = torch.compile(fn, fullgraph=True, dynamic=False)
+    return _compiled[name]
