@@ -91,13 +91,25 @@ class DistributedMuon(Muon):
             parameters, so the all-gather still sends the parameters' dtype. None: parameters
             are updated in their own dtype.
         bucket_cap_mb: approximate size of one bucket (as DDP's ``bucket_cap_mb``).
-        **muon_options: every :class:`muonscale.Muon` option.
+        wire_counter: the :class:`~muonscale.distributed.WireCounter` that counts this
+            optimizer's bytes (None: a new one).
+        **muon_options: every :class:`muonscale.Muon` option, as keywords.
+
+    DTensor parameters are refused: :func:`muonscale.distributed_muon` builds a
+    :class:`~muonscale.distributed.DTensorMuon` for them.
+
+    Attributes:
+        params: every parameter, in param-group order; ``group_of[i]`` is the group of
+            ``params[i]``, ``muon_indices`` / ``adamw_indices`` index into it, ``owner_rank``
+            maps each Muon index to its owner, ``index_of(p)`` is ``p``'s index.
+        reduction: the :class:`~muonscale.distributed.dp_reduction.BucketedReduction` (buffers,
+            hooks, reduce-scatter, all-gather, the AdamW shard state).
 
     ``state_dict()`` is collective and returns the **full** state keyed exactly like
     :class:`muonscale.Muon`'s (momentum gathered from the owners, AdamW shards gathered), so
     ``torch.distributed.checkpoint`` sees replicated tensors and a checkpoint loads at any world
     size, even into single-process ``Muon``. ``load_state_dict()`` takes full state and keeps
-    the local part (no collectives); see :mod:`.full_state`. With main copies each entry also
+    the local part (no collectives); see :mod:`.dp_checkpoint`. With main copies each entry also
     holds ``main_param`` (parameter-shaped, main dtype, gathered whole).
 
     A rank that fails inside ``step()`` makes the others fail in their next collective after
@@ -155,8 +167,9 @@ class DistributedMuon(Muon):
         ]
 
     def _check_same_parameters(self) -> None:
-        """All ranks must hold the same parameter list; raise naming the first difference."""
-        if not self.comm.active:
+        """All ranks must hold the same parameter list; raise naming the first difference. Not on
+        torch's fake process group (one process alone: nothing to compare with)."""
+        if not self.comm.active or dist.get_backend(self.comm.group) == "fake":
             return
         signature = self._signature()
         digest = hashlib.sha256(repr(signature).encode()).digest()
