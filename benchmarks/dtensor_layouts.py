@@ -80,7 +80,6 @@ def layout_worker(rank, world_size, name, mesh_shape, dim, layers, steps):
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
     import muonscale
-    from muonscale.distributed.dtensor import DTensorMuon
     from muonscale.distributed.sharded import duplicated_wire_bytes
 
     shapes, splits = shapes_for(dim, layers)
@@ -104,7 +103,9 @@ def layout_worker(rank, world_size, name, mesh_shape, dim, layers, steps):
             )
             for n, t in init.items()
         ]
-    opt = DTensorMuon(named, splits=splits, approximate_per_shard="approximate" in name, **OPTIONS)
+    opt = muonscale.distributed_muon(
+        named, splits=splits, approximate_per_shard="approximate" in name, **OPTIONS
+    )
     per_step = []
     for k in range(steps):
         grads = _tensors(shapes, 100 + k)
@@ -119,7 +120,7 @@ def layout_worker(rank, world_size, name, mesh_shape, dim, layers, steps):
     diff = max(
         (p.full_tensor() - ref[n]).abs().max().item() for n, p in named if isinstance(p, DTensor)
     )
-    layouts = [opt._layout(p) for n, p in named if opt.routing[n].algorithm == "muon"]
+    layouts = [opt.matrix_layout(p) for n, p in named if opt.routing[n].algorithm == "muon"]
     duplicated = duplicated_wire_bytes(layouts, 4, world_size)
     muon_bytes = (
         sum(b for _, breakdown in per_step for k, b in breakdown.items() if k.startswith("muon/"))

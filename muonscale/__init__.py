@@ -16,7 +16,7 @@ from .scaling import SCALE_RULES, update_scale
 
 __version__ = "0.1.0"
 
-_DISTRIBUTED = ("DistributedMuon", "DTensorMuon")
+_DISTRIBUTED = ("DistributedMuon", "DTensorMuon", "distributed_muon")
 
 
 def __getattr__(name: str):
@@ -38,6 +38,7 @@ __all__ = [
     "RouteDecision",
     "SCALE_RULES",
     "default_ns_dtype",
+    "distributed_muon",
     "newton_schulz",
     "newton_schulz_flops",
     "resolve_coefficients",

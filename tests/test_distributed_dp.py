@@ -84,7 +84,7 @@ def test_world_size_one_is_bitwise_muon():
     a, b = make_model(), make_model()
     oa = muonscale.Muon(a, **OPTS)
     ob = DistributedMuon(b, **OPTS, bucket_cap_mb=1e-4)  # several buckets
-    assert len(ob._buckets) > 3
+    assert ob.reduction.bucket_count > 3
     train(a, oa, 4)
     train(b, ob, 4)
     for p, q in zip(a.parameters(), b.parameters()):
@@ -234,7 +234,7 @@ def train_injected(model, opt, steps, *, first_step=0):
 def main_copies(opt: DistributedMuon) -> dict[str, torch.Tensor]:
     """{name: gathered main copy} from the full state (collective)."""
     full = opt.state_dict()["state"]
-    return {opt._name(p): full[i]["main_param"] for i, p in enumerate(opt._params)}
+    return {opt._name(p): full[i]["main_param"] for i, p in enumerate(opt.params)}
 
 
 def _main_params(rank, world_size, steps):
@@ -312,7 +312,7 @@ def _wire(rank, world_size, precision):
     for _ in range(2):
         opt.zero_grad()
         model(torch.randn(3, 8)).backward()
-        assert opt._next_launch == len(opt._buckets)  # every reduction started in backward
+        assert opt.reduction.unlaunched_buckets() == 0  # every reduction started in backward
         opt.step()
     return opt.last_step_wire_bytes, opt.last_step_wire_breakdown
 

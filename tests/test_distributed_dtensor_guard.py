@@ -1,4 +1,5 @@
-"""DistributedMuon given DTensor parameters returns a DTensorMuon (one process, world 1)."""
+"""``muonscale.distributed_muon`` picks DTensorMuon for DTensor parameters and DistributedMuon for
+plain tensors; DistributedMuon itself refuses DTensors (one process, world 1)."""
 
 import gc
 
@@ -10,7 +11,7 @@ import muonscale
 
 
 @pytest.mark.timeout(120)
-def test_distributed_muon_hands_dtensor_parameters_to_dtensor_muon(tmp_path):
+def test_distributed_muon_factory_picks_the_class_by_parameter_kind(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -19,13 +20,17 @@ def test_distributed_muon_hands_dtensor_parameters_to_dtensor_muon(tmp_path):
         mesh = init_device_mesh("cpu", (1,))
         weight = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
         named = (pair for pair in [("blocks.0.fc.weight", weight)])  # a generator, as named_parameters()
-        opt = muonscale.DistributedMuon(named, lr=1e-3)
+        opt = muonscale.distributed_muon(named, lr=1e-3)
         assert type(opt) is muonscale.DTensorMuon and opt.param_groups[0]["algorithm"] == "muon"
         with pytest.raises(ValueError, match="reduce_dtype does not apply"):
-            muonscale.DistributedMuon([weight], lr=1e-3, reduce_dtype=torch.bfloat16)
+            muonscale.distributed_muon([weight], lr=1e-3, reduce_dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match=r"muonscale\.distributed_muon"):
+            muonscale.DistributedMuon([("blocks.0.fc.weight", weight)], lr=1e-3)
         plain = torch.nn.Parameter(torch.randn(8, 4))
-        dp = muonscale.DistributedMuon((pair for pair in [("w", plain)]), lr=1e-3)
+        dp = muonscale.distributed_muon((pair for pair in [("w", plain)]), lr=1e-3)
         assert type(dp) is muonscale.DistributedMuon and dp.param_groups[0]["params"][0] is plain
+        with pytest.raises(ValueError, match="approximate_per_shard"):
+            muonscale.distributed_muon([plain], lr=1e-3, approximate_per_shard=True)
         del weight, opt, mesh
         gc.collect()
     finally:

@@ -196,7 +196,7 @@ def _fsdp_contenders(model_config, lrs, seed, world_size) -> list[_Contender]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from muonscale.distributed import DTensorMuon
+    from muonscale.distributed import distributed_muon
     from muonscale.train.model import GPT
 
     mesh = init_device_mesh("cpu", (world_size,))
@@ -210,7 +210,7 @@ def _fsdp_contenders(model_config, lrs, seed, world_size) -> list[_Contender]:
         return model
 
     model = sharded()
-    muon = DTensorMuon(model.named_parameters(), **_muon_options(model, lrs["muon"]))
+    muon = distributed_muon(model.named_parameters(), **_muon_options(model, lrs["muon"]))
     out = [_Contender("muon", model, muon)]
     model = sharded()
     adamw = _torch_adamw(model, lrs["adamw"])
@@ -257,7 +257,7 @@ def _tp_contenders(model_config, lrs, seed, world_size, parallel) -> list[_Conte
         parallelize_module,
     )
 
-    from muonscale.distributed import DTensorMuon
+    from muonscale.distributed import distributed_muon
     from muonscale.train.model import GPT
 
     dp, tp = _mesh_shape(parallel, world_size)
@@ -290,7 +290,7 @@ def _tp_contenders(model_config, lrs, seed, world_size, parallel) -> list[_Conte
     model, splits = sharded()
     options = _muon_options(model, lrs["muon"])
     options["splits"] = splits
-    muon = DTensorMuon(model.named_parameters(), **options)
+    muon = distributed_muon(model.named_parameters(), **options)
     out = [_Contender("muon", model, muon)]
     model, _ = sharded()
     # foreach=False: the parameter list mixes DTensors (TP) and plain tensors (replicated)

@@ -1,54 +1,39 @@
 """``DistributedMuon``: data-parallel Muon with whole-matrix owners and ZeRO-1 AdamW.
 
-The class is assembled from three modules: this one (construction, owners, ``step()`` phases),
-:mod:`.dp_streams` (buffers, gradient hooks, reduce-scatter and all-gather) and
-:mod:`.dp_global` (``clip_grad_norm_``, the non-finite agreement, ``state_dict``). Layouts are
-planned in :mod:`.ownership` (who owns which matrix) and :mod:`.buckets` (where each element
-travels)."""
+The optimizer plans owners (:mod:`.ownership`) and runs the ``step()`` phases; it owns a
+:class:`~.dp_reduction.BucketedReduction` (buffers, gradient hooks, reduce-scatter and
+all-gather). ``clip_grad_norm_`` is in :mod:`.dp_grad_clip`, checkpoints in
+:mod:`.dp_checkpoint`. DTensor parameters go to :class:`~.dtensor.DTensorMuon`
+(:func:`muonscale.distributed_muon` picks the class)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from .. import functional
 from ..kernels import clear_workspaces
 from ..matrices import MatrixView
 from ..memory import chunk_bytes_for, group_by_budget
 from ..optimizer import Muon
+from . import dp_checkpoint, dp_grad_clip
 from .comm import Communicator, WireCounter
-from .dp_global import GlobalOperations
-from .dp_streams import BucketedReduction
+from .dp_reduction import BucketedReduction, ReductionOptions
 from .ownership import assign_owners, format_ownership_table, rank_loads
 
 
-def _is_dtensor(t: Any) -> bool:
-    return type(t).__name__ == "DTensor" or type(getattr(t, "data", None)).__name__ == "DTensor"
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` (a tensor or parameter) is a DTensor."""
+    return isinstance(t, DTensor) or isinstance(getattr(t, "data", None), DTensor)
 
 
-def _holds_dtensor(params: Any) -> bool:
-    """Whether any parameter in a ``params`` argument (module, tensors, (name, tensor) pairs or
-    param groups) is a DTensor."""
-    if isinstance(params, torch.nn.Module):
-        return any(_is_dtensor(p) for p in params.parameters())
-    for entry in params:
-        if isinstance(entry, Mapping):
-            inner = entry["params"]
-            if _holds_dtensor([inner] if isinstance(inner, torch.Tensor) else list(inner)):
-                return True
-        elif isinstance(entry, tuple) and len(entry) == 2:
-            if _is_dtensor(entry[1]):
-                return True
-        elif _is_dtensor(entry):
-            return True
-    return False
-
-
-class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
+class DistributedMuon(Muon):
     r"""Data-parallel Muon: each Muon matrix is orthogonalized whole by one owner rank; AdamW
     parameters are sharded ZeRO-1 style. Do **not** wrap the model in DDP: this optimizer
     averages the gradients itself (``p.grad`` keeps the local gradient).
@@ -107,50 +92,31 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
             parameters, so the all-gather still sends the parameters' dtype. None: parameters
             are updated in their own dtype.
         bucket_cap_mb: approximate size of one bucket (as DDP's ``bucket_cap_mb``).
-        **muon_options: every :class:`muonscale.Muon` option.
+        wire_counter: the :class:`~muonscale.distributed.WireCounter` that counts this
+            optimizer's bytes (None: a new one).
+        **muon_options: every :class:`muonscale.Muon` option, as keywords.
+
+    DTensor parameters are refused: :func:`muonscale.distributed_muon` builds a
+    :class:`~muonscale.distributed.DTensorMuon` for them.
+
+    Attributes:
+        params: every parameter, in param-group order; ``group_of[i]`` is the group of
+            ``params[i]``, ``muon_indices`` / ``adamw_indices`` index into it, ``owner_rank``
+            maps each Muon index to its owner, ``index_of(p)`` is ``p``'s index.
+        reduction: the :class:`~muonscale.distributed.dp_reduction.BucketedReduction` (buffers,
+            hooks, reduce-scatter, all-gather, the AdamW shard state).
 
     ``state_dict()`` is collective and returns the **full** state keyed exactly like
     :class:`muonscale.Muon`'s (momentum gathered from the owners, AdamW shards gathered), so
     ``torch.distributed.checkpoint`` sees replicated tensors and a checkpoint loads at any world
     size, even into single-process ``Muon``. ``load_state_dict()`` takes full state and keeps
-    the local part (no collectives); see :mod:`.full_state`. With main copies each entry also
+    the local part (no collectives); see :mod:`.dp_checkpoint`. With main copies each entry also
     holds ``main_param`` (parameter-shaped, main dtype, gathered whole).
 
     A rank that fails inside ``step()`` makes the others fail in their next collective after
     at most the process-group timeout (``init_process_group(timeout=...)``), with a
     :class:`~muonscale.distributed.CollectiveError` that says so.
     """
-
-    def __new__(cls, *args: Any, **kwargs: Any):
-        """Parameters that are DTensors (FSDP2 ``fully_shard``, tensor parallel) are handled by
-        :class:`muonscale.DTensorMuon` (the sharding framework reduces their gradients; whole
-        matrices go to owners by all-to-all): ``DistributedMuon(...)`` returns one.
-        Subclasses are constructed as usual."""
-        params = args[0] if args else kwargs.get("params")
-        if cls is not DistributedMuon or params is None:
-            return super().__new__(cls)
-        materialized = params if isinstance(params, torch.nn.Module) else list(params)
-        if not _holds_dtensor(materialized):
-            instance = super().__new__(cls)
-            # __init__ reads it (params may be a generator)
-            instance._materialized_params = materialized
-            return instance
-        from .dtensor import DTensorMuon
-
-        kwargs.pop("params", None)
-        process_group = args[1] if len(args) > 1 else kwargs.pop("process_group", None)
-        if kwargs.pop("reduce_dtype", None) is not None:
-            raise ValueError(
-                "reduce_dtype does not apply to DTensor parameters: their gradients are reduced "
-                "by FSDP2 (set its MixedPrecisionPolicy(reduce_dtype=...) instead)"
-            )
-        if kwargs.pop("main_params_dtype", None) is not None:
-            raise ValueError(
-                "main_params_dtype does not apply to DTensor parameters (set FSDP2's "
-                "MixedPrecisionPolicy instead)"
-            )
-        kwargs.pop("bucket_cap_mb", None)
-        return DTensorMuon(materialized, process_group=process_group, **kwargs)
 
     def __init__(
         self,
@@ -160,43 +126,37 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
         reduce_dtype: torch.dtype | None = None,
         main_params_dtype: torch.dtype | None = None,
         bucket_cap_mb: float = 25.0,
+        wire_counter: WireCounter | None = None,
         **muon_options: Any,
     ) -> None:
-        params = self.__dict__.pop("_materialized_params", params)
+        options = ReductionOptions(reduce_dtype, main_params_dtype, bucket_cap_mb)
         self._model_of: dict[int, torch.Tensor] = {}  # id(main copy) -> model parameter
         super().__init__(params, **muon_options)
-        if reduce_dtype is not None and not (
-            isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point
-        ):
-            raise ValueError(
-                f"reduce_dtype must be None or a floating torch.dtype, got {reduce_dtype!r}"
-            )
-        if main_params_dtype is not None and not (
-            isinstance(main_params_dtype, torch.dtype) and main_params_dtype.is_floating_point
-        ):
-            raise ValueError(
-                "main_params_dtype must be None or a floating torch.dtype, "
-                f"got {main_params_dtype!r}"
-            )
-        if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
-            raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
-        self.comm = Communicator(process_group, WireCounter())
+        self.comm = Communicator(process_group, wire_counter or WireCounter())
         self.world_size, self.rank = self.comm.world_size, self.comm.rank
-        self.reduce_dtype = reduce_dtype
-        self.main_params_dtype = main_params_dtype
-        self._params = [p for g in self.param_groups for p in g["params"]]
-        self._group_of = [g for g in self.param_groups for _ in g["params"]]
-        self._index = {id(p): i for i, p in enumerate(self._params)}
-        for p in self._params:
+        self.params = [p for g in self.param_groups for p in g["params"]]
+        """Every parameter, in param-group order: the indices of the attributes below."""
+        self.group_of = [g for g in self.param_groups for _ in g["params"]]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        for p in self.params:
+            if is_dtensor(p):
+                raise ValueError(
+                    f"DistributedMuon takes plain tensors, but parameter '{self._name(p)}' is a "
+                    "DTensor (FSDP2 / tensor parallel): build the optimizer with "
+                    "muonscale.distributed_muon(...), which returns a DTensorMuon for DTensor "
+                    "parameters"
+                )
             if not p.is_contiguous():
                 raise ValueError(
                     f"DistributedMuon needs contiguous parameters; '{self._name(p)}' is not"
                 )
         self._check_same_parameters()
         self._assign_owners()
-        self._build_buckets(int(bucket_cap_mb * 2**20))
+        self.reduction = BucketedReduction(
+            self.params, options, muon=self.muon_indices, adamw=self.adamw_indices,
+            owner_rank=self.owner_rank, comm=self.comm, name_of=self._name,
+        )  # fmt: skip
         self._init_local_state()
-        self._register_hooks()
         self.last_step_wire_bytes = 0
         self.last_step_wire_breakdown: dict[str, int] = {}
 
@@ -204,12 +164,13 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
     def _signature(self) -> list[tuple]:
         return [
             (self._name(p), tuple(p.shape), str(p.dtype), g["algorithm"])
-            for p, g in zip(self._params, self._group_of)
+            for p, g in zip(self.params, self.group_of)
         ]
 
     def _check_same_parameters(self) -> None:
-        """All ranks must hold the same parameter list; raise naming the first difference."""
-        if not self.comm.active:
+        """All ranks must hold the same parameter list; raise naming the first difference. Not on
+        torch's fake process group (one process alone: nothing to compare with)."""
+        if not self.comm.active or dist.get_backend(self.comm.group) == "fake":
             return
         signature = self._signature()
         digest = hashlib.sha256(repr(signature).encode()).digest()
@@ -235,27 +196,27 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
         raise ValueError("DistributedMuon: the parameter lists differ between ranks")
 
     def _assign_owners(self) -> None:
-        self._muon = [i for i, g in enumerate(self._group_of) if g["algorithm"] == "muon"]
-        self._adamw = [i for i, g in enumerate(self._group_of) if g["algorithm"] == "adamw"]
+        self.muon_indices = [i for i, g in enumerate(self.group_of) if g["algorithm"] == "muon"]
+        self.adamw_indices = [i for i, g in enumerate(self.group_of) if g["algorithm"] == "adamw"]
         shapes = [
-            self.matrix_view(self._params[i], self._group_of[i]).matrix_shapes for i in self._muon
+            self.matrix_view(self.params[i], self.group_of[i]).matrix_shapes for i in self.muon_indices
         ]
-        sizes = [self._params[i].numel() * self._params[i].element_size() for i in self._muon]
+        sizes = [self.params[i].numel() * self.params[i].element_size() for i in self.muon_indices]
         owners = assign_owners(shapes, self.world_size, sizes=sizes)
-        self.owner_rank: dict[int, int] = dict(zip(self._muon, owners))
-        self._matrix_shapes = dict(zip(self._muon, shapes))
+        self.owner_rank: dict[int, int] = dict(zip(self.muon_indices, owners))
+        self._matrix_shapes = dict(zip(self.muon_indices, shapes))
 
     @torch.no_grad()
     def _init_local_state(self) -> None:
         """Create this rank's state now (owned momentum, AdamW shard views, every step counter,
         main copies), so that no rank's state is empty (DCP's ``get_state_dict`` would otherwise
         call ``step()`` on that rank alone)."""
-        for i in self._muon:
-            p, group = self._params[i], self._group_of[i]
+        for i in self.muon_indices:
+            p, group = self.params[i], self.group_of[i]
             state = self.state[p]
             state["owner_rank"] = self.owner_rank[i]
             if self.owner_rank[i] == self.rank:
-                main_dtype = self._main_dtype(p.dtype)
+                main_dtype = self.reduction.main_dtype(p.dtype)
                 dtype = group["momentum_dtype"] or main_dtype or p.dtype
                 state["momentum_buffer"] = torch.zeros_like(
                     p, dtype=dtype, memory_format=torch.preserve_format
@@ -264,12 +225,12 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
                     main = torch.empty_like(p, dtype=main_dtype).copy_(p)
                     state["main_param"] = main
                     self._model_of[id(main)] = p
-        for i in self._adamw:
-            p = self._params[i]
+        for i in self.adamw_indices:
+            p = self.params[i]
             state = self.state[p]
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            if i in self._segments:  # a flat-bucket shard or a stream fill range
-                store, seg = self._segments[i]
+            if i in self.reduction.segments:  # a flat-bucket shard or a stream fill range
+                store, seg = self.reduction.segments[i]
                 window = slice(seg.buffer_start, seg.buffer_start + seg.length)
                 state["exp_avg"] = store.exp_avg[window]
                 state["exp_avg_sq"] = store.exp_avg_sq[window]
@@ -283,7 +244,7 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
         return p.view(-1)[seg.param_start : seg.param_start + seg.length]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if hasattr(self, "_buckets"):
+        if hasattr(self, "reduction"):
             raise NotImplementedError(
                 "DistributedMuon: parameters are fixed at construction (owners and buckets are "
                 "planned once, on every rank); build a new optimizer instead"
@@ -305,13 +266,62 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
     def _name(self, p: torch.Tensor) -> str:
         return super()._name(self.model_param(p))
 
+    def index_of(self, p: torch.Tensor) -> int:
+        """Position of parameter ``p`` in :attr:`params`."""
+        return self._index[id(p)]
+
     # ================================================================ public helpers
+    @property
+    def reduce_dtype(self) -> torch.dtype | None:
+        """dtype of the Muon gradient reduction (None: the parameters' dtype)."""
+        return self.reduction.options.reduce_dtype
+
+    @property
+    def main_params_dtype(self) -> torch.dtype | None:
+        """dtype of the main copies (None: parameters are updated in their own dtype)."""
+        return self.reduction.options.main_params_dtype
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no reduction) for all but the last micro-batch."""
+        with self.reduction.no_sync():
+            yield
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks (the optimizer no longer reduces during backward)."""
+        self.reduction.remove_hooks()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the averaged gradient by its global norm (collective); returns the norm.
+
+        Same result as ``torch.nn.utils.clip_grad_norm_`` on the averaged gradients of every
+        parameter in one process. ``p.grad`` (local) is not touched: the reduced gradients that
+        ``step()`` uses are scaled (:mod:`.dp_grad_clip`)."""
+        return dp_grad_clip.clip_grad_norm_(self.reduction, self.comm, max_norm, norm_type)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Full state, keyed like :class:`muonscale.Muon`'s (:mod:`.dp_checkpoint`).
+        Collective: call on every rank."""
+        packed = super().state_dict()  # param_groups with indices; its "state" is replaced
+        step_counter, self.comm.counter = self.comm.counter, WireCounter()  # not a step's traffic
+        try:
+            state = dp_checkpoint.gather_full_state(self)
+            packed["state"] = {i: state[i] for i in sorted(state)}
+        finally:
+            self.comm.counter = step_counter
+        return packed
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load full state (from this class, :class:`muonscale.Muon`, or DCP's
+        ``set_state_dict``); every rank keeps its part. No collectives."""
+        dp_checkpoint.load_full_state(self, state_dict)
+
     def ownership_table(self) -> str:
         """Which rank owns which Muon parameter, with NS FLOPs and elements per rank."""
-        names = [self._name(self._params[i]) for i in self._muon]
-        shapes = [self._matrix_shapes[i] for i in self._muon]
-        owners = [self.owner_rank[i] for i in self._muon]
-        numels = [self._params[i].numel() for i in self._muon]
+        names = [self._name(self.params[i]) for i in self.muon_indices]
+        shapes = [self._matrix_shapes[i] for i in self.muon_indices]
+        owners = [self.owner_rank[i] for i in self.muon_indices]
+        numels = [self.params[i].numel() for i in self.muon_indices]
         table = format_ownership_table(names, shapes, owners, self.world_size, numels=numels)
         stats = self.layout_stats()
         return (
@@ -324,17 +334,17 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
         parameters), and over every owner stream: ``stream_elements`` (T per rank),
         ``fill_elements`` (AdamW elements riding in the streams) and ``padding_elements``
         (zeros on the wire, Σ over ranks)."""
-        shapes = [self._matrix_shapes[i] for i in self._muon]
-        owners = [self.owner_rank[i] for i in self._muon]
+        shapes = [self._matrix_shapes[i] for i in self.muon_indices]
+        owners = [self.owner_rank[i] for i in self.muon_indices]
         elements = [0] * self.world_size
-        for i in self._muon:
-            elements[self.owner_rank[i]] += self._params[i].numel()
+        for i in self.muon_indices:
+            elements[self.owner_rank[i]] += self.params[i].numel()
         return {
             "ns_flops": rank_loads(shapes, owners, self.world_size),
             "muon_elements": elements,
-            "stream_elements": sum(s.layout.length for s in self._streams),
-            "fill_elements": sum(s.layout.fill.numel for s in self._streams),
-            "padding_elements": sum(s.layout.padding() for s in self._streams),
+            "stream_elements": sum(s.layout.length for s in self.reduction.streams),
+            "fill_elements": sum(s.layout.fill.numel for s in self.reduction.streams),
+            "padding_elements": sum(s.layout.padding() for s in self.reduction.streams),
         }
 
     # ================================================================ step
@@ -347,20 +357,40 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
             with torch.enable_grad():
                 loss = closure()
         try:
-            self._finish_reductions()
+            self.reduction.finish()
             present, bad = self._agree_on_gradients()
             if bad is not None:
                 self._handle_nonfinite(bad)  # raises on every rank, or counts a skip
                 return loss
             self._update_adamw_shards(present)
-            adamw_gathers = self._launch_adamw_gathers()
+            adamw_gathers = self.reduction.launch_flat_gathers()
             muon_gathers = self._update_owned_and_gather(present)
-            self._wait_and_copy_back(adamw_gathers + muon_gathers)
+            self.reduction.wait_and_copy_back(adamw_gathers + muon_gathers)
         finally:
             clear_workspaces()  # NS scratch is not held through the next forward/backward
-            self._start_cycle()
+            self.reduction.start_cycle()
             self.last_step_wire_bytes, self.last_step_wire_breakdown = self.comm.counter.take()
         return loss
+
+    def _agree_on_gradients(self) -> tuple[list[bool], str | None]:
+        """One all-reduce (max) of per-parameter flags [has a gradient on some rank,
+        non-finite reduced gradient]; returns (present, first non-finite name)."""
+        P, device = len(self.params), self.comm.device
+        has_grad = [p.grad is not None for p in self.params]
+        flags = torch.zeros(2 * P, dtype=torch.int32)  # built on the host, one copy to device
+        flags[:P] = torch.tensor(has_grad, dtype=torch.int32)
+        flags = flags.to(device)
+        if self.nonfinite != "ignore":
+            local = {i: g for i, g in self.reduction.local_reduced_grads().items() if g.numel()}
+            if local:
+                max_abs = torch._foreach_norm(list(local.values()), float("inf"))  # NaN propagates
+                finite = torch.stack([m.to(device) for m in max_abs]).isfinite()
+                index = torch.tensor([P + i for i in local], device=device)
+                flags.index_copy_(0, index, (~finite).to(torch.int32))
+        self.comm.all_reduce(flags, op=dist.ReduceOp.MAX, tag="control")
+        present = [bool(f) for f in flags[:P].tolist()]
+        bad = flags[P:].nonzero()
+        return present, (self._name(self.params[int(bad[0])]) if bad.numel() else None)
 
     def _update_owned_and_gather(self, present: list[bool]) -> list[tuple[Any, Any]]:
         """Update the owned matrices in waves along the owner stream and launch each bucket's
@@ -369,21 +399,21 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
         (``self.memory.update_chunk_bytes``); every rank launches the same
         buckets in the same order, only the timing differs. Returns (work, copy back) pairs."""
         pending = []
-        for stream in self._streams:
-            self._write_fill_for_gather(stream)
+        for stream in self.reduction.streams:
+            self.reduction.write_fill_for_gather(stream)
             owned = stream.layout.owned[self.rank]
             budget = chunk_bytes_for(self.memory.update_chunk_bytes, stream.gather_in.device)
-            sizes = [self._params[i].numel() * self._params[i].element_size() for i in owned]
+            sizes = [self.params[i].numel() * self.params[i].element_size() for i in owned]
             waves = [[owned[j] for j in wave] for wave in group_by_budget(sizes, budget)]
             next_bucket = 0
             for wave in waves:
                 self._update_owned_matrices(present, only=set(wave))
-                self._write_owned_for_gather(stream, wave)
+                self.reduction.write_owned_for_gather(stream, wave)
                 last = wave[-1]
                 ready = stream.layout.offsets[last] + stream.layout.numels[last]
-                launched, next_bucket = self._launch_stream_buckets(stream, next_bucket, ready)
+                launched, next_bucket = self.reduction.launch_stream_gathers(stream, next_bucket, ready)
                 pending += launched
-            launched, _ = self._launch_stream_buckets(stream, next_bucket, stream.layout.length)
+            launched, _ = self.reduction.launch_stream_gathers(stream, next_bucket, stream.layout.length)
             pending += launched
         return pending
 
@@ -399,29 +429,29 @@ class DistributedMuon(GlobalOperations, BucketedReduction, Muon):
                 if present[i] and self.owner_rank[i] == self.rank and (only is None or i in only)
             ]
             # the tensors updated: main copies where kept, else the parameters themselves
-            targets = [self.state[self._params[i]].get("main_param", self._params[i]) for i in mine]
-            grads = [self._reduced_grad(i, t.dtype) for i, t in zip(mine, targets)]
+            targets = [self.state[self.params[i]].get("main_param", self.params[i]) for i in mine]
+            grads = [self.reduction.reduced_grad(i, t.dtype) for i, t in zip(mine, targets)]
             self.update_group(group, targets, grads)
             for i, target in zip(mine, targets):
-                if target is not self._params[i]:
-                    self._params[i].copy_(target)  # rounded into the model's parameter
+                if target is not self.params[i]:
+                    self.params[i].copy_(target)  # rounded into the model's parameter
 
     def _update_adamw_shards(self, present: list[bool]) -> None:
         for group in self.param_groups:
             if group["algorithm"] != "adamw":
                 continue
             indices = [self._index[id(p)] for p in group["params"] if present[self._index[id(p)]]]
-            local = [i for i in indices if i in self._segments]
+            local = [i for i in indices if i in self.reduction.segments]
             for i in indices:
-                if i not in self._segments:  # no local shard: only the step counter moves
-                    self.state[self._params[i]]["step"] += 1
+                if i not in self.reduction.segments:  # no local shard: only the step counter moves
+                    self.state[self.params[i]]["step"] += 1
             if not local:
                 continue
-            states = [self.state[self._params[i]] for i in local]
-            segments = [self._segment_of(self._params[i], self._segments[i][1]) for i in local]
+            states = [self.state[self.params[i]] for i in local]
+            segments = [self._segment_of(self.params[i], self.reduction.segments[i][1]) for i in local]
             # the tensors updated: main copies where kept, else the parameters' segments
             params = [s.get("main_param", seg) for s, seg in zip(states, segments)]
-            grads = [self._reduced_shard_grad(i) for i in local]
+            grads = [self.reduction.reduced_shard_grad(i) for i in local]
             grads = [g if g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(grads, params)]
             beta1, beta2 = group["betas"]
             functional.adamw(

@@ -183,10 +183,11 @@ class DTensorMuon(Muon):
         self._layouts: dict[int, MatrixLayout] = {}
         for group in self.param_groups:  # fail fast on unsupported placements / meshes
             for p in group["params"]:
-                self._layout(p)
+                self.matrix_layout(p)
 
     # ---------------------------------------------------------------- layouts
-    def _layout(self, p: torch.Tensor) -> MatrixLayout:
+    def matrix_layout(self, p: torch.Tensor) -> MatrixLayout:
+        """How ``p`` is laid out over the group, as a 2-D matrix (cached)."""
         layout = self._layouts.get(id(p))
         if layout is None:
             shape2d = (p.shape[0], math.prod(p.shape[1:])) if p.ndim >= 2 else (1, p.numel())
@@ -214,7 +215,7 @@ class DTensorMuon(Muon):
     def _plan(self, entries: list[tuple[torch.Tensor, Mapping[str, Any]]], dtype: torch.dtype):
         key = (tuple(id(p) for p, _ in entries), dtype)
         if key not in self._plans:
-            layouts = [self._layout(p) for p, _ in entries]
+            layouts = [self.matrix_layout(p) for p, _ in entries]
             costs = [self.matrix_view(p, g).matrix_shapes for p, g in entries]
             owners = default_owners(layouts, self.comm.world_size, matrix_shapes=costs)
             self._plans[key] = ShardedMatrices(

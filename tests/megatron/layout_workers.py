@@ -190,7 +190,7 @@ def _result(model, names, opt, norms) -> dict:
         )
     elif opt.dp_mode == "zero1" and getattr(opt, "main_params_dtype", None) is not None:
         full = opt.state_dict()["state"]  # collective over data parallel: main copies gathered
-        held = {local_names[id(p)]: full[i].get("main_param") for i, p in enumerate(opt._params)}
+        held = {local_names[id(p)]: full[i].get("main_param") for i, p in enumerate(opt.params)}
         if any(v is not None for v in held.values()):
             mains = gather_model(model, names, {n: v for n, v in held.items() if v is not None})
     full = gather_model(model, names)

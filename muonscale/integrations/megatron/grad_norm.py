@@ -16,12 +16,13 @@ not finite), so all ranks skip or raise together instead of deadlocking in the n
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from muonscale.distributed.comm import Communicator
+from muonscale.distributed.comm import Communicator, WireCounter
 
 from .plan import MegatronGroups, ParamPlan
 
@@ -73,3 +74,49 @@ def global_grad_norm(
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """``min(1, max_norm / (total_norm + 1e-6))`` as a float32 scalar tensor."""
     return torch.clamp(max_norm / (total_norm.float() + CLIP_EPS), max=1.0)
+
+
+class GlobalGradNorm:
+    """The global gradient norm, clipping and non-finite agreement across every rank of the
+    job, for the gradients of ``plans`` (owned by a Megatron optimizer).
+
+    Attributes:
+        last_norm: the latest norm before clipping (None before the first step).
+    """
+
+    def __init__(
+        self,
+        plans: Sequence[ParamPlan],
+        groups: MegatronGroups,
+        *,
+        counter: WireCounter,
+        dp_replicated: bool,
+        nonfinite: str,
+    ) -> None:
+        self._comm = Communicator(None, counter=counter)  # every rank of the job
+        self._counted = {
+            id(pl.param): counts_in_norm(pl, groups, dp_replicated=dp_replicated) for pl in plans
+        }
+        self.nonfinite = nonfinite
+        self.last_norm: float | None = None
+
+    def norm_and_clip_(
+        self, grads: list[torch.Tensor], owners: list[ParamPlan], max_norm: float
+    ) -> str | None:
+        """Global norm of ``grads`` (this rank's, ``owners[i]`` the plan of ``grads[i]``); clip
+        them in place by ``max_norm`` (0: no clipping). Returns None, or when some rank holds a
+        non-finite gradient: a name to report (the local one if this rank has it)."""
+        counted = [self._counted[id(pl.param)] for pl in owners]
+        norm, first_bad = global_grad_norm(grads, counted, self._comm)
+        self.last_norm = float(norm)
+        if not math.isfinite(self.last_norm):
+            if self.nonfinite == "ignore":
+                return None
+            if first_bad is not None:
+                return owners[first_bad].name
+            return "(a parameter on another rank: the global gradient norm is not finite)"
+        if max_norm > 0 and grads:
+            coef = clip_coefficient(norm, max_norm)
+            if float(coef) < 1.0:
+                torch._foreach_mul_(grads, coef.to(grads[0].device))
+        return None

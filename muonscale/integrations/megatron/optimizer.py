@@ -1,9 +1,11 @@
-"""The optimizers :func:`megatron_muon` builds (see the package docstring)."""
+"""The optimizers :func:`megatron_muon` builds (see the package docstring). Each owns its
+collaborators: a :class:`~.grad_norm.GlobalGradNorm` and an orthogonalizer (by default
+:class:`~.tensor_parallel.TensorParallelOrthogonalizer`) that turns momentum into updates."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import fields, replace
 from typing import Any
 
@@ -13,54 +15,21 @@ from torch import nn
 from muonscale.distributed.comm import Communicator, WireCounter
 from muonscale.distributed.data_parallel import DistributedMuon
 from muonscale.optimizer import Muon
+from muonscale.params import RouteDecision
 
 from .config import MegatronMuonConfig
-from .grad_norm import clip_coefficient, counts_in_norm, global_grad_norm
+from .grad_norm import GlobalGradNorm
 from .main_params import MainParams
 from .plan import MegatronGroups, ParamPlan, plan_parameters
-from .tensor_parallel import _muon_arguments, _TensorParallelMatrices
+from .tensor_parallel import (
+    Orthogonalizer,
+    TensorParallelOrthogonalizer,
+    muon_arguments,
+    muon_update_,
+)
 
 
-class _GlobalGradNorm:
-    """Mixin: the global gradient norm, clipping and non-finite agreement across every rank
-    (:mod:`.grad_norm`). ``last_grad_norm`` is the latest step's norm before clipping."""
-
-    config: MegatronMuonConfig
-    groups: MegatronGroups
-    plans: list[ParamPlan]
-    nonfinite: str
-
-    def _init_grad_norm(self, counter: WireCounter, *, dp_replicated: bool) -> None:
-        self._norm_comm = Communicator(None, counter=counter)  # every rank of the job
-        self._counted = {
-            id(pl.param): counts_in_norm(pl, self.groups, dp_replicated=dp_replicated)
-            for pl in self.plans
-        }
-        self.last_grad_norm: float | None = None
-
-    def _global_norm_and_clip(
-        self, grads: list[torch.Tensor], owners: list[ParamPlan], max_norm: float
-    ) -> str | None:
-        """Global norm of ``grads`` (this rank's, ``owners[i]`` the plan of ``grads[i]``); clip
-        them in place by ``max_norm`` (0: no clipping). Returns None, or when some rank holds a
-        non-finite gradient: a name to report (the local one if this rank has it)."""
-        counted = [self._counted[id(pl.param)] for pl in owners]
-        norm, first_bad = global_grad_norm(grads, counted, self._norm_comm)
-        self.last_grad_norm = float(norm)
-        if not math.isfinite(self.last_grad_norm):
-            if self.nonfinite == "ignore":
-                return None
-            if first_bad is not None:
-                return owners[first_bad].name
-            return "(a parameter on another rank: the global gradient norm is not finite)"
-        if max_norm > 0 and grads:
-            coef = clip_coefficient(norm, max_norm)
-            if float(coef) < 1.0:
-                torch._foreach_mul_(grads, coef.to(grads[0].device))
-        return None
-
-
-class MegatronMuon(_GlobalGradNorm, _TensorParallelMatrices, Muon):
+class MegatronMuon(Muon):
     """:class:`muonscale.Muon` on Megatron-Core parameters, every data-parallel replica running
     the same step (``dp_mode="replicated"``). Gradients come reduced from Megatron's DDP
     (``main_grad``) or are averaged here with one all-reduce per group. Build with
@@ -70,6 +39,12 @@ class MegatronMuon(_GlobalGradNorm, _TensorParallelMatrices, Muon):
     (``main_params_dtype``) → data-parallel mean (unless already reduced) → global norm over
     all ranks (one 8-byte all-reduce; clipped when ``clip_grad > 0``; every rank skips or raises
     together on a NaN/inf anywhere) → Muon (exact TP) / AdamW → main copies written back.
+
+    Args:
+        plans, groups, config: from :func:`megatron_muon`.
+        orthogonalizer: momentum directions → scaled updates (default: a
+            :class:`TensorParallelOrthogonalizer` counting into ``wire_counter``).
+        wire_counter: where every collective's bytes are counted (default: a new one).
 
     Attributes:
         plans: one :class:`ParamPlan` per parameter (``param``: the tensor the optimizer updates,
@@ -84,16 +59,29 @@ class MegatronMuon(_GlobalGradNorm, _TensorParallelMatrices, Muon):
     dp_mode = "replicated"
 
     def __init__(
-        self, plans: Sequence[ParamPlan], groups: MegatronGroups, config: MegatronMuonConfig
+        self,
+        plans: Sequence[ParamPlan],
+        groups: MegatronGroups,
+        config: MegatronMuonConfig,
+        *,
+        orthogonalizer: Orthogonalizer | None = None,
+        wire_counter: WireCounter | None = None,
     ) -> None:
         self.main_params = MainParams(plans, config.main_params_dtype)
-        self._init_megatron(self.main_params.plans, groups, config)
-        self.wire_counter = WireCounter()
+        self.config, self.groups, self.plans = config, groups, list(self.main_params.plans)
+        self._plan_by_id = {id(pl.param): pl for pl in self.plans}
+        self.wire_counter = wire_counter if wire_counter is not None else WireCounter()
         self.last_step_wire_bytes, self.last_step_wire_breakdown = 0, {}
-        param_groups, options = _muon_arguments(self.plans, config)
+        param_groups, options = muon_arguments(self.plans, config)
         super().__init__(param_groups, **options)
-        self._finish_megatron_init()
-        self._init_grad_norm(self.wire_counter, dp_replicated=True)
+        self.routing = {pl.name: RouteDecision(pl.algorithm, pl.reason) for pl in self.plans}
+        self.orthogonalizer = orthogonalizer or TensorParallelOrthogonalizer(
+            groups, config, counter=self.wire_counter
+        )
+        self.grad_norm = GlobalGradNorm(
+            self.plans, groups, counter=self.wire_counter, dp_replicated=True,
+            nonfinite=config.nonfinite,
+        )  # fmt: skip
         has_main_grad = any(hasattr(p, "main_grad") for p in self.main_params.model_params)
         self.grads_reduced = has_main_grad if config.grads_reduced is None else config.grads_reduced
         if not self.grads_reduced:
@@ -127,9 +115,27 @@ class MegatronMuon(_GlobalGradNorm, _TensorParallelMatrices, Muon):
         for pl in owners:
             if pl.param.grad.is_sparse:
                 raise ValueError(f"parameter '{pl.name}' has a sparse gradient; Muon needs dense")
-        return self._global_norm_and_clip(
+        return self.grad_norm.norm_and_clip_(
             [pl.param.grad for pl in owners], owners, self.config.clip_grad
         )
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """Global gradient norm of the latest step, before clipping."""
+        return self.grad_norm.last_norm
+
+    def update_group(
+        self, group: Mapping[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]
+    ) -> None:
+        """AdamW as :class:`muonscale.Muon`; Muon through the orthogonalizer."""
+        if group["algorithm"] != "muon" or not params:
+            return super().update_group(group, params, grads)
+        states = [self.init_state(p, group) for p in params]
+        muon_update_(
+            params, grads, [s["momentum_buffer"] for s in states],
+            [self.matrix_view(p, group) for p in params],
+            [self._plan_by_id[id(p)] for p in params], group, self.orthogonalizer,
+        )  # fmt: skip
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -174,7 +180,7 @@ class MegatronMuon(_GlobalGradNorm, _TensorParallelMatrices, Muon):
             self.main_params.load_state_dict(main)
 
 
-class MegatronDistributedMuon(_GlobalGradNorm, _TensorParallelMatrices, DistributedMuon):
+class MegatronDistributedMuon(DistributedMuon):
     """:class:`muonscale.DistributedMuon` over Megatron's data-parallel group
     (``dp_mode="zero1"``): gradients reduce-scattered to owner ranks during backward, each Muon
     matrix updated by one DP rank (its TP pieces exchanged exactly within that rank's TP group),
@@ -191,20 +197,51 @@ class MegatronDistributedMuon(_GlobalGradNorm, _TensorParallelMatrices, Distribu
         plans: Sequence[ParamPlan],
         groups: MegatronGroups,
         config: MegatronMuonConfig,
+        *,
+        orthogonalizer: Orthogonalizer | None = None,
+        wire_counter: WireCounter | None = None,
         **dp_options: Any,
     ) -> None:
-        self._init_megatron(plans, groups, config)
-        param_groups, options = _muon_arguments(self.plans, config)
+        self.config, self.groups, self.plans = config, groups, list(plans)
+        self._plan_by_id = {id(pl.param): pl for pl in self.plans}
+        self.wire_counter = wire_counter if wire_counter is not None else WireCounter()
+        param_groups, options = muon_arguments(self.plans, config)
         super().__init__(
             param_groups,
             process_group=groups.dp,
             main_params_dtype=config.main_params_dtype,
+            wire_counter=self.wire_counter,
             **options,
             **dp_options,
         )
-        self._finish_megatron_init()
-        self.wire_counter = self.comm.counter
-        self._init_grad_norm(self.wire_counter, dp_replicated=False)
+        self.routing = {pl.name: RouteDecision(pl.algorithm, pl.reason) for pl in self.plans}
+        self.orthogonalizer = orthogonalizer or TensorParallelOrthogonalizer(
+            groups, config, counter=self.wire_counter
+        )
+        self.grad_norm = GlobalGradNorm(
+            self.plans, groups, counter=self.wire_counter, dp_replicated=False,
+            nonfinite=config.nonfinite,
+        )  # fmt: skip
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """Global gradient norm of the latest step, before clipping."""
+        return self.grad_norm.last_norm
+
+    def update_group(
+        self, group: Mapping[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]
+    ) -> None:
+        """AdamW as :class:`muonscale.Muon`; Muon (owned matrices or their main copies) through
+        the orthogonalizer."""
+        if group["algorithm"] != "muon" or not params:
+            return super().update_group(group, params, grads)
+        states = [self.init_state(p, group) for p in params]
+        muon_update_(
+            params, grads, [s["momentum_buffer"] for s in states],
+            [self.matrix_view(p, group) for p in params],
+            [self._plan_by_id[id(self.model_param(p))] for p in params], group,
+            self.orthogonalizer,
+        )  # fmt: skip
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -212,16 +249,17 @@ class MegatronDistributedMuon(_GlobalGradNorm, _TensorParallelMatrices, Distribu
         ranks (each gradient element counted once); returns the norm. Collective."""
         if norm_type != 2.0:
             raise ValueError(f"norm_type must be 2.0 under tensor parallelism, got {norm_type!r}")
-        self._finish_reductions()
-        held = [(i, g) for i, g in self._local_reduced_grads().items() if g.numel()]
-        owners = [self._plan_by_id[id(self._params[i])] for i, _ in held]
-        self._global_norm_and_clip([g for _, g in held], owners, max_norm)
+        self.reduction.finish()
+        held = [(i, g) for i, g in self.reduction.local_reduced_grads().items() if g.numel()]
+        owners = [self._plan_by_id[id(self.params[i])] for i, _ in held]
+        self.grad_norm.norm_and_clip_([g for _, g in held], owners, max_norm)
         return torch.tensor(self.last_grad_norm)
 
     def _agree_on_gradients(self) -> tuple[list[bool], str | None]:
         present, bad = super()._agree_on_gradients()  # over data parallel
-        if bad is None and self.nonfinite != "ignore" and self.last_grad_norm is not None:
-            if not math.isfinite(self.last_grad_norm):  # a NaN/inf on another TP rank
+        norm = self.last_grad_norm
+        if bad is None and self.nonfinite != "ignore" and norm is not None:
+            if not math.isfinite(norm):  # a NaN/inf on another TP rank
                 bad = "(a parameter on another tensor-parallel rank)"
         return present, bad
 
@@ -233,7 +271,7 @@ class MegatronDistributedMuon(_GlobalGradNorm, _TensorParallelMatrices, Distribu
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.last_grad_norm = None
+        self.grad_norm.last_norm = None
         self.clip_grad_norm_(self.config.clip_grad)
         super().step()
         return loss
@@ -300,5 +338,11 @@ def megatron_muon(
                 f"dp_mode='zero1' is not supported with: {'; '.join(zero1_blockers)}"
             )
         _check_self_reduction(plans, groups)
-        return MegatronDistributedMuon(plans, groups, config)
-    return MegatronMuon(plans, groups, config)
+        counter = WireCounter()
+        orthogonalizer = TensorParallelOrthogonalizer(groups, config, counter=counter)
+        return MegatronDistributedMuon(
+            plans, groups, config, orthogonalizer=orthogonalizer, wire_counter=counter
+        )
+    counter = WireCounter()
+    orthogonalizer = TensorParallelOrthogonalizer(groups, config, counter=counter)
+    return MegatronMuon(plans, groups, config, orthogonalizer=orthogonalizer, wire_counter=counter)

@@ -3,7 +3,7 @@ of its TP group (one all-to-all there, one back), never per shard unless asked b
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -12,14 +12,14 @@ import torch.distributed as dist
 from muonscale import functional
 from muonscale.distributed.comm import WireCounter
 from muonscale.distributed.sharded import MatrixLayout, ShardedMatrices
-from muonscale.params import RouteDecision
+from muonscale.matrices import MatrixView
 from muonscale.scaling import update_scale
 
 from .config import MegatronMuonConfig
 from .plan import MegatronGroups, ParamPlan
 
 
-def _muon_arguments(
+def muon_arguments(
     plans: Sequence[ParamPlan], config: MegatronMuonConfig
 ) -> tuple[list[dict], dict[str, Any]]:
     """Param groups (routing pinned by the plan) and :class:`muonscale.Muon` options."""
@@ -42,52 +42,39 @@ def _muon_arguments(
     return param_groups, options
 
 
-class _TensorParallelMatrices:
-    """Mixin over :class:`muonscale.Muon` (or a subclass): the Muon update of
-    :meth:`update_group` orthogonalizes each TP-sharded matrix whole, through one
-    :class:`ShardedMatrices` exchange per TP group (dense and expert)."""
+class TensorParallelOrthogonalizer:
+    """The orthogonalizer the Megatron optimizers are given: each Muon matrix is orthogonalized
+    whole through one :class:`ShardedMatrices` exchange per TP group (dense and expert), then
+    scaled by its *global* shape (times ``muon_extra_scale_factor``).
 
-    config: MegatronMuonConfig
-    groups: MegatronGroups
-    plans: list[ParamPlan]
+    Call it with the momentum directions of one param group (``directions[i]`` shaped like
+    parameter i), their :class:`~muonscale.MatrixView`, their :class:`ParamPlan` and the group;
+    it returns the scaled updates ``s(m, n) O``, parameter-shaped. Collective over each TP group
+    (every rank of it calls with the same matrices); bytes are counted in ``counter``.
+    """
 
-    def _init_megatron(
-        self, plans: Sequence[ParamPlan], groups: MegatronGroups, config: MegatronMuonConfig
+    def __init__(
+        self, groups: MegatronGroups, config: MegatronMuonConfig, *, counter: WireCounter
     ) -> None:
-        self.config, self.groups, self.plans = config, groups, list(plans)
-        self._plan_by_id = {id(pl.param): pl for pl in self.plans}
+        self.groups, self.config, self.counter = groups, config, counter
         self._exchanges: dict[tuple, ShardedMatrices] = {}
-
-    def _finish_megatron_init(self) -> None:
-        self.routing = {pl.name: RouteDecision(pl.algorithm, pl.reason) for pl in self.plans}
-
-    def _tp_wire_counter(self) -> WireCounter:
-        comm = getattr(self, "comm", None)  # DistributedMuon counts every collective in comm
-        return comm.counter if comm is not None else self.wire_counter
 
     def _tp_group(self, expert: bool) -> dist.ProcessGroup | None:
         return self.groups.expt_tp if expert else self.groups.tp
 
-    def update_group(
-        self, group: Mapping[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]
-    ) -> None:
-        if group["algorithm"] != "muon" or not params:
-            return super().update_group(group, params, grads)  # type: ignore[misc]
-        states = [self.init_state(p, group) for p in params]  # type: ignore[attr-defined]
-        directions = functional.momentum_directions_(
-            grads,
-            [s["momentum_buffer"] for s in states],
-            momentum=group["momentum"],
-            nesterov=group["nesterov"],
-        )
+    def __call__(
+        self,
+        directions: Sequence[torch.Tensor],  # parameter-shaped momentum directions U
+        views: Sequence[MatrixView],
+        plans: Sequence[ParamPlan],
+        group: Mapping[str, Any],
+    ) -> list[torch.Tensor]:
         exact = self.config.muon_tp_mode == "exact"
         # Every matrix joins the exchange of its TP group (dense or expert): a TP piece with its
         # global layout, or a matrix this rank holds whole (replicated layout: computed here).
-        batches: dict[bool, list[tuple[torch.Tensor, MatrixLayout]]] = {False: [], True: []}
+        batches: dict[bool, list[tuple[torch.Tensor, MatrixView]]] = {False: [], True: []}
         slots: list[list[tuple[bool, int, tuple[int, int]]]] = []
-        for p, direction in zip(params, directions):
-            model_param = getattr(self, "model_param", None)  # a main copy's model parameter
-            plan = self._plan_by_id[id(p if model_param is None else model_param(p))]
+        for direction, view, plan in zip(directions, views, plans):
             kind = plan.expert
             group_size = MegatronGroups.size(self._tp_group(kind))
             # A head of a QKV split lies whole on one rank; Q, K, V blocks are dim-0 pieces.
@@ -95,7 +82,7 @@ class _TensorParallelMatrices:
                 plan.qkv_layout is not None and self.config.qkv_split == "head"
             )
             entries = []
-            for mat in self.matrix_view(p, group).to_matrices(direction):  # type: ignore[attr-defined]
+            for mat in view.to_matrices(direction):
                 m, n = mat.shape
                 full = (m, n)
                 if sharded:
@@ -134,22 +121,49 @@ class _TensorParallelMatrices:
             exchange = self._exchanges.get(key)
             if exchange is None:
                 exchange = ShardedMatrices(
-                    [lay for _, lay in items],
-                    group=tp_group,
-                    counter=self._tp_wire_counter(),
-                    tag="muon_tp",
+                    [lay for _, lay in items], group=tp_group, counter=self.counter, tag="muon_tp"
                 )
                 self._exchanges[key] = exchange
             results[kind] = exchange.apply([mat for mat, _ in items], orthogonalize)
 
-        # W ← W (1 − η λ) − η s(m, n) O, s from the matrix's *global* shape
-        lr, wd = float(group["lr"]), group["weight_decay"]
+        # s(m, n) from the matrix's *global* shape
         extra = self.config.muon_extra_scale_factor
-        for p, entries in zip(params, slots):
+        updates = []
+        for direction, view, entries in zip(directions, views, slots):
             scaled = [
-                results[kind][slot].to(p.dtype) * (update_scale(group["scale"], *full) * extra)
+                results[kind][slot].to(direction.dtype)
+                * (update_scale(group["scale"], *full) * extra)
                 for kind, slot, full in entries
             ]
-            if wd != 0:
-                p.mul_(1 - lr * wd)
-            p.add_(self.matrix_view(p, group).from_matrices(scaled).reshape(p.shape), alpha=-lr)  # type: ignore[attr-defined]
+            updates.append(view.from_matrices(scaled).reshape(direction.shape))
+        return updates
+
+
+Orthogonalizer = Callable[
+    [Sequence[torch.Tensor], Sequence[MatrixView], Sequence[ParamPlan], Mapping[str, Any]],
+    list[torch.Tensor],
+]
+"""What the Megatron optimizers call to turn momentum directions into scaled updates."""
+
+
+@torch.no_grad()
+def muon_update_(
+    params: Sequence[torch.Tensor],  # updated in place
+    grads: Sequence[torch.Tensor],  # same shapes
+    momentum_buffers: Sequence[torch.Tensor],  # same shapes, updated in place
+    views: Sequence[MatrixView],
+    plans: Sequence[ParamPlan],
+    group: Mapping[str, Any],
+    orthogonalize: Orthogonalizer,
+) -> None:
+    """Muon's step with an injected orthogonalizer: B ← B.lerp(G, 1 − μ), U = G.lerp(B, μ) or
+    B; W ← W (1 − η λ) − η · ``orthogonalize(U)``."""
+    directions = functional.momentum_directions_(
+        list(grads), list(momentum_buffers), momentum=group["momentum"], nesterov=group["nesterov"]
+    )
+    updates = orthogonalize(directions, views, plans, group)
+    lr, wd = float(group["lr"]), group["weight_decay"]
+    for p, update in zip(params, updates):
+        if wd != 0:
+            p.mul_(1 - lr * wd)
+        p.add_(update, alpha=-lr)

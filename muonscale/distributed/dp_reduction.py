@@ -1,20 +1,11 @@
-"""Runtime of :class:`~muonscale.distributed.DistributedMuon`'s buckets: the buffers laid out by
-:mod:`.buckets`, the gradient hooks that launch each bucket's reduce-scatter during backward,
-and the all-gathers that bring updated parameters back.
+"""The bucketed gradient reduction that :class:`~muonscale.distributed.DistributedMuon` owns:
+the buffers laid out by :mod:`.buckets` (owner streams with their AdamW fill, flat ZeRO-1
+buckets), the gradient hooks that launch each bucket's reduce-scatter during backward, and the
+all-gathers that bring updated parameters back. Every collective goes through :mod:`.comm`.
 
-:class:`BucketedReduction` is a mixin of ``DistributedMuon``; it reads the attributes the
-optimizer sets at construction (``comm``, ``world_size``, ``rank``, ``reduce_dtype``,
-``_params``, ``_muon``, ``_adamw``, ``owner_rank``) and owns the rest:
-
-* ``_streams``: one :class:`_Stream` per (dtype, device) of Muon parameters (owner streams,
-  with their AdamW fill, :class:`_FillShard`);
-* ``_shards``: one :class:`_Shards` per flat ZeRO-1 bucket of the other AdamW parameters;
-* ``_buckets``: every reduction unit in launch order; ``_segments``: AdamW parameter -> (its
-  :class:`_Shards` or :class:`_FillShard`, its segment on this rank).
-
-With main copies (``main_params_dtype``), a flat shard or fill range of low-precision
-parameters also holds ``main_param``, the main copies of its elements, and its AdamW moments
-are in the main dtype; the gradient and gather buffers keep the parameters' dtype.
+The AdamW state of this rank's shards lives beside the buffers it updates (``exp_avg``,
+``exp_avg_sq`` and, with ``main_params_dtype``, ``main_param`` in the main dtype); gradient and
+gather buffers keep the parameters' dtype (the Muon reduction: ``reduce_dtype``).
 """
 
 from __future__ import annotations
@@ -40,7 +31,7 @@ from .comm import Communicator
 
 
 @dataclass
-class _FillShard:
+class FillShard:
     """This rank's range of a stream's AdamW fill: a ZeRO-1 shard that rides in the stream."""
 
     layout: StreamFill
@@ -52,7 +43,7 @@ class _FillShard:
 
 
 @dataclass
-class _Stream:
+class StreamBuffers:
     """Runtime buffers of the owner streams of one (dtype, device) of Muon parameters."""
 
     layout: OwnerStreams
@@ -60,11 +51,11 @@ class _Stream:
     send: list[torch.Tensor]  # per bucket (N·L_b,) reduce dtype
     gather_in: torch.Tensor  # (T,) param dtype: this rank's updated parameters
     gather_out: list[torch.Tensor]  # per bucket (N·L_b,) param dtype
-    fill: _FillShard | None
+    fill: FillShard | None
 
 
 @dataclass
-class _Shards:
+class FlatShard:
     """Runtime buffers of one AdamW flat bucket (ZeRO-1)."""
 
     layout: FlatBucket
@@ -95,29 +86,85 @@ class _Bucket:
         self.launched = False
 
 
-def _on_grad_ready(optimizer_ref: weakref.ref, param: torch.Tensor) -> None:
-    optimizer = optimizer_ref()
-    if optimizer is not None:
-        optimizer._grad_ready(param)
+def _on_grad_ready(reduction_ref: weakref.ref, param: torch.Tensor) -> None:
+    reduction = reduction_ref()
+    if reduction is not None:
+        reduction.grad_ready(param)
+
+
+def _check_dtype_option(name: str, value: Any) -> None:
+    if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+        raise ValueError(f"{name} must be None or a floating torch.dtype, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ReductionOptions:
+    """Options of :class:`BucketedReduction` (validated here, read only there)."""
+
+    reduce_dtype: torch.dtype | None = None
+    """dtype of the Muon gradient reduction (None: the parameter's dtype)."""
+    main_params_dtype: torch.dtype | None = None
+    """dtype of main copies of parameters with fewer bits (None: no main copies)."""
+    bucket_cap_mb: float = 25.0
+    """Approximate size of one bucket (as DDP's ``bucket_cap_mb``)."""
+
+    def __post_init__(self) -> None:
+        _check_dtype_option("reduce_dtype", self.reduce_dtype)
+        _check_dtype_option("main_params_dtype", self.main_params_dtype)
+        cap = self.bucket_cap_mb
+        if isinstance(cap, bool) or not (isinstance(cap, (int, float)) and cap > 0):
+            raise ValueError(f"bucket_cap_mb must be a positive number, got {cap!r}")
 
 
 class BucketedReduction:
-    """Buckets, gradient hooks, reduce-scatter and all-gather of ``DistributedMuon``."""
+    """Buckets, gradient hooks, reduce-scatter and all-gather of data-parallel Muon.
 
-    comm: Communicator
-    world_size: int
-    rank: int
-    reduce_dtype: torch.dtype | None
-    main_params_dtype: torch.dtype | None
-    _params: list[torch.Tensor]
-    _muon: list[int]
-    _adamw: list[int]
-    owner_rank: dict[int, int]
+    Args:
+        params: every parameter, in the optimizer's order (indices below refer to it).
+        options: :class:`ReductionOptions`.
+        muon, adamw: indices of the Muon and AdamW parameters.
+        owner_rank: owner rank of each Muon index.
+        comm: the data-parallel :class:`~muonscale.distributed.comm.Communicator`.
+        name_of: a parameter's name, for error messages.
+
+    Attributes:
+        streams: one :class:`StreamBuffers` per (dtype, device) of Muon parameters.
+        flat_shards: one :class:`FlatShard` per flat ZeRO-1 bucket of the other AdamW
+            parameters.
+        segments: AdamW parameter index -> (its :class:`FlatShard` or :class:`FillShard`, its
+            segment on this rank).
+    """
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        options: ReductionOptions,
+        *,
+        muon: list[int],
+        adamw: list[int],
+        owner_rank: dict[int, int],
+        comm: Communicator,
+        name_of: Callable[[torch.Tensor], str] = lambda p: "<parameter>",
+    ) -> None:
+        self.params, self.options, self.comm, self.owner_rank = params, options, comm, owner_rank
+        self.rank, self.world_size = comm.rank, comm.world_size
+        self.muon, self.adamw = muon, adamw
+        self._name_of = name_of
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._build_buckets(int(options.bucket_cap_mb * 2**20))
+        self._sync = True
+        self.start_cycle()
+        ref = weakref.ref(self)
+        self._hook_handles = [
+            p.register_post_accumulate_grad_hook(lambda param, ref=ref: _on_grad_ready(ref, param))
+            for p in params
+            if p.requires_grad
+        ]
 
     # ================================================================ construction
-    def _main_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
+    def main_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
         """dtype of the main copies of parameters of ``dtype`` (None: updated in their own)."""
-        main = self.main_params_dtype
+        main = self.options.main_params_dtype
         if main is None or not dtype.is_floating_point:
             return None
         return main if torch.finfo(dtype).bits < torch.finfo(main).bits else None
@@ -127,21 +174,21 @@ class BucketedReduction:
         (dtype, device): one owner stream or set of flat buckets per group."""
         groups: dict[tuple, list[int]] = {}
         for i in sorted(indices, reverse=True):
-            p = self._params[i]
+            p = self.params[i]
             groups.setdefault((p.dtype, p.device), []).append(i)
         return groups
 
     def _build_buckets(self, cap_bytes: int) -> None:
         """Owner streams (Muon, levelled with AdamW fill), flat buckets (the other AdamW
         parameters), and one launch order for both."""
-        numels = {i: p.numel() for i, p in enumerate(self._params)}
+        numels = {i: p.numel() for i, p in enumerate(self.params)}
         N = self.world_size
-        adamw_groups = self._by_dtype_and_device(self._adamw)
+        adamw_groups = self._by_dtype_and_device(self.adamw)
         filled: set[int] = set()
-        self._streams: list[_Stream] = []
+        self.streams: list[StreamBuffers] = []
         buckets: list[_Bucket] = []
-        for (dtype, device), members in self._by_dtype_and_device(self._muon).items():
-            rdtype = self.reduce_dtype or dtype
+        for (dtype, device), members in self._by_dtype_and_device(self.muon).items():
+            rdtype = self.options.reduce_dtype or dtype
             cap = cap_bytes * 8 // torch.finfo(rdtype).bits
             # Fill candidates: AdamW parameters of the stream's dtype, the last ready in
             # backward first (they pair with the stream ends, which wait for the first layers).
@@ -160,25 +207,25 @@ class BucketedReduction:
             fill = None
             if layout.fill.params:
                 start, n = layout.fill.stream_starts[self.rank], layout.fill.lengths[self.rank]
-                main_dtype = self._main_dtype(dtype)
+                main_dtype = self.main_dtype(dtype)
                 moments = [
                     torch.zeros(n, dtype=main_dtype or dtype, device=device) for _ in range(2)
                 ]
                 main = (
                     None if main_dtype is None else torch.zeros(n, dtype=main_dtype, device=device)
                 )
-                fill = _FillShard(layout.fill, recv[start : start + n], *moments, main)
-            stream = _Stream(layout, recv, send, gather_in, gather_out, fill)
-            self._streams.append(stream)
+                fill = FillShard(layout.fill, recv[start : start + n], *moments, main)
+            stream = StreamBuffers(layout, recv, send, gather_in, gather_out, fill)
+            self.streams.append(stream)
             buckets += [
                 _Bucket("muon", b.params, stream=stream, index=k)
                 for k, b in enumerate(layout.buckets)
             ]
-        self._shards: list[_Shards] = []
+        self.flat_shards: list[FlatShard] = []
         for (dtype, device), members in adamw_groups.items():
             cap = cap_bytes * 8 // torch.finfo(dtype).bits
             members = [i for i in members if i not in filled]
-            main_dtype = self._main_dtype(dtype)
+            main_dtype = self.main_dtype(dtype)
             for layout in plan_flat_buckets(members, numels, N, cap):
                 full = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
                 shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
@@ -189,52 +236,41 @@ class BucketedReduction:
                 main = None
                 if main_dtype is not None:
                     main = torch.zeros(layout.shard_numel, dtype=main_dtype, device=device)
-                shards = _Shards(layout, full, shard, exp_avg, exp_avg_sq, main)
-                self._shards.append(shards)
+                shards = FlatShard(layout, full, shard, exp_avg, exp_avg_sq, main)
+                self.flat_shards.append(shards)
                 buckets.append(_Bucket("adamw", frozenset(layout.params), shards=shards))
         # Launch order: by the last gradient a bucket waits for (backward runs in reverse).
-        position = {i: len(self._params) - 1 - i for i in range(len(self._params))}
+        position = {i: len(self.params) - 1 - i for i in range(len(self.params))}
         buckets.sort(key=lambda b: max((position[p] for p in b.params), default=-1))
         self._buckets = buckets
-        self._buckets_of: dict[int, list[_Bucket]] = {i: [] for i in range(len(self._params))}
+        self._buckets_of: dict[int, list[_Bucket]] = {i: [] for i in range(len(self.params))}
         for b in buckets:
             for p in b.params:
                 self._buckets_of[p].append(b)
-        # AdamW parameter -> (its flat bucket or stream fill, its segment on this rank)
-        self._segments: dict[int, tuple[_Shards | _FillShard, Any]] = {}
-        for shards in self._shards:
+        self.segments: dict[int, tuple[FlatShard | FillShard, Any]] = {}
+        for shards in self.flat_shards:
             for seg in shards.layout.segments(self.rank):
-                self._segments[seg.param] = (shards, seg)
-        for stream in self._streams:
+                self.segments[seg.param] = (shards, seg)
+        for stream in self.streams:
             if stream.fill is not None:
                 for seg in stream.fill.layout.segments(self.rank):
-                    self._segments[seg.param] = (stream.fill, seg)
-
-    def _register_hooks(self) -> None:
-        self._sync = True
-        self._start_cycle()
-        ref = weakref.ref(self)
-        self._hook_handles = [
-            p.register_post_accumulate_grad_hook(lambda param, ref=ref: _on_grad_ready(ref, param))
-            for p in self._params
-            if p.requires_grad
-        ]
+                    self.segments[seg.param] = (stream.fill, seg)
 
     # ================================================================ public helpers
     def communication_buffer_bytes(self) -> int:
         """Bytes of the persistent reduction/gather buffers (not optimizer state)."""
-        tensors = [t for s in self._streams for t in [s.recv, *s.send]]
+        tensors = [t for s in self.streams for t in [s.recv, *s.send]]
         tensors += [
             t
-            for s in self._streams
+            for s in self.streams
             if s.gather_in is not s.recv
             for t in [s.gather_in, *s.gather_out]
         ]
-        tensors += [t for s in self._shards for t in (s.full, s.shard)]
+        tensors += [t for s in self.flat_shards for t in (s.full, s.shard)]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def remove_hooks(self) -> None:
-        """Detach the gradient hooks (the optimizer no longer reduces during backward)."""
+        """Detach the gradient hooks (no reduction starts during backward any more)."""
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
@@ -248,15 +284,25 @@ class BucketedReduction:
         finally:
             self._sync = previous
 
+    @property
+    def bucket_count(self) -> int:
+        """Reduction units (owner buckets and flat buckets) per step."""
+        return len(self._buckets)
+
+    def unlaunched_buckets(self) -> int:
+        """How many buckets of this cycle have not started their reduction yet."""
+        return len(self._buckets) - self._next_launch
+
     # ================================================================ reductions
-    def _start_cycle(self) -> None:
+    def start_cycle(self) -> None:
+        """Forget this step's reductions: the next backward starts a new cycle."""
         for b in self._buckets:
             b.pending, b.work, b.launched = len(b.params), None, False
         self._ready: set[int] = set()
         self._next_launch = 0
         self._reduced = False
 
-    def _grad_ready(self, param: torch.Tensor) -> None:
+    def grad_ready(self, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: count the parameter in its buckets; launch full ones."""
         if not self._sync:
             return
@@ -264,8 +310,9 @@ class BucketedReduction:
         if i in self._ready:
             if any(b.launched for b in self._buckets_of[i]):
                 raise RuntimeError(
-                    f"gradient of '{self._name(param)}' accumulated again after its reduction was "
-                    "launched: use `with opt.no_sync():` for all but the last backward before step()"
+                    f"gradient of '{self._name_of(param)}' accumulated again after its reduction "
+                    "was launched: use `with opt.no_sync():` for all but the last backward "
+                    "before step()"
                 )
             return
         self._ready.add(i)
@@ -279,12 +326,13 @@ class BucketedReduction:
             self._next_launch += 1
 
     def _local_grad(self, i: int) -> torch.Tensor | None:
-        grad = self._params[i].grad
+        grad = self.params[i].grad
         if grad is None:
             return None
         if grad.is_sparse:
             raise ValueError(
-                f"parameter '{self._name(self._params[i])}' has a sparse gradient; DistributedMuon needs dense gradients"
+                f"parameter '{self._name_of(self.params[i])}' has a sparse gradient; "
+                "DistributedMuon needs dense gradients"
             )
         return grad.reshape(-1)
 
@@ -316,7 +364,7 @@ class BucketedReduction:
         bucket.work = self.comm.reduce_scatter(out, buf, tag=tag, async_op=True)
         bucket.launched = True
 
-    def _finish_reductions(self) -> None:
+    def finish(self) -> None:
         """Launch every bucket backward did not (in order), then wait for all of them."""
         if self._reduced:
             return
@@ -328,40 +376,47 @@ class BucketedReduction:
             bucket.work = None
         self._reduced = True
 
-    def _reduced_grad(self, i: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def reduced_grad(self, i: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Averaged gradient of an owned Muon parameter in ``dtype`` (None: the parameter's);
         a view into the receive stream when that is its dtype."""
-        p = self._params[i]
+        p = self.params[i]
         stream = self._stream_of(i)
         off = stream.layout.offsets[i]
         grad = stream.recv[off : off + p.numel()].view(p.shape)
         dtype = dtype or p.dtype
         return grad if grad.dtype == dtype else grad.to(dtype)
 
-    def _stream_of(self, i: int) -> _Stream:
-        for stream in self._streams:
+    def _stream_of(self, i: int) -> StreamBuffers:
+        for stream in self.streams:
             if i in stream.layout.offsets:
                 return stream
         raise KeyError(i)
 
-    def _reduced_shard_grad(self, i: int) -> torch.Tensor:
+    def reduced_shard_grad(self, i: int) -> torch.Tensor:
         """Averaged gradient of this rank's segment of AdamW parameter ``i`` (a view)."""
-        store, seg = self._segments[i]
+        store, seg = self.segments[i]
         return store.grad[seg.buffer_start : seg.buffer_start + seg.length]
 
-    def _local_reduced_grads(self) -> dict[int, torch.Tensor]:
+    def local_reduced_grads(self) -> dict[int, torch.Tensor]:
         """Every reduced gradient this rank holds: owned matrices and AdamW segments."""
-        out = {i: self._reduced_grad(i) for i in self._muon if self.owner_rank[i] == self.rank}
-        out.update({i: self._reduced_shard_grad(i) for i in self._segments})
+        out = {i: self.reduced_grad(i) for i in self.muon if self.owner_rank[i] == self.rank}
+        out.update({i: self.reduced_shard_grad(i) for i in self.segments})
         return out
 
+    def scale_reduced_grads_(self, coef: torch.Tensor) -> None:
+        """Multiply every reduced gradient this rank holds by ``coef`` (a scalar tensor)."""
+        for stream in self.streams:  # owned matrices and the AdamW fill
+            stream.recv.mul_(coef.to(stream.recv.device))
+        for shards in self.flat_shards:
+            shards.shard.mul_(coef.to(shards.shard.device))
+
     # ================================================================ gathers
-    def _launch_adamw_gathers(self) -> list[tuple[Any, Callable[[], None]]]:
+    def launch_flat_gathers(self) -> list[tuple[Any, Callable[[], None]]]:
         """All-gather every flat bucket's updated shard; returns (work, copy back) pairs."""
         pending = []
-        for shards in self._shards:
+        for shards in self.flat_shards:
             for seg in shards.layout.segments(self.rank):
-                flat = self._params[seg.param].view(-1)
+                flat = self.params[seg.param].view(-1)
                 shards.shard[seg.buffer_start : seg.buffer_start + seg.length].copy_(
                     flat[seg.param_start : seg.param_start + seg.length]
                 )
@@ -369,23 +424,23 @@ class BucketedReduction:
             pending.append((work, functools.partial(self._copy_back_flat, shards)))
         return pending
 
-    def _write_fill_for_gather(self, stream: _Stream) -> None:
+    def write_fill_for_gather(self, stream: StreamBuffers) -> None:
         """Updated AdamW fill segments into the stream's gather buffer (its recv here)."""
         if stream.fill is not None:
             for seg in stream.fill.layout.segments(self.rank):
-                flat = self._params[seg.param].view(-1)
+                flat = self.params[seg.param].view(-1)
                 stream.fill.grad[seg.buffer_start : seg.buffer_start + seg.length].copy_(
                     flat[seg.param_start : seg.param_start + seg.length]
                 )
 
-    def _write_owned_for_gather(self, stream: _Stream, indices: list[int]) -> None:
+    def write_owned_for_gather(self, stream: StreamBuffers, indices: list[int]) -> None:
         """Updated owned parameters ``indices`` into the stream's gather buffer."""
         for i in indices:
-            off, p = stream.layout.offsets[i], self._params[i]
+            off, p = stream.layout.offsets[i], self.params[i]
             stream.gather_in[off : off + p.numel()].copy_(p.view(-1))
 
-    def _launch_stream_buckets(
-        self, stream: _Stream, first: int, ready: int
+    def launch_stream_gathers(
+        self, stream: StreamBuffers, first: int, ready: int
     ) -> tuple[list[tuple[Any, Callable[[], None]]], int]:
         """Launch the all-gathers of buckets ``first, first + 1, …`` whose slice of this rank's
         stream ends at or before ``ready`` (everything before it is final). Returns the (work,
@@ -403,21 +458,22 @@ class BucketedReduction:
             k += 1
         return pending, k
 
-    def _wait_and_copy_back(self, pending: list[tuple[Any, Callable[[], None]]]) -> None:
+    def wait_and_copy_back(self, pending: list[tuple[Any, Callable[[], None]]]) -> None:
+        """Wait for each gather and copy its parameters back into the model."""
         for work, copy_back in pending:
             self.comm.wait(work, "parameter all-gather")
             copy_back()
 
-    def _copy_back_flat(self, shards: _Shards) -> None:
+    def _copy_back_flat(self, shards: FlatShard) -> None:
         layout = shards.layout
         for p, off, n in zip(layout.params, layout.offsets, layout.numels):
-            self._params[p].view(-1).copy_(shards.full[off : off + n])
+            self.params[p].view(-1).copy_(shards.full[off : off + n])
 
     def _copy_back_owned(self, bucket: OwnerBucket, gathered: torch.Tensor) -> None:
         for piece in bucket.pieces:
             if bucket.rank_of(piece) == self.rank:
                 continue  # updated in place already
-            flat = self._params[piece.param].view(-1)
+            flat = self.params[piece.param].view(-1)
             flat[piece.param_start : piece.param_start + piece.length].copy_(
                 gathered[piece.buffer_start : piece.buffer_start + piece.length]
             )

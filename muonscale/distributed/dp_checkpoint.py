@@ -1,4 +1,4 @@
-"""Full (unsharded) optimizer state of :class:`~muonscale.distributed.DistributedMuon`.
+"""Checkpoints of :class:`~muonscale.distributed.DistributedMuon`: full (unsharded) state.
 
 Checkpoint format (a choice, documented here): ``state_dict()`` returns the **full** state,
 keyed exactly like single-process :class:`muonscale.Muon`'s (``momentum_buffer`` per Muon
@@ -13,7 +13,10 @@ matrix; ``step``, ``exp_avg``, ``exp_avg_sq`` per AdamW parameter, parameter-sha
 * Cost: the momentum is broadcast from its owner and AdamW shards are all-gathered at save
   time (one parameter-sized copy of the state per rank while saving).
 
-:func:`gather` is collective; :func:`load` is local (each rank keeps the part it holds).
+:func:`gather_full_state` is collective; :func:`load_full_state` is local (each rank keeps the
+part it holds). Both use the optimizer's public layout (``params``, ``group_of``,
+``muon_indices``, ``adamw_indices``, ``owner_rank``, ``index_of``, ``comm``) and its
+``reduction`` (``streams``, ``flat_shards``, ``segments``, ``main_dtype``).
 """
 
 from __future__ import annotations
@@ -28,19 +31,19 @@ if TYPE_CHECKING:
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def sharded_names(store: Any) -> tuple[str, ...]:
+def _sharded_names(store: Any) -> tuple[str, ...]:
     """The element-wise sharded state of a flat shard or fill range: the AdamW moments, and
     ``main_param`` where it keeps main copies."""
     return ADAMW_MOMENTS + (() if store.main_param is None else ("main_param",))
 
 
 @torch.no_grad()
-def gather(opt: DistributedMuon) -> dict[int, dict[str, torch.Tensor]]:
+def gather_full_state(opt: DistributedMuon) -> dict[int, dict[str, torch.Tensor]]:
     """``{parameter index: state}`` for every parameter, on every rank (collective)."""
     full: dict[int, dict[str, torch.Tensor]] = {}
-    for i in opt._muon:  # momentum (and main copy) live on the owner only
-        p, group, owner = opt._params[i], opt._group_of[i], opt.owner_rank[i]
-        main_dtype = opt._main_dtype(p.dtype)
+    for i in opt.muon_indices:  # momentum (and main copy) live on the owner only
+        p, group, owner = opt.params[i], opt.group_of[i], opt.owner_rank[i]
+        main_dtype = opt.reduction.main_dtype(p.dtype)
         dtypes = {"momentum_buffer": group["momentum_dtype"] or main_dtype or p.dtype}
         if main_dtype is not None:
             dtypes["main_param"] = main_dtype
@@ -52,23 +55,58 @@ def gather(opt: DistributedMuon) -> dict[int, dict[str, torch.Tensor]]:
                 buf = torch.empty_like(p, dtype=dtype)
             opt.comm.broadcast(buf, src=owner, tag="checkpoint")
             full[i][name] = buf
-    for shards in opt._shards:  # AdamW moments: shard r of every flat bucket on rank r
+    for shards in opt.reduction.flat_shards:  # AdamW moments: shard r of every flat bucket
         gathered = {}
-        for name in sharded_names(shards):
+        for name in _sharded_names(shards):
             mine = getattr(shards, name)
             gathered[name] = shards.full.new_empty(shards.full.numel(), dtype=mine.dtype)
             opt.comm.all_gather(gathered[name], mine, tag="checkpoint")  # (padded,)
         layout = shards.layout
         for i, off, n in zip(layout.params, layout.offsets, layout.numels):
-            p = opt._params[i]
+            p = opt.params[i]
             full[i] = {"step": opt.state[p]["step"].clone()}
             for name in gathered:
                 full[i][name] = gathered[name][off : off + n].view(p.shape).clone()
+    full.update(_gather_fill_state(opt))
     return {i: full[i] for i in sorted(full)}
 
 
+def _gather_fill_state(opt: DistributedMuon) -> dict[int, dict[str, torch.Tensor]]:
+    """Full AdamW state (and main copies) of the parameters in stream fills (collective: one
+    all-gather per moment and stream, each rank's range padded to the longest)."""
+    full: dict[int, dict[str, torch.Tensor]] = {}
+    for stream in opt.reduction.streams:
+        fill = stream.fill
+        if fill is None:
+            continue
+        layout, width = fill.layout, max(fill.layout.lengths)
+        names = _sharded_names(fill)
+        gathered = {}
+        for name in names:
+            mine = getattr(fill, name)
+            padded = torch.zeros(width, dtype=mine.dtype, device=mine.device)
+            padded[: mine.numel()].copy_(mine)
+            gathered[name] = torch.empty(
+                opt.world_size * width, dtype=mine.dtype, device=mine.device
+            )
+            opt.comm.all_gather(gathered[name], padded, tag="checkpoint")
+        for i in layout.params:
+            p = opt.params[i]
+            full[i] = {"step": opt.state[p]["step"].clone()}
+            for name in names:
+                full[i][name] = torch.empty_like(p, dtype=gathered[name].dtype)
+        for rank in range(opt.world_size):
+            for seg in layout.segments(rank):
+                src = rank * width + seg.buffer_start
+                for name in names:
+                    full[seg.param][name].view(-1)[
+                        seg.param_start : seg.param_start + seg.length
+                    ] = gathered[name][src : src + seg.length]
+    return full
+
+
 @torch.no_grad()
-def load(opt: DistributedMuon, state_dict: dict[str, Any]) -> None:
+def load_full_state(opt: DistributedMuon, state_dict: dict[str, Any]) -> None:
     """Take full state (keys matched through the saved param groups, as torch does) and keep
     the local part: owned momentum, this rank's AdamW segments, every step counter, and the
     main copies of those (then rounded into the model's parameters; a checkpoint without them
@@ -88,15 +126,15 @@ def load(opt: DistributedMuon, state_dict: dict[str, Any]) -> None:
                 f"loaded param group is {saved['algorithm']!r}, this one {group['algorithm']!r}"
             )
         for p, key in zip(group["params"], saved["params"]):
-            key_of[opt._index[id(p)]] = key
+            key_of[opt.index_of(p)] = key
         for name, value in saved.items():
             if name != "params":
                 group[name] = tuple(value) if name == "betas" else value
     saved_state = state_dict["state"]
-    for i in opt._muon:
+    for i in opt.muon_indices:
         if opt.owner_rank[i] != opt.rank:
             continue
-        p, state = opt._params[i], opt.state[opt._params[i]]
+        p, state = opt.params[i], opt.state[opt.params[i]]
         entry = saved_state.get(key_of[i], {})
         source = entry.get("momentum_buffer")
         buf = state["momentum_buffer"]
@@ -106,14 +144,14 @@ def load(opt: DistributedMuon, state_dict: dict[str, Any]) -> None:
             buf.copy_(source.view(p.shape))
         if "main_param" in state:
             _load_main(state["main_param"], p, entry.get("main_param"))
-    for i in opt._adamw:
+    for i in opt.adamw_indices:
         entry = saved_state.get(key_of[i], {})
-        p = opt._params[i]
+        p = opt.params[i]
         state = opt.state[p]
         state["step"].fill_(float(entry["step"]) if "step" in entry else 0.0)
-        if i not in opt._segments:
+        if i not in opt.reduction.segments:
             continue
-        seg = opt._segments[i][1]
+        seg = opt.reduction.segments[i][1]
         window = slice(seg.param_start, seg.param_start + seg.length)
         for name in ADAMW_MOMENTS:
             source = entry.get(name)
