@@ -481,6 +481,19 @@ def test_clip_grad_norm_matches_single_process(world_size):
         assert diff <= 1e-4
 
 
+@pytest.mark.parametrize("max_norm", [-1.0, float("nan")])
+def test_clip_grad_norm_rejects_negative_or_nan_max_norm(max_norm):
+    model = make_model()
+    opt = DistributedMuon(model, **OPTS)  # world size 1: no process group needed
+    x, y = batch(0)
+    loss_fn(model, x, y).backward()
+    with pytest.raises(ValueError, match="max_norm"):
+        opt.clip_grad_norm_(max_norm)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()  # the refused call changed nothing: the step still runs on unclipped gradients
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 def _nonfinite(rank, world_size, policy):
     model = make_model()
     opt = DistributedMuon(model, **OPTS, nonfinite=policy)

@@ -21,6 +21,8 @@ def clip_grad_norm_(
     """Clip the reduced gradients held in ``reduction`` by their global norm over ``comm``
     (collective); returns the norm, as ``torch.nn.utils.clip_grad_norm_`` on the averaged
     gradients of every parameter in one process."""
+    if not max_norm >= 0:  # also rejects NaN
+        raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}")
     if norm_type not in (2.0, float("inf")):
         raise ValueError(f"norm_type must be 2.0 or inf, got {norm_type!r}")
     reduction.finish()
