@@ -32,6 +32,7 @@ does not work (callers pad, and the padding is counted). torch 2.11 lacks the
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from collections import defaultdict
 from collections.abc import Sequence
@@ -161,13 +162,18 @@ class _SumAfterWork:
         return self._received is None
 
 
+# torch >= 2.13 names them *_single; older versions only have *_tensor. Resolved once, at
+# import, so that counting_torch_collectives (which wraps torch's names) never counts these.
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _reduce_scatter_fn():
-    # torch >= 2.13 names it reduce_scatter_single; older versions only have *_tensor.
-    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return _REDUCE_SCATTER
 
 
 def _all_gather_fn():
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return _ALL_GATHER
 
 
 def _is_initialized() -> bool:
@@ -387,6 +393,48 @@ class Communicator:
             "it give up after at most the process-group timeout, set with "
             "init_process_group(timeout=...) (torch default: 30 min for gloo, 10 min for NCCL)."
         )
+
+
+def native_wire_bytes(op: str, full_bytes: int, world_size: int, backend: str) -> int:
+    """Bytes one rank sends for torch's own collective ``op`` on ``backend`` (for traffic that
+    does not go through :class:`Communicator`, such as FSDP2's): the ring model, except gloo's
+    native reduce-scatter, which sends a whole all-reduce (see the module docstring)."""
+    if op == "reduce_scatter" and backend == "gloo":
+        return ring_wire_bytes("all_reduce", full_bytes, world_size)
+    return ring_wire_bytes(op, full_bytes, world_size)
+
+
+@contextlib.contextmanager
+def counting_torch_collectives(counter: WireCounter, *, tag: str = "torch"):
+    """Count, with :func:`native_wire_bytes`, the all-gathers and reduce-scatters that torch
+    itself issues (FSDP2 looks ``torch.distributed.<name>`` up at call time) while inside."""
+    wrapped = {
+        "all_gather_single": "all_gather",
+        "all_gather_into_tensor": "all_gather",
+        "reduce_scatter_single": "reduce_scatter",
+        "reduce_scatter_tensor": "reduce_scatter",
+    }
+    originals = {name: getattr(dist, name) for name in wrapped if hasattr(dist, name)}
+
+    def counted(name, fn):
+        op = wrapped[name]
+
+        def call(output, input, *args, group=None, **kwargs):
+            full = output if op == "all_gather" else input
+            n = dist.get_world_size(group)
+            counter.add(op, native_wire_bytes(op, tensor_bytes(full), n, dist.get_backend(group)),
+                        tag)  # fmt: skip
+            return fn(output, input, *args, group=group, **kwargs)
+
+        return call
+
+    try:
+        for name, fn in originals.items():
+            setattr(dist, name, counted(name, fn))
+        yield counter
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
 
 
 def gather_wire_stats(source, group: dist.ProcessGroup | None = None) -> dict[str, float]:
