@@ -119,3 +119,57 @@ def test_collectives_and_bytes_on_gloo(world_size):
     totals = [sum(r[1].values()) for r in results]
     assert results[0][2]["mean"] == sum(totals) / n and results[0][2]["max"] == max(totals)
     assert dist.is_available()
+
+
+def _reduce_scatter_impls(rank, world_size):
+    # Rank r contributes values that do not sum exactly in float32 in every order, so the
+    # rank-order oracle below is a real check of the summation order.
+    g = torch.Generator().manual_seed(100 + rank)
+    full = torch.randn(8 * world_size, generator=g) * (10.0 ** (rank - 1))
+    out = {}
+    for impl in ("native", "all_to_all"):
+        comm = Communicator(reduce_scatter_impl=impl)
+        shard = torch.empty(8)
+        comm.wait(comm.reduce_scatter(shard, full, async_op=True))
+        shard16 = torch.empty(8, dtype=torch.bfloat16)
+        comm.reduce_scatter(shard16, full.to(torch.bfloat16))
+        out[impl] = (shard, shard16, comm.counter.total)
+    everyone = torch.empty(world_size * full.numel())
+    Communicator().all_gather(everyone, full)
+    with pytest.raises(ValueError, match="op must be ReduceOp.SUM"):
+        Communicator(reduce_scatter_impl="all_to_all").reduce_scatter(
+            torch.empty(8), full, op=dist.ReduceOp.MAX
+        )
+    return rank, out, everyone.view(world_size, -1), Communicator().reduce_scatter_impl
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_reduce_scatter_by_all_to_all_sums_in_rank_order(world_size):
+    n = world_size
+    for rank, out, everyone, auto_impl in run_workers(_reduce_scatter_impls, n):
+        assert auto_impl == "all_to_all"  # gloo: the native one sends a whole all-reduce
+        mine = everyone[:, 8 * rank : 8 * rank + 8]
+        oracle = mine[0].clone()  # left to right over the ranks, float32
+        for r in range(1, n):
+            oracle += mine[r]
+        shard, shard16, counted = out["all_to_all"]
+        assert torch.equal(shard, oracle)
+        exact = mine.double().sum(0)
+        # float32: n - 1 roundings of a sum of magnitude <= sum|x|
+        tol = (n - 1) * torch.finfo(torch.float32).eps * mine.double().abs().sum(0)
+        assert torch.all((out["native"][0].double() - exact).abs() <= tol)
+        if n == 2:  # a + b == b + a: both implementations agree bitwise
+            assert torch.equal(out["native"][0], shard)
+        # bfloat16: float32 accumulation of bf16 inputs, one rounding to bf16 at the end
+        acc = mine[0].to(torch.bfloat16).float()
+        for r in range(1, n):
+            acc += mine[r].to(torch.bfloat16).float()
+        oracle16 = acc.to(torch.bfloat16)
+        assert torch.equal(shard16, oracle16)
+        # same bytes counted either way: the ring model of a reduce-scatter
+        assert counted == out["native"][2] == int((n - 1) / n * 8 * n * (4 + 2))
+
+
+def test_reduce_scatter_impl_is_checked():
+    with pytest.raises(ValueError, match="reduce_scatter_impl must be"):
+        Communicator(reduce_scatter_impl="ring")

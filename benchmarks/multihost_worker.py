@@ -1,0 +1,170 @@
+"""torchrun worker of ``benchmarks/multihost.py``: trains each contender on the reference GPT
+and measures, per host, the bytes its link carried over K steps (minus an idle window of the
+same length) next to the bytes ``muonscale.distributed.comm`` counted.
+
+Contenders: ``muon`` (DistributedMuon), ``muon-bf16reduce`` (reduce_dtype=bfloat16),
+``adamw-zero1`` (DistributedMuon with every parameter routed to AdamW), ``adamw-ddp`` (DDP +
+torch AdamW, all-reduce counted by a comm hook), ``fsdp-muon`` (DTensorMuon under FSDP2; FSDP2's
+own collectives counted with :func:`~muonscale.distributed.comm.native_wire_bytes`).
+Host ``h``'s local rank 0 writes ``<out>/host<h>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+CONTENDERS = ("muon", "muon-bf16reduce", "adamw-zero1", "adamw-ddp", "fsdp-muon")
+LRS = {"muon": 0.02, "adamw": 1e-3}
+
+
+def _if_bytes(ifname: str) -> tuple[int, int]:
+    stats = Path("/sys/class/net") / ifname / "statistics"
+    return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
+
+
+def _build(names, model_config, seed, world_size):
+    from muonscale.bench.distributed_worker import _dp_contenders, _fsdp_contenders
+
+    out = {}
+    if any(n != "fsdp-muon" for n in names):
+        dtypes = ["float32"] + (["bfloat16"] if "muon-bf16reduce" in names else [])
+        for c in _dp_contenders(model_config, LRS, seed, dtypes):
+            if c.name in names:
+                out[c.name] = c
+            else:
+                c.release()
+    if "fsdp-muon" in names:
+        muon, adamw = _fsdp_contenders(model_config, LRS, seed, world_size)
+        adamw.release()
+        muon.name = "fsdp-muon"
+        out["fsdp-muon"] = muon
+    return [out[n] for n in names]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--contenders", default=",".join(CONTENDERS[:4]))
+    ap.add_argument("--steps", type=int, default=5, help="measured steps per contender (K)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--n-head", type=int, default=8)
+    ap.add_argument("--context-length", type=int, default=128)
+    ap.add_argument("--pg-timeout-s", type=float, default=30.0)
+    ap.add_argument("--interface", default="eth0")
+    ap.add_argument("--kill-rank", type=int, default=-1, help="this rank SIGKILLs itself ...")
+    ap.add_argument("--kill-at-step", type=int, default=1, help="... inside this measured step")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    names = [n for n in a.contenders.split(",") if n]
+    bad = [n for n in names if n not in CONTENDERS]
+    if bad:
+        ap.error(f"--contenders: unknown {bad}; choose from {list(CONTENDERS)}")
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    rank = int(os.environ["RANK"])
+    try:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=a.pg_timeout_s))
+        _run(a, names, rank)
+    except Exception as exc:  # noqa: BLE001 - reported, then a non-zero exit
+        print(f"[multihost_worker] rank {rank} failed: {type(exc).__name__}: {exc}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return 1
+    dist.destroy_process_group()
+    return 0
+
+
+def _run(a, names, rank) -> None:
+    from muonscale.distributed.comm import WireCounter, counting_torch_collectives
+    from muonscale.train.config import model_preset
+    from muonscale.train.data import ByteTokenizer, TokenDataset, load_corpus
+
+    world = dist.get_world_size()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    host = int(os.environ["GROUP_RANK"])
+    cfg = model_preset(
+        "tiny", d_model=a.d_model, n_layer=a.n_layer, n_head=a.n_head,
+        context_length=a.context_length,
+    )  # fmt: skip
+    data = TokenDataset.from_text(load_corpus(), ByteTokenizer(), context_length=cfg.context_length)
+    per_rank = a.global_batch // world
+    if per_rank < 1:
+        raise ValueError(f"--global-batch {a.global_batch} is smaller than the world size {world}")
+    contenders = _build(names, cfg, seed=0, world_size=world)
+    n_params = sum(p.numel() for p in contenders[0].model.parameters())
+    rows = []
+    for c in contenders:
+        torch_counter = WireCounter()
+        step = 0
+
+        def train(k, *, measured=False, c=c, torch_counter=torch_counter):
+            nonlocal step
+            for i in range(k):
+                if measured and rank == a.kill_rank and i == a.kill_at_step:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                ((x, y),) = data.train_batch(seed=0, step=step, batch_size=a.global_batch)
+                mine = slice(rank * per_rank, (rank + 1) * per_rank)
+                with counting_torch_collectives(torch_counter, tag="fsdp2"):
+                    c.train_step(x[mine], y[mine], 1.0)
+                step += 1
+
+        train(a.warmup)
+        torch_counter.reset()
+        dist.barrier()
+        t0, (tx0, rx0) = time.perf_counter(), _if_bytes(a.interface)
+        train(a.steps, measured=True)
+        dist.barrier()
+        t1, (tx1, rx1) = time.perf_counter(), _if_bytes(a.interface)
+        window = t1 - t0
+        dist.barrier()  # idle window of the same length: rendezvous keep-alive, barriers
+        (ix0, irx0) = _if_bytes(a.interface)
+        time.sleep(window)
+        dist.barrier()
+        (ix1, irx1) = _if_bytes(a.interface)
+        counted = sum(c.wire[-a.steps :]) / a.steps
+        torch_bytes = torch_counter.total / a.steps
+        mine = {
+            "host": host,
+            "local_rank": local_rank,
+            "counted_bytes_per_step": counted,
+            "torch_collective_bytes_per_step": torch_bytes,
+            "counted_breakdown": c.breakdown,
+            "torch_breakdown": {k: v / a.steps for k, v in torch_counter.breakdown().items()},
+            "step_s": sum(c.step_s[-a.steps :]) / a.steps,
+            "opt_s": sum(c.opt_s[-a.steps :]) / a.steps,
+            "tx": tx1 - tx0, "rx": rx1 - rx0, "idle_tx": ix1 - ix0, "idle_rx": irx1 - irx0,
+            "window_s": window,
+            "final_loss": c.losses[-1],
+        }  # fmt: skip
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+        rows.append({"optimizer": c.name, "ranks": everyone})
+        c.release()
+    if local_rank == 0:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        result = {
+            "host": host,
+            "world_size": world,
+            "n_params": n_params,
+            "steps": a.steps,
+            "tokens_per_step": a.global_batch * cfg.context_length,
+            "contenders": rows,
+        }
+        (out / f"host{host}.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
