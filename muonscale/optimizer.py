@@ -614,6 +614,9 @@ class Muon(torch.optim.Optimizer):
                 for key, value in self._muon_defaults.items():
                     group.setdefault(key, value)
         super().load_state_dict(state_dict)
+        for s in self.state.values():  # AdamW's step saved as a Python number (older torch)
+            if "step" in s and not torch.is_tensor(s["step"]):
+                s["step"] = torch.tensor(float(s["step"]), dtype=torch.float32)
         # torch casts floating state to the parameter's dtype; restore momentum_dtype.
         for group in self.param_groups:
             if group["algorithm"] == "muon" and group["momentum_dtype"] is not None:
@@ -632,8 +635,9 @@ class Muon(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise ValueError(f"parameter '{self._name(p)}' has a sparse gradient; muonscale.Muon needs dense gradients")
-                grads.append(p.grad)
-                owners.append(p)
+                if p.grad.numel():  # an empty tensor has no max norm (and nothing to check)
+                    grads.append(p.grad)
+                    owners.append(p)
         if self.nonfinite == "ignore" or not grads:
             return None
         return self._first_nonfinite(grads, owners)
