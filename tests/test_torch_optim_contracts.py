@@ -24,7 +24,13 @@ from torch.testing._internal.common_optimizers import (
     optim_inputs_func_muon,
 )
 
-from muonscale import Muon, QKVLayout, newton_schulz
+from muonscale import COEFFICIENT_PRESETS, Muon, QKVLayout, newton_schulz
+from muonscale.newton_schulz import (
+    DIVERGENCE_BOUND,
+    _composed_range,
+    resolve_schedule,
+    validate_coefficients,
+)
 
 
 def _inputs(device, dtype=None):
@@ -459,6 +465,23 @@ def test_polar_express_converges_past_its_five_steps():
     X = newton_schulz(G, steps=16, coefficients="polar_express", ns_dtype=torch.float64)
     sv = torch.linalg.svdvals(X)
     assert (sv - 1).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("preset", sorted(COEFFICIENT_PRESETS))
+def test_presets_stay_bounded_at_full_length_and_beyond(preset):
+    for steps in (len(COEFFICIENT_PRESETS[preset].steps), 8, 16):
+        assert validate_coefficients(preset, steps)  # named presets skip the check: run it here
+        schedule, margin = resolve_schedule(preset, steps)
+        low, high = _composed_range(tuple(schedule), margin)
+        assert 0 <= low and high <= DIVERGENCE_BOUND
+
+
+def test_divergent_user_schedule_is_rejected_by_the_optimizer():
+    # keller's tuple converges; scaling c up by 1.5 sends σ = 1 to 3.4445 − 4.775 + 3.047 ≈ 1.72
+    # after one step and on to infinity
+    with pytest.raises(ValueError, match="diverge"):
+        Muon([torch.randn(3, 3, requires_grad=True)], ns_coefficients=(3.4445, -4.775, 3.047))
+    Muon([torch.randn(3, 3, requires_grad=True)], ns_coefficients=(3.4445, -4.775, 2.0315))
 
 
 def test_splits_survive_qkv_layout_copy():
