@@ -128,7 +128,9 @@ class AdamWGroup(dict):
         return out
 
 
-_PARAMS_TYPE_ERROR = "params argument given to the optimizer should be an iterable of Tensors or dicts"
+_PARAMS_TYPE_ERROR = (
+    "params argument given to the optimizer should be an iterable of Tensors or dicts"
+)
 _FALLBACK_WARNING = (
     "muonscale.Muon: {n} unnamed parameter(s) with >= 2 dims were routed to Muon by tensor rank "
     "alone, so embeddings and output heads cannot be told apart from hidden matrices. Pass "
@@ -362,10 +364,8 @@ class Muon(torch.optim.Optimizer):
         else:
             decisions = {n: route_one(n, p, self._rules) for n, p in named}
             if not has_names:
-                self._unnamed_to_muon += sum(
-                    1 for n, _ in named
-                    if decisions[n].algorithm == "muon" and not decisions[n].reason.startswith("user")
-                )  # fmt: skip
+                by_rank = [n for n, _ in named if not decisions[n].reason.startswith("user")]
+                self._unnamed_to_muon += sum(decisions[n].algorithm == "muon" for n in by_rank)
         for name, decision in decisions.items():
             self.routing.setdefault(name, decision)
         return self._split_by_algorithm(dict(group, params=named), decisions, named=has_names)
@@ -402,7 +402,8 @@ class Muon(torch.optim.Optimizer):
 
     def _warn_unnamed(self) -> None:
         if self._unnamed_to_muon:
-            warnings.warn(_FALLBACK_WARNING.format(n=self._unnamed_to_muon), UserWarning, stacklevel=3)
+            message = _FALLBACK_WARNING.format(n=self._unnamed_to_muon)
+            warnings.warn(message, UserWarning, stacklevel=3)
             self._unnamed_to_muon = 0
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

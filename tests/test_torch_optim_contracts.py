@@ -102,7 +102,9 @@ def _steps(opt, model, n=3, seed=1):
 
 # ------------------------------------------------------------------ TestOptimRenewed mirrors
 @pytest.mark.parametrize(
-    "err", MUONSCALE_INFO.optim_error_inputs_func("cpu", torch.float32), ids=lambda e: e.optimizer_error_input.desc
+    "err",
+    MUONSCALE_INFO.optim_error_inputs_func("cpu", torch.float32),
+    ids=lambda e: e.optimizer_error_input.desc,
 )
 def test_errors(err):
     """TestOptimRenewed.test_errors."""
@@ -348,11 +350,13 @@ def test_momentum_cycling_reaches_adamw_betas(kind):
     """torch's OneCycleLR/CyclicLR momentum tests: β₁ of the AdamW half cycles, as with AdamW."""
     opt = Muon(_model().named_parameters(), lr=1e-3)
     if kind == "onecycle":
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10,
-                                                    base_momentum=0.8, max_momentum=0.9)  # fmt: skip
+        sched = torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=1e-2, total_steps=10, base_momentum=0.8, max_momentum=0.9
+        )
     else:
-        sched = torch.optim.lr_scheduler.CyclicLR(opt, base_lr=1e-4, max_lr=1e-3, step_size_up=2,
-                                                  base_momentum=0.8, max_momentum=0.9)  # fmt: skip
+        sched = torch.optim.lr_scheduler.CyclicLR(
+            opt, base_lr=1e-4, max_lr=1e-3, step_size_up=2, base_momentum=0.8, max_momentum=0.9
+        )
     muon = [g for g in opt.param_groups if g["algorithm"] == "muon"]
     adamw = [g for g in opt.param_groups if g["algorithm"] == "adamw"]
     assert all(g["betas"] == (0.9, 0.95) for g in adamw)
@@ -421,7 +425,9 @@ def test_add_param_group_uses_constructor_defaults():
     new = [("head.bias", torch.randn(4, requires_grad=True)),
            ("emb.weight", torch.randn(5, 4, requires_grad=True))]  # fmt: skip
     opt.add_param_group({"params": new, "algorithm": "adamw"})
-    decay = {n: (g["algorithm"], g["weight_decay"]) for g in opt.param_groups for n in g["param_names"]}
+    decay = {
+        n: (g["algorithm"], g["weight_decay"]) for g in opt.param_groups for n in g["param_names"]
+    }
     assert decay["head.bias"] == ("adamw", 0.0) and decay["emb.weight"] == ("adamw", 0.1)
     opt.add_param_group({"params": [("mlp.weight", torch.randn(4, 4, requires_grad=True))]})
     assert opt.param_groups[-1]["algorithm"] == "muon" and opt.param_groups[-1]["momentum"] == 0.95
