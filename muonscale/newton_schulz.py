@@ -9,8 +9,10 @@ iteration, the presets and their cost are described in ``docs/newton_schulz.md``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -27,12 +29,19 @@ DEFAULT_EPS = 1e-7
 @dataclass(frozen=True)
 class CoefficientPreset:
     """A named Newton–Schulz schedule: one (a, b, c) per step, with the normalization margin
-    its authors use (X₀ = G / (margin · ‖G‖_F)). Past the end of the list the last tuple repeats;
-    with fewer steps than tuples, the first ``steps`` are used."""
+    its authors use (X₀ = G / (margin · ‖G‖_F)). Past the end of the list ``tail`` repeats (the
+    last tuple when ``tail`` is None); with fewer steps than tuples, the first ``steps`` are used."""
 
     steps: tuple[Coefficients, ...]
     normalization_margin: float
     source: str
+    tail: Coefficients | None = None
+
+
+NEWTON_SCHULZ_QUINTIC: Coefficients = (15 / 8, -10 / 8, 3 / 8)
+"""The classical quintic Newton–Schulz step p(σ) = (15σ − 10σ³ + 3σ⁵)/8: p(1) = 1, p'(1) = p''(1)
+= 0, so it converges to the polar factor (Higham, "Functions of Matrices", 2008, §8.3;
+Björck & Bowie, 1971). Used past the end of schedules tuned for a fixed number of steps."""
 
 
 COEFFICIENT_PRESETS: dict[str, CoefficientPreset] = {
@@ -58,6 +67,9 @@ COEFFICIENT_PRESETS: dict[str, CoefficientPreset] = {
         ),
         normalization_margin=1.02,
         source="Amsel et al. (2025), Polar Express; as in modded-nanogpt",
+        # The five tuples leave σ in about [0.9, 1.14]; repeating the last one would settle
+        # near 1.035 (its fixed point), so more steps use the converging classical quintic.
+        tail=NEWTON_SCHULZ_QUINTIC,
     ),
     # Per-step quintic tuples by You Jiacheng, found by optimization with @leloykun's stability
     # loss, posted for modded-nanogpt (https://twitter.com/YouJiacheng/status/1893704552689303901,
@@ -82,9 +94,12 @@ def _check_tuple(t: object, where: str) -> Coefficients:
     if not isinstance(t, (tuple, list)) or len(t) != 3:
         raise ValueError(f"coefficients: {where} must be a tuple (a, b, c) of 3 floats, got {t!r}")
     try:
-        return (float(t[0]), float(t[1]), float(t[2]))
+        out = (float(t[0]), float(t[1]), float(t[2]))
     except (TypeError, ValueError):
         raise ValueError(f"coefficients: {where} must hold 3 numbers, got {t!r}") from None
+    if not all(math.isfinite(v) for v in out):
+        raise ValueError(f"coefficients: {where} must hold finite numbers, got {t!r}")
+    return out
 
 
 def resolve_schedule(
@@ -102,6 +117,8 @@ def resolve_schedule(
             )
         preset = COEFFICIENT_PRESETS[coefficients]
         schedule, margin = list(preset.steps), preset.normalization_margin
+        if steps > len(schedule) and preset.tail is not None:
+            schedule += [preset.tail] * (steps - len(schedule))
     elif (
         isinstance(coefficients, (tuple, list))
         and len(coefficients) == 3
@@ -119,6 +136,47 @@ def resolve_schedule(
     if steps <= len(schedule):
         return schedule[:steps], margin
     return schedule + [schedule[-1]] * (steps - len(schedule)), margin
+
+
+DIVERGENCE_BOUND = 1.5
+"""A schedule whose composed scalar map sends some σ in (0, 1] outside [0, this] is rejected."""
+
+
+@lru_cache(maxsize=64)
+def _composed_range(schedule: tuple[Coefficients, ...], margin: float) -> tuple[float, float]:
+    """(min, max) of the composed map p_k ∘ … ∘ p_1 (σ / margin) over σ in (0, 1], on a grid
+    dense near 0 (geometric) and on (0, 1] (uniform), in float64."""
+    grid = torch.cat(
+        [torch.logspace(-9, 0, 2049, dtype=torch.float64),
+         torch.linspace(0, 1, 16385, dtype=torch.float64)[1:]]
+    )  # fmt: skip
+    x = grid / margin
+    for a, b, c in schedule:
+        x2 = x * x
+        x = x * (a + x2 * (b + c * x2))
+        x = torch.nan_to_num(x, nan=math.inf).clamp(-1e30, 1e30)  # keep a diverging map finite
+    return float(x.min()), float(x.max())
+
+
+def validate_coefficients(
+    coefficients: str | Coefficients | Sequence[Coefficients], steps: int
+) -> list[Coefficients]:
+    """:func:`resolve_coefficients` plus a check that the schedule keeps singular values bounded:
+    the composed map σ ↦ aσ + bσ³ + cσ⁵ over the ``steps`` tuples must send every σ in (0, 1] into
+    [0, :data:`DIVERGENCE_BOUND`]. Raises ``ValueError`` otherwise (construction-time check).
+    Named presets are published schedules and are not checked here (cut short, Polar Express
+    passes through σ ≈ 2 on purpose); the tests check each at its full length and beyond."""
+    schedule, margin = resolve_schedule(coefficients, steps)
+    if isinstance(coefficients, str):
+        return schedule
+    low, high = _composed_range(tuple(schedule), margin)
+    if low < 0 or high > DIVERGENCE_BOUND:
+        raise ValueError(
+            f"coefficients: {coefficients!r} over ns_steps={steps} diverge: the composed map "
+            f"x ↦ ax + bx³ + cx⁵ sends x in (0, 1] to [{low:.3g}, {high:.3g}], outside "
+            f"[0, {DIVERGENCE_BOUND}]"
+        )
+    return schedule
 
 
 def resolve_coefficients(

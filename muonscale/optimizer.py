@@ -8,7 +8,8 @@ tensors; :mod:`muonscale.newton_schulz` the orthogonalization.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,10 +19,10 @@ from . import functional
 from .kernels import clear_workspaces
 from .matrices import MATRIX_MODES, MatrixView, row_blocks
 from .memory import MemoryBudget
-from .newton_schulz import DEFAULT_EPS, resolve_schedule
+from .newton_schulz import DEFAULT_EPS, Coefficients, validate_coefficients
 from .params import ALGORITHMS, RouteDecision, Rule, route, route_one, routing_summary
 from .qkv import QKV_SPLIT_MODES, QKVLayout
-from .scaling import SCALE_RULES
+from .scaling import ADJUST_LR_FNS, SCALE_RULES
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 NS_METHODS = ("auto", "plain", "gram")
@@ -44,33 +45,99 @@ def _check_dtype(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be None or a floating torch.dtype, got {value!r}")
 
 
+def _check_lr(name: str, lr: Any) -> None:
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        lr = float(lr)
+    _check_range(name, lr, 0.0, math.inf)
+
+
 def _validate_muon_group(group: Mapping[str, Any]) -> None:
-    _check_range("lr", float(group["lr"]), 0.0, math.inf)
+    _check_lr("lr", group["lr"])
     _check_range("momentum", group["momentum"], 0.0, 1.0, high_open=True)
     _check_range("weight_decay", group["weight_decay"], 0.0, math.inf)
     if not isinstance(group["nesterov"], bool):
         raise ValueError(f"nesterov must be a bool, got {group['nesterov']!r}")
-    resolve_schedule(group["coefficients"], group["ns_steps"])  # validates both
+    validate_coefficients(group["coefficients"], group["ns_steps"])  # also checks ns_steps
     if group["scale"] not in SCALE_RULES:
         raise ValueError(f"scale must be one of {SCALE_RULES}, got {group['scale']!r}")
     _check_dtype("ns_dtype", group["ns_dtype"])
     _check_dtype("momentum_dtype", group["momentum_dtype"])
     if group["matrix_mode"] not in MATRIX_MODES:
         raise ValueError(f"matrix_mode must be one of {MATRIX_MODES}, got {group['matrix_mode']!r}")
-    _check_range("ns_eps", group["ns_eps"], 0.0, math.inf)
+    _check_range("eps (ns_eps)", group["ns_eps"], 0.0, math.inf)
     if group["ns_method"] not in NS_METHODS:
         raise ValueError(f"ns_method must be one of {NS_METHODS}, got {group['ns_method']!r}")
 
 
 def _validate_adamw_group(group: Mapping[str, Any]) -> None:
-    _check_range("adamw_lr", float(group["lr"]), 0.0, math.inf)
+    _check_lr("adamw_lr", group["lr"])
     betas = group["betas"]
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise ValueError(f"adamw_betas must be a pair (beta1, beta2), got {betas!r}")
-    _check_range("adamw_betas[0]", betas[0], 0.0, 1.0, high_open=True)
-    _check_range("adamw_betas[1]", betas[1], 0.0, 1.0, high_open=True)
+        raise ValueError(f"betas (adamw_betas) must be a pair (beta1, beta2), got {betas!r}")
+    _check_range("betas[0] (adamw_betas)", betas[0], 0.0, 1.0, high_open=True)
+    _check_range("betas[1] (adamw_betas)", betas[1], 0.0, 1.0, high_open=True)
     _check_range("adamw_eps", group["eps"], 0.0, math.inf)
     _check_range("adamw_weight_decay", group["weight_decay"], 0.0, math.inf)
+
+
+def _either(name: str, value: Any, torch_name: str, torch_value: Any, default: Any) -> Any:
+    """One option under two keywords (ours and torch.optim's): both given → ValueError."""
+    if value is not None and torch_value is not None:
+        raise ValueError(f"pass {name} or {torch_name} (its torch.optim name), not both")
+    if value is not None:
+        return value
+    return torch_value if torch_value is not None else default
+
+
+class AdamWGroup(dict):
+    """An AdamW param group whose ``"momentum"`` is an alias of ``betas[0]``.
+
+    The optimizer's ``defaults`` are Muon's (``momentum``, no ``betas``), so
+    ``OneCycleLR``/``CyclicLR`` with ``cycle_momentum`` write ``group["momentum"]`` into every
+    group; here that write reaches AdamW's β₁, as it does with ``torch.optim.AdamW``.
+    """
+
+    __slots__ = ()
+
+    def __getitem__(self, key: Any) -> Any:
+        if key == "momentum":
+            return dict.__getitem__(self, "betas")[0]
+        return dict.__getitem__(self, key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key == "momentum":
+            key, value = "betas", (value, *dict.__getitem__(self, "betas")[1:])
+        dict.__setitem__(self, key, value)
+
+    def __contains__(self, key: object) -> bool:
+        return key == "momentum" or dict.__contains__(self, key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    @classmethod
+    def wrap(cls, group: Mapping[str, Any]) -> AdamWGroup:
+        out = cls({k: v for k, v in group.items() if k != "momentum"})
+        out["betas"] = tuple(out["betas"])
+        return out
+
+
+_PARAMS_TYPE_ERROR = (
+    "params argument given to the optimizer should be an iterable of Tensors or dicts"
+)
+_FALLBACK_WARNING = (
+    "muonscale.Muon: {n} unnamed parameter(s) with >= 2 dims were routed to Muon by tensor rank "
+    "alone, so embeddings and output heads cannot be told apart from hidden matrices. Pass "
+    "model.named_parameters() or the model itself, give each param group 'param_names', or pin "
+    "a group with 'algorithm': 'adamw'."
+)
 
 
 class Muon(torch.optim.Optimizer):
@@ -86,33 +153,45 @@ class Muon(torch.optim.Optimizer):
         W ← W (1 − η λ)                         # decoupled weight decay
         W ← W − η s(m, n) O                     # s: the ``scale`` rule
 
-    These are ``torch.optim.Muon``'s semantics (``scale="shape"`` ≙ its ``adjust_lr_fn="original"``,
-    ``"match_rms_adamw"`` ≙ ``"match_rms_adamw"``). Parameters routed to AdamW (embeddings,
-    output head, norms, biases; see :func:`muonscale.route`) live in their own param groups with
-    their own ``lr``, ``betas``, ``eps`` and ``weight_decay``, so LR schedulers scale both halves.
+    These are ``torch.optim.Muon``'s semantics, with its positional order and defaults for the
+    shared arguments and its keyword names (``ns_coefficients``, ``eps``, ``ns_steps``,
+    ``adjust_lr_fn``). One default differs: the scale is ``"match_rms_adamw"``, not torch's
+    ``"original"`` (pass ``adjust_lr_fn="original"`` or ``scale="shape"`` for that). Parameters
+    routed to AdamW (embeddings, output head, norms, biases, complex tensors; see
+    :func:`muonscale.route`) live in their own param groups with their own ``lr``, ``betas``,
+    ``eps`` and ``weight_decay``, so LR and momentum schedulers reach both halves.
 
     Args:
         params: ``model.named_parameters()`` (routed by name and shape), the model itself
-            (also detects embeddings by module type), plain tensors (≥ 2-D → Muon), or param
-            groups (dicts; ``"algorithm": "muon" | "adamw"`` pins a group, otherwise its
-            parameters are routed; a group's ``params`` may be tensors or (name, tensor) pairs).
+            (also detects embeddings by module type), plain tensors (≥ 2-D → Muon, with a
+            warning: names are needed to tell embeddings and heads apart), or param groups
+            (dicts; ``"algorithm": "muon" | "adamw"`` pins a group, otherwise its parameters are
+            routed; a group's ``params`` may be tensors or (name, tensor) pairs, or tensors with
+            a ``"param_names"`` list).
         lr: learning rate of Muon groups (and of AdamW groups when ``adamw_lr`` is None).
+        weight_decay: λ, decoupled (multiplied by the unadjusted lr); AdamW groups inherit it
+            for ≥ 2-D parameters (see ``adamw_weight_decay``).
         momentum: μ in [0, 1).
         nesterov: Nesterov momentum.
-        weight_decay: λ of Muon groups, decoupled (multiplied by the unadjusted lr).
+        ns_coefficients (or ``coefficients``): preset name (``"keller"``, ``"polar_express"``,
+            ``"jiacheng"``, ``"modded_nanogpt"``), one (a, b, c), or a list of them. Default
+            ``"keller"`` = torch's (3.4445, −4.775, 2.0315). Tuples whose iteration diverges are
+            rejected.
+        eps (or ``ns_eps``): floor of the Frobenius norm in Newton–Schulz, as in torch.
         ns_steps: Newton–Schulz steps (≥ 1).
-        coefficients: preset name (``"keller"``, ``"polar_express"``, ``"jiacheng"``,
-            ``"modded_nanogpt"``), one (a, b, c), or a list of them.
-        scale: update scale rule (see :mod:`muonscale.scaling`); the default
-            ``"match_rms_adamw"`` lets you keep AdamW's lr and weight decay.
+        adjust_lr_fn: torch's name for the scale: ``"original"`` (= ``scale="shape"``) or
+            ``"match_rms_adamw"``.
+        scale: update scale rule (see :mod:`muonscale.scaling`); default ``"match_rms_adamw"``
+            lets you keep AdamW's lr and weight decay.
+        betas (or ``adamw_betas``): AdamW's (β₁, β₂), default (0.9, 0.95).
+        adamw_lr: lr of AdamW groups. None → ``lr``, allowed only with ``scale="match_rms_adamw"``
+            (other scales give updates of a different size than AdamW's, so one lr cannot fit both).
+        adamw_eps: AdamW's ε.
+        adamw_weight_decay: λ of AdamW groups. None → ``weight_decay`` for ≥ 2-D AdamW parameters
+            (embeddings, head) and 0 for 0/1-D ones (norms, biases).
         ns_dtype: dtype of the iteration; None → bfloat16 on CUDA, float32 on CPU.
         momentum_dtype: dtype of the Muon momentum buffer (e.g. ``torch.bfloat16`` to halve its
             memory); None → the parameter's dtype.
-        adamw_lr: lr of AdamW groups. None → ``lr``, allowed only with ``scale="match_rms_adamw"``
-            (other scales give updates of a different size than AdamW's, so one lr cannot fit both).
-        adamw_betas, adamw_eps: AdamW's (β₁, β₂) and ε.
-        adamw_weight_decay: λ of AdamW groups. None → ``weight_decay`` for ≥ 2-D AdamW parameters
-            (embeddings, head) and 0 for 0/1-D ones (norms, biases).
         nonfinite: ``"raise"`` (a NaN/inf gradient raises :class:`NonFiniteGradientError` naming
             the parameter, leaving parameters and state untouched), ``"skip"`` (skip the whole
             step; counted in ``skipped_steps``) or ``"ignore"`` (no check, no host sync).
@@ -123,55 +202,74 @@ class Muon(torch.optim.Optimizer):
         matrix_mode: parameters with > 2 dims: ``"flatten"`` trailing dims into one matrix
             (conv kernels) or ``"batch"`` (leading dims index separate matrices: stacked experts).
         rules: routing overrides for :func:`muonscale.route` (regex or callables).
-        ns_eps: floor of the Frobenius norm in Newton–Schulz.
         ns_method: ``"plain"`` (the reference iteration), ``"gram"`` (iterate on the m×m Gram
             matrix, restarting every 2 steps) or ``"auto"`` (Gram for float32/float64 matrices
-            with n ≥ 3m, where it is as accurate and 17–22% cheaper; plain otherwise). Same
-            function either way; see :mod:`muonscale.kernels.newton_schulz_fast`.
+            with n ≥ 3m, where it is 17–22% cheaper; plain otherwise). Same function either
+            way, not the same rounding: in float32 the Gram form's relative error was measured
+            at 0.7–2× the plain iteration's (Keller) and up to 2.7× (Polar Express, σᵢ ∝ 1/i),
+            about 1e-6 to 5e-6 either way. See :mod:`muonscale.kernels.newton_schulz_fast`.
     """
 
     def __init__(
         self,
         params: Any,
-        lr: float = 1e-3,
+        lr: float | torch.Tensor = 1e-3,
+        weight_decay: float = 0.1,
         momentum: float = 0.95,
         nesterov: bool = True,
-        weight_decay: float = 0.0,
+        *,
+        ns_coefficients: str | Coefficients | Sequence[Coefficients] | None = None,
+        eps: float | None = None,
         ns_steps: int = 5,
-        coefficients: Any = "keller",
-        scale: str = "match_rms_adamw",
+        adjust_lr_fn: str | None = None,
+        betas: tuple[float, float] | None = None,
+        coefficients: str | Coefficients | Sequence[Coefficients] | None = None,
+        scale: str | None = None,
+        ns_eps: float | None = None,
         ns_dtype: torch.dtype | None = None,
         momentum_dtype: torch.dtype | None = None,
-        adamw_lr: float | None = None,
-        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_lr: float | torch.Tensor | None = None,
+        adamw_betas: tuple[float, float] | None = None,
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float | None = None,
         nonfinite: str = "raise",
-        *,
         splits: Mapping[str, QKVLayout | int | Sequence[int]] | None = None,
         qkv_split: str = "qkv",
         matrix_mode: str = "flatten",
         rules: Sequence[Rule] | None = None,
-        ns_eps: float = DEFAULT_EPS,
         ns_method: str = "auto",
     ) -> None:
+        if isinstance(params, torch.Tensor):
+            raise TypeError(f"{_PARAMS_TYPE_ERROR}, but got {torch.typename(params)}")
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
         if qkv_split not in QKV_SPLIT_MODES:
             raise ValueError(f"qkv_split must be one of {QKV_SPLIT_MODES}, got {qkv_split!r}")
+        if adjust_lr_fn is not None and adjust_lr_fn not in ADJUST_LR_FNS:
+            raise ValueError(
+                f"Adjust learning rate function {adjust_lr_fn} is not supported: adjust_lr_fn "
+                f"must be one of {tuple(ADJUST_LR_FNS)} (or pass scale=one of {SCALE_RULES})"
+            )
+        scale = _either("scale", scale, "adjust_lr_fn", ADJUST_LR_FNS.get(adjust_lr_fn),
+                        "match_rms_adamw")  # fmt: skip
         if adamw_weight_decay is not None:
             _check_range("adamw_weight_decay", adamw_weight_decay, 0.0, math.inf)
         self._muon_defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-            ns_steps=ns_steps, coefficients=coefficients, scale=scale, ns_dtype=ns_dtype,
-            momentum_dtype=momentum_dtype, matrix_mode=matrix_mode, ns_eps=ns_eps,
+            ns_steps=ns_steps,
+            coefficients=_either("coefficients", coefficients, "ns_coefficients",
+                                 ns_coefficients, "keller"),
+            scale=scale, ns_dtype=ns_dtype, momentum_dtype=momentum_dtype,
+            matrix_mode=matrix_mode, ns_eps=_either("ns_eps", ns_eps, "eps", eps, DEFAULT_EPS),
             ns_method=ns_method,
         )  # fmt: skip
         _validate_muon_group(self._muon_defaults)
         self._adamw_defaults = dict(
-            lr=adamw_lr if adamw_lr is not None else lr, betas=tuple(adamw_betas), eps=adamw_eps,
-            weight_decay=adamw_weight_decay,
+            lr=adamw_lr if adamw_lr is not None else lr,
+            betas=tuple(_either("adamw_betas", adamw_betas, "betas", betas, (0.9, 0.95))),
+            eps=adamw_eps, weight_decay=adamw_weight_decay,
         )  # fmt: skip
+        _validate_adamw_group(dict(self._adamw_defaults, weight_decay=weight_decay))
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         self.memory = MemoryBudget.from_environment()  # the environment is read here only
@@ -179,6 +277,7 @@ class Muon(torch.optim.Optimizer):
         self.routing: dict[str, RouteDecision] = {}
         self._rules = list(rules or ())
         self._views: dict[int, MatrixView] = {}
+        self._unnamed_to_muon = 0
 
         groups = self._groups_from(params)
         if adamw_lr is None and scale != "match_rms_adamw":
@@ -191,6 +290,7 @@ class Muon(torch.optim.Optimizer):
                 )
         defaults = dict(self._muon_defaults, algorithm="muon")
         super().__init__(groups, defaults)
+        self._warn_unnamed()
         self._split_rows = self._resolve_splits(splits or {}, qkv_split)
 
     # ---------------------------------------------------------------- param groups
@@ -200,7 +300,8 @@ class Muon(torch.optim.Optimizer):
             decisions = route(params, self._rules)
             named = dict(params.named_parameters())
             self.routing.update(decisions)
-            return self._split_by_algorithm({"params": [(n, named[n]) for n in decisions]}, decisions)
+            group = {"params": [(n, named[n]) for n in decisions]}
+            return self._split_by_algorithm(group, decisions, named=True)
         params = list(params)
         if not params:
             raise ValueError("params: the optimizer got an empty parameter list")
@@ -211,71 +312,125 @@ class Muon(torch.optim.Optimizer):
             return groups
         return self._expand_user_group({"params": params})
 
-    def _expand_user_group(self, group: dict[str, Any]) -> list[dict[str, Any]]:
+    def _named_entries(self, group: dict[str, Any]) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+        """``group``'s parameters as (name, tensor) pairs, and whether the user named them."""
         entries = group["params"]
+        if isinstance(entries, (set, frozenset)):
+            raise TypeError(
+                "optimizer parameters need to be organized in ordered collections, but the "
+                "ordering of tensors in sets will change between runs. Please use a list instead."
+            )
         entries = [entries] if isinstance(entries, torch.Tensor) else list(entries)
+        names = group.get("param_names")
+        if names is not None:
+            names = list(names)
+            if len(names) != len(entries) or not all(isinstance(n, str) for n in names):
+                raise ValueError(
+                    f"param_names: expected {len(entries)} names (str), one per parameter, "
+                    f"got {names!r}"
+                )
+            if any(isinstance(e, tuple) for e in entries):
+                raise ValueError("param_names: give names either in 'param_names' or as "
+                                 "(name, tensor) pairs, not both")  # fmt: skip
+            entries = list(zip(names, entries))
+        pairs = [e for e in entries if isinstance(e, tuple)]
+        if pairs and len(pairs) != len(entries):
+            raise ValueError(
+                "all optimizer params should be with/without names. Some param names are missing"
+            )
         named: list[tuple[str, torch.Tensor]] = []
-        for i, entry in enumerate(entries):
-            if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str):
-                named.append(entry)
-            elif isinstance(entry, torch.Tensor):
-                named.append((f"param{len(self.param_names) + i}", entry))
+        for entry in entries:
+            if isinstance(entry, tuple):
+                if not (len(entry) == 2 and isinstance(entry[0], str)):
+                    raise TypeError(f"params: expected (name, tensor) pairs, got {entry!r}")
+                name, p = entry
             else:
-                raise TypeError(f"params: expected tensors or (name, tensor) pairs, got {type(entry).__name__}")
-        for name, p in named:
-            self.param_names[id(p)] = name
+                p = entry
+                name = self.param_names.get(id(p), f"param{len(self.param_names)}")
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(
+                    "optimizer can only optimize Tensors, but one of the params is "
+                    + torch.typename(p)
+                )
+            self.param_names.setdefault(id(p), name)
+            named.append((name, p))
+        return named, bool(pairs)
+
+    def _expand_user_group(self, group: dict[str, Any]) -> list[dict[str, Any]]:
+        named, has_names = self._named_entries(group)
         algorithm = group.get("algorithm")
         if algorithm is not None:
             if algorithm not in ALGORITHMS:
                 raise ValueError(f"param group 'algorithm' must be one of {ALGORITHMS}, got {algorithm!r}")
-            for name, _ in named:
-                self.routing[name] = RouteDecision(algorithm, "param group")
-            return self._split_by_algorithm(dict(group, params=named), {n: self.routing[n] for n, _ in named})
-        decisions = {name: route_one(name, p, self._rules) for name, p in named}
-        self.routing.update(decisions)
-        return self._split_by_algorithm(dict(group, params=named), decisions)
+            decisions = {n: RouteDecision(algorithm, "param group") for n, _ in named}
+        else:
+            decisions = {n: route_one(n, p, self._rules) for n, p in named}
+            if not has_names:
+                by_rank = [n for n, _ in named if not decisions[n].reason.startswith("user")]
+                self._unnamed_to_muon += sum(decisions[n].algorithm == "muon" for n in by_rank)
+        for name, decision in decisions.items():
+            self.routing.setdefault(name, decision)
+        return self._split_by_algorithm(dict(group, params=named), decisions, named=has_names)
 
-    def _split_by_algorithm(self, group: dict[str, Any], decisions: Mapping[str, RouteDecision]) -> list[dict[str, Any]]:
+    def _split_by_algorithm(
+        self, group: dict[str, Any], decisions: Mapping[str, RouteDecision], *, named: bool
+    ) -> list[dict[str, Any]]:
         """One group per algorithm; AdamW without an explicit weight decay further splits by
-        dimensionality (≥ 2-D decays, 0/1-D does not)."""
-        for name, p in group["params"]:
-            self.param_names[id(p)] = name
-        muon_params = [p for n, p in group["params"] if decisions[n].algorithm == "muon"]
-        adamw_named = [(n, p) for n, p in group["params"] if decisions[n].algorithm == "adamw"]
-        rest = {k: v for k, v in group.items() if k not in ("params", "algorithm")}
-        out = []
-        if muon_params:
-            out.append(dict(rest, params=muon_params, algorithm="muon"))
-        if adamw_named:
-            pinned = group.get("algorithm") == "adamw"
-            if pinned and "weight_decay" in rest:
-                out.append(dict(rest, params=[p for _, p in adamw_named], algorithm="adamw"))
-            elif self._adamw_defaults["weight_decay"] is not None:
-                rest.pop("weight_decay", None)
-                out.append(dict(rest, params=[p for _, p in adamw_named], algorithm="adamw"))
+        dimensionality (≥ 2-D decays, 0/1-D does not). ``param_names`` stay aligned."""
+        pairs = group["params"]
+        rest = {k: v for k, v in group.items() if k not in ("params", "algorithm", "param_names")}
+
+        def make(selected: list[tuple[str, torch.Tensor]], algorithm: str, **extra: Any):
+            out = dict(rest, params=[p for _, p in selected], algorithm=algorithm, **extra)
+            if named:
+                out["param_names"] = [n for n, _ in selected]
+            return out
+
+        muon = [(n, p) for n, p in pairs if decisions[n].algorithm == "muon"]
+        adamw = [(n, p) for n, p in pairs if decisions[n].algorithm == "adamw"]
+        out = [make(muon, "muon")] if muon else []
+        if adamw:
+            if "weight_decay" in rest or self._adamw_defaults["weight_decay"] is not None:
+                out.append(make(adamw, "adamw"))
             else:
-                wd = rest.pop("weight_decay", self._muon_defaults["weight_decay"])
-                matrices = [p for _, p in adamw_named if p.ndim >= 2]
-                vectors = [p for _, p in adamw_named if p.ndim < 2]
+                wd = self._muon_defaults["weight_decay"]
+                matrices = [(n, p) for n, p in adamw if p.ndim >= 2]
+                vectors = [(n, p) for n, p in adamw if p.ndim < 2]
                 if matrices:
-                    out.append(dict(rest, params=matrices, algorithm="adamw", weight_decay=wd))
+                    out.append(make(matrices, "adamw", weight_decay=wd))
                 if vectors:
-                    out.append(dict(rest, params=vectors, algorithm="adamw", weight_decay=0.0))
+                    out.append(make(vectors, "adamw", weight_decay=0.0))
         return out
 
+    def _warn_unnamed(self) -> None:
+        if self._unnamed_to_muon:
+            message = _FALLBACK_WARNING.format(n=self._unnamed_to_muon)
+            warnings.warn(message, UserWarning, stacklevel=3)
+            self._unnamed_to_muon = 0
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group; ``algorithm`` defaults to ``"muon"``; missing options come from the
-        constructor's Muon or AdamW settings."""
-        algorithm = param_group.setdefault("algorithm", "muon")
+        """Add parameters with the constructor's defaults: routed like the constructor's
+        ``params`` (by name when named, by rank otherwise; ``"algorithm"`` pins), AdamW ones
+        split so that 0/1-D parameters get no weight decay unless the group asks for it."""
+        if not isinstance(param_group, Mapping):
+            raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
+        resolved = "algorithm" in param_group and (
+            param_group["algorithm"] == "muon" or param_group.get("weight_decay") is not None
+        )
+        if resolved:  # the constructor's groups, or a group pinned with its options
+            self._add_resolved_group(dict(param_group))
+            return
+        for group in self._expand_user_group(dict(param_group)):
+            self._add_resolved_group(group)
+        self._warn_unnamed()
+
+    def _add_resolved_group(self, param_group: dict[str, Any]) -> None:
+        named, _ = self._named_entries(param_group)
+        params = [p for _, p in named]
+        param_group["params"] = params
+        algorithm = param_group["algorithm"]
         if algorithm not in ALGORITHMS:
             raise ValueError(f"param group 'algorithm' must be one of {ALGORITHMS}, got {algorithm!r}")
-        params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        if params and isinstance(params[0], tuple):
-            for name, p in params:
-                self.param_names[id(p)] = name
-            params = [p for _, p in params]
-        param_group["params"] = params
         if algorithm == "muon":
             for key, value in self._muon_defaults.items():
                 param_group.setdefault(key, value)
@@ -290,8 +445,11 @@ class Muon(torch.optim.Optimizer):
                 param_group.setdefault(key, value)
             if param_group["weight_decay"] is None:
                 param_group["weight_decay"] = self._muon_defaults["weight_decay"]
-            param_group["betas"] = tuple(param_group["betas"])
+            param_group = AdamWGroup.wrap(param_group)
             _validate_adamw_group(param_group)
+        lr = param_group["lr"]
+        if isinstance(lr, torch.Tensor) and any(g["lr"] is lr for g in self.param_groups):
+            param_group["lr"] = lr.clone()  # each group's schedule acts on its own tensor
         super().add_param_group(param_group)
 
     def _resolve_splits(self, splits: Mapping[str, Any], qkv_split: str) -> dict[int, list[torch.Tensor]]:
@@ -376,11 +534,27 @@ class Muon(torch.optim.Optimizer):
             lines.append(f"  {d.algorithm:<6} {name:<50} {tuple(params[name].shape)!s:<18} {d.reason}")
         return "\n".join(lines)
 
+    _STATE_KEYS = {"muon": {"momentum_buffer"}, "adamw": {"step", "exp_avg", "exp_avg_sq"}}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch pickles only defaults/state/param_groups; the rest is keyed by id(param), which
+        # a copy changes, so it travels by position (group, index) and is re-keyed on load.
+        state = super().__getstate__()
+        state["_muonscale"] = dict(
+            nonfinite=self.nonfinite, skipped_steps=self.skipped_steps, routing=self.routing,
+            muon_defaults=self._muon_defaults, adamw_defaults=self._adamw_defaults,
+            names=[[self.param_names.get(id(p)) for p in g["params"]] for g in self.param_groups],
+            split_rows=[[self._split_rows.get(id(p)) for p in g["params"]]
+                        for g in self.param_groups],
+        )  # fmt: skip
+        return state
+
     def __setstate__(self, state: dict[str, Any]) -> None:
+        extra = state.pop("_muonscale", None)
         super().__setstate__(state)
         self.__dict__.setdefault("memory", MemoryBudget.from_environment())
         # Options added after a checkpoint was written get their defaults here.
-        for group in self.param_groups:
+        for i, group in enumerate(self.param_groups):
             group.setdefault("algorithm", "muon")
             if group["algorithm"] == "muon":
                 group.setdefault("matrix_mode", "flatten")
@@ -388,14 +562,66 @@ class Muon(torch.optim.Optimizer):
                 group.setdefault("momentum_dtype", None)
                 group.setdefault("ns_dtype", None)
                 group.setdefault("ns_method", "auto")
+            elif not isinstance(group, AdamWGroup):
+                self.param_groups[i] = AdamWGroup.wrap(group)
+        if extra is None:  # load_state_dict: same parameters, same attributes
+            return
+        self.nonfinite, self.skipped_steps = extra["nonfinite"], extra["skipped_steps"]
+        self.routing = extra["routing"]
+        self._muon_defaults, self._adamw_defaults = extra["muon_defaults"], extra["adamw_defaults"]
+        self._rules, self._views, self._unnamed_to_muon = [], {}, 0
+        self.param_names, self._split_rows = {}, {}
+        for group, names, rows in zip(self.param_groups, extra["names"], extra["split_rows"]):
+            for p, name, parts in zip(group["params"], names, rows):
+                if name is not None:
+                    self.param_names[id(p)] = name
+                if parts is not None:
+                    self._split_rows[id(p)] = parts
+
+    def _check_loadable(self, state_dict: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` unless ``state_dict`` was written by this kind of optimizer with
+        the same groups (checked before anything changes)."""
+        saved = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+        if not isinstance(saved, list) or "state" not in state_dict:
+            raise ValueError("load_state_dict: expected a dict with 'state' and 'param_groups'")
+        if len(saved) != len(self.param_groups):
+            raise ValueError(
+                f"load_state_dict: the state dict has {len(saved)} param groups, this optimizer "
+                f"{len(self.param_groups)} ({[g['algorithm'] for g in self.param_groups]})"
+            )
+        for i, (old, new) in enumerate(zip(saved, self.param_groups)):
+            algorithm = old.get("algorithm")
+            if algorithm is None and {"ns_steps", "coefficients"} <= old.keys():
+                algorithm = "muon"  # written before groups carried 'algorithm'
+            if algorithm != new["algorithm"]:
+                raise ValueError(
+                    f"load_state_dict: param group {i} of the state dict is not a muonscale.Muon "
+                    f"{new['algorithm']} group (algorithm={old.get('algorithm')!r}, keys "
+                    f"{sorted(old)}); a state dict written by another optimizer (such as "
+                    "torch.optim.AdamW or torch.optim.Muon) cannot be loaded. Nothing was changed."
+                )
+            allowed = self._STATE_KEYS[algorithm]
+            for index in old.get("params", []):
+                extra_keys = set(state_dict["state"].get(index, {})) - allowed
+                if extra_keys:
+                    raise ValueError(
+                        f"load_state_dict: state of parameter {index} (group {i}, "
+                        f"{algorithm}) has keys {sorted(extra_keys)} that muonscale.Muon does "
+                        f"not write (expected {sorted(allowed)}). Nothing was changed."
+                    )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for group in state_dict.get("param_groups", []):  # checkpoints from older versions
+        self._check_loadable(state_dict)
+        state_dict = dict(state_dict, param_groups=[dict(g) for g in state_dict["param_groups"]])
+        for group in state_dict["param_groups"]:  # checkpoints from older versions
             group.setdefault("algorithm", "muon")
             if group["algorithm"] == "muon":
                 for key, value in self._muon_defaults.items():
                     group.setdefault(key, value)
         super().load_state_dict(state_dict)
+        for s in self.state.values():  # AdamW's step saved as a Python number (older torch)
+            if "step" in s and not torch.is_tensor(s["step"]):
+                s["step"] = torch.tensor(float(s["step"]), dtype=torch.float32)
         # torch casts floating state to the parameter's dtype; restore momentum_dtype.
         for group in self.param_groups:
             if group["algorithm"] == "muon" and group["momentum_dtype"] is not None:
@@ -414,8 +640,9 @@ class Muon(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise ValueError(f"parameter '{self._name(p)}' has a sparse gradient; muonscale.Muon needs dense gradients")
-                grads.append(p.grad)
-                owners.append(p)
+                if p.grad.numel():  # an empty tensor has no max norm (and nothing to check)
+                    grads.append(p.grad)
+                    owners.append(p)
         if self.nonfinite == "ignore" or not grads:
             return None
         return self._first_nonfinite(grads, owners)
@@ -466,6 +693,13 @@ class Muon(torch.optim.Optimizer):
             return
         states = [self.init_state(p, group) for p in params]
         if group["algorithm"] == "muon":
+            # Zero-element matrices have state (as in torch) but nothing to orthogonalize.
+            keep = [i for i, p in enumerate(params) if p.numel() > 0]
+            if len(keep) < len(params):
+                params, grads = [params[i] for i in keep], [grads[i] for i in keep]
+                states = [states[i] for i in keep]
+                if not params:
+                    return
             functional.muon(
                 params, grads, [s["momentum_buffer"] for s in states],
                 views=[self.matrix_view(p, group) for p in params],
@@ -478,14 +712,18 @@ class Muon(torch.optim.Optimizer):
             )  # fmt: skip
         else:
             beta1, beta2 = group["betas"]
+            exp_avgs = [s["exp_avg"] for s in states]
+            exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+            if any(p.is_complex() for p in params):
+                # As torch.optim.AdamW: real and imaginary parts are independent coordinates.
+                params, grads, exp_avgs, exp_avg_sqs = (
+                    [torch.view_as_real(t) if t.is_complex() else t for t in ts]
+                    for ts in (params, grads, exp_avgs, exp_avg_sqs)
+                )
             functional.adamw(
-                params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                params, grads, exp_avgs, exp_avg_sqs,
                 [s["step"] for s in states], lr=float(group["lr"]), beta1=beta1, beta2=beta2,
                 eps=group["eps"], weight_decay=group["weight_decay"],
                 max_chunk_bytes=self.memory.update_chunk_bytes,
             )  # fmt: skip
 
-
-def hidden_parameters(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """The (name, param) pairs the default rule sends to Muon."""
-    return [(n, p) for n, p in named if route_one(n, p).algorithm == "muon"]

@@ -3,7 +3,7 @@
 Default rule, applied to each parameter in order:
 
 1. A user rule (regex on the full name, or a callable) that answers → that answer.
-2. Fewer than 2 dims (norm gains, biases, scalars) → AdamW.
+2. Fewer than 2 dims (norm gains, biases, scalars), or complex → AdamW.
 3. The parameter belongs to an ``nn.Embedding`` / ``nn.EmbeddingBag`` or is the same tensor as
    one (tied output head), when a module is given → AdamW.
 4. The **last** name component of the owning module is an embedding/head name
@@ -82,6 +82,8 @@ def route_one(
         return decision
     if param.ndim < 2:
         return RouteDecision("adamw", f"{param.ndim}-D (norm, bias or scalar)")
+    if param.is_complex():
+        return RouteDecision("adamw", "complex (Newton–Schulz needs real matrices)")
     if embedding_ids is not None and id(param) in embedding_ids:
         return RouteDecision("adamw", "embedding module (or tied to one)")
     owner = _owning_module(name)

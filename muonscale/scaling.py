@@ -23,6 +23,9 @@ import math
 
 SCALE_RULES = ("shape", "match_rms_adamw", "unit_rms", "spectral", "none")
 
+ADJUST_LR_FNS = {"original": "shape", "match_rms_adamw": "match_rms_adamw"}
+"""torch.optim.Muon's ``adjust_lr_fn`` values and the scale rule each one is."""
+
 
 def update_scale(rule: str, rows: int, cols: int) -> float:
     """s(rows, cols) for ``rule`` (one of :data:`SCALE_RULES`)."""

@@ -113,7 +113,8 @@ def test_bad_input_raises():
 def test_schedules():
     assert resolve_coefficients("keller", 3) == [(3.4445, -4.7750, 2.0315)] * 3
     pe = COEFFICIENT_PRESETS["polar_express"].steps
-    assert resolve_coefficients("polar_express", 7) == list(pe) + [pe[-1]] * 2  # last one repeats
+    # past its five tuples, Polar Express continues with the converging classical quintic
+    assert resolve_coefficients("polar_express", 7) == list(pe) + [(15 / 8, -10 / 8, 3 / 8)] * 2
     assert resolve_coefficients("jiacheng", 2) == list(COEFFICIENT_PRESETS["jiacheng"].steps[:2])
     assert resolve_coefficients((1.5, -0.5, 0.0), 2) == [(1.5, -0.5, 0.0)] * 2
     assert resolve_coefficients([(1, 2, 3), (4, 5, 6)], 2) == [(1.0, 2.0, 3.0), (4.0, 5.0, 6.0)]

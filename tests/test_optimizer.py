@@ -376,7 +376,7 @@ def test_closure_and_add_param_group():
     model = TinyNet()
     extra = nn.Parameter(torch.randn(6, 4))
     opt = Muon(model.named_parameters(), lr=1e-2)
-    opt.add_param_group({"params": [extra], "lr": 5e-3})
+    opt.add_param_group({"params": [("extra", extra)], "lr": 5e-3})  # named, as the others
     assert opt.param_groups[-1]["algorithm"] == "muon" and opt.param_groups[-1]["momentum"] == 0.95
     extra.grad = torch.randn(6, 4)
 
@@ -398,6 +398,7 @@ def test_qkv_split_orthogonalizes_each_block_alone():
         [("attn.qkv.weight", W)],
         lr=0.1,
         momentum=0.0,
+        weight_decay=0.0,  # the oracle has no decay
         nesterov=False,
         scale="none",
         ns_dtype=torch.float64,
@@ -423,12 +424,13 @@ def test_equal_row_blocks_and_higher_dim_modes():
     experts = torch.randn(3, 5, 7, dtype=torch.float64, requires_grad=True)
     heads = torch.randn(12, 6, dtype=torch.float64, requires_grad=True)
     opt_flat = Muon(
-        [conv], lr=0.1, momentum=0.0, nesterov=False, scale="none", ns_dtype=torch.float64
+        [conv], lr=0.1, momentum=0.0, weight_decay=0.0, nesterov=False, scale="none", ns_dtype=torch.float64
     )
     opt_batch = Muon(
         [experts],
         lr=0.1,
         momentum=0.0,
+        weight_decay=0.0,  # the oracle has no decay
         nesterov=False,
         scale="none",
         ns_dtype=torch.float64,
@@ -438,6 +440,7 @@ def test_equal_row_blocks_and_higher_dim_modes():
         [("h", heads)],
         lr=0.1,
         momentum=0.0,
+        weight_decay=0.0,  # the oracle has no decay
         nesterov=False,
         scale="none",
         ns_dtype=torch.float64,
