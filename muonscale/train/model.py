@@ -13,6 +13,15 @@ shard holds whole heads::
     optimizer = muonscale.Muon(model.named_parameters(),
                                splits={name: model.qkv_layout for name in model.qkv_param_names()})
 
+QK-clip (:mod:`muonscale.qk_clip`): ``model(idx, targets, probe_max_logits=True)`` also computes
+every head's exact maximum attention logit (in chunks, outside the autograd graph; off by
+default, since ``scaled_dot_product_attention`` never exposes logits), folded into a running
+maximum over forwards (micro-batches) until :meth:`GPT.pop_max_attention_logits`::
+
+    clip = QKClip(model.qk_clip_targets(), tau=100.0)
+    loss = model(x, y, probe_max_logits=True)[1]; loss.backward(); optimizer.step()
+    clip(model.pop_max_attention_logits())
+
 Parameter names make the roles recognisable: ``wte`` (token embedding), ``wpe`` (learned
 positions), ``lm_head`` (output head), ``*norm*`` (norm weights).
 """
@@ -25,8 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from muonscale.qk_clip import FusedQKV, max_attention_logits
 from muonscale.qkv import QKVLayout
 from muonscale.train.config import ModelConfig
+
+
+def _data(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.data
 
 
 class RMSNorm(nn.Module):
@@ -75,9 +89,15 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.d_model, self.layout.rows, bias=config.bias)  # (rows, d)
         self.proj = nn.Linear(config.n_head * config.head_dim, config.d_model, bias=config.bias)
         self.proj.is_residual_projection = True
+        self.max_logits: torch.Tensor | None = None
+        """(n_head,) running maximum logit of each head over probed forwards, or None."""
 
     def forward(
-        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        probe_max_logits: bool = False,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape  # (B, T, d)
         q, k, v = self.layout.split_activations(self.qkv(x))  # (B, T, H, hd), (B, T, G, hd) x2
@@ -85,6 +105,10 @@ class CausalSelfAttention(nn.Module):
         if rotary is not None:
             cos, sin = (table[:seq] for table in rotary)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if probe_max_logits:  # the logits SDPA computes below (its default scale 1/sqrt(hd))
+            probed = max_attention_logits(q, k, causal=True)
+            previous = self.max_logits
+            self.max_logits = probed if previous is None else torch.maximum(previous, probed)
         if self.layout.q_per_group > 1:
             # query head h attends with key/value head h // q_per_group (matches the layout)
             k = k.repeat_interleave(self.layout.q_per_group, dim=1)
@@ -120,8 +144,8 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rotary)
+    def forward(self, x: torch.Tensor, rotary=None, *, probe_max_logits: bool = False):
+        x = x + self.attn(self.attn_norm(x), rotary, probe_max_logits=probe_max_logits)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -168,8 +192,32 @@ class GPT(nn.Module):
         """Names (as in ``named_parameters()``) of the fused QKV weights."""
         return [f"blocks.{i}.attn.qkv.weight" for i in range(len(self.blocks))]
 
+    def qk_clip_targets(self) -> list[FusedQKV]:
+        """The fused QKV projections (weight and bias) for :class:`muonscale.qk_clip.QKClip`,
+        in block order."""
+        return [
+            FusedQKV(block.attn.qkv.weight.data, block.attn.layout, _data(block.attn.qkv.bias))
+            for block in self.blocks
+        ]
+
+    def pop_max_attention_logits(self) -> list[torch.Tensor]:
+        """Each block's (n_head,) maximum logit over the forwards probed since the last call,
+        and reset them. Raises if a block was not probed."""
+        if any(block.attn.max_logits is None for block in self.blocks):
+            raise RuntimeError(
+                "no attention logits probed: call forward(..., probe_max_logits=True) first"
+            )
+        maxima = [block.attn.max_logits for block in self.blocks]
+        for block in self.blocks:
+            block.attn.max_logits = None
+        return maxima
+
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        probe_max_logits: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         seq = idx.shape[1]  # idx: (B, T) int64
         if seq > self.config.context_length:
@@ -181,7 +229,7 @@ class GPT(nn.Module):
         else:
             rotary = (self.rope_cos, self.rope_sin)
         for block in self.blocks:
-            x = block(x, rotary)
+            x = block(x, rotary, probe_max_logits=probe_max_logits)
         logits = self.lm_head(self.final_norm(x))  # (B, T, vocab)
         loss = None
         if targets is not None:
