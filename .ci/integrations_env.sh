@@ -59,8 +59,9 @@ if satisfied; then
 else
     echo "integrations_env: installing ${REQUIREMENTS[*]}"
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
-    "$VENV/bin/python" -m pip install --quiet "torch==$TORCH_VERSION"
-    "$VENV/bin/python" -m pip install --quiet "${REQUIREMENTS[@]}"
+    "$VENV/bin/python" -m pip install --quiet "torch==$TORCH_VERSION" 2>&1 | grep -v "is ignored" || true
+    "$VENV/bin/python" -m pip install --quiet "${REQUIREMENTS[@]}" 2>&1 | grep -v "is ignored" || true
+    satisfied || { echo "integrations_env: install failed" >&2; exit 1; }
 fi
 
 "$VENV/bin/python" -c "from importlib.metadata import version as v; print('integrations_env:', ' | '.join(f'{n} {v(n)}' for n in ('torch', 'transformers', 'accelerate', 'lightning', 'torchtitan')))"
