@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.muonscale-installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: bench test test-megatron lint install clean
+.PHONY: bench test test-megatron test-integrations lint install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ test: $(STAMP)
 test-megatron:
 	bash .ci/megatron_env.sh
 	PYTHONPATH=. .venv-megatron/bin/python -m pytest tests/megatron -q -p no:cacheprovider
+
+# Hugging Face / Lightning / torchtitan integrations: their own venv (.venv-integrations, pinned
+# in .ci/integrations_env.sh, ~2.5 min to build) and tests (tests/integrations).
+test-integrations:
+	bash .ci/integrations_env.sh
+	PYTHONPATH=. .venv-integrations/bin/python -m pytest tests/integrations -q -p no:cacheprovider
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

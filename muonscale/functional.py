@@ -175,7 +175,7 @@ def muon(
             param.mul_(1 - lr * weight_decay)
         if len(mats) == 1 and view.row_partition is None:
             m, n = mats[0].shape
-            param.add_(mats[0].reshape(param.shape), alpha=-lr * update_scale(scale, m, n))
+            param.add_(view.from_matrices(mats), alpha=-lr * update_scale(scale, m, n))
         else:
             scaled = [mat * update_scale(scale, *mat.shape) for mat in mats]
             param.add_(view.from_matrices(scaled), alpha=-lr)

@@ -7,6 +7,9 @@
   expert weights whose leading dim indexes independent matrices.
 * ``row_partition``: disjoint row-index sets of the 2-D view, each orthogonalized as its own
   matrix (a fused QKV weight split into Q, K, V or into heads; see :class:`muonscale.QKVLayout`).
+* ``transposed``: a 2-D weight stored as (in, out), as GPT-2's ``Conv1D`` does: the matrix is
+  its transpose (out, in), so scale rules see the true aspect and a row partition cuts output
+  features (Q/K/V of a fused ``c_attn``), i.e. columns of the stored tensor.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class MatrixView:
     mode: str = "flatten"
     row_partition: tuple[torch.Tensor, ...] | None = None
     _contiguous_blocks: tuple[tuple[int, int], ...] | None = field(default=None, repr=False)
+    transposed: bool = False
 
     @staticmethod
     def build(
@@ -35,22 +39,26 @@ class MatrixView:
         *,
         mode: str = "flatten",
         row_partition: Sequence[torch.Tensor] | Sequence[Sequence[int]] | None = None,
+        transposed: bool = False,
     ) -> MatrixView:
         shape = tuple(int(s) for s in param_shape)
         if len(shape) < 2:
             raise ValueError(f"a Muon parameter needs >= 2 dims, got shape {shape}")
         if mode not in MATRIX_MODES:
             raise ValueError(f"matrix_mode must be one of {MATRIX_MODES}, got {mode!r}")
+        if transposed and len(shape) != 2:
+            raise ValueError(f"transposed: only a 2-D (in, out) weight can be transposed, got shape {shape}")
         if row_partition is None:
-            return MatrixView(shape, mode)
+            return MatrixView(shape, mode, transposed=bool(transposed))
         if mode == "batch" and len(shape) > 2:
             raise ValueError("a row partition (split) applies to 2-D or flattened parameters, not matrix_mode='batch'")
         parts = tuple(torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in row_partition)
-        rows = shape[0]
+        rows = shape[1] if transposed else shape[0]
         covered = torch.cat(parts).sort().values
         if covered.numel() != rows or not torch.equal(covered, torch.arange(rows)):
+            what = "output features (columns of the stored (in, out) weight)" if transposed else "rows"
             raise ValueError(
-                f"split: the row blocks must cover each of the {rows} rows exactly once "
+                f"split: the row blocks must cover each of the {rows} {what} exactly once "
                 f"(got {covered.numel()} row indices for a parameter of shape {shape})"
             )
         blocks, start = [], 0  # fast path: consecutive blocks in row order
@@ -61,11 +69,20 @@ class MatrixView:
             else:
                 blocks = None
                 break
-        return MatrixView(shape, mode, parts, tuple(blocks) if blocks is not None else None)
+        contiguous = tuple(blocks) if blocks is not None else None
+        return MatrixView(shape, mode, parts, contiguous, transposed=bool(transposed))
 
     @property
     def matrix_2d_shape(self) -> tuple[int, int]:
+        if self.transposed:
+            return self.param_shape[1], self.param_shape[0]
         return self.param_shape[0], math.prod(self.param_shape[1:])
+
+    def _as_matrix(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.mT if self.transposed else tensor.reshape(self.matrix_2d_shape)
+
+    def _as_stored(self, matrix: torch.Tensor) -> torch.Tensor:
+        return matrix.mT if self.transposed else matrix.reshape(self.param_shape)
 
     @property
     def matrix_shapes(self) -> list[tuple[int, int]]:
@@ -81,7 +98,7 @@ class MatrixView:
         """Views (or gathered copies for a non-contiguous partition) of ``tensor`` as matrices."""
         if self.mode == "batch" and len(self.param_shape) > 2:
             return list(tensor.reshape(-1, *self.param_shape[-2:]).unbind(0))
-        flat = tensor.reshape(self.matrix_2d_shape)
+        flat = self._as_matrix(tensor)
         if self.row_partition is None:
             return [flat]
         if self._contiguous_blocks is not None:
@@ -93,14 +110,14 @@ class MatrixView:
         if self.mode == "batch" and len(self.param_shape) > 2:
             return torch.stack(list(matrices)).reshape(self.param_shape)
         if self.row_partition is None:
-            return matrices[0].reshape(self.param_shape)
+            return self._as_stored(matrices[0])
         if self._contiguous_blocks is not None:
-            return torch.cat(list(matrices), dim=0).reshape(self.param_shape)
+            return self._as_stored(torch.cat(list(matrices), dim=0))
         first = matrices[0]
         out = first.new_empty(self.matrix_2d_shape)
         for p, mat in zip(self.row_partition, matrices):
             out.index_copy_(0, p.to(out.device), mat)
-        return out.reshape(self.param_shape)
+        return self._as_stored(out)
 
 
 def row_blocks(sizes: Sequence[int]) -> list[torch.Tensor]:

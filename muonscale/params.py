@@ -31,6 +31,11 @@ EMBEDDING_OR_HEAD_NAMES = frozenset(
     }
 )  # fmt: skip
 
+TRANSPOSED_LINEAR_CLASSES = frozenset({"Conv1D"})
+"""Module classes (matched by name, so muonscale need not import their library) whose 2-D
+``weight`` is stored (in_features, out_features): GPT-2's ``Conv1D`` in Hugging Face
+transformers. Their matrix for Muon is the transpose (see :class:`muonscale.MatrixView`)."""
+
 Rule = tuple[str, str] | Callable[[str, torch.Tensor], str | None]
 """``(regex, algorithm)`` matched with ``re.search`` on the full name, or
 ``callable(name, param) -> "muon" | "adamw" | None`` (None = no opinion)."""
@@ -71,6 +76,21 @@ def _embedding_tensors(model: nn.Module) -> set[int]:
         for module in model.modules()
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag))
     }
+
+
+def transposed_weights(model: nn.Module) -> set[str]:
+    """Names of the 2-D weights of ``model`` stored as (in, out) (see
+    :data:`TRANSPOSED_LINEAR_CLASSES`); a module of such a class whose weight is not (in, out)
+    by its ``nf`` (out features) attribute is not listed."""
+    out = set()
+    for module_name, module in model.named_modules():
+        if type(module).__name__ not in TRANSPOSED_LINEAR_CLASSES:
+            continue
+        weight = getattr(module, "weight", None)
+        out_features = getattr(module, "nf", None)
+        if isinstance(weight, torch.Tensor) and weight.ndim == 2 and weight.shape[1] == out_features:
+            out.add(f"{module_name}.weight" if module_name else "weight")
+    return out
 
 
 def route_one(

@@ -1,0 +1,55 @@
+"""Lightning: ``muonscale.Muon`` from a ``LightningModule``, routed by parameter name, and
+Lightning's gradient clipping wired to the optimizer. In your ``LightningModule``::
+
+    def configure_optimizers(self):
+        return muonscale.integrations.lightning.configure_optimizers(self, lr=3e-4)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
+                                    gradient_clip_algorithm=None):
+        muonscale.integrations.lightning.configure_gradient_clipping(
+            self, optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+Accumulation (``accumulate_grad_batches``) and DDP (``strategy="ddp"``) need nothing more:
+Lightning sums or averages ``p.grad`` before ``step()``, where ``muonscale.Muon`` reads it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..optimizer import Muon
+from .model_params import muon_for_model
+
+__all__ = ["configure_gradient_clipping", "configure_optimizers"]
+
+
+def configure_optimizers(module: nn.Module, **muon_kwargs: Any) -> Muon:
+    """``muonscale.Muon`` over ``module``'s trainable parameters, routed by name and module type
+    (embeddings and the output head to AdamW)."""
+    return muon_for_model(module, **muon_kwargs)
+
+
+def configure_gradient_clipping(
+    module: Any,
+    optimizer: Any,
+    gradient_clip_val: float | None = None,
+    gradient_clip_algorithm: str | None = None,
+) -> None:
+    """Clip as the Trainer's ``gradient_clip_val`` / ``gradient_clip_algorithm`` ask: by the
+    optimizer's own ``clip_grad_norm_`` when it has one (an optimizer that holds reduced
+    gradients outside ``p.grad``), else Lightning's default on ``p.grad``."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps it
+    own = getattr(inner, "clip_grad_norm_", None)
+    if own is None:
+        module.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        return
+    if gradient_clip_val is None or gradient_clip_val == 0:
+        return
+    if gradient_clip_algorithm not in (None, "norm"):
+        raise ValueError(
+            f"gradient_clip_algorithm={gradient_clip_algorithm!r}: {type(inner).__name__} clips "
+            "by norm only"
+        )
+    own(float(gradient_clip_val))
