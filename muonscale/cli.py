@@ -120,11 +120,26 @@ def _train(args: argparse.Namespace) -> int:
     config = _config_or_exit(TrainConfig, args)
     from muonscale.train.trainer import CheckpointExistsError, TrainingRun
 
+    if config.parallel != "none":
+        from muonscale.train.parallel import torchrun_environment
+
+        try:
+            torchrun_environment()
+        except RuntimeError as error:
+            args.command_parser.error(str(error))
+    run = None
     try:
-        summary = TrainingRun(config).run(progress=args.progress)
+        run = TrainingRun(config)
+        summary = run.run(progress=args.progress)
     except (CheckpointExistsError, CheckpointError, FileNotFoundError) as error:
         print(f"muonscale train: error: {error}", file=sys.stderr)
         return 1
+    except ValueError as error:  # e.g. micro-batch not divisible by the number of ranks
+        print(f"muonscale train: error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        if run is not None:
+            run.close()
     if summary.interrupted:
         where = (
             f"checkpoint at step {summary.steps}: {summary.checkpoint}; continue with "

@@ -151,3 +151,29 @@ def test_bench_nproc_runs_the_distributed_bench(tmp_path):
     rows = report["rows"]
     assert rows["muon"]["wire_bytes_per_step"]["mean"] > 0
     assert rows["muon-bf16reduce"]["wire_bytes_per_step"]["mean"] < rows["muon"]["wire_bytes_per_step"]["mean"]
+
+
+def test_train_parallel_outside_torchrun_names_what_is_missing(capsys, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--parallel", "dp", "--out-dir", "none", "--steps", "1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "torchrun" in err and "RANK" in err and "MASTER_PORT" in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--parallel", "dp", "--optimizer", "torch-muon"], "torch-muon"),
+        (["--parallel", "fsdp", "--pg-timeout-s", "0"], "pg_timeout_s"),
+        (["--parallel", "dp", "--pg-timeout-s", "-5"], "pg_timeout_s"),
+        (["--parallel", "ddp"], "invalid choice"),
+    ],
+)
+def test_train_parallel_flags_are_checked(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--out-dir", "none", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

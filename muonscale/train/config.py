@@ -26,6 +26,7 @@ SCHEDULES = ("cosine", "wsd", "constant")
 AUTOCAST_DTYPES = ("none", "bfloat16")
 TENSOR_DTYPES = ("float32", "bfloat16", "float16")
 TOKENIZERS = ("byte", "bpe")
+PARALLEL_MODES = ("none", "dp", "fsdp")
 MAX_SEED = 2**63 - 1
 """torch.manual_seed and numpy's generators take non-negative seeds below 2**64."""
 MAX_BPE_VOCAB_SIZE = 2**18
@@ -207,13 +208,17 @@ class TrainConfig:
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (0: only at the end and on Ctrl-C)."""
     out_dir: str | None = "runs/train"
-    """Folder for metrics.jsonl (appended) and checkpoint.pt; none: write nothing."""
+    """Folder for metrics.jsonl (appended) and checkpoint.pt (parallel: checkpoints/); none: no files."""
     resume: str | None = None
     """Checkpoint to resume from; 'auto': out_dir/checkpoint.pt when it exists."""
     overwrite: bool = False
     """Start a new run even though out_dir already holds a checkpoint (it is replaced)."""
     log_every: int = 10
     """Write a metrics.jsonl record (and refresh the progress bar) every this many steps."""
+    parallel: Literal["none", "dp", "fsdp"] = "none"
+    """Under torchrun: dp (DistributedMuon, or DDP for adamw) or fsdp (FSDP2 + DTensorMuon)."""
+    pg_timeout_s: float = 60.0
+    """Seconds a rank waits in a collective for a dead or stuck peer before failing (parallel)."""
 
     def __post_init__(self) -> None:
         if self.model not in _PRESETS:
@@ -222,6 +227,14 @@ class TrainConfig:
         _check_choice("schedule", self.schedule, SCHEDULES)
         _check_choice("autocast", self.autocast, AUTOCAST_DTYPES)
         _check_choice("tokenizer", self.tokenizer, TOKENIZERS)
+        _check_choice("parallel", self.parallel, PARALLEL_MODES)
+        if self.parallel != "none" and self.optimizer == "torch-muon":
+            raise ValueError(
+                f"optimizer 'torch-muon' runs in one process only; with --parallel "
+                f"{self.parallel} choose muon or adamw"
+            )
+        if not (0 < self.pg_timeout_s < float("inf")):
+            raise ValueError(f"pg_timeout_s must be a positive number, got {self.pg_timeout_s}")
         for name in ("steps", "micro_batch_size", "eval_batches", "ns_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")

@@ -88,7 +88,12 @@ def _fused_supported(params: Iterable[torch.Tensor]) -> bool:
 
 
 def _adamw(
-    named: list[tuple[str, nn.Parameter]], *, lr: float, betas, weight_decay: float
+    named: list[tuple[str, nn.Parameter]],
+    *,
+    lr: float,
+    betas,
+    weight_decay: float,
+    fused: bool | None = None,
 ) -> torch.optim.AdamW:
     """AdamW with weight decay on >= 2-D parameters only."""
     decay = [(n, p) for n, p in named if p.ndim >= 2]
@@ -98,8 +103,38 @@ def _adamw(
         {"params": no_decay, "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
-    fused = _fused_supported(p for _, p in named)
+    if fused is None:
+        fused = _fused_supported(p for _, p in named)
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), fused=fused or None)
+
+
+def muon_options(model: nn.Module, config) -> dict[str, Any]:
+    """Keyword options of :class:`muonscale.Muon` (and its distributed classes) from
+    ``config``; fused QKV weights are split by ``model.qkv_layout``."""
+    return dict(
+        lr=config.lr,
+        momentum=config.momentum,
+        weight_decay=config.weight_decay,
+        ns_steps=config.ns_steps,
+        ns_dtype=DTYPES[config.ns_dtype] if config.ns_dtype else None,
+        momentum_dtype=DTYPES[config.momentum_dtype] if config.momentum_dtype else None,
+        adamw_lr=config.adamw_lr,
+        adamw_betas=tuple(config.adamw_betas),
+        splits={qkv: model.qkv_layout for qkv in model.qkv_param_names()},
+    )
+
+
+def adamw_for(model: nn.Module, config, *, fused: bool | None = None) -> torch.optim.AdamW:
+    """``torch.optim.AdamW`` as the ``adamw`` optimizer builds it (decay on >= 2-D only);
+    ``fused=False`` for DTensor parameters."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return _adamw(
+        named,
+        lr=config.lr,
+        betas=config.adamw_betas,
+        weight_decay=config.weight_decay,
+        fused=fused,
+    )
 
 
 def build_optimizer(name: str, model: nn.Module, config) -> torch.optim.Optimizer:
@@ -108,9 +143,7 @@ def build_optimizer(name: str, model: nn.Module, config) -> torch.optim.Optimize
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     adamw_lr = config.lr if config.adamw_lr is None else config.adamw_lr
     if name == "adamw":
-        return _adamw(
-            named, lr=config.lr, betas=config.adamw_betas, weight_decay=config.weight_decay
-        )
+        return adamw_for(model, config)
     if name == "muon":
         try:
             from muonscale.optimizer import Muon
@@ -118,19 +151,7 @@ def build_optimizer(name: str, model: nn.Module, config) -> torch.optim.Optimize
             raise RuntimeError(
                 f"optimizer 'muon' needs muonscale.optimizer.Muon: {error}"
             ) from error
-        splits = {qkv: model.qkv_layout for qkv in model.qkv_param_names()}
-        return Muon(
-            named,
-            lr=config.lr,
-            momentum=config.momentum,
-            weight_decay=config.weight_decay,
-            ns_steps=config.ns_steps,
-            ns_dtype=DTYPES[config.ns_dtype] if config.ns_dtype else None,
-            momentum_dtype=DTYPES[config.momentum_dtype] if config.momentum_dtype else None,
-            adamw_lr=config.adamw_lr,
-            adamw_betas=tuple(config.adamw_betas),
-            splits=splits,
-        )
+        return Muon(named, **muon_options(model, config))
     if name == "torch-muon":
         decisions = route(model)
         hidden = [(n, p) for n, p in named if decisions[n].algorithm == "muon"]

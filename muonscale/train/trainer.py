@@ -4,6 +4,11 @@
 ``.step()`` / ``.evaluate()`` themselves. Everything is seeded and the data order is a pure
 function of ``(seed, step)``, so saving a checkpoint, building a fresh ``TrainingRun`` and
 loading it continues bit-identically on CPU.
+
+With ``config.parallel`` ("dp" or "fsdp", under torchrun) a :class:`Parallelism` joins the
+process group, shards or wraps the model, splits every global batch between the ranks and
+makes them agree on the loss and on stopping; checkpoints are then DCP folders
+(:mod:`muonscale.train.dcp_checkpoint`). Only rank 0 writes ``metrics.jsonl`` and prints.
 """
 
 from __future__ import annotations
@@ -26,8 +31,16 @@ from muonscale.train.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from muonscale.train.checkpoint import read_checkpoint, write_checkpoint
 from muonscale.train.config import TrainConfig
 from muonscale.train.data import ByteTokenizer, TokenDataset, load_corpus
+from muonscale.train.dcp_checkpoint import FOLDER as SHARDED_FOLDER
+from muonscale.train.dcp_checkpoint import (
+    has_checkpoint,
+    load_sharded,
+    verify_sharded,
+    write_sharded,
+)
 from muonscale.train.model import GPT
 from muonscale.train.optimizers import build_optimizer, optimizer_state_bytes
+from muonscale.train.parallel import Parallelism
 from muonscale.train.schedule import LRSchedule, build_scheduler
 
 __all__ = [
@@ -90,6 +103,11 @@ class RunSummary:
     """Path of the last checkpoint written (None when out_dir is None)."""
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2 parameters), else ``t``."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -113,7 +131,13 @@ class TrainingRun:
 
     def __init__(self, config: TrainConfig, *, text: str | None = None) -> None:
         self.config = config
-        self.device = resolve_device(config.device)
+        self.parallel: Parallelism | None = None
+        if config.parallel != "none":
+            self.parallel = Parallelism(
+                config.parallel, device=config.device, pg_timeout_s=config.pg_timeout_s
+            )
+        self.device = self.parallel.device if self.parallel else resolve_device(config.device)
+        self.rank = self.parallel.rank if self.parallel else 0
         self.model_config = config.model_config()
         source = "<text>" if text is not None else (config.data or "bundled Shakespeare corpus")
         if text is None:
@@ -141,7 +165,14 @@ class TrainingRun:
         with torch.random.fork_rng(devices=cuda_devices), torch.device(self.device):
             torch.manual_seed(config.seed)  # model init only; the global RNG is left as it was
             self.model = GPT(self.model_config)
-        self.optimizer = build_optimizer(config.optimizer, self.model, config)
+        self.forward_model = self.model  # DDP's wrapper under --parallel dp with adamw
+        self.rows = slice(None)  # rows of each global micro-batch this rank reads
+        if self.parallel is None:
+            self.optimizer = build_optimizer(config.optimizer, self.model, config)
+        else:
+            self.rows = self.parallel.rows(config.micro_batch_size)
+            self.optimizer = self.parallel.build(self.model, config)
+            self.forward_model = self.parallel.forward_model
         self.schedule = LRSchedule(
             schedule=config.schedule,
             total_steps=config.steps,
@@ -154,6 +185,9 @@ class TrainingRun:
         self.last_checkpoint: tuple[str, int] | None = None  # (path, step) of the last good save
         # hyperparameters that differ from the loaded checkpoint's: name -> (saved, now)
         self.resume_changes: dict[str, tuple[Any, Any]] = {}
+        self._signals: _StopSignals | None = None  # this rank's signal handlers, in run()
+        # under --parallel: the signal some rank had received by the last step's agreement
+        self.agreed_signal: str | None = None
 
     # ------------------------------------------------------------------ one step
     def _autocast(self):
@@ -182,18 +216,28 @@ class TrainingRun:
             micro_steps=self.accumulation_steps,
         )
         loss_sum = torch.zeros((), device=self.device)
-        for inputs, targets in micro_batches:
-            inputs = inputs.to(self.device, non_blocking=True)
-            targets = targets.to(self.device, non_blocking=True)
-            with self._autocast():
-                _, loss = self.model(inputs, targets)
-            (loss / self.accumulation_steps).backward()
+        for index, (inputs, targets) in enumerate(micro_batches):
+            inputs = inputs[self.rows].to(self.device, non_blocking=True)
+            targets = targets[self.rows].to(self.device, non_blocking=True)
+            last = index == len(micro_batches) - 1
+            with self._accumulating(reduce=last):
+                with self._autocast():
+                    _, loss = self.forward_model(inputs, targets)
+                (loss / self.accumulation_steps).backward()
             loss_sum += loss.detach()
-        loss_value = (loss_sum / self.accumulation_steps).item()
+        if self.parallel is None:
+            loss_value = (loss_sum / self.accumulation_steps).item()
+        else:  # every rank: the global mean loss and whether some rank was signalled
+            received = self._signals.signal if self._signals is not None else None
+            loss_value, self.agreed_signal = self.parallel.agree(
+                loss_sum / self.accumulation_steps, received
+            )
         if not math.isfinite(loss_value):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLossError(self._nonfinite_message(loss_value))
-        if config.grad_clip:
+        if config.grad_clip and self.parallel is not None:
+            self.parallel.clip_grad_norm_(config.grad_clip)
+        elif config.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)
         lr = config.lr * self.schedule(self.step_count)
         self._synchronize()
@@ -212,6 +256,11 @@ class TrainingRun:
             step_seconds=time.perf_counter() - start,
             optimizer_seconds=optimizer_seconds,
         )
+
+    def _accumulating(self, *, reduce: bool):
+        if self.parallel is None:
+            return nullcontext()
+        return self.parallel.accumulating(reduce)
 
     def _nonfinite_message(self, loss_value: float) -> str:
         where = "no checkpoint was saved in this run"
@@ -253,11 +302,26 @@ class TrainingRun:
             f"{self.tokens_per_step:,} tokens/step ({self.accumulation_steps} x "
             f"{cfg.micro_batch_size} x {model.context_length}), {cfg.steps} steps on "
             f"{self.device}{resumed}"
+            + (f", {self.parallel.describe()}" if self.parallel else "")
         )
 
     # ------------------------------------------------------------------ checkpoints
     def parameters_finite(self) -> bool:
-        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+        """Whether every parameter is finite (under --parallel: on every rank; collective)."""
+        finite = all(bool(torch.isfinite(_local(p)).all()) for p in self.model.parameters())
+        return self.parallel.all_true(finite) if self.parallel else finite
+
+    def _trainer_state(self) -> dict[str, Any]:
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "step": self.step_count,
+            "config": self.config.to_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            },
+        }
 
     def save_checkpoint(self, path: str | os.PathLike) -> Path:
         """Write model, optimizer, scheduler, step, RNG states and config to ``path`` with
@@ -268,18 +332,20 @@ class TrainingRun:
             raise NonFiniteLossError(
                 f"parameters contain NaN/inf at step {self.step_count}; not overwriting {path}"
             )
-        state = {
-            "format": CHECKPOINT_FORMAT,
-            "step": self.step_count,
-            "config": self.config.to_dict(),
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            },
-        }
+        if self.parallel is not None:  # path: the checkpoints folder; every rank writes
+            written = write_sharded(
+                self.parallel,
+                path,
+                step=self.step_count,
+                model=self.model,
+                optimizer=self.optimizer,
+                trainer_state=self._trainer_state(),
+            )
+            self.last_checkpoint = (str(path), self.step_count)
+            return written
+        state = self._trainer_state()
+        state["model"] = self.model.state_dict()
+        state["optimizer"] = self.optimizer.state_dict()
         write_checkpoint(state, path)
         self.last_checkpoint = (str(path), self.step_count)
         return path
@@ -289,13 +355,6 @@ class TrainingRun:
         optimizer required). This run's hyperparameters (:data:`RESUMABLE_CHANGES`) replace
         the checkpoint's; the differences are kept in ``self.resume_changes``."""
         path = Path(path)
-        state = read_checkpoint(path, map_location=self.device)
-        saved = TrainConfig.from_dict(state["config"])
-        if saved.model_config() != self.model_config or saved.optimizer != self.config.optimizer:
-            raise ValueError(
-                f"checkpoint {path} was written for model {saved.model_config()} with optimizer "
-                f"{saved.optimizer!r}; this run has {self.model_config} with {self.config.optimizer!r}"
-            )
         # Group hyperparameters and peak lrs as this run's config builds them; the
         # checkpoint's groups would otherwise win silently.
         fresh_groups = [
@@ -303,8 +362,16 @@ class TrainingRun:
             for group in self.optimizer.param_groups
         ]
         fresh_base_lrs = list(self.scheduler.base_lrs)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.parallel is not None:
+            folder, state = verify_sharded(self.parallel, path)
+            self._check_compatible(folder, TrainConfig.from_dict(state["config"]))
+            load_sharded(folder, model=self.model, optimizer=self.optimizer)
+        else:
+            state = read_checkpoint(path, map_location=self.device)
+            self._check_compatible(path, TrainConfig.from_dict(state["config"]))
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        saved = TrainConfig.from_dict(state["config"])
         if len(self.optimizer.param_groups) != len(fresh_groups):
             raise ValueError(
                 f"checkpoint {path} has {len(self.optimizer.param_groups)} parameter groups, "
@@ -324,6 +391,21 @@ class TrainingRun:
             if getattr(saved, name) != getattr(self.config, name)
         }
 
+    def _check_compatible(self, path: Path, saved: TrainConfig) -> None:
+        """Same model shape, optimizer and parallel mode as the checkpoint's, else ValueError.
+        (Under --parallel DCP has already refused a shape mismatch; this names the cause.)"""
+        if (
+            saved.model_config() != self.model_config
+            or saved.optimizer != self.config.optimizer
+            or saved.parallel != self.config.parallel
+        ):
+            raise ValueError(
+                f"checkpoint {path} was written for model {saved.model_config()} with optimizer "
+                f"{saved.optimizer!r} and --parallel {saved.parallel}; this run has "
+                f"{self.model_config} with {self.config.optimizer!r} and --parallel "
+                f"{self.config.parallel}"
+            )
+
     def _load_scheduler_state(
         self, scheduler_state: dict[str, Any], base_lrs: list[float]
     ) -> None:
@@ -340,6 +422,11 @@ class TrainingRun:
         self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     # ------------------------------------------------------------------ the loop
+    def _checkpoint_exists(self, checkpoint_path: Path) -> bool:
+        if self.parallel is not None:
+            return has_checkpoint(checkpoint_path)
+        return checkpoint_path.exists()
+
     def _resume_path(self, checkpoint_path: Path | None) -> Path | None:
         resume = self.config.resume
         if resume is None:
@@ -347,7 +434,7 @@ class TrainingRun:
         if resume == "auto":
             return (
                 checkpoint_path
-                if checkpoint_path is not None and checkpoint_path.exists()
+                if checkpoint_path is not None and self._checkpoint_exists(checkpoint_path)
                 else None
             )
         return Path(resume)
@@ -356,7 +443,7 @@ class TrainingRun:
         config = self.config
         if checkpoint_path is None or config.resume is not None or config.overwrite:
             return
-        if checkpoint_path.exists():
+        if self._checkpoint_exists(checkpoint_path):
             raise CheckpointExistsError(
                 f"{checkpoint_path} holds an earlier run's checkpoint; pass --resume auto to "
                 "continue that run, another --out-dir to start a new one next to it, or "
@@ -377,16 +464,22 @@ class TrainingRun:
         config = self.config
         started = time.perf_counter()
         out_dir = Path(config.out_dir) if config.out_dir else None
-        checkpoint_path = out_dir / CHECKPOINT_NAME if out_dir else None
+        name = SHARDED_FOLDER if self.parallel is not None else CHECKPOINT_NAME
+        checkpoint_path = out_dir / name if out_dir else None
         self._check_not_overwriting(checkpoint_path)
         resume_path = self._resume_path(checkpoint_path)
         if resume_path is not None:
             self.load_checkpoint(resume_path)
             for name, (saved, now) in self.resume_changes.items():
-                print(f"muonscale train: resuming with {name}={now} (the checkpoint had {saved})",
-                      file=sys.stderr)  # fmt: skip
+                if self.rank == 0:
+                    print(f"muonscale train: resuming with {name}={now} (the checkpoint had "
+                          f"{saved})", file=sys.stderr)  # fmt: skip
         with _StopSignals() as stop:
-            summary = self._run_loop(progress, checkpoint_path, out_dir, stop)
+            self._signals = stop
+            try:
+                summary = self._run_loop(progress, checkpoint_path, out_dir, stop)
+            finally:
+                self._signals = None
         summary.seconds = time.perf_counter() - started
         return summary
 
@@ -394,7 +487,7 @@ class TrainingRun:
         self, progress: bool, checkpoint_path: Path | None, out_dir: Path | None, stop
     ) -> RunSummary:
         config = self.config
-        log = _MetricsLog(out_dir / METRICS_NAME if out_dir else None)
+        log = _MetricsLog(out_dir / METRICS_NAME if out_dir and self.rank == 0 else None)
         log.write(
             event="start",
             step=self.step_count,
@@ -404,7 +497,7 @@ class TrainingRun:
             tokens_per_step=self.tokens_per_step,
             resume_changes={k: list(v) for k, v in self.resume_changes.items()},
         )
-        bar = _progress_bar(progress, total=config.steps, initial=self.step_count)
+        bar = _progress_bar(progress and self.rank == 0, total=config.steps, initial=self.step_count)
         if bar is not None:
             bar.write(self.describe())
         result: StepResult | None = None
@@ -413,7 +506,7 @@ class TrainingRun:
         window_tokens, window_seconds = 0, 0.0
         try:
             while self.step_count < config.steps:
-                if stop.signal is not None:
+                if self._stop_signal(stop) is not None:
                     raise KeyboardInterrupt
                 result = self.step()
                 window_tokens += result.tokens
@@ -442,7 +535,7 @@ class TrainingRun:
                     self.save_checkpoint(checkpoint_path)
         except KeyboardInterrupt:
             interrupted = True
-            log.write(event="interrupted", step=self.step_count, signal=stop.signal)
+            log.write(event="interrupted", step=self.step_count, signal=self._stop_signal(stop))
         except NonFiniteLossError as error:
             log.write(event="nonfinite_loss", step=self.step_count, message=str(error))
             raise
@@ -463,9 +556,20 @@ class TrainingRun:
             val_loss=val_loss,
             seconds=0.0,
             interrupted=interrupted,
-            signal=stop.signal or ("SIGINT" if interrupted else None),
+            signal=self._stop_signal(stop) or ("SIGINT" if interrupted else None),
             checkpoint=str(checkpoint_path) if checkpoint_path else None,
         )
+
+
+    def _stop_signal(self, stop: _StopSignals) -> str | None:
+        """The signal that stops the run at this step boundary: this process's, or under
+        --parallel the one the ranks agreed on in the last step (so all stop together)."""
+        return self.agreed_signal if self.parallel is not None else stop.signal
+
+    def close(self) -> None:
+        """Leave the process group (when this run joined it) and release optimizer hooks."""
+        if self.parallel is not None:
+            self.parallel.close()
 
 
 class _StopSignals:

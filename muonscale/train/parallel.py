@@ -1,0 +1,184 @@
+"""One rank of a ``muonscale train --parallel dp|fsdp`` job under torchrun.
+
+:class:`Parallelism` owns what differs from a single-process run:
+
+- the process group (from torchrun's environment: gloo on CPU, NCCL on CUDA, with
+  ``pg_timeout_s``);
+- how the model is held: ``dp`` leaves it whole (``muon``: :class:`muonscale.DistributedMuon`
+  reduces gradients through its own hooks; ``adamw``: DDP + ``torch.optim.AdamW``), ``fsdp``
+  shards it with FSDP2 ``fully_shard`` (every block, then the root) for
+  :class:`muonscale.DTensorMuon` or ``torch.optim.AdamW``;
+- which rows of each global micro-batch this rank reads (rank r: rows ``[r·b, (r+1)·b)`` with
+  ``b = micro_batch_size / world_size``), so the global batch is the single-process one;
+- gradient accumulation without reduction, global gradient clipping;
+- the per-step agreement: one all-reduce of ``[loss, SIGINT seen, SIGTERM seen]``, so every
+  rank sees the same mean loss and stops at the same step boundary.
+
+Every collective goes through :class:`muonscale.distributed.Communicator`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import warnings
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from muonscale.distributed.comm import Communicator
+from muonscale.train.optimizers import adamw_for, muon_options
+
+__all__ = ["Parallelism", "torchrun_environment"]
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_environment() -> dict[str, str]:
+    """torchrun's variables; raise ``RuntimeError`` naming the missing ones."""
+    missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"--parallel needs the environment torchrun sets ({', '.join(missing)} missing): "
+            "launch with `torchrun --nproc-per-node N -m muonscale train --parallel dp ...`"
+        )
+    return {name: os.environ[name] for name in TORCHRUN_VARIABLES}
+
+
+class Parallelism:
+    """This rank's share of a data-parallel (``dp``) or FSDP2 (``fsdp``) run.
+
+    Joins the default process group when torch.distributed is already initialized (it is
+    then left to its owner), else initializes it from torchrun's environment and destroys it
+    in :meth:`close`.
+    """
+
+    def __init__(self, mode: str, *, device: str, pg_timeout_s: float) -> None:
+        if mode not in ("dp", "fsdp"):
+            raise ValueError(f"parallel mode must be 'dp' or 'fsdp', got {mode!r}")
+        self.mode = mode
+        self.owns_group = not dist.is_initialized()
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if self.owns_group:
+            torchrun_environment()
+        use_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+        if use_cuda:
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device(device if device != "auto" else "cpu")
+        if self.owns_group:
+            dist.init_process_group(
+                "nccl" if use_cuda else "gloo",
+                timeout=datetime.timedelta(seconds=pg_timeout_s),
+                device_id=self.device if use_cuda else None,
+            )
+        self.comm = Communicator()
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self.forward_model: nn.Module | None = None
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def describe(self) -> str:
+        backend = dist.get_backend() if dist.is_initialized() else "none"
+        return f"--parallel {self.mode} on {self.world_size} ranks ({backend})"
+
+    # ------------------------------------------------------------------ model and optimizer
+    def build(self, model: nn.Module, config) -> torch.optim.Optimizer:
+        """Shard or wrap ``model`` (built identically on every rank) and return its optimizer
+        for ``config.optimizer`` ("muon" or "adamw"); options by keyword only."""
+        self.model, self.forward_model = model, model
+        if self.mode == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            from muonscale.distributed.dtensor import DTensorMuon
+
+            # the root module returns (logits, loss); they are never modified in place
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
+            mesh = init_device_mesh(self.device.type, (self.world_size,))
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            if config.optimizer == "muon":
+                self.optimizer = DTensorMuon(model.named_parameters(), **muon_options(model, config))
+            else:
+                self.optimizer = adamw_for(model, config, fused=False)
+        elif config.optimizer == "muon":
+            from muonscale.distributed.data_parallel import DistributedMuon
+
+            # not wrapped in DDP: DistributedMuon reduces the gradients itself
+            self.optimizer = DistributedMuon(
+                list(model.named_parameters()), **muon_options(model, config)
+            )
+        else:
+            from torch.nn.parallel import DistributedDataParallel
+
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            self.forward_model = DistributedDataParallel(model, device_ids=device_ids)
+            self.optimizer = adamw_for(model, config)
+        return self.optimizer
+
+    # ------------------------------------------------------------------ one step
+    def rows(self, batch_size: int) -> slice:
+        """The rows of a global micro-batch of ``batch_size`` that this rank reads."""
+        if batch_size % self.world_size:
+            raise ValueError(
+                f"micro_batch_size={batch_size} must be a multiple of the number of ranks "
+                f"({self.world_size}): each rank reads micro_batch_size / ranks rows of it"
+            )
+        share = batch_size // self.world_size
+        return slice(self.rank * share, (self.rank + 1) * share)
+
+    def accumulating(self, reduce: bool):
+        """Context of one micro-batch's backward; ``reduce=False``: keep gradients local."""
+        if self.mode == "fsdp":
+            self.model.set_requires_gradient_sync(reduce)
+            return nullcontext()
+        if reduce:
+            return nullcontext()
+        return self.forward_model.no_sync() if self.forward_model is not self.model else (
+            self.optimizer.no_sync()
+        )
+
+    def clip_grad_norm_(self, max_norm: float) -> None:
+        """Clip the global (averaged) gradient norm to ``max_norm``."""
+        if hasattr(self.optimizer, "clip_grad_norm_"):  # DistributedMuon: reduced gradients
+            self.optimizer.clip_grad_norm_(max_norm)
+        else:  # DDP / FSDP2 gradients are already averaged (FSDP2: DTensors, norm is global)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    def agree(self, loss: torch.Tensor, signal_name: str | None) -> tuple[float, str | None]:
+        """Mean loss over ranks and the signal some rank received (SIGTERM over SIGINT);
+        one all-reduce, so every rank gets the same answer."""
+        flags = torch.zeros(3, dtype=torch.float64, device=self.comm.device)
+        flags[0] = loss.to(flags.device, torch.float64)
+        flags[1] = float(signal_name == "SIGINT")
+        flags[2] = float(signal_name == "SIGTERM")
+        self.comm.all_reduce(flags, tag="control")
+        values = flags.tolist()
+        agreed = "SIGTERM" if values[2] else ("SIGINT" if values[1] else None)
+        return values[0] / self.world_size, agreed
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank (one all-reduce)."""
+        value = torch.tensor([0 if flag else 1], dtype=torch.int32, device=self.comm.device)
+        self.comm.all_reduce(value, op=dist.ReduceOp.MAX, tag="control")
+        return not bool(value.item())
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        return self.comm.all_gather_object(obj if self.rank == 0 else None)[0]
+
+    def barrier(self) -> None:
+        self.comm.barrier()
+
+    def close(self) -> None:
+        """Release the optimizer's hooks; destroy the process group when this object made it."""
+        if hasattr(self.optimizer, "remove_hooks"):
+            self.optimizer.remove_hooks()
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
