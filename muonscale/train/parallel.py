@@ -95,7 +95,7 @@ class Parallelism:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
-            from muonscale.distributed.dtensor import DTensorMuon
+            from muonscale.distributed.factory import distributed_muon
 
             # the root module returns (logits, loss); they are never modified in place
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
@@ -104,7 +104,9 @@ class Parallelism:
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
             if config.optimizer == "muon":
-                self.optimizer = DTensorMuon(model.named_parameters(), **muon_options(model, config))
+                self.optimizer = distributed_muon(  # DTensor parameters: a DTensorMuon
+                    model.named_parameters(), **muon_options(model, config)
+                )
             else:
                 self.optimizer = adamw_for(model, config, fused=False)
         elif config.optimizer == "muon":
