@@ -76,7 +76,7 @@ class MegatronMuon(Muon):
         super().__init__(param_groups, **options)
         self.routing = {pl.name: RouteDecision(pl.algorithm, pl.reason) for pl in self.plans}
         self.orthogonalizer = orthogonalizer or TensorParallelOrthogonalizer(
-            groups, config, counter=self.wire_counter
+            groups, config, counter=self.wire_counter, memory=self.memory
         )
         self.grad_norm = GlobalGradNorm(
             self.plans, groups, counter=self.wire_counter, dp_replicated=True,
@@ -216,7 +216,7 @@ class MegatronDistributedMuon(DistributedMuon):
         )
         self.routing = {pl.name: RouteDecision(pl.algorithm, pl.reason) for pl in self.plans}
         self.orthogonalizer = orthogonalizer or TensorParallelOrthogonalizer(
-            groups, config, counter=self.wire_counter
+            groups, config, counter=self.wire_counter, memory=self.memory
         )
         self.grad_norm = GlobalGradNorm(
             self.plans, groups, counter=self.wire_counter, dp_replicated=False,

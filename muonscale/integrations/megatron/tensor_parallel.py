@@ -13,6 +13,7 @@ from muonscale import functional
 from muonscale.distributed.comm import WireCounter
 from muonscale.distributed.sharded import MatrixLayout, ShardedMatrices
 from muonscale.matrices import MatrixView
+from muonscale.memory import MemoryBudget
 from muonscale.scaling import update_scale
 
 from .config import MegatronMuonConfig
@@ -54,9 +55,15 @@ class TensorParallelOrthogonalizer:
     """
 
     def __init__(
-        self, groups: MegatronGroups, config: MegatronMuonConfig, *, counter: WireCounter
+        self,
+        groups: MegatronGroups,
+        config: MegatronMuonConfig,
+        *,
+        counter: WireCounter,
+        memory: MemoryBudget | None = None,  # None: read from the environment here
     ) -> None:
         self.groups, self.config, self.counter = groups, config, counter
+        self.memory = memory if memory is not None else MemoryBudget.from_environment()
         self._exchanges: dict[tuple, ShardedMatrices] = {}
 
     def _tp_group(self, expert: bool) -> dist.ProcessGroup | None:
