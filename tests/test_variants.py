@@ -7,13 +7,12 @@ import math
 
 import pytest
 import torch
+from reference_variants import TURBO_MUON_STEPS, muon_step, normuon_rows, ns_aol, ns_frobenius
 
 from muonscale import Muon
 from muonscale.newton_schulz import COEFFICIENT_PRESETS, resolve_coefficients
 from muonscale.scaling import update_scale
 from muonscale.variants import aol_newton_schulz_, row_normalize_
-
-from reference_variants import TURBO_MUON_STEPS, muon_step, normuon_rows, ns_aol, ns_frobenius
 
 # float32 Newton–Schulz of ≤ 5 steps on ≤ 64-wide matrices: each step's products add up
 # n terms with relative error ~ n·2⁻²⁴ ≈ 4e-6, amplified by the polynomial's slope (≤ ~10)

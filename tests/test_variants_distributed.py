@@ -9,8 +9,16 @@ import pytest
 import torch
 from distributed_harness import shared_pool
 from test_distributed_dp import OPTS, make_model, max_diff, reference, train
-from test_dtensor_muon import SHAPES, SPLITS, Bag, _full_tensors, _max_diff, _reference
-from test_dtensor_muon import _placements_1d, _run_injected
+from test_dtensor_muon import (
+    SHAPES,
+    SPLITS,
+    Bag,
+    _full_tensors,
+    _max_diff,
+    _placements_1d,
+    _reference,
+    _run_injected,
+)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
