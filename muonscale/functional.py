@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import variants  # [variants]
 from .kernels.newton_schulz_fast import NSMethodChoice, choose_method, newton_schulz_fast
 from .matrices import MatrixView
 from .memory import (
@@ -25,7 +26,6 @@ from .memory import (
 )
 from .newton_schulz import DEFAULT_EPS, CoefficientSpec, default_ns_dtype, resolve_schedule
 from .scaling import update_scale
-from . import variants  # [variants]
 
 
 def momentum_directions_(
