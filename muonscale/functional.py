@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .kernels.newton_schulz_fast import NSMethodChoice, newton_schulz_fast
+from . import variants  # [variants]
+from .kernels.newton_schulz_fast import NSMethodChoice, choose_method, newton_schulz_fast
 from .matrices import MatrixView
 from .memory import (
     DEFAULT_NS_WORKSPACE_BYTES,
@@ -23,7 +24,7 @@ from .memory import (
     group_by_budget,
     split_by_budget,
 )
-from .newton_schulz import DEFAULT_EPS, CoefficientSpec, default_ns_dtype
+from .newton_schulz import DEFAULT_EPS, CoefficientSpec, default_ns_dtype, resolve_schedule
 from .scaling import update_scale
 
 
@@ -56,6 +57,7 @@ def orthogonalize_matrices(
     eps: float = DEFAULT_EPS,
     method: NSMethodChoice = "auto",
     max_workspace_bytes: int = DEFAULT_NS_WORKSPACE_BYTES,
+    preconditioner: variants.Preconditioner = "frobenius",  # [variants]
 ) -> list[torch.Tensor]:
     """Newton–Schulz of every matrix, batched: matrices with the same (short, long) shape are
     stacked (tall ones transposed) and orthogonalized in place in one call of
@@ -74,10 +76,18 @@ def orthogonalize_matrices(
         for slot, i in enumerate(indices):
             mat = matrices[i]
             stack[slot].copy_(mat.mT if mat.shape[0] > mat.shape[1] else mat)
-        ortho = newton_schulz_fast(
-            stack, ns_steps, coefficients, dtype, eps, out=stack, method=method, backend="auto",
-            max_workspace_bytes=max_workspace_bytes,
-        )  # fmt: skip
+        if preconditioner == "aol":  # [variants] Turbo-Muon: AOL scaling, not X / ‖X‖_F
+            aol_method, restart = choose_method(short, long, dtype)
+            aol_method = aol_method if method == "auto" else method
+            ortho = variants.aol_newton_schulz_(
+                stack, resolve_schedule(coefficients, ns_steps)[0], eps=eps, method=aol_method,
+                restart_every=restart or 2,
+            )  # fmt: skip
+        else:
+            ortho = newton_schulz_fast(
+                stack, ns_steps, coefficients, dtype, eps, out=stack, method=method,
+                backend="auto", max_workspace_bytes=max_workspace_bytes,
+            )  # fmt: skip
         for slot, i in enumerate(indices):
             o = ortho[slot]
             out[i] = o.mT if matrices[i].shape[0] > matrices[i].shape[1] else o
@@ -122,6 +132,8 @@ def muon(
     ns_method: NSMethodChoice = "auto",
     max_chunk_bytes: ChunkBytes = PER_DEVICE,
     max_workspace_bytes: int = DEFAULT_NS_WORKSPACE_BYTES,
+    options: variants.VariantOptions = variants.PLAIN_MUON,  # [variants]
+    row_moments: Sequence[torch.Tensor] | None = None,  # [variants] NorMuon state, (rows,) each
 ) -> None:
     """One Muon step, in place on ``params`` and ``momentum_buffers``::
 
@@ -146,6 +158,8 @@ def muon(
             muon(
                 [params[i] for i in chunk], [grads[i] for i in chunk],
                 [momentum_buffers[i] for i in chunk], views=[views[i] for i in chunk], lr=lr,
+                options=options,  # [variants]
+                row_moments=None if row_moments is None else [row_moments[i] for i in chunk],
                 weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                 ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype, scale=scale,
                 eps=eps, ns_method=ns_method, max_chunk_bytes=None,
@@ -166,19 +180,25 @@ def muon(
         eps=eps,
         method=ns_method,
         max_workspace_bytes=max_workspace_bytes,
+        preconditioner=options.preconditioner,  # [variants]
     )
+    if options.normalize == "row":  # [variants] NorMuon, per matrix, rows of each in turn
+        variants.row_normalize_matrices_(orthogonal, owner, row_moments, beta2=options.row_beta2)
     per_param: list[list[torch.Tensor]] = [[] for _ in params]
     for index, mat in zip(owner, orthogonal):
         per_param[index].append(mat)
     for param, view, mats in zip(params, views, per_param):
-        if weight_decay != 0:
-            param.mul_(1 - lr * weight_decay)
         if len(mats) == 1 and view.row_partition is None:
             m, n = mats[0].shape
-            param.add_(view.from_matrices(mats), alpha=-lr * update_scale(scale, m, n))
+            update, alpha = view.from_matrices(mats), -lr * update_scale(scale, m, n)
         else:
             scaled = [mat * update_scale(scale, *mat.shape) for mat in mats]
-            param.add_(view.from_matrices(scaled), alpha=-lr)
+            update, alpha = view.from_matrices(scaled), -lr
+        if weight_decay != 0 and options.cautious_weight_decay:  # [variants]
+            variants.cautious_weight_decay_(param, update, lr=lr, weight_decay=weight_decay)
+        elif weight_decay != 0:
+            param.mul_(1 - lr * weight_decay)
+        param.add_(update, alpha=alpha)
 
 
 def adamw(

@@ -88,6 +88,20 @@ COEFFICIENT_PRESETS: dict[str, CoefficientPreset] = {
     ),
 }
 COEFFICIENT_PRESETS["modded_nanogpt"] = COEFFICIENT_PRESETS["polar_express"]
+# [variants] Turbo-Muon (Boissin, Massena, Mamalet, Serrurier, arXiv:2512.04632): four steps
+# after the AOL preconditioner (preconditioner="aol"); the last four of the five tuples in the
+# authors' code, github.com/thib-s/flash-newton-schulz newton_schulz_triton.py ``NS_ours``
+# (iter=4, commit 1aa1f31b491e0512814f56bbdd7d2e89ad22807c). Its margin is unused with AOL.
+COEFFICIENT_PRESETS["turbo_muon"] = CoefficientPreset(
+    steps=(
+        (3.9505, -6.3029, 2.6377),
+        (3.7418, -5.5913, 2.3037),
+        (2.8769, -3.1427, 1.2046),
+        (2.8366, -3.0525, 1.2012),
+    ),
+    normalization_margin=1.0,
+    source="Boissin et al. (2025), Turbo-Muon, four steps after AOL",
+)
 
 
 def _check_tuple(t: object, where: str) -> Coefficients:

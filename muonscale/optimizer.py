@@ -23,6 +23,14 @@ from .newton_schulz import DEFAULT_EPS, Coefficients, validate_coefficients
 from .params import ALGORITHMS, RouteDecision, Rule, route, route_one, routing_summary
 from .qkv import QKV_SPLIT_MODES, QKVLayout
 from .scaling import ADJUST_LR_FNS, SCALE_RULES
+from .variants import (  # [variants]
+    VARIANT_DEFAULTS,
+    Normalize,
+    Preconditioner,
+    VariantOptions,
+    row_moment_shape,
+    validate_variant_options,
+)
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 NS_METHODS = ("auto", "plain", "gram")
@@ -69,6 +77,7 @@ def _validate_muon_group(group: Mapping[str, Any]) -> None:
     _check_range("eps (ns_eps)", group["ns_eps"], 0.0, math.inf)
     if group["ns_method"] not in NS_METHODS:
         raise ValueError(f"ns_method must be one of {NS_METHODS}, got {group['ns_method']!r}")
+    validate_variant_options(group)  # [variants]
 
 
 def _validate_adamw_group(group: Mapping[str, Any]) -> None:
@@ -208,6 +217,15 @@ class Muon(torch.optim.Optimizer):
             way, not the same rounding: in float32 the Gram form's relative error was measured
             at 0.7–2× the plain iteration's (Keller) and up to 2.7× (Polar Express, σᵢ ∝ 1/i),
             about 1e-6 to 5e-6 either way. See :mod:`muonscale.kernels.newton_schulz_fast`.
+        normalize: ``"none"`` or ``"row"`` (NorMuon: each row of the orthogonalized update is
+            divided by the root of its EMA second moment, then the matrix is rescaled to its
+            norm before; state ``row_second_moment``, one float32 per row).
+        row_beta2: β₂ of that second moment (NorMuon's 0.95).
+        cautious_weight_decay: decay only the entries where the update and the weight agree
+            in sign (W ← W − ηλ 𝟙[u ⊙ W ≥ 0] ⊙ W).
+        preconditioner: ``"frobenius"`` (X / ‖X‖_F) or ``"aol"`` (Turbo-Muon: AOL scaling from
+            the first Gram product; defaults to its four-step ``"turbo_muon"`` coefficients,
+            ``ns_steps=4``). The equations and sources are in ``docs/variants.md``.
     """
 
     def __init__(
@@ -220,7 +238,7 @@ class Muon(torch.optim.Optimizer):
         *,
         ns_coefficients: str | Coefficients | Sequence[Coefficients] | None = None,
         eps: float | None = None,
-        ns_steps: int = 5,
+        ns_steps: int | None = None,
         adjust_lr_fn: str | None = None,
         betas: tuple[float, float] | None = None,
         coefficients: str | Coefficients | Sequence[Coefficients] | None = None,
@@ -238,6 +256,10 @@ class Muon(torch.optim.Optimizer):
         matrix_mode: str = "flatten",
         rules: Sequence[Rule] | None = None,
         ns_method: str = "auto",
+        normalize: Normalize = "none",  # [variants]
+        row_beta2: float = 0.95,
+        cautious_weight_decay: bool = False,
+        preconditioner: Preconditioner = "frobenius",
     ) -> None:
         if isinstance(params, torch.Tensor):
             raise TypeError(f"{_PARAMS_TYPE_ERROR}, but got {torch.typename(params)}")
@@ -256,12 +278,15 @@ class Muon(torch.optim.Optimizer):
             _check_range("adamw_weight_decay", adamw_weight_decay, 0.0, math.inf)
         self._muon_defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-            ns_steps=ns_steps,
-            coefficients=_either("coefficients", coefficients, "ns_coefficients",
-                                 ns_coefficients, "keller"),
+            # [variants] AOL's default schedule is Turbo-Muon's four steps
+            ns_steps=ns_steps if ns_steps is not None else 4 if preconditioner == "aol" else 5,
+            coefficients=_either("coefficients", coefficients, "ns_coefficients", ns_coefficients,
+                                 "turbo_muon" if preconditioner == "aol" else "keller"),
             scale=scale, ns_dtype=ns_dtype, momentum_dtype=momentum_dtype,
             matrix_mode=matrix_mode, ns_eps=_either("ns_eps", ns_eps, "eps", eps, DEFAULT_EPS),
             ns_method=ns_method,
+            normalize=normalize, row_beta2=row_beta2,  # [variants]
+            cautious_weight_decay=cautious_weight_decay, preconditioner=preconditioner,
         )  # fmt: skip
         _validate_muon_group(self._muon_defaults)
         self._adamw_defaults = dict(
@@ -498,16 +523,26 @@ class Muon(torch.optim.Optimizer):
     def init_state(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """Create (if missing) and return the state of ``p``."""
         state = self.state[p]
-        if state:
-            return state
         if group["algorithm"] == "muon":
-            dtype = group["momentum_dtype"] or p.dtype
-            state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            if "momentum_buffer" not in state:
+                dtype = group["momentum_dtype"] or p.dtype
+                state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            if group.get("normalize") == "row" and "row_second_moment" not in state:
+                self.init_row_moment(p, group, state)  # [variants]
+            return state
+        elif state:
+            return state
         else:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
+
+    def init_row_moment(self, p: torch.Tensor, group: Mapping[str, Any], state: dict) -> None:
+        """[variants] NorMuon's row second moment of ``p``: one float32 per row of each of its
+        matrices, zero at the start."""
+        shape = row_moment_shape(self.matrix_view(p, group).matrix_shapes)
+        state["row_second_moment"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
 
     def init_all_state(self) -> None:
         """Create every parameter's state now (instead of at its first step)."""
@@ -534,7 +569,7 @@ class Muon(torch.optim.Optimizer):
             lines.append(f"  {d.algorithm:<6} {name:<50} {tuple(params[name].shape)!s:<18} {d.reason}")
         return "\n".join(lines)
 
-    _STATE_KEYS = {"muon": {"momentum_buffer"}, "adamw": {"step", "exp_avg", "exp_avg_sq"}}
+    _STATE_KEYS = {"muon": {"momentum_buffer", "row_second_moment"}, "adamw": {"step", "exp_avg", "exp_avg_sq"}}
 
     def __getstate__(self) -> dict[str, Any]:
         # torch pickles only defaults/state/param_groups; the rest is keyed by id(param), which
@@ -562,6 +597,8 @@ class Muon(torch.optim.Optimizer):
                 group.setdefault("momentum_dtype", None)
                 group.setdefault("ns_dtype", None)
                 group.setdefault("ns_method", "auto")
+                for key, value in VARIANT_DEFAULTS.items():  # [variants]
+                    group.setdefault(key, value)
             elif not isinstance(group, AdamWGroup):
                 self.param_groups[i] = AdamWGroup.wrap(group)
         if extra is None:  # load_state_dict: same parameters, same attributes
@@ -623,6 +660,9 @@ class Muon(torch.optim.Optimizer):
             if "step" in s and not torch.is_tensor(s["step"]):
                 s["step"] = torch.tensor(float(s["step"]), dtype=torch.float32)
         # torch casts floating state to the parameter's dtype; restore momentum_dtype.
+        for s in self.state.values():  # [variants] NorMuon's row moment stays float32
+            if "row_second_moment" in s:
+                s["row_second_moment"] = s["row_second_moment"].float()
         for group in self.param_groups:
             if group["algorithm"] == "muon" and group["momentum_dtype"] is not None:
                 for p in group["params"]:
@@ -700,8 +740,11 @@ class Muon(torch.optim.Optimizer):
                 states = [states[i] for i in keep]
                 if not params:
                     return
+            options = VariantOptions.from_group(group)  # [variants]
             functional.muon(
                 params, grads, [s["momentum_buffer"] for s in states],
+                options=options,  # [variants]
+                row_moments=[s.get("row_second_moment") for s in states],
                 views=[self.matrix_view(p, group) for p in params],
                 lr=float(group["lr"]), weight_decay=group["weight_decay"], momentum=group["momentum"],
                 nesterov=group["nesterov"], ns_steps=group["ns_steps"],

@@ -221,6 +221,8 @@ class DistributedMuon(Muon):
                 state["momentum_buffer"] = torch.zeros_like(
                     p, dtype=dtype, memory_format=torch.preserve_format
                 )
+                if group.get("normalize") == "row":  # [variants] NorMuon state, on the owner
+                    self.init_row_moment(p, group, state)
                 if main_dtype is not None:  # the whole matrix: this rank updates it
                     main = torch.empty_like(p, dtype=main_dtype).copy_(p)
                     state["main_param"] = main

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..variants import row_moment_shape  # [variants]
+
 if TYPE_CHECKING:
     from .data_parallel import DistributedMuon
 
@@ -47,12 +49,16 @@ def gather_full_state(opt: DistributedMuon) -> dict[int, dict[str, torch.Tensor]
         dtypes = {"momentum_buffer": group["momentum_dtype"] or main_dtype or p.dtype}
         if main_dtype is not None:
             dtypes["main_param"] = main_dtype
+        shapes = {}
+        if group.get("normalize") == "row":  # [variants] NorMuon's row second moment
+            dtypes["row_second_moment"] = torch.float32
+            shapes["row_second_moment"] = row_moment_shape(opt._matrix_shapes[i])
         full[i] = {}
         for name, dtype in dtypes.items():
             if owner == opt.rank:
                 buf = opt.state[p][name].clone()
             else:
-                buf = torch.empty_like(p, dtype=dtype)
+                buf = torch.empty(shapes.get(name, p.shape), dtype=dtype, device=p.device)
             opt.comm.broadcast(buf, src=owner, tag="checkpoint")
             full[i][name] = buf
     for shards in opt.reduction.flat_shards:  # AdamW moments: shard r of every flat bucket
@@ -144,6 +150,12 @@ def load_full_state(opt: DistributedMuon, state_dict: dict[str, Any]) -> None:
             buf.copy_(source.view(p.shape))
         if "main_param" in state:
             _load_main(state["main_param"], p, entry.get("main_param"))
+        if "row_second_moment" in state:  # [variants] NorMuon's row second moment
+            moment = entry.get("row_second_moment")
+            if moment is None:
+                state["row_second_moment"].zero_()
+            else:
+                state["row_second_moment"].copy_(moment)
     for i in opt.adamw_indices:
         entry = saved_state.get(key_of[i], {})
         p = opt.params[i]

@@ -49,6 +49,7 @@ from .. import functional
 from ..newton_schulz import default_ns_dtype
 from ..optimizer import Muon
 from ..scaling import update_scale
+from ..variants import cautious_weight_decay_  # [variants]
 from .comm import Communicator, WireCounter
 from .sharded import MatrixLayout, ShardedMatrices, chunk_bounds, default_owners
 
@@ -170,6 +171,13 @@ class DTensorMuon(Muon):
         if not isinstance(approximate_per_shard, bool):
             raise ValueError(f"approximate_per_shard must be a bool, got {approximate_per_shard!r}")
         self.approximate_per_shard = approximate_per_shard
+        for group in self.param_groups:  # [variants] NorMuon's row statistics need the owner
+            if group["algorithm"] == "muon" and group.get("normalize", "none") != "none":
+                raise NotImplementedError(
+                    "DTensorMuon: normalize='row' (NorMuon) is not supported yet: its row second "
+                    "moment is computed on the matrix's owner and would have to reach every "
+                    "shard. Use muonscale.Muon or DistributedMuon for NorMuon."
+                )
         self.process_group = process_group
         self.wire_counter = WireCounter()
         self.last_step_wire_bytes = 0
@@ -307,9 +315,13 @@ class DTensorMuon(Muon):
         # phase 3: weight decay and update on local shards
         for p, group in entries:
             local, lr = local_tensor(p), float(group["lr"])
-            if group["weight_decay"] != 0:
-                local.mul_(1 - lr * group["weight_decay"])
             update, alpha = updates[id(p)]
+            if group["weight_decay"] != 0 and group.get("cautious_weight_decay"):  # [variants]
+                cautious_weight_decay_(
+                    local, update.reshape(local.shape), lr=lr, weight_decay=group["weight_decay"]
+                )
+            elif group["weight_decay"] != 0:
+                local.mul_(1 - lr * group["weight_decay"])
             if update.numel():
                 local.add_(update.reshape(local.shape), alpha=alpha * lr)
 
@@ -336,10 +348,12 @@ class DTensorMuon(Muon):
                 repr(group["coefficients"]),
                 group["ns_dtype"],
                 group["ns_eps"],
+                group.get("preconditioner", "frobenius"),  # [variants]
+                group["ns_method"],
             )
             for j, mat in enumerate(mats):
                 by_setting.setdefault(key, []).append((slot, j, mat))
-        for (steps, _, ns_dtype, eps), items in by_setting.items():
+        for (steps, _, ns_dtype, eps, preconditioner, ns_method), items in by_setting.items():
             group = part[indices[items[0][0]]][1]
             ortho = functional.orthogonalize_matrices(
                 [m for _, _, m in items],
@@ -347,7 +361,9 @@ class DTensorMuon(Muon):
                 coefficients=group["coefficients"],
                 ns_dtype=ns_dtype,
                 eps=eps,
+                method=ns_method,
                 max_workspace_bytes=self.memory.ns_workspace_bytes,
+                preconditioner=preconditioner,  # [variants]
             )
             for (slot, j, _), o in zip(items, ortho):
                 per_param[slot][j] = o
@@ -382,6 +398,7 @@ class DTensorMuon(Muon):
                 [u], ns_steps=group["ns_steps"], coefficients=group["coefficients"],
                 ns_dtype=group["ns_dtype"], eps=group["ns_eps"],
                 max_workspace_bytes=self.memory.ns_workspace_bytes,
+                preconditioner=group.get("preconditioner", "frobenius"),  # [variants]
             )  # fmt: skip
             out[id(p)] = (o, -update_scale(group["scale"], p.shape[0], math.prod(p.shape[1:])))
         return out
