@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from . import functional
-from .capturable import DeviceNonFiniteGuard, NonFinitePolicy, is_capturing
+from .capturable import DeviceNonFiniteGuard, NonFinitePolicy
 from .kernels import clear_workspaces
 from .matrices import MATRIX_MODES, MatrixView, row_blocks
 from .memory import MemoryBudget
