@@ -31,6 +31,12 @@ is recorded in the JSON and the rest still runs; a global time guard skips what 
                   measured directly and composed from measured fwd/bwd and optimizer parts.
 * ``memory``      peak memory and optimizer-state bytes vs AdamW, GPT-2-XL, 8×1024 tokens,
                   bf16 autocast, fp32 params, no activation checkpointing.
+* ``graph``       the optimizer step under a CUDA graph (``Muon(capturable=True)``) vs eager,
+                  GPT-2 small/medium parameter sets (CPU: eager variants only).
+* ``profile``     torch.profiler per step: kernel launches, copy, elementwise and matmul time.
+* ``projection``  a MODEL of DistributedMuon vs ZeRO-1 AdamW tokens/s at 8/64/256 ranks
+                  (GPT-2-XL, 7B-class; owned matrices timed here, collectives and
+                  forward+backward modelled, assumptions printed), beside NVIDIA's 97.9%.
 * ``megatron``    ``benchmarks/megatron_gpu.py`` in a subprocess (``python3 -m
                   torch.distributed.run --nproc-per-node 1``, PYTHONPATH=<repo>:<site>, wall
                   limit ``--megatron-timeout-s``, outside the time guard): Megatron's GPTModel
@@ -60,12 +66,15 @@ import torch
 
 from benchmarks.gpu_parts.correctness import section_correctness
 from benchmarks.gpu_parts.e2e import section_e2e
+from benchmarks.gpu_parts.graph import section_graph
 from benchmarks.gpu_parts.matmul import section_matmul
 from benchmarks.gpu_parts.megatron_leg import section_megatron
 from benchmarks.gpu_parts.memory import section_memory
 from benchmarks.gpu_parts.models import GPT2
 from benchmarks.gpu_parts.ns import section_ns
 from benchmarks.gpu_parts.optimizer import section_optimizer
+from benchmarks.gpu_parts.profile import section_profile
+from benchmarks.gpu_parts.projection import section_projection
 from benchmarks.gpu_parts.timing import Clock
 from muonscale.kernels import clear_workspaces, triton_available
 
@@ -150,8 +159,10 @@ class Bench:
             torch.cuda.empty_cache()
 
 
-SECTIONS = ("matmul", "correctness", "ns", "optimizer", "e2e", "memory", "megatron")
-MIN_SECONDS = {"matmul": 5, "correctness": 20, "ns": 40, "optimizer": 30, "e2e": 40, "memory": 30}
+SECTIONS = ("matmul", "correctness", "ns", "optimizer", "e2e", "memory", "graph", "profile",
+            "projection", "megatron")  # fmt: skip
+MIN_SECONDS = {"matmul": 5, "correctness": 20, "ns": 40, "optimizer": 30, "e2e": 40, "memory": 30,
+               "graph": 25, "profile": 15, "projection": 30}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.run("optimizer", section_optimizer, MIN_SECONDS["optimizer"])
     bench.run("e2e", section_e2e, MIN_SECONDS["e2e"])
     bench.run("memory", section_memory, MIN_SECONDS["memory"])
+    for name, section in (("graph", section_graph), ("profile", section_profile),
+                          ("projection", section_projection)):  # fmt: skip
+        bench.run(name, section, MIN_SECONDS[name])
     bench.run("megatron", section_megatron, 0, guarded=False)
     bench.save()
     status = {k: v["status"] for k, v in bench.results["sections"].items()}

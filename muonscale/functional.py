@@ -120,7 +120,7 @@ def muon(
     momentum_buffers: Sequence[torch.Tensor],
     *,
     views: Sequence[MatrixView],
-    lr: float,
+    lr: float | torch.Tensor,
     weight_decay: float,
     momentum: float,
     nesterov: bool,
@@ -147,7 +147,8 @@ def muon(
     :data:`~muonscale.memory.PER_DEVICE` or :data:`~muonscale.memory.UNCHUNKED`), so the
     step's peak memory does not grow with the model; ``max_workspace_bytes`` bounds the
     Newton–Schulz scratch. Every parameter's update is independent of the others, so chunking
-    does not change the result.
+    does not change the result. ``lr`` may be a 0-dim tensor on the parameters' device (a
+    capturable step: no host read of it).
     """
     if not params:
         return
@@ -198,6 +199,15 @@ def muon(
             variants.cautious_weight_decay_(param, update, lr=lr, weight_decay=weight_decay)
         elif weight_decay != 0:
             param.mul_(1 - lr * weight_decay)
+        _add_scaled_(param, update, alpha)
+
+
+def _add_scaled_(param: torch.Tensor, update: torch.Tensor, alpha: float | torch.Tensor) -> None:
+    """``param += alpha · update``; a tensor ``alpha`` stays on the device (``addcmul_`` rounds
+    as ``add_(alpha=...)`` does: one multiply-add in the parameter's dtype)."""
+    if isinstance(alpha, torch.Tensor):
+        param.addcmul_(update, alpha.to(param.dtype))
+    else:
         param.add_(update, alpha=alpha)
 
 
@@ -208,12 +218,13 @@ def adamw(
     exp_avg_sqs: Sequence[torch.Tensor],
     state_steps: Sequence[torch.Tensor],
     *,
-    lr: float,
+    lr: float | torch.Tensor,
     beta1: float,
     beta2: float,
     eps: float,
     weight_decay: float,
     max_chunk_bytes: ChunkBytes = PER_DEVICE,
+    finite: torch.Tensor | None = None,
 ) -> None:
     """One AdamW step (Loshchilov & Hutter), in place, the same arithmetic as
     ``torch.optim.AdamW``'s single-tensor path, run with foreach kernels::
@@ -223,10 +234,21 @@ def adamw(
         W ← W − lr / (1 − β₁ᵗ) · m / (√v / √(1 − β₂ᵗ) + ε)
 
     The denominators are computed ``max_chunk_bytes`` at a time (as in :func:`muon`), the
-    same bits either way.
+    same bits either way. A tensor ``lr`` (0-dim, on the device; step counters there too)
+    makes the step capturable: bias corrections are computed on the device in float64, as the
+    host path computes them in Python, and ``finite`` (a 0-dim bool) turns the step into a
+    no-op where False (:func:`adamw_on_device`).
     """
     if not params:
         return
+    if isinstance(lr, torch.Tensor):
+        adamw_on_device(
+            params, grads, exp_avgs, exp_avg_sqs, state_steps, lr=lr, beta1=beta1, beta2=beta2,
+            eps=eps, weight_decay=weight_decay, max_chunk_bytes=max_chunk_bytes, finite=finite,
+        )  # fmt: skip
+        return
+    if finite is not None:
+        raise ValueError("adamw: finite= needs a tensor lr (the capturable path)")
     params, grads, exp_avgs, exp_avg_sqs = (
         list(params),
         list(grads),
@@ -265,3 +287,71 @@ def adamw(
         torch._foreach_addcdiv_(seg_params, seg_avgs, denoms, sizes)
         del denoms
 
+
+
+def adamw_on_device(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    state_steps: Sequence[torch.Tensor],
+    *,
+    lr: torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    max_chunk_bytes: ChunkBytes = PER_DEVICE,
+    finite: torch.Tensor | None = None,
+) -> None:
+    """:func:`adamw` with every step-dependent scalar a device tensor: no host read, so it can
+    be captured in a CUDA graph. Same rounding as the host path on CPU (each scalar is made in
+    float64 and rounded once to the parameter's dtype, as a Python scalar is).
+
+    ``finite`` False: t, m, v and W keep their values (G is replaced by 0 and the scalars by
+    identities: t += 0, m.lerp(0, 0), v · 1 + 0, W · 1 + 0 · …); its 0-dim bool never reaches
+    the host."""
+    params, grads, exp_avgs, exp_avg_sqs, state_steps = (
+        list(t) for t in (params, grads, exp_avgs, exp_avg_sqs, state_steps)
+    )
+    lr = lr.to(torch.float64)
+    if finite is None:
+        torch._foreach_add_(state_steps, 1)
+    else:
+        grads = [torch.where(finite, g, 0) for g in grads]
+        torch._foreach_add_(state_steps, finite.to(torch.float32))
+    if weight_decay != 0:
+        decay = 1 - lr * weight_decay
+        if finite is not None:
+            decay = torch.where(finite, decay, 1.0)
+        torch._foreach_mul_(params, decay)
+    if finite is None:
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+    else:
+        weight = torch.where(finite, 1 - beta1, 0.0).to(torch.float32)
+        for avg, grad in zip(exp_avgs, grads):
+            avg.lerp_(grad, weight.to(avg.dtype))
+        torch._foreach_mul_(exp_avg_sqs, torch.where(finite, beta2, 1.0))
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+    # t ≥ 1 after a real step; a no-op first step leaves t = 0, clamped so nothing divides by 0
+    steps = torch.stack([s.to(lr.device, torch.float64) for s in state_steps]).clamp_min(1)  # (P,)
+    step_sizes = -(lr / (1 - torch.pow(beta1, steps)))
+    if finite is not None:
+        step_sizes = torch.where(finite, step_sizes, 0.0)
+    bias_correction2_sqrt = torch.sqrt(1 - torch.pow(beta2, steps))
+    budget = chunk_bytes_for(max_chunk_bytes, params[0].device)
+    tensors = list(zip(params, exp_avgs, exp_avg_sqs))
+    nbytes = [p.numel() * p.element_size() for p in params]
+    itemsizes = [
+        p.element_size() if all(t.is_contiguous() for t in group) else 0
+        for p, group in zip(params, tensors)
+    ]
+    for chunk in split_by_budget(nbytes, budget, itemsizes=itemsizes):
+        for i, start, stop in chunk:
+            param, avg, avg_sq = (t if start is None else t.view(-1)[start:stop] for t in tensors[i])
+            # (size · m) / (√v / c₂ + ε), each op rounded as addcdiv_'s (s·m)/d on the host path
+            denom = avg_sq.sqrt().div_(bias_correction2_sqrt[i]).add_(eps)
+            update = avg * step_sizes[i]
+            param.add_(update.div_(denom))
+            del denom, update

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from . import functional
+from .capturable import DeviceNonFiniteGuard, NonFinitePolicy
 from .kernels import clear_workspaces
 from .matrices import MATRIX_MODES, MatrixView, row_blocks
 from .memory import MemoryBudget
@@ -32,7 +33,7 @@ from .variants import (  # [variants]
     validate_variant_options,
 )
 
-NONFINITE_POLICIES = ("raise", "skip", "ignore")
+NONFINITE_POLICIES: tuple[NonFinitePolicy, ...] = ("raise", "skip", "ignore")
 NS_METHODS = ("auto", "plain", "gram")
 
 
@@ -204,6 +205,15 @@ class Muon(torch.optim.Optimizer):
         nonfinite: ``"raise"`` (a NaN/inf gradient raises :class:`NonFiniteGradientError` naming
             the parameter, leaving parameters and state untouched), ``"skip"`` (skip the whole
             step; counted in ``skipped_steps``) or ``"ignore"`` (no check, no host sync).
+            With ``capturable=True`` the check runs on the device: see ``capturable``.
+        capturable: torch's meaning: the step never synchronizes with the host, so it can be
+            captured in a CUDA graph (recipe: ``docs/cuda_graphs.md``). Learning rates become
+            0-dim float64 tensors on the parameters' device (a scheduler updates them in place)
+            and AdamW's step counters live there too. A non-finite gradient makes the step a
+            no-op on the device; ``"raise"`` then raises :class:`NonFiniteGradientError` at the
+            next ``step()`` that finds the device's record on the host without waiting, at
+            :meth:`check_finite` or at ``state_dict()``; every step in between is a no-op too.
+            ``"skip"`` counts on the device (``skipped_steps`` reads the count, with a sync).
         splits: ``{param_name: spec}`` to orthogonalize row blocks of a fused matrix separately;
             spec is a :class:`~muonscale.QKVLayout`, an int (that many equal row blocks, e.g.
             heads) or a list of row-block sizes.
@@ -227,6 +237,9 @@ class Muon(torch.optim.Optimizer):
             the first Gram product; defaults to its four-step ``"turbo_muon"`` coefficients,
             ``ns_steps=4``). The equations and sources are in ``docs/variants.md``.
     """
+
+    _CAPTURABLE_REFUSAL: str | None = None
+    """Why a subclass refuses ``capturable=True`` (None: it supports it)."""
 
     def __init__(
         self,
@@ -260,6 +273,7 @@ class Muon(torch.optim.Optimizer):
         row_beta2: float = 0.95,
         cautious_weight_decay: bool = False,
         preconditioner: Preconditioner = "frobenius",
+        capturable: bool = False,
     ) -> None:
         if isinstance(params, torch.Tensor):
             raise TypeError(f"{_PARAMS_TYPE_ERROR}, but got {torch.typename(params)}")
@@ -295,7 +309,17 @@ class Muon(torch.optim.Optimizer):
             eps=adamw_eps, weight_decay=adamw_weight_decay,
         )  # fmt: skip
         _validate_adamw_group(dict(self._adamw_defaults, weight_decay=weight_decay))
+        if not isinstance(capturable, bool):
+            raise ValueError(f"capturable must be a bool, got {capturable!r}")
+        if capturable and self._CAPTURABLE_REFUSAL is not None:
+            raise ValueError(
+                f"{type(self).__name__} does not support capturable=True: "
+                f"{self._CAPTURABLE_REFUSAL}"
+            )
         self.nonfinite = nonfinite
+        self.capturable = capturable
+        self._guard: DeviceNonFiniteGuard | None = None
+        self._step_ok: torch.Tensor | None = None
         self.skipped_steps = 0
         self.memory = MemoryBudget.from_environment()  # the environment is read here only
         self.param_names: dict[int, str] = {}
@@ -476,6 +500,8 @@ class Muon(torch.optim.Optimizer):
         if isinstance(lr, torch.Tensor) and any(g["lr"] is lr for g in self.param_groups):
             param_group["lr"] = lr.clone()  # each group's schedule acts on its own tensor
         super().add_param_group(param_group)
+        if self.capturable:
+            self._device_lr(self.param_groups[-1])
 
     def _resolve_splits(self, splits: Mapping[str, Any], qkv_split: str) -> dict[int, list[torch.Tensor]]:
         by_name = {self.param_names.get(id(p)): (p, g) for g in self.param_groups for p in g["params"]}
@@ -519,6 +545,66 @@ class Muon(torch.optim.Optimizer):
             self._views[id(p)] = view
         return view
 
+    # ---------------------------------------------------------------- capturable
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped by ``nonfinite="skip"`` (capturable: counted on the device, and
+        reading this waits for it)."""
+        guard = self.__dict__.get("_guard")
+        on_device = guard.read()[2] if guard is not None and guard.policy == "skip" else 0
+        return self.__dict__.get("_skipped_steps", 0) + on_device
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.__dict__["_skipped_steps"] = int(value)
+        guard = self.__dict__.get("_guard")
+        if guard is not None:
+            guard.clear(skipped=True)
+
+    def _device_lr(self, group: dict[str, Any]) -> torch.Tensor:
+        """``group["lr"]`` as a 0-dim tensor on the group's device (capturable steps). A float
+        or a tensor elsewhere is replaced once, in the group, by a float64 tensor there, so a
+        scheduler's in-place writes reach every later (and every captured) step."""
+        lr = group["lr"]
+        device = group["params"][0].device if group["params"] else torch.device("cpu")
+        if isinstance(lr, torch.Tensor) and lr.device == device:
+            return lr
+        if isinstance(lr, torch.Tensor):
+            lr = lr.to(device=device, dtype=torch.float64)  # device copy: no host read
+        else:
+            lr = torch.full((), lr, dtype=torch.float64, device=device)
+        group["lr"] = lr
+        return lr
+
+    def _step_lr(self, group: dict[str, Any]) -> torch.Tensor:
+        """The lr of this capturable step: 0 on the device when the step must be a no-op."""
+        lr = self._device_lr(group)
+        return lr if self._step_ok is None else torch.where(self._step_ok, lr, 0.0)
+
+    def check_finite(self) -> None:
+        """Raise :class:`NonFiniteGradientError` if a capturable step since the last check saw
+        a non-finite gradient (``nonfinite="raise"``; waits for the device). Without
+        ``capturable``, ``step()`` raises at once and this does nothing."""
+        guard = self._guard
+        if guard is not None:
+            self._raise_recorded_nonfinite(guard.read())
+
+    def _raise_recorded_nonfinite(self, record: tuple[int, int, int] | None) -> None:
+        if record is None or not record[0] or self.nonfinite != "raise":
+            return
+        name = self._guard.bad_name(record[1])
+        self._guard.clear()
+        raise NonFiniteGradientError(
+            f"non-finite gradient (NaN or inf) in parameter '{name}' in a capturable step; "
+            "that step and every step after it until now were no-ops on the device, so "
+            "parameters and optimizer state are as they were before it. Pass "
+            "nonfinite='skip' to skip such steps instead."
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        self.check_finite()  # capturable "raise": a pending non-finite step raises here
+        return super().state_dict()
+
     # ---------------------------------------------------------------- state
     def init_state(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """Create (if missing) and return the state of ``p``."""
@@ -533,7 +619,9 @@ class Muon(torch.optim.Optimizer):
         elif state:
             return state
         else:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            # capturable: on the parameter's device (torch's convention), made by a fill kernel
+            device = p.device if self.capturable else torch.device("cpu")
+            state["step"] = torch.zeros((), dtype=torch.float32, device=device)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
@@ -577,6 +665,7 @@ class Muon(torch.optim.Optimizer):
         state = super().__getstate__()
         state["_muonscale"] = dict(
             nonfinite=self.nonfinite, skipped_steps=self.skipped_steps, routing=self.routing,
+            capturable=self.capturable,
             muon_defaults=self._muon_defaults, adamw_defaults=self._adamw_defaults,
             names=[[self.param_names.get(id(p)) for p in g["params"]] for g in self.param_groups],
             split_rows=[[self._split_rows.get(id(p)) for p in g["params"]]
@@ -588,6 +677,9 @@ class Muon(torch.optim.Optimizer):
         extra = state.pop("_muonscale", None)
         super().__setstate__(state)
         self.__dict__.setdefault("memory", MemoryBudget.from_environment())
+        self.__dict__.setdefault("capturable", False)
+        self.__dict__.setdefault("_guard", None)
+        self.__dict__.setdefault("_step_ok", None)
         # Options added after a checkpoint was written get their defaults here.
         for i, group in enumerate(self.param_groups):
             group.setdefault("algorithm", "muon")
@@ -604,6 +696,7 @@ class Muon(torch.optim.Optimizer):
         if extra is None:  # load_state_dict: same parameters, same attributes
             return
         self.nonfinite, self.skipped_steps = extra["nonfinite"], extra["skipped_steps"]
+        self.capturable = extra.get("capturable", False)
         self.routing = extra["routing"]
         self._muon_defaults, self._adamw_defaults = extra["muon_defaults"], extra["adamw_defaults"]
         self._rules, self._views, self._unnamed_to_muon = [], {}, 0
@@ -655,7 +748,15 @@ class Muon(torch.optim.Optimizer):
             if group["algorithm"] == "muon":
                 for key, value in self._muon_defaults.items():
                     group.setdefault(key, value)
+        lrs = [g["lr"] for g in self.param_groups] if self.capturable else []
         super().load_state_dict(state_dict)
+        for group, lr in zip(self.param_groups, lrs):  # keep the tensors a graph captured
+            loaded = group["lr"]
+            if isinstance(loaded, torch.Tensor):
+                lr.copy_(loaded)
+            else:
+                lr.fill_(loaded)
+            group["lr"] = lr
         for s in self.state.values():  # AdamW's step saved as a Python number (older torch)
             if "step" in s and not torch.is_tensor(s["step"]):
                 s["step"] = torch.tensor(float(s["step"]), dtype=torch.float32)
@@ -673,6 +774,13 @@ class Muon(torch.optim.Optimizer):
     # ---------------------------------------------------------------- step
     def _check_gradients(self) -> str | None:
         """Validate gradient kinds; return the name of the first non-finite gradient, if any."""
+        grads, owners = self._validated_gradients()
+        if self.nonfinite == "ignore" or not grads:
+            return None
+        return self._first_nonfinite(grads, owners)
+
+    def _validated_gradients(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The non-empty dense gradients and their parameters (sparse ones raise)."""
         grads, owners = [], []
         for group in self.param_groups:
             for p in group["params"]:
@@ -683,9 +791,7 @@ class Muon(torch.optim.Optimizer):
                 if p.grad.numel():  # an empty tensor has no max norm (and nothing to check)
                     grads.append(p.grad)
                     owners.append(p)
-        if self.nonfinite == "ignore" or not grads:
-            return None
-        return self._first_nonfinite(grads, owners)
+        return grads, owners
 
     def _first_nonfinite(self, grads: list[torch.Tensor], owners: list[torch.Tensor]) -> str | None:
         max_abs = torch._foreach_norm(grads, float("inf"))  # NaN propagates through the max
@@ -709,6 +815,9 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.capturable:
+            self._capturable_step()
+            return loss
         bad = self._check_gradients()
         if bad is not None:
             self._handle_nonfinite(bad)
@@ -718,6 +827,25 @@ class Muon(torch.optim.Optimizer):
         finally:
             clear_workspaces()  # NS scratch is not held through the next forward/backward
         return loss
+
+    def _capturable_step(self) -> None:
+        """:meth:`step` without a host sync: the non-finite check is a device flag that gates
+        the update's scalars (see :mod:`muonscale.capturable`)."""
+        guard = self._guard
+        if guard is not None:
+            self._raise_recorded_nonfinite(guard.poll())  # only a record already on the host
+        grads, owners = self._validated_gradients()
+        if self.nonfinite != "ignore" and grads:
+            if guard is None:
+                guard = self._guard = DeviceNonFiniteGuard(self.nonfinite, grads[0].device)
+            self._step_ok = guard.gate(grads, [self._name(p) for p in owners])
+        try:
+            self._apply_updates()
+        finally:
+            self._step_ok = None
+            clear_workspaces()
+        if guard is not None:
+            guard.publish()
 
     def _apply_updates(self) -> None:
         """The update phase of :meth:`step`, after the gradients were checked (subclasses that
@@ -741,12 +869,18 @@ class Muon(torch.optim.Optimizer):
                 if not params:
                     return
             options = VariantOptions.from_group(group)  # [variants]
+            buffers = [s["momentum_buffer"] for s in states]
+            if self._step_ok is not None:
+                # A gradient equal to the momentum leaves it unchanged (B.lerp(B, w) = B), and a
+                # zero lr leaves the parameter unchanged: the step is a no-op on the device.
+                grads = [torch.where(self._step_ok, g, b) for g, b in zip(grads, buffers)]
             functional.muon(
-                params, grads, [s["momentum_buffer"] for s in states],
+                params, grads, buffers,
                 options=options,  # [variants]
                 row_moments=[s.get("row_second_moment") for s in states],
                 views=[self.matrix_view(p, group) for p in params],
-                lr=float(group["lr"]), weight_decay=group["weight_decay"], momentum=group["momentum"],
+                lr=self._step_lr(group) if self.capturable else float(group["lr"]),
+                weight_decay=group["weight_decay"], momentum=group["momentum"],
                 nesterov=group["nesterov"], ns_steps=group["ns_steps"],
                 coefficients=group["coefficients"], ns_dtype=group["ns_dtype"],
                 scale=group["scale"], eps=group["ns_eps"], ns_method=group["ns_method"],
@@ -755,6 +889,10 @@ class Muon(torch.optim.Optimizer):
             )  # fmt: skip
         else:
             beta1, beta2 = group["betas"]
+            if self.capturable:
+                for p, s in zip(params, states):  # loaded checkpoints hold steps on the host
+                    if s["step"].device != p.device:
+                        s["step"] = s["step"].to(p.device)
             exp_avgs = [s["exp_avg"] for s in states]
             exp_avg_sqs = [s["exp_avg_sq"] for s in states]
             if any(p.is_complex() for p in params):
@@ -765,8 +903,9 @@ class Muon(torch.optim.Optimizer):
                 )
             functional.adamw(
                 params, grads, exp_avgs, exp_avg_sqs,
-                [s["step"] for s in states], lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-                eps=group["eps"], weight_decay=group["weight_decay"],
-                max_chunk_bytes=self.memory.update_chunk_bytes,
+                [s["step"] for s in states],
+                lr=self._device_lr(group) if self.capturable else float(group["lr"]),
+                beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                max_chunk_bytes=self.memory.update_chunk_bytes, finite=self._step_ok,
             )  # fmt: skip
 

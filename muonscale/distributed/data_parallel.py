@@ -118,6 +118,12 @@ class DistributedMuon(Muon):
     :class:`~muonscale.distributed.CollectiveError` that says so.
     """
 
+    _CAPTURABLE_REFUSAL = (
+        "its step agrees across ranks on which gradients exist and are finite on the host "
+        "(one all-reduce read back), and its bucket plan is chosen per step; use "
+        "muonscale.Muon(capturable=True) on one GPU"
+    )
+
     def __init__(
         self,
         params: Any,

@@ -159,6 +159,11 @@ class DTensorMuon(Muon):
     :mod:`.comm` as for :class:`~muonscale.distributed.DistributedMuon`.
     """
 
+    _CAPTURABLE_REFUSAL = (
+        "its all-to-all exchange sizes and the non-finite decision are read on the host every "
+        "step; use muonscale.Muon(capturable=True) on one GPU"
+    )
+
     def __init__(
         self,
         params: Any,
