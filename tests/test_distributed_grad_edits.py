@@ -184,7 +184,6 @@ def test_ddp_wrapped_model_is_reduced_once(world_size):
 
 def test_ddp_wrapped_model_refuses_a_second_reduction():
     import torch.distributed as dist
-
     from distributed_harness import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

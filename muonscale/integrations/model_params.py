@@ -29,10 +29,12 @@ def trainable_named_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor
     return [(n, p) for n, p in unwrap_model(model).named_parameters() if p.requires_grad]
 
 
-def muon_for_model(model: nn.Module, **muon_kwargs: Any) -> Muon:
+def muon_for_model(model: nn.Module, *, build: Any = Muon, **muon_kwargs: Any) -> Muon:
     """``muonscale.Muon`` over the trainable parameters of ``model``, routed by name and by module
     type (embeddings and heads tied to them go to AdamW), and kept bound to the model's
-    parameters by name (see :func:`follow_model_parameters`)."""
+    parameters by name (see :func:`follow_model_parameters`). ``build``: the optimizer class or
+    factory called as ``build(param_groups, **muon_kwargs)`` (e.g.
+    :func:`muonscale.distributed_muon`)."""
     if "params" in muon_kwargs:
         raise TypeError("muon_for_model: the parameters come from the model; do not pass params")
     model = unwrap_model(model)
@@ -45,7 +47,7 @@ def muon_for_model(model: nn.Module, **muon_kwargs: Any) -> Muon:
         for algorithm in ("muon", "adamw")
     ]
     muon_kwargs.setdefault("transposed", transposed_weights(model))
-    optimizer = Muon([g for g in groups if g["params"]], **muon_kwargs)
+    optimizer = build([g for g in groups if g["params"]], **muon_kwargs)
     for name, _ in named:  # keep the reasons (module type, name) in opt.summary()
         optimizer.routing[name] = decisions[name]
     follow_model_parameters(optimizer, model)
