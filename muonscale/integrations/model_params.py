@@ -97,9 +97,9 @@ def follow_model_parameters(optimizer: Muon, model: nn.Module) -> torch.utils.ho
         ids = tuple(id(p) for g in opt.param_groups for p in g["params"]) + tuple(id(p) for _, p in named)
         if ids == seen[0]:
             return
-        model_ids = {id(p) for _, p in named}
-        if any(id(p) not in model_ids for g in opt.param_groups for p in g["params"]):
-            optimizer.rebind_parameters(named)
+        # Parameters changed (or first step): re-bind by name. Idempotent, and also needed when
+        # the framework already swapped the groups (accelerate does), for names, splits, state.
+        optimizer.rebind_parameters(named)
         if _is_plain_muon(optimizer):
             _reject_sharded(optimizer)
         seen[0] = tuple(id(p) for g in opt.param_groups for p in g["params"]) + tuple(id(p) for _, p in named)
