@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +21,15 @@ from .kernels import clear_workspaces
 from .matrices import MATRIX_MODES, MatrixView, row_blocks
 from .memory import MemoryBudget
 from .newton_schulz import DEFAULT_EPS, Coefficients, validate_coefficients
-from .params import ALGORITHMS, RouteDecision, Rule, route, route_one, routing_summary
+from .params import (
+    ALGORITHMS,
+    RouteDecision,
+    Rule,
+    route,
+    route_one,
+    routing_summary,
+    transposed_weights,
+)
 from .qkv import QKV_SPLIT_MODES, QKVLayout
 from .scaling import ADJUST_LR_FNS, SCALE_RULES
 from .variants import (  # [variants]
@@ -35,6 +43,12 @@ from .variants import (  # [variants]
 
 NONFINITE_POLICIES: tuple[NonFinitePolicy, ...] = ("raise", "skip", "ignore")
 NS_METHODS = ("auto", "plain", "gram")
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -221,6 +235,10 @@ class Muon(torch.optim.Optimizer):
         matrix_mode: parameters with > 2 dims: ``"flatten"`` trailing dims into one matrix
             (conv kernels) or ``"batch"`` (leading dims index separate matrices: stacked experts).
         rules: routing overrides for :func:`muonscale.route` (regex or callables).
+        transposed: names of 2-D weights stored (in, out), as GPT-2's ``Conv1D``: their Muon
+            matrix is the transpose, so scales see (out, in) and ``splits`` cut output features
+            (columns of the stored tensor). None: detected by module class when ``params`` is
+            the model (:func:`muonscale.params.transposed_weights`), else none.
         ns_method: ``"plain"`` (the reference iteration), ``"gram"`` (iterate on the m×m Gram
             matrix, restarting every 2 steps) or ``"auto"`` (Gram for float32/float64 matrices
             with n ≥ 3m, where it is 17–22% cheaper; plain otherwise). Same function either
@@ -274,6 +292,7 @@ class Muon(torch.optim.Optimizer):
         cautious_weight_decay: bool = False,
         preconditioner: Preconditioner = "frobenius",
         capturable: bool = False,
+        transposed: Iterable[str] | None = None,
     ) -> None:
         if isinstance(params, torch.Tensor):
             raise TypeError(f"{_PARAMS_TYPE_ERROR}, but got {torch.typename(params)}")
@@ -327,6 +346,10 @@ class Muon(torch.optim.Optimizer):
         self._rules = list(rules or ())
         self._views: dict[int, MatrixView] = {}
         self._unnamed_to_muon = 0
+        if isinstance(transposed, str):
+            raise TypeError(f"transposed must be a collection of parameter names, got {transposed!r}")
+        self._transposed: set[str] = set(transposed or ())
+        """Names of the weights stored (in, out) (see ``transposed``)."""
 
         groups = self._groups_from(params)
         if adamw_lr is None and scale != "match_rms_adamw":
@@ -340,6 +363,7 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(self._muon_defaults, algorithm="muon")
         super().__init__(groups, defaults)
         self._warn_unnamed()
+        self._check_transposed()
         self._split_rows = self._resolve_splits(splits or {}, qkv_split)
 
     # ---------------------------------------------------------------- param groups
@@ -348,6 +372,7 @@ class Muon(torch.optim.Optimizer):
         if isinstance(params, nn.Module):
             decisions = route(params, self._rules)
             named = dict(params.named_parameters())
+            self._transposed |= transposed_weights(params)
             self.routing.update(decisions)
             group = {"params": [(n, named[n]) for n in decisions]}
             return self._split_by_algorithm(group, decisions, named=True)
@@ -510,7 +535,7 @@ class Muon(torch.optim.Optimizer):
             if name not in by_name or by_name[name][1]["algorithm"] != "muon":
                 raise ValueError(f"splits: no Muon parameter named {name!r}")
             param = by_name[name][0]
-            rows = param.shape[0]
+            rows = param.shape[1] if self.is_transposed(param) else param.shape[0]
             if isinstance(spec, QKVLayout):
                 if spec.rows != rows:
                     raise ValueError(f"splits[{name!r}]: {spec} describes {spec.rows} rows, the parameter has {rows}")
@@ -528,6 +553,63 @@ class Muon(torch.optim.Optimizer):
             out[id(param)] = parts
         return out
 
+    def rebind_parameters(self, named_parameters: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Point the optimizer at the parameters now named in ``named_parameters``, by the names
+        it was built with: param groups, names, ``splits``, matrix views and state follow.
+        Parameters already bound (the same objects) stay. Returns how many were re-bound.
+
+        For frameworks that replace parameter objects after the optimizer was built
+        (accelerate's FSDP2 preparation; a model re-created from a checkpoint). A group slot
+        that already holds one of the model's parameters (the framework swapped the group) is
+        named by the model."""
+        current = dict(named_parameters)
+        model_name = {id(p): n for n, p in current.items()}
+        old_names = dict(self.param_names)
+        split_by_name = {old_names[i]: rows for i, rows in self._split_rows.items() if i in old_names}
+        slots: list[tuple[torch.Tensor, torch.Tensor, str]] = []  # (bound now, new, name)
+        for group in self.param_groups:
+            for p in group["params"]:
+                name = model_name.get(id(p))
+                if name is None or current[name] is not p:
+                    name = old_names.get(id(p))
+                if name is None or name not in current:
+                    raise KeyError(
+                        f"rebind_parameters: optimizer parameter {name or '<unnamed>'!r} is not "
+                        f"among the model's parameters (first names there: {list(current)[:3]})"
+                    )
+                new = current[name]
+                if tuple(new.shape) != tuple(p.shape) and not _is_dtensor(new):
+                    raise ValueError(
+                        f"rebind_parameters: {name!r} changed shape {tuple(p.shape)} -> "
+                        f"{tuple(new.shape)}"
+                    )
+                slots.append((p, new, name))
+        self._check_rebind([(old, new) for old, new, _ in slots])
+        new_of_name = {name: new for _, new, name in slots}
+        for key in list(self.state):  # state keys are alive, so their ids name them exactly
+            name = old_names.get(id(key))
+            if name in new_of_name and new_of_name[name] is not key:
+                self.state[new_of_name[name]] = self.state.pop(key)
+        flat = iter(slots)
+        for group in self.param_groups:
+            group["params"] = [next(flat)[1] for _ in group["params"]]
+        self.param_names.clear()
+        self.param_names.update({id(new): name for _, new, name in slots})
+        self._split_rows = {
+            id(new): split_by_name[name] for _, new, name in slots if name in split_by_name
+        }
+        self._views.clear()
+        moved = [(old, new) for old, new, _ in slots if old is not new]
+        self._after_rebind([(old, new) for old, new, _ in slots])
+        return len(moved)
+
+    def _check_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Raise before anything changes if a subclass cannot follow ``slots`` (see below)."""
+
+    def _after_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Re-key what a subclass holds by parameter: ``slots`` are (bound before, bound now)
+        in param-group order (the same object when nothing moved)."""
+
     def _name(self, p: torch.Tensor) -> str:
         if id(p) in self.param_names:
             return self.param_names[id(p)]
@@ -537,11 +619,28 @@ class Muon(torch.optim.Optimizer):
                     return f"param_groups[{gi}]['params'][{pi}]"
         return "<unknown parameter>"
 
+    def is_transposed(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is a 2-D weight stored (in, out) (its matrix is ``p.T``)."""
+        return bool(self._transposed) and self.param_names.get(id(p)) in self._transposed
+
+    def _check_transposed(self) -> None:
+        muon = {self.param_names.get(id(p)): p for g in self.param_groups if g["algorithm"] == "muon"
+                for p in g["params"]}  # fmt: skip
+        for name in sorted(self._transposed & muon.keys()):
+            if muon[name].ndim != 2:
+                raise ValueError(
+                    f"transposed: {name!r} has shape {tuple(muon[name].shape)}; only 2-D (in, out) "
+                    "weights can be stored transposed"
+                )
+
     def matrix_view(self, p: torch.Tensor, group: Mapping[str, Any]) -> MatrixView:
         """How ``p`` is split into matrices (cached)."""
         view = self._views.get(id(p))
         if view is None or view.param_shape != tuple(p.shape):
-            view = MatrixView.build(p.shape, mode=group["matrix_mode"], row_partition=self._split_rows.get(id(p)))
+            view = MatrixView.build(
+                p.shape, mode=group["matrix_mode"], row_partition=self._split_rows.get(id(p)),
+                transposed=self.is_transposed(p),
+            )  # fmt: skip
             self._views[id(p)] = view
         return view
 
@@ -670,6 +769,7 @@ class Muon(torch.optim.Optimizer):
             names=[[self.param_names.get(id(p)) for p in g["params"]] for g in self.param_groups],
             split_rows=[[self._split_rows.get(id(p)) for p in g["params"]]
                         for g in self.param_groups],
+            transposed=sorted(self._transposed),
         )  # fmt: skip
         return state
 
@@ -680,6 +780,7 @@ class Muon(torch.optim.Optimizer):
         self.__dict__.setdefault("capturable", False)
         self.__dict__.setdefault("_guard", None)
         self.__dict__.setdefault("_step_ok", None)
+        self.__dict__.setdefault("_transposed", set())
         # Options added after a checkpoint was written get their defaults here.
         for i, group in enumerate(self.param_groups):
             group.setdefault("algorithm", "muon")
@@ -701,6 +802,7 @@ class Muon(torch.optim.Optimizer):
         self._muon_defaults, self._adamw_defaults = extra["muon_defaults"], extra["adamw_defaults"]
         self._rules, self._views, self._unnamed_to_muon = [], {}, 0
         self.param_names, self._split_rows = {}, {}
+        self._transposed = set(extra.get("transposed", ()))
         for group, names, rows in zip(self.param_groups, extra["names"], extra["split_rows"]):
             for p, name, parts in zip(group["params"], names, rows):
                 if name is not None:

@@ -5,10 +5,13 @@ nn.Linear-stored W stepped with a plain view, transposed back, for every scale r
 Q/K/V split (which must cut output features, i.e. columns of W_s).
 """
 
+import pickle
+
 import pytest
 import torch
 from torch import nn
 
+import muonscale
 from muonscale import functional
 from muonscale.matrices import MatrixView, row_blocks
 from muonscale.params import transposed_weights
@@ -79,3 +82,55 @@ def test_transposed_weights_finds_conv1d_only():
     odd = Conv1D(24, 8)
     odd.nf = 7  # not (in, out) by its own out-features attribute
     assert transposed_weights(odd) == set()
+
+
+class LinearBlock(nn.Module):
+    def __init__(self, fused: nn.Module, proj: nn.Module) -> None:
+        super().__init__()
+        self.c_attn, self.c_proj = fused, proj
+
+
+def _pair(d_in=8, d_out=24):
+    """The same weights stored as Conv1D (in, out) and as nn.Linear (out, in)."""
+    torch.manual_seed(2)
+    conv = LinearBlock(Conv1D(d_out, d_in), Conv1D(d_in, d_out))
+    linear = LinearBlock(nn.Linear(d_in, d_out), nn.Linear(d_out, d_in))
+    with torch.no_grad():
+        for c, lin in ((conv.c_attn, linear.c_attn), (conv.c_proj, linear.c_proj)):
+            c.weight.copy_(torch.randn_like(c.weight))
+            lin.weight.copy_(c.weight.T)
+            lin.bias.copy_(c.bias)
+    return conv.double(), linear.double()
+
+
+@pytest.mark.parametrize("scale", ["shape", "spectral"])
+@pytest.mark.parametrize("split", [None, 3])
+def test_muon_routes_conv1d_as_its_transpose(scale, split):
+    conv, linear = _pair()
+    kwargs = dict(lr=0.05, scale=scale, adamw_lr=0.01, ns_dtype=torch.float64)
+    splits = {"c_attn.weight": split} if split else None
+    opt_conv = muonscale.Muon(conv, splits=splits, **kwargs)
+    opt_linear = muonscale.Muon(linear, splits=splits, **kwargs)
+    assert opt_conv.is_transposed(conv.c_attn.weight) and not opt_linear.is_transposed(linear.c_attn.weight)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        for c, lin in ((conv.c_attn, linear.c_attn), (conv.c_proj, linear.c_proj)):
+            grad = torch.randn(lin.weight.shape, generator=g, dtype=torch.float64)
+            lin.weight.grad, c.weight.grad = grad, grad.T.clone()
+            c.bias.grad = lin.bias.grad = torch.randn(lin.bias.shape, generator=g, dtype=torch.float64)
+        opt_conv.step()
+        opt_linear.step()
+    # The same float64 arithmetic on the same (out, in) matrices: a few ulp (as above).
+    for c, lin in ((conv.c_attn, linear.c_attn), (conv.c_proj, linear.c_proj)):
+        torch.testing.assert_close(c.weight.T, lin.weight, rtol=0, atol=8 * torch.finfo(torch.float64).eps)
+
+
+def test_conv1d_splits_count_output_features():
+    conv, _ = _pair(d_in=8, d_out=12)
+    with pytest.raises(ValueError, match="do not divide 12"):  # 8 divides the input rows only
+        muonscale.Muon(conv, splits={"c_attn.weight": 8}, adamw_lr=0.01)
+    opt = muonscale.Muon(conv, splits={"c_attn.weight": 3}, adamw_lr=0.01)
+    view = opt.matrix_view(conv.c_attn.weight, opt.param_groups[0])
+    assert view.matrix_shapes == [(4, 8)] * 3  # Q, K, V: output features × input features
+    copy = pickle.loads(pickle.dumps(opt))
+    assert copy.is_transposed(copy.param_groups[0]["params"][0])

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -24,7 +26,7 @@ from ..memory import chunk_bytes_for, group_by_budget
 from ..optimizer import Muon
 from . import dp_checkpoint, dp_grad_clip
 from .comm import Communicator, WireCounter
-from .dp_reduction import BucketedReduction, ReductionOptions
+from .dp_reduction import BucketedReduction, ReduceAt, ReductionOptions
 from .ownership import assign_owners, format_ownership_table, rank_loads
 
 
@@ -33,10 +35,33 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor) or isinstance(getattr(t, "data", None), DTensor)
 
 
+def check_process_group(process_group: dist.ProcessGroup | None, what: str) -> None:
+    """Refuse to run as world size 1 when a launcher started several processes: ``WORLD_SIZE``
+    > 1 in the environment (torchrun, accelerate, Lightning set it) but no process group."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    initialized = dist.is_available() and dist.is_initialized()
+    if process_group is None and not initialized and world.isdigit() and int(world) > 1:
+        raise RuntimeError(
+            f"{what}: WORLD_SIZE={world} in the environment but no process group is "
+            "initialized, so every rank would train alone. Call "
+            "torch.distributed.init_process_group(...) before building the optimizer (with "
+            "Hugging Face, create the TrainingArguments first; with Lightning, build it in "
+            "configure_optimizers)."
+        )
+
+
+def _unwrap_ddp(params: Any) -> tuple[Any, bool]:
+    """(the module inside a DDP wrapper, True) or (params, False)."""
+    if isinstance(params, torch.nn.parallel.DistributedDataParallel):
+        return params.module, True
+    return params, False
+
+
 class DistributedMuon(Muon):
     r"""Data-parallel Muon: each Muon matrix is orthogonalized whole by one owner rank; AdamW
-    parameters are sharded ZeRO-1 style. Do **not** wrap the model in DDP: this optimizer
-    averages the gradients itself (``p.grad`` keeps the local gradient).
+    parameters are sharded ZeRO-1 style. This optimizer averages the gradients itself
+    (``p.grad`` keeps the local gradient); given a model wrapped in DDP it reduces nothing
+    (``reduce_at="never"``: DDP averaged them already).
 
     Communication of one step (N ranks; every arrow goes through :mod:`.comm`)::
 
@@ -94,6 +119,16 @@ class DistributedMuon(Muon):
         bucket_cap_mb: approximate size of one bucket (as DDP's ``bucket_cap_mb``).
         wire_counter: the :class:`~muonscale.distributed.WireCounter` that counts this
             optimizer's bytes (None: a new one).
+        reduce_at: when ``p.grad`` is read and averaged. ``"backward"`` (default for a plain
+            model): gradient hooks launch each bucket as soon as it is full, overlapping
+            backward; if ``p.grad`` changes after that (``torch.nn.utils.clip_grad_norm_``,
+            masking, zeroing, a further backward without ``opt.no_sync()``), ``step()`` notices
+            it (tensor identity and version counter) and reduces every gradient again from
+            ``p.grad``, warning once about the repeated traffic. ``"step"``: everything is read
+            and reduced at ``step()`` (no overlap; every edit and accumulation applies).
+            ``"never"`` (default when ``params`` is a model wrapped in
+            ``DistributedDataParallel``): ``p.grad`` already holds the average over the group,
+            so nothing is reduced again; each rank reads its own slices at ``step()``.
         **muon_options: every :class:`muonscale.Muon` option, as keywords.
 
     DTensor parameters are refused: :func:`muonscale.distributed_muon` builds a
@@ -133,9 +168,20 @@ class DistributedMuon(Muon):
         main_params_dtype: torch.dtype | None = None,
         bucket_cap_mb: float = 25.0,
         wire_counter: WireCounter | None = None,
+        reduce_at: ReduceAt | None = None,
         **muon_options: Any,
     ) -> None:
-        options = ReductionOptions(reduce_dtype, main_params_dtype, bucket_cap_mb)
+        check_process_group(process_group, "DistributedMuon")
+        params, wrapped = _unwrap_ddp(params)
+        if wrapped and reduce_at not in (None, "never"):
+            raise ValueError(
+                f"reduce_at={reduce_at!r} with a model wrapped in DistributedDataParallel would "
+                "average every gradient twice (DDP's all-reduce, then this optimizer's "
+                "reduce-scatter): pass the model unwrapped, or reduce_at='never'"
+            )
+        if reduce_at is None:
+            reduce_at = "never" if wrapped else "backward"
+        options = ReductionOptions(reduce_dtype, main_params_dtype, bucket_cap_mb, reduce_at)
         self._model_of: dict[int, torch.Tensor] = {}  # id(main copy) -> model parameter
         super().__init__(params, **muon_options)
         self.comm = Communicator(process_group, wire_counter or WireCounter())
@@ -259,6 +305,34 @@ class DistributedMuon(Muon):
             )
         super().add_param_group(param_group)
 
+    def _check_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for old, (_, new) in zip(self.params, slots):  # self.params: bound at construction
+            if new is old:
+                continue
+            name = self._name(old)
+            if is_dtensor(new):
+                raise ValueError(
+                    f"DistributedMuon: parameter '{name}' is now a DTensor (the model was sharded "
+                    "after the optimizer was built): build the optimizer on the sharded model "
+                    "with muonscale.distributed_muon(...), which returns a DTensorMuon"
+                )
+            if new.dtype != old.dtype or new.device != old.device or not new.is_contiguous():
+                raise ValueError(
+                    f"DistributedMuon: parameter '{name}' changed dtype or device or is not "
+                    f"contiguous ({old.dtype}, {old.device} -> {new.dtype}, {new.device}); the "
+                    "buffers were planned for the old one: build a new optimizer"
+                )
+
+    def _after_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Follow new parameter objects: indices, main copies' model parameters, the
+        reduction's parameters and its gradient hooks."""
+        new_of = {id(old): new for old, (_, new) in zip(self.params, slots)}
+        self._model_of = {k: new_of.get(id(v), v) for k, v in self._model_of.items()}
+        self.params = [new for _, new in slots]
+        self.group_of = [g for g in self.param_groups for _ in g["params"]]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self.reduction.rebind(self.params)
+
     def init_state(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """State is created at construction (owned Muon matrices, local AdamW shards); a main
         copy's state is its model parameter's."""
@@ -304,7 +378,15 @@ class DistributedMuon(Muon):
 
         Same result as ``torch.nn.utils.clip_grad_norm_`` on the averaged gradients of every
         parameter in one process. ``p.grad`` (local) is not touched: the reduced gradients that
-        ``step()`` uses are scaled (:mod:`.dp_grad_clip`)."""
+        ``step()`` uses are scaled (:mod:`.dp_grad_clip`), so call it last before ``step()``
+        (a later edit of ``p.grad`` makes ``step()`` reduce again, unclipped)."""
+        if self.reduction.options.reduce_at == "backward":  # reductions may predate an edit
+            self.reduction.finish()
+            changed = self.reduction.grads_changed()
+            flag = torch.tensor([int(bool(changed))], dtype=torch.int32, device=self.comm.device)
+            self.comm.all_reduce(flag, op=dist.ReduceOp.MAX, tag="control")
+            if bool(flag):
+                self._reduce_again(changed)
         return dp_grad_clip.clip_grad_norm_(self.reduction, self.comm, max_norm, norm_type)
 
     def state_dict(self) -> dict[str, Any]:
@@ -382,11 +464,15 @@ class DistributedMuon(Muon):
 
     def _agree_on_gradients(self) -> tuple[list[bool], str | None]:
         """One all-reduce (max) of per-parameter flags [has a gradient on some rank,
-        non-finite reduced gradient]; returns (present, first non-finite name)."""
+        non-finite reduced gradient] and of [``p.grad`` changed after its reduction on some
+        rank]; returns (present, first non-finite name). A change makes every rank reduce
+        again from ``p.grad`` and agree once more."""
         P, device = len(self.params), self.comm.device
         has_grad = [p.grad is not None for p in self.params]
-        flags = torch.zeros(2 * P, dtype=torch.int32)  # built on the host, one copy to device
+        changed = self.reduction.grads_changed()
+        flags = torch.zeros(2 * P + 1, dtype=torch.int32)  # built on the host, one copy to device
         flags[:P] = torch.tensor(has_grad, dtype=torch.int32)
+        flags[2 * P] = int(bool(changed))
         flags = flags.to(device)
         if self.nonfinite != "ignore":
             local = {i: g for i, g in self.reduction.local_reduced_grads().items() if g.numel()}
@@ -396,9 +482,29 @@ class DistributedMuon(Muon):
                 index = torch.tensor([P + i for i in local], device=device)
                 flags.index_copy_(0, index, (~finite).to(torch.int32))
         self.comm.all_reduce(flags, op=dist.ReduceOp.MAX, tag="control")
+        if bool(flags[2 * P]):
+            self._reduce_again(changed)
+            return self._agree_on_gradients()
         present = [bool(f) for f in flags[:P].tolist()]
-        bad = flags[P:].nonzero()
+        bad = flags[P : 2 * P].nonzero()
         return present, (self._name(self.params[int(bad[0])]) if bad.numel() else None)
+
+    def _reduce_again(self, changed: list[int]) -> None:
+        """``p.grad`` changed after its reduction read it (on some rank): reduce every gradient
+        again from ``p.grad`` (collective), warning once."""
+        if not getattr(self, "_warned_reduce_again", False):
+            names = [self._name(self.params[i]) for i in changed[:3]]
+            warnings.warn(
+                "DistributedMuon: p.grad changed after its reduction had read it (on this rank: "
+                f"{names or 'none'}; clipping, masking, zeroing, or gradient accumulation "
+                "without opt.no_sync()), so every gradient is reduced again from p.grad. Pass "
+                "reduce_at='step', or use opt.clip_grad_norm_ and opt.no_sync(), to avoid the "
+                "repeated traffic.",
+                UserWarning,
+                stacklevel=4,
+            )
+            self._warned_reduce_again = True
+        self.reduction.reduce_again()
 
     def _update_owned_and_gather(self, present: list[bool]) -> list[tuple[Any, Any]]:
         """Update the owned matrices in waves along the owner stream and launch each bucket's

@@ -6,6 +6,14 @@ all-gathers that bring updated parameters back. Every collective goes through :m
 The AdamW state of this rank's shards lives beside the buffers it updates (``exp_avg``,
 ``exp_avg_sq`` and, with ``main_params_dtype``, ``main_param`` in the main dtype); gradient and
 gather buffers keep the parameters' dtype (the Muon reduction: ``reduce_dtype``).
+
+When the reduction reads ``p.grad`` (``reduce_at``): ``"backward"`` launches each bucket from a
+gradient hook as soon as it is full, overlapping backward; a gradient changed after its bucket
+was launched (clipping, masking, zeroing, or another backward accumulating into it) is noticed
+at ``step()`` (by the tensor's identity and version counter; :meth:`BucketedReduction.grads_changed`)
+and every bucket is reduced again from ``p.grad``. ``"step"`` reduces everything at
+``step()``. ``"never"``: ``p.grad`` already holds the average over the group (a model wrapped
+in DDP), so nothing is reduced: each rank copies its own slices at ``step()``.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ import functools
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -97,6 +105,10 @@ def _check_dtype_option(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be None or a floating torch.dtype, got {value!r}")
 
 
+ReduceAt = Literal["backward", "step", "never"]
+REDUCE_AT: tuple[ReduceAt, ...] = ("backward", "step", "never")
+
+
 @dataclass(frozen=True)
 class ReductionOptions:
     """Options of :class:`BucketedReduction` (validated here, read only there)."""
@@ -107,8 +119,13 @@ class ReductionOptions:
     """dtype of main copies of parameters with fewer bits (None: no main copies)."""
     bucket_cap_mb: float = 25.0
     """Approximate size of one bucket (as DDP's ``bucket_cap_mb``)."""
+    reduce_at: ReduceAt = "backward"
+    """When ``p.grad`` is read and reduced: ``"backward"`` (hooks), ``"step"``, or ``"never"``
+    (gradients arrive averaged, e.g. by DDP)."""
 
     def __post_init__(self) -> None:
+        if self.reduce_at not in REDUCE_AT:
+            raise ValueError(f"reduce_at must be one of {REDUCE_AT}, got {self.reduce_at!r}")
         _check_dtype_option("reduce_dtype", self.reduce_dtype)
         _check_dtype_option("main_params_dtype", self.main_params_dtype)
         cap = self.bucket_cap_mb
@@ -153,13 +170,28 @@ class BucketedReduction:
         self._index = {id(p): i for i, p in enumerate(params)}
         self._build_buckets(int(options.bucket_cap_mb * 2**20))
         self._sync = True
+        self._warned_rereduce = False
         self.start_cycle()
+        self._hook_handles: list[Any] = []
+        self._register_hooks()
+
+    def _register_hooks(self) -> None:
+        """Gradient hooks that launch buckets during backward (``reduce_at="backward"`` only)."""
+        self.remove_hooks()
+        if self.options.reduce_at != "backward":
+            return
         ref = weakref.ref(self)
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(lambda param, ref=ref: _on_grad_ready(ref, param))
-            for p in params
+            for p in self.params
             if p.requires_grad
         ]
+
+    def rebind(self, params: list[torch.Tensor]) -> None:
+        """Follow new parameter objects (same order, shapes and dtypes as before)."""
+        self.params = params
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._register_hooks()
 
     # ================================================================ construction
     def main_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
@@ -301,19 +333,14 @@ class BucketedReduction:
         self._ready: set[int] = set()
         self._next_launch = 0
         self._reduced = False
+        self._launched_grads: dict[int, tuple[Any, int] | None] = {}  # i -> (grad ref, version)
 
     def grad_ready(self, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: count the parameter in its buckets; launch full ones."""
         if not self._sync:
             return
         i = self._index[id(param)]
-        if i in self._ready:
-            if any(b.launched for b in self._buckets_of[i]):
-                raise RuntimeError(
-                    f"gradient of '{self._name_of(param)}' accumulated again after its reduction "
-                    "was launched: use `with opt.no_sync():` for all but the last backward "
-                    "before step()"
-                )
+        if i in self._ready:  # accumulated again: finish() sees the changed p.grad
             return
         self._ready.add(i)
         for b in self._buckets_of[i]:
@@ -337,7 +364,11 @@ class BucketedReduction:
         return grad.reshape(-1)
 
     def _launch(self, bucket: _Bucket) -> None:
-        """Copy local gradients into the bucket (pre-divided by N) and reduce-scatter it."""
+        """Copy local gradients into the bucket (pre-divided by N) and reduce-scatter it; with
+        ``reduce_at="never"``, keep this rank's slice of the (already averaged) gradients."""
+        for i in bucket.params:
+            grad = self.params[i].grad
+            self._launched_grads[i] = None if grad is None else (weakref.ref(grad), grad._version)
         if bucket.kind == "muon":
             stream, layout = bucket.stream, bucket.stream.layout.buckets[bucket.index]
             buf = stream.send[bucket.index]  # (N·L_b,)
@@ -359,10 +390,26 @@ class BucketedReduction:
                     buf[off : off + n].zero_()
                 else:
                     buf[off : off + n].copy_(grad)
-        if self.world_size > 1:
-            buf.div_(self.world_size)
-        bucket.work = self.comm.reduce_scatter(out, buf, tag=tag, async_op=True)
+        if self.options.reduce_at == "never":
+            out.copy_(buf.view(self.world_size, -1)[self.rank])
+            bucket.work = None
+        else:
+            if self.world_size > 1:
+                buf.div_(self.world_size)
+            bucket.work = self.comm.reduce_scatter(out, buf, tag=tag, async_op=True)
         bucket.launched = True
+
+    def grads_changed(self) -> list[int]:
+        """Parameters whose ``p.grad`` is not the tensor (or version) their reduction read."""
+        changed = []
+        for i, seen in self._launched_grads.items():
+            grad = self.params[i].grad
+            if seen is None:
+                if grad is not None:
+                    changed.append(i)
+            elif grad is None or seen[0]() is not grad or grad._version != seen[1]:
+                changed.append(i)
+        return changed
 
     def finish(self) -> None:
         """Launch every bucket backward did not (in order), then wait for all of them."""
@@ -371,10 +418,20 @@ class BucketedReduction:
         for bucket in self._buckets[self._next_launch :]:
             self._launch(bucket)
         self._next_launch = len(self._buckets)
+        self._wait_all()
+        self._reduced = True
+
+    def reduce_again(self) -> None:
+        """Reduce every bucket again from ``p.grad`` (collective: every rank calls it)."""
+        for bucket in self._buckets:
+            self._launch(bucket)
+        self._wait_all()
+        self._reduced = True
+
+    def _wait_all(self) -> None:
         for bucket in self._buckets:
             self.comm.wait(bucket.work, f"gradient reduce-scatter ({bucket.kind})")
             bucket.work = None
-        self._reduced = True
 
     def reduced_grad(self, i: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Averaged gradient of an owned Muon parameter in ``dtype`` (None: the parameter's);

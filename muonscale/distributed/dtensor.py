@@ -51,6 +51,7 @@ from ..optimizer import Muon
 from ..scaling import update_scale
 from ..variants import cautious_weight_decay_  # [variants]
 from .comm import Communicator, WireCounter
+from .data_parallel import check_process_group
 from .sharded import MatrixLayout, ShardedMatrices, chunk_bounds, default_owners
 
 try:  # FSDP2 on a TP-sharded dim: right-to-left sharding
@@ -172,6 +173,7 @@ class DTensorMuon(Muon):
         approximate_per_shard: bool = False,
         **kwargs: Any,
     ) -> None:
+        check_process_group(process_group, "DTensorMuon")
         super().__init__(params, *args, **kwargs)
         if not isinstance(approximate_per_shard, bool):
             raise ValueError(f"approximate_per_shard must be a bool, got {approximate_per_shard!r}")
@@ -235,6 +237,14 @@ class DTensorMuon(Muon):
                 layouts, group=self.process_group, owners=owners, counter=self.wire_counter
             )
         return self._plans[key]
+
+    def _after_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """New parameter objects: lay them out again (and fail fast on unsupported ones)."""
+        self._layouts.clear()
+        self._plans.clear()
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.matrix_layout(p)
 
     # ---------------------------------------------------------------- state / checks
     def optimizer_state_bytes(self) -> int:
@@ -376,7 +386,7 @@ class DTensorMuon(Muon):
         for slot, i in enumerate(indices):
             p, group = part[i]
             view, mats = self.matrix_view(p, group), per_param[slot]
-            if len(mats) == 1 and view.row_partition is None:
+            if len(mats) == 1 and view.row_partition is None and not view.transposed:
                 out.append(mats[0].reshape(whole[slot].shape))
             else:
                 scaled = [m * update_scale(group["scale"], *m.shape) for m in mats]
@@ -387,7 +397,7 @@ class DTensorMuon(Muon):
         """−s(m, n) for an unscaled single-matrix update, −1 for one scaled on the owner."""
         view = self.matrix_view(p, group)
         shapes = view.matrix_shapes
-        if len(shapes) == 1 and view.row_partition is None:
+        if len(shapes) == 1 and view.row_partition is None and not view.transposed:
             return -update_scale(group["scale"], *shapes[0])
         return -1.0
 

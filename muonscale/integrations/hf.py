@@ -18,30 +18,43 @@ What the Trainer does for you, and what this module adds (see docs/integrations.
 * **FSDP2**: accelerate swaps the parameter objects after the optimizer is built; the optimizer
   re-binds them by name before its next step (:func:`follow_model_parameters`) and refuses
   sharded Muon parameters, which need ``muonscale.DTensorMuon``.
+
+``DistributedMuon`` (sharded state, one owner per matrix) under the Trainer::
+
+    Trainer(..., optimizer_cls_and_kwargs=(DistributedMuonFactory, {"lr": 3e-4}),
+            callbacks=[DistributedCheckpointCallback()])
+
+The Trainer wraps the model in DDP, which averages ``p.grad``; the factory builds the optimizer
+with ``reduce_at="never"`` (no second reduction; each rank reads its slices of ``p.grad`` at
+``step()``), so the Trainer's clipping (``max_grad_norm``, on ``p.grad``) and its accumulation
+(DDP's ``no_sync``) apply as with AdamW. ``DistributedMuon.state_dict()`` is collective, but the
+Trainer calls it on the saving rank only: :class:`DistributedCheckpointCallback` gathers it on
+every rank just before a save; loading needs nothing (every rank keeps its part of the file).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
+from ..distributed.data_parallel import check_process_group
 from ..optimizer import Muon
 from .model_params import follow_model_parameters, muon_for_model, rebind_parameters, unwrap_model
 
-__all__ = ["MuonFactory", "create_optimizer", "follow_model_parameters", "rebind_parameters"]
+__all__ = [
+    "DistributedCheckpointCallback",
+    "DistributedMuonFactory",
+    "MuonFactory",
+    "create_optimizer",
+    "follow_model_parameters",
+    "rebind_parameters",
+]
 
 
 def _check_process_group() -> None:
-    import torch.distributed as dist
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            f"WORLD_SIZE={world} but no process group is initialized: create TrainingArguments "
-            "(which calls torch.distributed.init_process_group) before the optimizer"
-        )
+    check_process_group(None, "muonscale.integrations.hf")
 
 
 def create_optimizer(model: nn.Module, **muon_kwargs: Any) -> Muon:
@@ -61,3 +74,59 @@ class MuonFactory:
 
     def __call__(self, model: nn.Module, **muon_kwargs: Any) -> Muon:
         return create_optimizer(model, **muon_kwargs)
+
+
+class DistributedMuonFactory:
+    """Trainer optimizer factory for ``DistributedMuon``:
+    ``optimizer_cls_and_kwargs=(DistributedMuonFactory, kwargs)``; add
+    :class:`DistributedCheckpointCallback` when the Trainer saves checkpoints.
+
+    With several processes the Trainer wraps the model in DDP after this runs, so the optimizer
+    is built with ``reduce_at="never"`` (DDP's average is used, not reduced again); with one,
+    ``reduce_at="step"``. Pass ``reduce_at`` in ``kwargs`` to choose yourself."""
+
+    def __call__(self, model: nn.Module, **kwargs: Any) -> Muon:
+        from ..distributed import distributed_muon
+
+        _check_process_group()
+        wrapped_later = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        kwargs.setdefault("reduce_at", "never" if wrapped_later else "step")
+        return muon_for_model(unwrap_model(model), build=distributed_muon, **kwargs)
+
+
+def _collective_state_dict(optimizer: Any) -> bool:
+    from ..distributed import DistributedMuon
+
+    return isinstance(optimizer, DistributedMuon)
+
+
+def _transformers_callback_base() -> type:
+    try:
+        from transformers import TrainerCallback
+    except ImportError:  # pragma: no cover - the class is only useful with transformers
+        return object
+    return TrainerCallback
+
+
+class DistributedCheckpointCallback(_transformers_callback_base()):
+    """Lets the Trainer checkpoint a ``DistributedMuon``: when a save is due (``on_step_end``,
+    ``on_epoch_end``, after the Trainer's flow callback decided it), every rank gathers the
+    optimizer's full state (a collective), and until the save is done (``on_save``) the
+    optimizer's ``state_dict()`` returns that copy without collectives, so the saving rank
+    alone can call it. Other optimizers are left alone."""
+
+    def _prepare(self, control: Any, optimizer: Any) -> None:
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+        if control.should_save and _collective_state_dict(inner):
+            full = inner.state_dict()  # collective: every rank is here
+            inner.state_dict = lambda: full  # the Trainer's rank-0-only call finds it
+
+    def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kw: Any):
+        self._prepare(control, optimizer)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kw: Any):
+        self._prepare(control, optimizer)
+
+    def on_save(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kw: Any):
+        inner = getattr(optimizer, "optimizer", optimizer)
+        inner.__dict__.pop("state_dict", None)  # back to the collective method

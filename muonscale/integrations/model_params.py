@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..optimizer import Muon
-from ..params import route
+from ..params import route, transposed_weights
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -29,10 +29,12 @@ def trainable_named_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor
     return [(n, p) for n, p in unwrap_model(model).named_parameters() if p.requires_grad]
 
 
-def muon_for_model(model: nn.Module, **muon_kwargs: Any) -> Muon:
+def muon_for_model(model: nn.Module, *, build: Any = Muon, **muon_kwargs: Any) -> Muon:
     """``muonscale.Muon`` over the trainable parameters of ``model``, routed by name and by module
     type (embeddings and heads tied to them go to AdamW), and kept bound to the model's
-    parameters by name (see :func:`follow_model_parameters`)."""
+    parameters by name (see :func:`follow_model_parameters`). ``build``: the optimizer class or
+    factory called as ``build(param_groups, **muon_kwargs)`` (e.g.
+    :func:`muonscale.distributed_muon`)."""
     if "params" in muon_kwargs:
         raise TypeError("muon_for_model: the parameters come from the model; do not pass params")
     model = unwrap_model(model)
@@ -44,73 +46,29 @@ def muon_for_model(model: nn.Module, **muon_kwargs: Any) -> Muon:
         {"params": [(n, p) for n, p in named if decisions[n].algorithm == algorithm], "algorithm": algorithm}
         for algorithm in ("muon", "adamw")
     ]
-    optimizer = Muon([g for g in groups if g["params"]], **muon_kwargs)
+    muon_kwargs.setdefault("transposed", transposed_weights(model))
+    optimizer = build([g for g in groups if g["params"]], **muon_kwargs)
     for name, _ in named:  # keep the reasons (module type, name) in opt.summary()
         optimizer.routing[name] = decisions[name]
     follow_model_parameters(optimizer, model)
     return optimizer
 
 
-def _check_plain_muon(optimizer: Any) -> None:
-    if not isinstance(optimizer, Muon) or type(optimizer).__module__.startswith("muonscale.distributed"):
-        raise TypeError(
-            f"re-binding by name supports muonscale.Muon, got {type(optimizer).__name__}; "
-            "the distributed optimizers keep their own parameter layout"
-        )
-
-
 def rebind_parameters(optimizer: Muon, named_parameters: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Point ``optimizer`` at the parameters now named in ``named_parameters``, by the names it
-    was built with: param groups, names, ``splits`` and state follow. Parameters already bound
-    (the same objects) stay. Returns how many were re-bound.
-
-    For frameworks that replace parameter objects after the optimizer was built (accelerate's
-    FSDP2 preparation swaps them by ``data_ptr``; a model re-created from a checkpoint)."""
-    _check_plain_muon(optimizer)
-    current = dict(named_parameters)
-    current_name = {id(p): n for n, p in current.items()}
-    old_names = dict(optimizer.param_names)
-    splits_by_name = {old_names[i]: rows for i, rows in optimizer._split_rows.items() if i in old_names}
-    moved = 0
-    new_names: dict[int, str] = {}
-    for group in optimizer.param_groups:
-        bound = []
-        for p in group["params"]:
-            name = current_name.get(id(p))
-            if name is not None and current[name] is p:
-                new = p  # already the model's parameter (the framework swapped the group)
-                name = current_name[id(p)]
-            else:
-                name = old_names.get(id(p))
-                if name is None or name not in current:
-                    raise KeyError(
-                        f"rebind_parameters: optimizer parameter {name or '<unnamed>'!r} is not "
-                        f"among the model's parameters (first names there: {list(current)[:3]})"
-                    )
-                new = current[name]
-                if tuple(new.shape) != tuple(p.shape) and not _is_dtensor(new):
-                    raise ValueError(
-                        f"rebind_parameters: {name!r} changed shape {tuple(p.shape)} -> {tuple(new.shape)}"
-                    )
-                if p in optimizer.state:
-                    optimizer.state[new] = optimizer.state.pop(p)
-                moved += 1
-            new_names[id(new)] = name
-            bound.append(new)
-        group["params"] = bound
-    optimizer.param_names.clear()
-    optimizer.param_names.update(new_names)
-    optimizer._split_rows = {
-        id(p): splits_by_name[n] for n, p in current.items() if n in splits_by_name and id(p) in new_names
-    }
-    optimizer._views.clear()
-    return moved
+    """``optimizer.rebind_parameters(named_parameters)`` (see :meth:`muonscale.Muon.rebind_parameters`)."""
+    if not isinstance(optimizer, Muon):
+        raise TypeError(f"re-binding by name supports muonscale optimizers, got {type(optimizer).__name__}")
+    return optimizer.rebind_parameters(named_parameters)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
+
+
+def _is_plain_muon(optimizer: Any) -> bool:
+    return not type(optimizer).__module__.startswith("muonscale.distributed")
 
 
 def _reject_sharded(optimizer: Muon) -> None:
@@ -126,9 +84,11 @@ def _reject_sharded(optimizer: Muon) -> None:
 
 def follow_model_parameters(optimizer: Muon, model: nn.Module) -> torch.utils.hooks.RemovableHandle:
     """Before each step, re-bind ``optimizer`` by name if it holds parameters that are no longer
-    ``model``'s (one identity check per parameter), and refuse sharded (DTensor) Muon
-    parameters with a clear error instead of a wrong update."""
-    _check_plain_muon(optimizer)
+    ``model``'s (one identity check per parameter). Plain ``muonscale.Muon`` refuses sharded
+    (DTensor) Muon parameters with a clear error instead of a wrong update; the distributed
+    optimizers check the new parameters themselves."""
+    if not isinstance(optimizer, Muon):
+        raise TypeError(f"follow_model_parameters supports muonscale optimizers, got {type(optimizer).__name__}")
     model = unwrap_model(model)
     seen: list[tuple[int, ...]] = [()]
 
@@ -137,10 +97,11 @@ def follow_model_parameters(optimizer: Muon, model: nn.Module) -> torch.utils.ho
         ids = tuple(id(p) for g in opt.param_groups for p in g["params"]) + tuple(id(p) for _, p in named)
         if ids == seen[0]:
             return
-        model_ids = {id(p) for _, p in named}
-        if any(id(p) not in model_ids for g in opt.param_groups for p in g["params"]):
-            rebind_parameters(optimizer, named)
-        _reject_sharded(optimizer)
+        # Parameters changed (or first step): re-bind by name. Idempotent, and also needed when
+        # the framework already swapped the groups (accelerate does), for names, splits, state.
+        optimizer.rebind_parameters(named)
+        if _is_plain_muon(optimizer):
+            _reject_sharded(optimizer)
         seen[0] = tuple(id(p) for g in opt.param_groups for p in g["params"]) + tuple(id(p) for _, p in named)
 
     return optimizer.register_step_pre_hook(before_step)
