@@ -76,10 +76,16 @@ import torch.distributed as dist
 from benchmarks.megatron_gpu_parts.arms import (
     ARMS,
     CPU_STANDIN,
+    CPU_STANDINS,
     Arm,
+    MainParamsChain,
     StandinAdamW,
     build_arm,
+    muon_optimizer_config,
+    muon_settings,
+    muonscale_config,
     standin_mean_over_dp,
+    unwrapped_megatron_optimizers,
 )
 from benchmarks.megatron_gpu_parts.device import Device, cpu_shims
 from benchmarks.megatron_gpu_parts.measure import eval_loss, run, train_step
@@ -87,13 +93,18 @@ from benchmarks.megatron_gpu_parts.model import Batches, build_gpt, resolve_spec
 from benchmarks.megatron_gpu_parts.report import med, print_table, sanity, summarize, write_json
 
 __all__ = [  # the parts, re-exported: everything the script defined before it was split
-    "ARMS", "CPU_STANDIN", "SPECS", "SMOKE_DEFAULTS", "Arm", "Batches", "BenchConfig", "Device",
+    "ARMS", "CPU_STANDIN", "CPU_STANDINS", "MainParamsChain", "muon_optimizer_config",
+    "muon_settings", "muonscale_config", "unwrapped_megatron_optimizers", "SPECS", "SMOKE_DEFAULTS", "Arm", "Batches", "BenchConfig", "Device",
     "StandinAdamW", "build_arm", "build_gpt", "build_parser", "cpu_shims", "eval_loss",
     "free_port", "main", "med", "parse_config", "print_table", "resolve_spec", "run", "sanity",
     "seed_weights", "standin_mean_over_dp", "summarize", "train_step", "write_json",
 ]  # fmt: skip
 
 SPECS = ("auto", "local", "te")
+MUON_COEFFICIENT_TYPES = ("simple", "quintic", "polar_express")
+MUON_SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
+MUON_MATMUL_PRECISIONS = ("low", "medium", "high", "highest")
+MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
 
 
 def _option(default: Any, kind: type, help: str, **argparse_options: Any) -> Any:
@@ -126,13 +137,22 @@ class BenchConfig:
     accum: int = _option(64, int, "micro-batches per step of the accumulation point (64 x 8 x 1024 = 0.5M tokens); 0 = skip")  # fmt: skip
     accum_rounds: int = _option(1, int, "timed accumulation steps per arm (interleaved)")
     budget_s: float = _option(0.0, float, "wall-clock budget in seconds: the accumulation point is measured only if it fits (0 = no limit)")  # fmt: skip
-    seed: int = _option(0, int, "seed of the weights (both arms) and of the batches")
+    muon_momentum: float = _option(0.95, float, "OptimizerConfig.muon_momentum (both Muon arms)")
+    muon_nesterov: bool = _option(True, bool, "OptimizerConfig.muon_nesterov (both Muon arms)")
+    muon_split_qkv: bool = _option(True, bool, "OptimizerConfig.muon_split_qkv (both Muon arms)")
+    muon_coefficient_type: str = _option("simple", str, "OptimizerConfig.muon_coefficient_type (simple = muonscale's keller)", choices=MUON_COEFFICIENT_TYPES)  # fmt: skip
+    muon_num_ns_steps: int = _option(5, int, "OptimizerConfig.muon_num_ns_steps")
+    muon_scale_mode: str = _option("spectral", str, "OptimizerConfig.muon_scale_mode (Megatron's names)", choices=MUON_SCALE_MODES)  # fmt: skip
+    muon_extra_scale_factor: float = _option(0.2, float, "OptimizerConfig.muon_extra_scale_factor (spectral x 0.2 = muonscale's default match_rms_adamw)")  # fmt: skip
+    muon_fp32_matmul_prec: str = _option("medium", str, "OptimizerConfig.muon_fp32_matmul_prec (medium = bf16 Newton-Schulz)", choices=MUON_MATMUL_PRECISIONS)  # fmt: skip
+    muon_tp_mode: str = _option("duplicated", str, "OptimizerConfig.muon_tp_mode of Megatron's Muon (muonscale is exact whatever it says)", choices=MUON_TP_MODES)  # fmt: skip
+    seed: int = _option(0, int, "seed of the weights (every arm) and of the batches")
     out: str = _option("", str, "write the JSON result to this path (rank 0)")
     smoke: bool = _option(False, bool, "tiny model on CPU with gloo (see the module docstring for what it covers)")  # fmt: skip
 
     def __post_init__(self) -> None:
         positive = ("layers", "hidden", "heads", "seq", "micro_batch", "tp", "rounds",
-                    "steps_per_round", "accum_rounds")  # fmt: skip
+                    "steps_per_round", "accum_rounds", "muon_num_ns_steps")  # fmt: skip
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(
@@ -143,6 +163,10 @@ class BenchConfig:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}"
                 )
+        if not 0 <= self.muon_momentum < 1:
+            raise ValueError(f"--muon-momentum must be in [0, 1), got {self.muon_momentum}")
+        if not self.muon_extra_scale_factor > 0:
+            raise ValueError(f"--muon-extra-scale-factor must be > 0, got {self.muon_extra_scale_factor}")  # fmt: skip
         if not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         if self.hidden % self.heads:
@@ -181,7 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
         meta = dict(f.metadata)
         kind, help_text = meta.pop("kind"), meta.pop("help")
         default = f.default if f.default is not MISSING else None
-        if kind is bool:
+        if kind is bool and default:  # on by default: --x / --no-x
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=True, help=help_text)  # fmt: skip
+        elif kind is bool:
             parser.add_argument(flag, action="store_true", help=help_text)
         else:
             parser.add_argument(flag, type=kind, default=default, help=f"{help_text} (default {default if default != '' else 'none'})", **meta)  # fmt: skip
