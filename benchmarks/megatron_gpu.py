@@ -1,4 +1,4 @@
-"""Megatron-Core GPT under Megatron's own DDP: tokens/s of muonscale vs Megatron's Adam.
+"""Megatron-Core GPT under Megatron's own DDP: tokens/s of muonscale vs Megatron's Adam and Muon.
 
 GPU (NCCL), from the repository root, with megatron-core 0.19.2 installed or carried as the
 wheels of ``bash .ci/megatron_site.sh`` (``.megatron-site/``)::
@@ -12,16 +12,28 @@ wheels of ``bash .ci/megatron_site.sh`` (``.megatron-site/``)::
     PYTHONPATH=. .venv-megatron/bin/torchrun --nproc-per-node 2 benchmarks/megatron_gpu.py --smoke
     PYTHONPATH=. .venv-megatron/bin/python benchmarks/megatron_gpu.py --smoke   # one process
 
-Two arms on two identically built models (same seeds, hence the same initial weights; the JSON
-checks it with the loss of both on one fixed batch), fed the same batches:
+Three arms on three identically built models (same seeds, hence the same initial weights; the
+JSON checks it with the loss of each on one fixed batch), fed the same batches. Both Muon arms
+and Megatron's Adam are built from ONE Megatron ``OptimizerConfig(optimizer="muon", bf16=True,
+muon_*=...)`` (``arms.muon_optimizer_config``; every ``muon_*`` field is a ``--muon-*`` flag;
+defaults: momentum 0.95, Nesterov, ``simple`` coefficients = muonscale's ``keller``, 5 steps,
+``spectral`` × 0.2 = muonscale's ``match_rms_adamw``, ``medium`` = bf16 Newton–Schulz, QKV
+split, ``duplicated`` = exact TP). The JSON's ``muon_config`` records that config, the
+``TensorParallelMuon`` arguments Megatron derives from it, what ``from_megatron`` made of it, and
+the settings read back from both built optimizers (``same_settings``, checked in ``sanity``):
 
-* ``megatron_adam``: ``get_megatron_optimizer(OptimizerConfig(optimizer="adam", bf16=True,
-  ...), [model])``: Megatron's ``Float16OptimizerWithFloat16Params`` (fp32 main parameters,
+* ``megatron_adam``: ``get_megatron_optimizer`` of that config with ``optimizer="adam"``: Megatron's ``Float16OptimizerWithFloat16Params`` (fp32 main parameters,
   global gradient-norm clipping) around Adam (TE or apex ``FusedAdam`` when installed, else
   ``torch.optim.AdamW``; ``meta.adam_impl`` says which);
-* ``muonscale``: ``megatron_muon([model], MegatronMuonConfig(...))``, which reads Megatron DDP's
-  ``main_grad`` (``dp_mode="replicated"``), keeps fp32 main copies of the bf16 parameters and
-  clips the global gradient norm the same way.
+* ``muonscale``: ``megatron_muon([model], MegatronMuonConfig.from_megatron(config, ...))``, which
+  reads Megatron DDP's ``main_grad`` (``dp_mode="replicated"``), keeps fp32 main copies of the
+  bf16 parameters and clips the global gradient norm the same way;
+* ``megatron_muon``: ``get_megatron_optimizer(config, [model])``: a ``ChainedOptimizer`` of
+  ``Float16OptimizerWithFloat16Params`` around Megatron-Core's ``TensorParallelMuon`` (on
+  emerging-optimizers) for the 2-D weights and around Adam for the rest.
+
+Both Megatron arms get Megatron's ``OptimizerParamScheduler`` at constant lr (as
+megatron.training): it sets each group's weight decay × ``wd_mult`` (none on biases and norms).
 
 The model is Megatron's ``GPTModel`` (local layer spec; Transformer Engine's with ``--spec te``,
 or ``auto`` when ``transformer_engine`` imports), bf16 parameters in ``Float16Module``, wrapped in
@@ -40,7 +52,8 @@ at K micro-batches per step (measured when it fits ``--budget-s``, and composed 
 one-micro-batch medians: K·t_fwd_bwd + t_opt, which counts the per-step buffer zeroing and
 gradient reduction K times, slightly against both arms); ``throughput_ratio`` = muonscale ÷
 megatron_adam; the loss on a fixed batch before and after, each step's training loss and
-gradient norm (sanity: same start, finite, decreasing, same first-step gradient norm).
+gradient norm (sanity: same start, finite, decreasing, same first-step gradient norm); the same
+ratios against ``megatron_muon`` (``*_vs_megatron_muon_*``) and peak memory ratios.
 
 What the CPU smoke covers, and what only a GPU run does. Megatron's DDP allocates its gradient
 buffers on ``torch.cuda.current_device()`` (distributed/param_and_grad_buffer.py L1184) and
@@ -50,9 +63,16 @@ runs the same harness (flags, Megatron ``GPTModel`` + ``Float16Module`` in bf16 
 equal weights, corpus batches split over DP, interleaved rounds, accumulation, table, JSON,
 loss checks) with: ``muonscale`` = ``megatron_muon`` on the unwrapped bf16 model (no
 ``main_grad``: the optimizer averages ``.grad`` over DP itself; fp32 main params and clipping as
-on GPU) and, in place of ``megatron_adam``, ``adamw_cpu_standin`` = ``torch.optim.AdamW`` with
+on GPU); in place of ``megatron_muon``, ``megatron_muon_unwrapped_cpu`` = the same
+``get_megatron_optimizer(config, [model])`` call with ``FP32Optimizer``,
+``Float16OptimizerWithFloat16Params`` and ``ChainedOptimizer`` replaced by pass-throughs (so
+Megatron's own parameter tagging, param groups and config → ``TensorParallelMuon`` arguments
+run), stepped by ``arms.MainParamsChain`` (fp32 main copies with Megatron's attributes, one
+clip, the two torch optimizers); and, in place of ``megatron_adam``, ``adamw_cpu_standin`` = ``torch.optim.AdamW`` with
 the same hyper-parameters directly on the bf16 parameters (no weight decay for 1-D tensors, as
-Megatron's default groups), DP mean and ``clip_grad_norm_`` by hand (exact at the smoke's TP 1). Only a GPU run covers Megatron's DDP (``main_grad`` buffers,
+Megatron's default groups), DP mean and ``clip_grad_norm_`` by hand (exact at the smoke's TP 1).
+The JSON says ``"not measured: <reason>"`` for the Megatron arms (``not_measured``) and for
+peak memory. Only a GPU run covers Megatron's DDP (``main_grad`` buffers,
 ``finalize_model_grads``), ``get_megatron_optimizer`` and muonscale reading ``main_grad``, NCCL,
 CUDA timing and memory. Nothing of torch.cuda is replaced on the GPU path.
 

@@ -147,15 +147,17 @@ def muon_settings(optimizer: Any) -> dict[str, Any]:
     """What a Muon arm's optimizer was built with, read back from the optimizer, in Megatron's
     terms: ``TensorParallelMuon`` (its param group and its ``scaled_orthogonalize_fn``'s
     closure) or muonscale's ``MegatronMuon`` (its ``MegatronMuonConfig``)."""
-    from muonscale.integrations.megatron import MEGATRON_MATMUL_PRECISION, MEGATRON_SCALE_MODES
+    from muonscale.integrations.megatron import (
+        MEGATRON_MATMUL_PRECISION,
+        MEGATRON_SCALE_MODES,
+        megatron_coefficients,
+    )
 
     muons = megatron_muon_optimizers(optimizer)
     if muons:
         (tpm,) = muons
         group = tpm.param_groups[0]
         closure = inspect.getclosurevars(tpm.scaled_orthogonalize_fn).nonlocals
-        from muonscale.integrations.megatron import megatron_coefficients
-
         return dict(
             lr=group["lr"], momentum=group["momentum"], nesterov=tpm.nesterov,
             weight_decay=group["weight_decay"], num_ns_steps=closure["num_ns_steps"],
