@@ -1,4 +1,4 @@
-"""Megatron-Core GPT under Megatron's own DDP: tokens/s of muonscale vs Megatron's Adam.
+"""Megatron-Core GPT under Megatron's own DDP: tokens/s of muonscale vs Megatron's Adam and Muon.
 
 GPU (NCCL), from the repository root, with megatron-core 0.19.2 installed or carried as the
 wheels of ``bash .ci/megatron_site.sh`` (``.megatron-site/``)::
@@ -12,16 +12,28 @@ wheels of ``bash .ci/megatron_site.sh`` (``.megatron-site/``)::
     PYTHONPATH=. .venv-megatron/bin/torchrun --nproc-per-node 2 benchmarks/megatron_gpu.py --smoke
     PYTHONPATH=. .venv-megatron/bin/python benchmarks/megatron_gpu.py --smoke   # one process
 
-Two arms on two identically built models (same seeds, hence the same initial weights; the JSON
-checks it with the loss of both on one fixed batch), fed the same batches:
+Three arms on three identically built models (same seeds, hence the same initial weights; the
+JSON checks it with the loss of each on one fixed batch), fed the same batches. Both Muon arms
+and Megatron's Adam are built from ONE Megatron ``OptimizerConfig(optimizer="muon", bf16=True,
+muon_*=...)`` (``arms.muon_optimizer_config``; every ``muon_*`` field is a ``--muon-*`` flag;
+defaults: momentum 0.95, Nesterov, ``simple`` coefficients = muonscale's ``keller``, 5 steps,
+``spectral`` × 0.2 = muonscale's ``match_rms_adamw``, ``medium`` = bf16 Newton–Schulz, QKV
+split, ``duplicated`` = exact TP). The JSON's ``muon_config`` records that config, the
+``TensorParallelMuon`` arguments Megatron derives from it, what ``from_megatron`` made of it, and
+the settings read back from both built optimizers (``same_settings``, checked in ``sanity``):
 
-* ``megatron_adam``: ``get_megatron_optimizer(OptimizerConfig(optimizer="adam", bf16=True,
-  ...), [model])``: Megatron's ``Float16OptimizerWithFloat16Params`` (fp32 main parameters,
+* ``megatron_adam``: ``get_megatron_optimizer`` of that config with ``optimizer="adam"``: Megatron's ``Float16OptimizerWithFloat16Params`` (fp32 main parameters,
   global gradient-norm clipping) around Adam (TE or apex ``FusedAdam`` when installed, else
   ``torch.optim.AdamW``; ``meta.adam_impl`` says which);
-* ``muonscale``: ``megatron_muon([model], MegatronMuonConfig(...))``, which reads Megatron DDP's
-  ``main_grad`` (``dp_mode="replicated"``), keeps fp32 main copies of the bf16 parameters and
-  clips the global gradient norm the same way.
+* ``muonscale``: ``megatron_muon([model], MegatronMuonConfig.from_megatron(config, ...))``, which
+  reads Megatron DDP's ``main_grad`` (``dp_mode="replicated"``), keeps fp32 main copies of the
+  bf16 parameters and clips the global gradient norm the same way;
+* ``megatron_muon``: ``get_megatron_optimizer(config, [model])``: a ``ChainedOptimizer`` of
+  ``Float16OptimizerWithFloat16Params`` around Megatron-Core's ``TensorParallelMuon`` (on
+  emerging-optimizers) for the 2-D weights and around Adam for the rest.
+
+Both Megatron arms get Megatron's ``OptimizerParamScheduler`` at constant lr (as
+megatron.training): it sets each group's weight decay × ``wd_mult`` (none on biases and norms).
 
 The model is Megatron's ``GPTModel`` (local layer spec; Transformer Engine's with ``--spec te``,
 or ``auto`` when ``transformer_engine`` imports), bf16 parameters in ``Float16Module``, wrapped in
@@ -40,7 +52,8 @@ at K micro-batches per step (measured when it fits ``--budget-s``, and composed 
 one-micro-batch medians: K·t_fwd_bwd + t_opt, which counts the per-step buffer zeroing and
 gradient reduction K times, slightly against both arms); ``throughput_ratio`` = muonscale ÷
 megatron_adam; the loss on a fixed batch before and after, each step's training loss and
-gradient norm (sanity: same start, finite, decreasing, same first-step gradient norm).
+gradient norm (sanity: same start, finite, decreasing, same first-step gradient norm); the same
+ratios against ``megatron_muon`` (``*_vs_megatron_muon_*``) and peak memory ratios.
 
 What the CPU smoke covers, and what only a GPU run does. Megatron's DDP allocates its gradient
 buffers on ``torch.cuda.current_device()`` (distributed/param_and_grad_buffer.py L1184) and
@@ -50,9 +63,16 @@ runs the same harness (flags, Megatron ``GPTModel`` + ``Float16Module`` in bf16 
 equal weights, corpus batches split over DP, interleaved rounds, accumulation, table, JSON,
 loss checks) with: ``muonscale`` = ``megatron_muon`` on the unwrapped bf16 model (no
 ``main_grad``: the optimizer averages ``.grad`` over DP itself; fp32 main params and clipping as
-on GPU) and, in place of ``megatron_adam``, ``adamw_cpu_standin`` = ``torch.optim.AdamW`` with
+on GPU); in place of ``megatron_muon``, ``megatron_muon_unwrapped_cpu`` = the same
+``get_megatron_optimizer(config, [model])`` call with ``FP32Optimizer``,
+``Float16OptimizerWithFloat16Params`` and ``ChainedOptimizer`` replaced by pass-throughs (so
+Megatron's own parameter tagging, param groups and config → ``TensorParallelMuon`` arguments
+run), stepped by ``arms.MainParamsChain`` (fp32 main copies with Megatron's attributes, one
+clip, the two torch optimizers); and, in place of ``megatron_adam``, ``adamw_cpu_standin`` = ``torch.optim.AdamW`` with
 the same hyper-parameters directly on the bf16 parameters (no weight decay for 1-D tensors, as
-Megatron's default groups), DP mean and ``clip_grad_norm_`` by hand (exact at the smoke's TP 1). Only a GPU run covers Megatron's DDP (``main_grad`` buffers,
+Megatron's default groups), DP mean and ``clip_grad_norm_`` by hand (exact at the smoke's TP 1).
+The JSON says ``"not measured: <reason>"`` for the Megatron arms (``not_measured``) and for
+peak memory. Only a GPU run covers Megatron's DDP (``main_grad`` buffers,
 ``finalize_model_grads``), ``get_megatron_optimizer`` and muonscale reading ``main_grad``, NCCL,
 CUDA timing and memory. Nothing of torch.cuda is replaced on the GPU path.
 
@@ -76,10 +96,16 @@ import torch.distributed as dist
 from benchmarks.megatron_gpu_parts.arms import (
     ARMS,
     CPU_STANDIN,
+    CPU_STANDINS,
     Arm,
+    MainParamsChain,
     StandinAdamW,
     build_arm,
+    muon_optimizer_config,
+    muon_settings,
+    muonscale_config,
     standin_mean_over_dp,
+    unwrapped_megatron_optimizers,
 )
 from benchmarks.megatron_gpu_parts.device import Device, cpu_shims
 from benchmarks.megatron_gpu_parts.measure import eval_loss, run, train_step
@@ -87,13 +113,18 @@ from benchmarks.megatron_gpu_parts.model import Batches, build_gpt, resolve_spec
 from benchmarks.megatron_gpu_parts.report import med, print_table, sanity, summarize, write_json
 
 __all__ = [  # the parts, re-exported: everything the script defined before it was split
-    "ARMS", "CPU_STANDIN", "SPECS", "SMOKE_DEFAULTS", "Arm", "Batches", "BenchConfig", "Device",
+    "ARMS", "CPU_STANDIN", "CPU_STANDINS", "MainParamsChain", "muon_optimizer_config",
+    "muon_settings", "muonscale_config", "unwrapped_megatron_optimizers", "SPECS", "SMOKE_DEFAULTS", "Arm", "Batches", "BenchConfig", "Device",
     "StandinAdamW", "build_arm", "build_gpt", "build_parser", "cpu_shims", "eval_loss",
     "free_port", "main", "med", "parse_config", "print_table", "resolve_spec", "run", "sanity",
     "seed_weights", "standin_mean_over_dp", "summarize", "train_step", "write_json",
 ]  # fmt: skip
 
 SPECS = ("auto", "local", "te")
+MUON_COEFFICIENT_TYPES = ("simple", "quintic", "polar_express")
+MUON_SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
+MUON_MATMUL_PRECISIONS = ("low", "medium", "high", "highest")
+MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
 
 
 def _option(default: Any, kind: type, help: str, **argparse_options: Any) -> Any:
@@ -126,13 +157,22 @@ class BenchConfig:
     accum: int = _option(64, int, "micro-batches per step of the accumulation point (64 x 8 x 1024 = 0.5M tokens); 0 = skip")  # fmt: skip
     accum_rounds: int = _option(1, int, "timed accumulation steps per arm (interleaved)")
     budget_s: float = _option(0.0, float, "wall-clock budget in seconds: the accumulation point is measured only if it fits (0 = no limit)")  # fmt: skip
-    seed: int = _option(0, int, "seed of the weights (both arms) and of the batches")
+    muon_momentum: float = _option(0.95, float, "OptimizerConfig.muon_momentum (both Muon arms)")
+    muon_nesterov: bool = _option(True, bool, "OptimizerConfig.muon_nesterov (both Muon arms)")
+    muon_split_qkv: bool = _option(True, bool, "OptimizerConfig.muon_split_qkv (both Muon arms)")
+    muon_coefficient_type: str = _option("simple", str, "OptimizerConfig.muon_coefficient_type (simple = muonscale's keller)", choices=MUON_COEFFICIENT_TYPES)  # fmt: skip
+    muon_num_ns_steps: int = _option(5, int, "OptimizerConfig.muon_num_ns_steps")
+    muon_scale_mode: str = _option("spectral", str, "OptimizerConfig.muon_scale_mode (Megatron's names)", choices=MUON_SCALE_MODES)  # fmt: skip
+    muon_extra_scale_factor: float = _option(0.2, float, "OptimizerConfig.muon_extra_scale_factor (spectral x 0.2 = muonscale's default match_rms_adamw)")  # fmt: skip
+    muon_fp32_matmul_prec: str = _option("medium", str, "OptimizerConfig.muon_fp32_matmul_prec (medium = bf16 Newton-Schulz)", choices=MUON_MATMUL_PRECISIONS)  # fmt: skip
+    muon_tp_mode: str = _option("duplicated", str, "OptimizerConfig.muon_tp_mode of Megatron's Muon (muonscale is exact whatever it says)", choices=MUON_TP_MODES)  # fmt: skip
+    seed: int = _option(0, int, "seed of the weights (every arm) and of the batches")
     out: str = _option("", str, "write the JSON result to this path (rank 0)")
     smoke: bool = _option(False, bool, "tiny model on CPU with gloo (see the module docstring for what it covers)")  # fmt: skip
 
     def __post_init__(self) -> None:
         positive = ("layers", "hidden", "heads", "seq", "micro_batch", "tp", "rounds",
-                    "steps_per_round", "accum_rounds")  # fmt: skip
+                    "steps_per_round", "accum_rounds", "muon_num_ns_steps")  # fmt: skip
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(
@@ -143,6 +183,10 @@ class BenchConfig:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}"
                 )
+        if not 0 <= self.muon_momentum < 1:
+            raise ValueError(f"--muon-momentum must be in [0, 1), got {self.muon_momentum}")
+        if not self.muon_extra_scale_factor > 0:
+            raise ValueError(f"--muon-extra-scale-factor must be > 0, got {self.muon_extra_scale_factor}")  # fmt: skip
         if not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         if self.hidden % self.heads:
@@ -181,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
         meta = dict(f.metadata)
         kind, help_text = meta.pop("kind"), meta.pop("help")
         default = f.default if f.default is not MISSING else None
-        if kind is bool:
+        if kind is bool and default:  # on by default: --x / --no-x
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=True, help=help_text)  # fmt: skip
+        elif kind is bool:
             parser.add_argument(flag, action="store_true", help=help_text)
         else:
             parser.add_argument(flag, type=kind, default=default, help=f"{help_text} (default {default if default != '' else 'none'})", **meta)  # fmt: skip

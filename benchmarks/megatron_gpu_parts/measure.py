@@ -10,7 +10,16 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .arms import ARMS, CPU_STANDIN, Arm, build_arm
+from .arms import (
+    ARMS,
+    CPU_STANDINS,
+    GPU_ONLY_REASONS,
+    Arm,
+    build_arm,
+    describe_muon_config,
+    muon_optimizer_config,
+    muon_settings,
+)
 from .device import Device
 from .model import Batches, resolve_spec
 from .report import med, sanity, summarize
@@ -71,19 +80,28 @@ def run(cfg: BenchConfig, device: Device, result: dict, save: Callable[[], None]
     dp = ps.get_data_parallel_world_size()
     tokens_per_micro = cfg.micro_batch * cfg.seq * dp
     result["meta"].update(spec=spec, dp=dp, tokens_per_micro_batch=tokens_per_micro)
-    names = ARMS if device.cuda else ("muonscale", CPU_STANDIN)
+    names = ARMS if device.cuda else tuple(CPU_STANDINS.get(n, n) for n in ARMS)
+    if not device.cuda:
+        result["not_measured"] = {n: f"not measured: {why}" for n, why in GPU_ONLY_REASONS.items()}
+    optimizer_config = muon_optimizer_config(cfg)  # the one config of both Muon arms
 
     arms: dict[str, Arm] = {}
     for name in names:  # build + warm-up alone: the arm's own peak memory
         base = device.allocated()
         device.reset_peak()
-        arm = arms[name] = build_arm(name, cfg, spec, device)
+        arm = arms[name] = build_arm(name, cfg, spec, device, optimizer_config)
         arm.loss_before = eval_loss(arm, batches)
         for step in range(cfg.warmup):
             train_step(arm, batches, step, 1, device, "warmup")
         device.sync()
         arm.memory.update(peak_bytes=device.peak() - base, resident_bytes=device.allocated() - base)
     result["meta"]["muonscale_dp_mode"] = getattr(arms["muonscale"].optimizer, "dp_mode", None)
+    muon_arm = arms[CPU_STANDINS["megatron_muon"] if not device.cuda else "megatron_muon"]
+    settings = {a.name: muon_settings(a.optimizer) for a in (arms["muonscale"], muon_arm)}
+    result["muon_config"] = describe_muon_config(optimizer_config, arms["muonscale"].model)
+    result["muon_config"]["settings_read_back"] = settings
+    a, b = settings.values()
+    result["muon_config"]["same_settings"] = {k: a[k] == b[k] for k in a}
     result["phases_done"].append("build+warmup")
     save()
 

@@ -8,7 +8,7 @@ import os
 import statistics
 from typing import TYPE_CHECKING, Any
 
-from .arms import ARMS, CPU_STANDIN, Arm
+from .arms import CPU_STANDINS, Arm
 
 if TYPE_CHECKING:  # the config lives in the entry script, benchmarks/megatron_gpu.py
     from megatron_gpu import BenchConfig
@@ -39,15 +39,29 @@ def summarize(cfg: BenchConfig, arms: dict[str, Arm], result: dict, tokens_per_m
         if "accum" in arm.times:
             row["tokens_per_s_accum_measured"] = cfg.accum * tokens_per_micro / med(arm.times["accum"]["step"])  # fmt: skip
         result["arms"].setdefault(arm.name, {}).update(row)
-    base_name = ARMS[0] if ARMS[0] in arms else CPU_STANDIN
-    base, ours = result["arms"][base_name], result["arms"]["muonscale"]
-    result["baseline"] = base_name
-    for key in ("one_micro", "accum_composed", "accum_measured"):
-        if f"tokens_per_s_{key}" in ours and f"tokens_per_s_{key}" in base:
-            result[f"throughput_ratio_{key}"] = ours[f"tokens_per_s_{key}"] / base[f"tokens_per_s_{key}"]  # fmt: skip
+    on_cpu = cfg.smoke
+    if on_cpu:  # per-arm peak memory needs torch.cuda's counters
+        for arm in arms.values():
+            row = result["arms"][arm.name]
+            row["process_peak_rss_bytes"] = row.pop("peak_memory_bytes")
+            row["peak_memory_bytes"] = "not measured: CPU (process RSS is not per arm)"
+            row["resident_memory_bytes"] = "not measured: CPU"
+    ours = result["arms"]["muonscale"]
+    for reference, suffix in (("megatron_adam", ""), ("megatron_muon", "_vs_megatron_muon")):
+        name = reference if reference in arms else CPU_STANDINS[reference]
+        base = result["arms"][name]
+        result["baseline" if not suffix else "baseline_muon"] = name
+        for key in ("one_micro", "accum_composed", "accum_measured"):
+            if f"tokens_per_s_{key}" in ours and f"tokens_per_s_{key}" in base:
+                result[f"throughput_ratio{suffix}_{key}"] = ours[f"tokens_per_s_{key}"] / base[f"tokens_per_s_{key}"]  # fmt: skip
+        result[f"optimizer_step_ratio{suffix}"] = ours["optimizer_step_ms"] / base["optimizer_step_ms"]  # fmt: skip
+        result[f"peak_memory_ratio{suffix}"] = (
+            "not measured: CPU (no per-arm peak memory)"
+            if on_cpu
+            else ours["peak_memory_bytes"] / base["peak_memory_bytes"]
+        )
     if cfg.accum:
         result["accum_tokens_per_step"] = cfg.accum * tokens_per_micro
-    result["optimizer_step_ratio"] = ours["optimizer_step_ms"] / base["optimizer_step_ms"]
 
 
 def sanity(result: dict) -> dict:
@@ -65,6 +79,8 @@ def sanity(result: dict) -> dict:
     if len(first_norms) == len(arms):
         out["first_grad_norms"] = first_norms
         out["same_first_grad_norm"] = max(first_norms) - min(first_norms) <= 1e-2 * max(first_norms)
+    if "muon_config" in result:
+        out["muon_arms_same_settings"] = all(result["muon_config"]["same_settings"].values())
     out["ok"] = all(v for k, v in out.items() if isinstance(v, bool))
     return out
 
@@ -74,14 +90,22 @@ def print_table(result: dict) -> None:
             ("fwd_bwd_ms", "{:.1f}"), ("optimizer_step_ms", "{:.2f}"), ("peak_memory_bytes", "{:,}"),
             ("loss_before", "{:.3f}"), ("loss_after", "{:.3f}"),
             ("tokens_per_s_accum_composed", "{:,.0f}"), ("tokens_per_s_accum_measured", "{:,.0f}")]  # fmt: skip
-    rows = [[name] + [fmt.format(a[c]) if c in a else "-" for c, fmt in cols[1:]] for name, a in result["arms"].items()]  # fmt: skip
+    def cell(a: dict, c: str, fmt: str) -> str:
+        return "-" if c not in a else fmt.format(a[c]) if isinstance(a[c], (int, float)) else "n/m"
+
+    rows = [[name] + [cell(a, c, fmt) for c, fmt in cols[1:]] for name, a in result["arms"].items()]  # fmt: skip
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, (c, _) in enumerate(cols)]
     print("  ".join(c.ljust(w) for (c, _), w in zip(cols, widths)))
     for r in rows:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
-    for key in ("throughput_ratio_one_micro", "throughput_ratio_accum_composed", "throughput_ratio_accum_measured", "optimizer_step_ratio"):  # fmt: skip
-        if key in result:
-            print(f"{key} (muonscale / {result['baseline']}): {result[key]:.4f}")
+    for suffix, base in (("", result["baseline"]), ("_vs_megatron_muon", result["baseline_muon"])):
+        for key in ("throughput_ratio{}_one_micro", "throughput_ratio{}_accum_composed",
+                    "throughput_ratio{}_accum_measured", "optimizer_step_ratio{}", "peak_memory_ratio{}"):  # fmt: skip
+            key = key.format(suffix)
+            if isinstance(result.get(key), float):
+                print(f"{key} (muonscale / {base}): {result[key]:.4f}")
+    if "muon_config" in result:
+        print(f"Muon arms, same settings: {result['muon_config']['same_settings']}")
     if "accum_point" in result:
         print(
             f"accumulation point ({result['accum_tokens_per_step']:,} tokens/step): {result['accum_point']}"

@@ -48,3 +48,9 @@ def pool4():
 def pytest_configure(config):
     for text in ("Transformer Engine and Apex are not installed", "Apex is not installed"):
         config.addinivalue_line("filterwarnings", f"ignore:{text}:UserWarning")
+
+
+@pytest.fixture(scope="module")
+def pool1():
+    """One gloo rank (Megatron's optimizer factory gathers over the world group)."""
+    yield from _pool(1)

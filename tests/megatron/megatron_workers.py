@@ -269,3 +269,54 @@ def run(rank: int, world_size: int, spec: dict) -> dict:
 def max_abs_diff(a: dict, b: dict, names=None) -> float:
     names = names if names is not None else list(a)
     return max(float((a[n] - b[n]).abs().max()) for n in names)
+
+
+# ----------------------------------------------------------------------------- benchmark arms
+def muon_arms(rank: int, world_size: int, spec: dict) -> dict | None:
+    """The two Muon arms of ``benchmarks/megatron_gpu.py`` built from ONE Megatron
+    ``OptimizerConfig(**spec["config"])`` on two equal tiny GPTs (TP 1): Megatron's through
+    ``get_megatron_optimizer`` (its CUDA-only wrappers unwrapped, as the CPU smoke does),
+    muonscale's through ``MegatronMuonConfig.from_megatron``. Returns, from rank 0, the settings
+    read back from both optimizers, which matrices each gives Muon, and the parameters before and
+    after ``spec["steps"]`` Muon steps on injected (identical) gradients."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from benchmarks.megatron_gpu_parts.arms import (
+        megatron_muon_optimizers,
+        muon_settings,
+        unwrapped_megatron_optimizers,
+    )
+    from muonscale.integrations.megatron import MegatronMuonConfig, megatron_muon
+
+    setup_parallel(1)
+    config = OptimizerConfig(**spec["config"])
+    theirs_model, ours_model = build_gpt(TINY, seed=0), build_gpt(TINY, seed=0)
+    with unwrapped_megatron_optimizers():
+        theirs = get_megatron_optimizer(config, [theirs_model])
+    (tpm,) = megatron_muon_optimizers(theirs)
+    ours = megatron_muon(
+        [ours_model],
+        MegatronMuonConfig.from_megatron(config, main_params_dtype=None, dp_mode="replicated"),
+    )
+    in_tpm = {id(p) for g in tpm.param_groups for p in g["params"]}
+    init = {n: p.detach().clone() for n, p in ours_model.named_parameters()}
+    for step in range(spec["steps"]):
+        inject_gradients(theirs_model, step)
+        inject_gradients(ours_model, step)
+        tpm.step()  # the Muon half only; the Adam half is not compared
+        ours.step()
+        for model in (theirs_model, ours_model):
+            model.zero_grad(set_to_none=True)
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if rank != 0:
+        return None
+    return dict(
+        settings={"megatron": muon_settings(theirs), "muonscale": muon_settings(ours)},
+        megatron_muon_names=[n for n, p in theirs_model.named_parameters() if id(p) in in_tpm],
+        muonscale_muon_names=[pl.name for pl in ours.plans if pl.algorithm == "muon"],
+        init=init,
+        megatron={n: p.detach().clone() for n, p in theirs_model.named_parameters()},
+        muonscale={n: p.detach().clone() for n, p in ours_model.named_parameters()},
+    )
