@@ -41,7 +41,7 @@ is recorded in the JSON and the rest still runs; a global time guard skips what 
                   torch.distributed.run --nproc-per-node 1``, PYTHONPATH=<repo>:<site>, wall
                   limit ``--megatron-timeout-s``, outside the time guard): Megatron's GPTModel
                   (GPT-2-medium shapes, bf16) under Megatron's DDP, tokens/s of muonscale vs
-                  ``get_megatron_optimizer`` Adam. Its JSON is merged into this section (also
+                  ``get_megatron_optimizer`` Adam and Megatron-Core's own Muon. Its JSON is merged into this section (also
                   ``$OUT/megatron_gpu.json``, log ``$OUT/megatron_gpu.log``); ``megatron_leg``
                   says ``"measured"`` or ``"not measured: <reason>"`` (no megatron-core, import
                   failure, time-out). ``--smoke`` runs its CPU smoke when this Python can import
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="folder of unpacked megatron-core wheels (default: <repo>/.megatron-site "
                              "when it exists; built by .ci/megatron_site.sh)")  # fmt: skip
     parser.add_argument("--megatron-timeout-s", type=float, default=None,
-                        help="wall limit of the megatron section's subprocess (default 85; 300 with --smoke)")  # fmt: skip
+                        help="wall limit of the megatron section's subprocess (default 150; 300 with --smoke)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.budget_s is None:  # smoke runs every section whatever the clock says: it tests code
         args.budget_s = 1e6 if args.smoke else 270.0

@@ -44,7 +44,7 @@ def section_megatron(bench) -> dict:
         bench.results["megatron_leg"] = f"not measured: {reason}"
         print(bench.results["megatron_leg"])
         return {"status": "not_measured", "reason": reason}
-    timeout = bench.args.megatron_timeout_s or (300.0 if bench.smoke else 85.0)
+    timeout = bench.args.megatron_timeout_s or (300.0 if bench.smoke else 150.0)
     os.makedirs(bench.out_dir, exist_ok=True)
     json_path = os.path.join(bench.out_dir, "megatron_gpu.json")
     log_path = os.path.join(bench.out_dir, "megatron_gpu.log")
