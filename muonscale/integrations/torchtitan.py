@@ -22,9 +22,9 @@ parameter. torchtitan hands each optimizer factory param groups with canonical F
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

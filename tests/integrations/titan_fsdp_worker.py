@@ -11,10 +11,10 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from titan_models import batch, loss_of, tiny_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from titan_models import batch, loss_of, tiny_model
 
 from muonscale.distributed import DTensorMuon
 from muonscale.integrations.torchtitan import muonscale_optimizers

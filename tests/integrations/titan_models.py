@@ -8,7 +8,6 @@ models use its ``ScaledDotProductAttention`` (causal), which the model classes a
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
@@ -95,4 +94,4 @@ def loss_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     )
 
 
-__all__ = ["batch", "dataclasses", "loss_of", "tiny_config", "tiny_model"]
+__all__ = ["batch", "loss_of", "tiny_config", "tiny_model"]
