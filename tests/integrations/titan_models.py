@@ -8,7 +8,6 @@ models use its ``ScaledDotProductAttention`` (causal), which the model classes a
 
 from __future__ import annotations
 
-
 import torch
 
 VOCAB, SEQ, DIM, HEADS, KV_HEADS = 64, 16, 32, 4, 2
