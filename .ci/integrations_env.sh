@@ -23,6 +23,7 @@ REQUIREMENTS=(
     "accelerate==1.15.0"
     "lightning==2.6.6"
     "torchtitan==0.3.0"
+    "triton==3.6.0"  # torchtitan imports it (its MoE kernels); the CPU torch wheel does not pull it
     "numpy"
     "pytest"
     "pytest-timeout"

@@ -1,0 +1,270 @@
+"""muonscale.integrations.torchtitan with torchtitan 0.3.0's OptimizersContainer, on tiny
+llama3 and qwen3 (dense and MoE) models built from their model args.
+
+Oracles: torchtitan's own module layout (routing, FusedQKVLinear's q/k/v split), muonscale's
+matrix views, an uninterrupted run (DCP resume, bit-exact), the same model unsplit (pipeline
+stages) and single-process muonscale.Muon (FSDP2 at 2 gloo ranks, DCP onto 1 rank)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from titan_models import batch, loss_of, tiny_model
+from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+from torchtitan.models.common.attention import FusedQKVLinear
+
+from muonscale import Muon, QKVLayout
+from muonscale.integrations.torchtitan import (
+    MuonScaleOptimizersContainer,
+    fused_qkv_layouts,
+    muonscale_optimizers,
+)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MUON_KWARGS = {"lr": 0.02, "adamw_lr": 0.01}
+KINDS = ["llama3", "qwen3", "qwen3_moe"]
+
+
+def build(model_parts, **overrides):
+    return muonscale_optimizers(**dict(MUON_KWARGS, **overrides)).build(model_parts=model_parts)
+
+
+def train(model_parts, optimizers, first: int, count: int, forward=None) -> list[float]:
+    forward = forward or (lambda tokens: loss_of(model_parts[0], tokens))
+    losses = []
+    for step in range(first, first + count):
+        optimizers.zero_grad()
+        loss = forward(batch(step))
+        loss.backward()
+        optimizers.step()
+        losses.append(loss.item())
+    return losses
+
+
+def expected_algorithm(name: str, param: torch.Tensor) -> str:
+    """torchtitan's names: embeddings, lm_head and every < 2-D tensor (norms) stay on AdamW."""
+    if name in ("tok_embeddings.weight", "lm_head.weight") or param.ndim < 2:
+        return "adamw"
+    return "muon"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_routing_by_canonical_fqn_with_aligned_param_names(kind):
+    model = tiny_model(kind)
+    optimizers = build([model])
+    assert isinstance(optimizers, MuonScaleOptimizersContainer) and len(optimizers) == 1
+    (optimizer,) = optimizers.optimizers
+    assert type(optimizer) is Muon
+    named = dict(model.named_parameters())
+    seen = []
+    for group in optimizer.param_groups:
+        # param_names aligned with params in every routed group
+        assert [id(named[n]) for n in group["param_names"]] == [id(p) for p in group["params"]]
+        for name in group["param_names"]:
+            assert group["algorithm"] == expected_algorithm(name, named[name]), name
+        seen += group["param_names"]
+    assert sorted(seen) == sorted(named)
+    experts = [n for n in named if named[n].ndim == 3]
+    assert bool(experts) == (kind == "qwen3_moe")
+    for name in experts:  # (E, F, D): E separate F×D matrices
+        group = next(g for g in optimizer.param_groups if name in g.get("param_names", ()))
+        view = optimizer.matrix_view(named[name], group)
+        assert view.matrix_shapes == [tuple(named[name].shape[1:])] * named[name].shape[0]
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen3"])
+def test_fused_qkv_layout_matches_torchtitan_split(kind):
+    """QKVLayout's q/k/v rows of wqkv give exactly the xq, xk, xv of FusedQKVLinear.forward."""
+    model = tiny_model(kind)
+    layouts = fused_qkv_layouts(model)
+    modules = {n: m for n, m in model.named_modules() if isinstance(m, FusedQKVLinear)}
+    assert sorted(layouts) == sorted(f"{n}.wqkv.weight" for n in modules)
+    optimizer = build([model]).optimizers[0]
+    named = dict(model.named_parameters())
+    x = torch.randn(2, 5, model.config.dim)
+    for module_name, module in modules.items():
+        layout = layouts[f"{module_name}.wqkv.weight"]
+        assert isinstance(layout, QKVLayout) and layout.q_per_group == module.heads_per_kv
+        weight = module.wqkv.weight.detach()
+        with torch.no_grad():
+            xq, xk, xv = module(x)
+        for rows, want in zip(layout.row_partition("qkv"), (xq, xk, xv)):
+            got = (x @ weight[rows].T).unflatten(-1, (-1, module.head_dim))
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        rows = optimizer._split_rows[id(named[f"{module_name}.wqkv.weight"])]
+        assert [r.tolist() for r in rows] == [r.tolist() for r in layout.row_partition("qkv")]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_loss_falls(kind):
+    model = tiny_model(kind)
+    losses = train([model], build([model]), 0, 12)
+    # a learnable stream from ~ln(64) = 4.16: the last steps' mean is clearly lower
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses
+
+
+def test_flat_state_dict_round_trip_and_torchtitan_keys():
+    """torchtitan's flat FQN-keyed dict of the routed optimizer loads back (was KeyError 'betas')."""
+    model = tiny_model("qwen3")
+    optimizers = build([model])
+    train([model], optimizers, 0, 2)
+    flat = optimizers.state_dict()
+    assert flat["param_groups.lm_head.weight.betas"] == (0.9, 0.95)
+    assert flat["param_groups.layers.0.attention.wo.weight.algorithm"] == "muon"
+    assert "state.layers.0.attention.wo.weight.momentum_buffer" in flat
+    other = build([copy.deepcopy(model)])
+    other.load_state_dict(flat)
+    again = other.state_dict()
+    assert sorted(again) == sorted(flat)
+    for key, value in flat.items():
+        if torch.is_tensor(value):
+            assert torch.equal(again[key], value), key
+        else:
+            assert again[key] == value, key
+
+
+def test_mixed_with_torchtitan_adamw_and_unknown_names_rejected():
+    model = tiny_model("llama3")
+    config = MuonScaleOptimizersContainer.Config(
+        param_groups=[
+            ParamGroupConfig(pattern=r"norm", optimizer_name="AdamW",
+                             optimizer_kwargs={"lr": 1e-3, "weight_decay": 0.0}),
+            ParamGroupConfig(pattern=".*", optimizer_name="MuonScale", optimizer_kwargs=MUON_KWARGS),
+        ],
+        implementation="for-loop",
+    )  # fmt: skip
+    optimizers = config.build(model_parts=[model])
+    kinds = sorted(type(o).__name__ for o in optimizers)
+    assert kinds == ["AdamW", "Muon"]
+    muon = next(o for o in optimizers if isinstance(o, Muon))
+    assert not any("norm" in n for g in muon.param_groups for n in g["param_names"])
+    train([model], optimizers, 0, 2)
+    with pytest.raises(NotImplementedError):
+        OptimizersContainer.Config(
+            param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="MuonScale")]
+        ).build(model_parts=[tiny_model("llama3")])
+    with pytest.raises(ValueError, match="same optimizer_kwargs"):
+        MuonScaleOptimizersContainer.Config(
+            param_groups=[
+                ParamGroupConfig(pattern="layers.0", optimizer_name="MuonScale",
+                                 optimizer_kwargs={"lr": 0.02}),
+                ParamGroupConfig(pattern=".*", optimizer_name="MuonScale",
+                                 optimizer_kwargs={"lr": 0.01}),
+            ]
+        ).build(model_parts=[tiny_model("llama3")])  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen3_moe"])
+def test_dcp_resume_is_bit_exact(kind, tmp_path):
+    model = tiny_model(kind)
+    optimizers = build([model])
+    train([model], optimizers, 0, 3)
+    dcp.save({"model": model.state_dict(), "optimizer": optimizers.state_dict()},
+             checkpoint_id=str(tmp_path))  # fmt: skip
+    train([model], optimizers, 3, 3)
+
+    resumed = tiny_model(kind, seed=1)  # other weights: everything must come from the checkpoint
+    resumed_optimizers = build([resumed])
+    state = {"model": resumed.state_dict(), "optimizer": resumed_optimizers.state_dict()}
+    dcp.load(state, checkpoint_id=str(tmp_path))
+    resumed.load_state_dict(state["model"])
+    resumed_optimizers.load_state_dict(state["optimizer"])
+    train([resumed], resumed_optimizers, 3, 3)
+    for (name, want), (_, got) in zip(model.named_parameters(), resumed.named_parameters()):
+        assert torch.equal(got, want), name
+
+
+def _pipeline_stages(model):
+    """Two stages as torchtitan's pipeline splitting leaves them: stage 0 keeps the embeddings
+    and the first half of the blocks, stage 1 the rest, the final norm and the head."""
+    first, second = copy.deepcopy(model), copy.deepcopy(model)
+    n = len(model.layers)
+    for i in range(n // 2, n):
+        del first.layers[str(i)]
+    for i in range(n // 2):
+        del second.layers[str(i)]
+    first.norm = first.lm_head = None
+    second.tok_embeddings = None
+    return [first, second]
+
+
+def test_one_optimizer_per_pipeline_stage():
+    model = tiny_model("llama3", n_layers=4)
+    stages = _pipeline_stages(model)
+    optimizers = build(stages)
+    assert len(optimizers) == 2
+    for stage, optimizer in zip(stages, optimizers):
+        names = {n for g in optimizer.param_groups for n in g["param_names"]}
+        assert names == {n for n, _ in stage.named_parameters()}
+
+    def staged_loss(tokens):
+        logits = stages[1](stages[0](tokens[:, :-1]))
+        return torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
+        )
+
+    train(stages, optimizers, 0, 3, forward=staged_loss)
+    whole = build([model])
+    train([model], whole, 0, 3)
+    assert sorted(optimizers.state_dict()) == sorted(whole.state_dict())  # one flat FQN space
+    staged = {n: p for s in stages for n, p in s.named_parameters()}
+    # Same losses and gradients; Muon batches same-shape matrices per optimizer, so the two runs
+    # batch different sets: float32 rounding (eps 1.2e-7) amplified ≲ 10^2 by Newton–Schulz, on
+    # 3 updates of size lr·0.2·sqrt(max dim) ≲ 0.03 → atol 1e-5.
+    for name, want in model.named_parameters():
+        torch.testing.assert_close(staged[name], want, rtol=0, atol=1e-5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_fsdp_two_ranks_and_dcp_onto_one_rank(tmp_path):
+    """FSDP2 at 2 gloo ranks (DTensorMuon on the mesh's group) against single-process Muon; its
+    DCP checkpoint (sharded DTensor state) loads exactly onto 1 rank and training continues."""
+    steps, more = 3, 2
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out.pt"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), HERE]), OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        f"--master_port={_free_port()}", os.path.join(HERE, "titan_fsdp_worker.py"),
+        "llama3", str(ckpt), str(out), str(steps), str(more),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    fsdp = torch.load(out)
+
+    reference = tiny_model("llama3")
+    reference_optimizers = build([reference])
+    train([reference], reference_optimizers, 0, steps)
+    flat = reference_optimizers.state_dict()
+    # Two summation orders (per-rank mean losses averaged vs one mean; gather/scatter of whole
+    # matrices): float32 gradients agree to ~1e-6 relative, Newton–Schulz amplifies ≲ 10^2,
+    # 5 updates of size ≲ 0.03 → atol 1e-4 on parameters and state.
+    for key, value in fsdp["state"].items():
+        torch.testing.assert_close(value, flat[key], rtol=0, atol=1e-4, msg=key)
+
+    resumed = tiny_model("llama3", seed=1)
+    resumed_optimizers = build([resumed])
+    state = {"model": resumed.state_dict(), "optimizer": resumed_optimizers.state_dict()}
+    dcp.load(state, checkpoint_id=str(ckpt))  # 2 shards → 1 rank
+    resumed.load_state_dict(state["model"])
+    resumed_optimizers.load_state_dict(state["optimizer"])
+    loaded = resumed_optimizers.state_dict()
+    for key, value in fsdp["state"].items():  # the mesh change itself loses nothing
+        assert torch.equal(loaded[key], value), key
+    train([resumed], resumed_optimizers, steps, more)
+    train([reference], reference_optimizers, steps, more)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(fsdp["params"][name], p.detach(), rtol=0, atol=1e-4, msg=name)
+        torch.testing.assert_close(dict(resumed.named_parameters())[name].detach(), p.detach(),
+                                   rtol=0, atol=1e-4, msg=name)  # fmt: skip
