@@ -87,7 +87,8 @@ def test_torch_function_is_restored_even_after_an_error():
 
 def test_bench_contenders_use_float32_on_cpu_and_bf16_for_torch_muon_bf16():
     bench = BenchConfig(n_layer=1, d_model=32, n_head=2, tokens_per_step=256, eval_batches=1,
-                        lr_warmup_steps=1, steps=3, baselines=["torch-muon", "torch-muon-bf16"])  # fmt: skip
+                        lr_warmup_steps=1, steps=3,
+                        baselines=["torch-muon", "torch-muon-bf16"])  # fmt: skip
     f32 = make_run(bench, "torch-muon", 0.03)
     bf16 = make_run(bench, "torch-muon-bf16", 0.03)
     manual = make_run(bench, "torch-muon-bf16", 0.03)  # torch-muon stepped by hand in float32

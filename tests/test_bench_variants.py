@@ -113,6 +113,7 @@ def test_variant_options_reach_the_optimizer():
     assert muon_groups[0]["coefficients"] != plain_groups[0]["coefficients"]
     # and the run trains with it: the parameters differ from muon's after the same steps
     differ = [
-        not torch.equal(a, b) for a, b in zip(_params_after_steps(run, 2), _params_after_steps(plain, 2))
+        not torch.equal(a, b)
+        for a, b in zip(_params_after_steps(run, 2), _params_after_steps(plain, 2))
     ]
     assert any(differ)

@@ -57,7 +57,8 @@ def run_sweep(
             saved = store.load(key)
             if saved is not None:
                 rows.append({"lr": lr, "final_val_loss": saved["final_val_loss"]})
-                log(f"sweep {contender} lr={lr:.3g}: saved run, val loss {rows[-1]['final_val_loss']}")
+                loss = rows[-1]["final_val_loss"]
+                log(f"sweep {contender} lr={lr:.3g}: saved run, val loss {loss}")
                 continue
             start = time.perf_counter()
             run = make_run(bench, contender, lr, steps=steps)
