@@ -41,8 +41,8 @@ PARALLEL_MODES = ("dp", "fsdp", "tp", "fsdp+tp")  # same names as muonscale.benc
 #   muon   lr 1.6e-2: 1.929 (reaches AdamW's 2.477 at 0.40x the steps; 6 min 19 s in all)
 # The default is 320 steps so that the whole run stays under 6 minutes on 2 cores: 4 min 39 s,
 # adamw 2.507, muon 2.048, 0.45x the steps (docs/bench_default.md).
-# torch-muon was not tuned separately: with adjust_lr_fn="match_rms_adamw" it is muon's update
-# (Newton-Schulz in bfloat16 instead of float32 on CPU), so it shares muon's learning rate.
+# torch-muon starts from muon's learning rate: with adjust_lr_fn="match_rms_adamw" it is muon's
+# update (on CPU, Newton-Schulz in float32 as muon's). --sweep tunes it like every contender.
 DEFAULT_LR = {"adamw": 2e-3, "muon": 1.6e-2, "torch-muon": 1.6e-2}
 # Variants (--variants) start from muon's learning rate unless their spec sets lr.
 

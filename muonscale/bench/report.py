@@ -54,7 +54,8 @@ this run's as context (different models, scales and machines)."""
 OPTIMIZER_DESCRIPTIONS = {
     "adamw": "torch.optim.AdamW (fused when available) for every parameter",
     "muon": "muonscale.Muon (hidden matrices) + AdamW (the rest), one optimizer",
-    "torch-muon": "torch.optim.Muon (hidden matrices) + torch.optim.AdamW (the rest)",
+    "torch-muon": "torch.optim.Muon (hidden matrices; Newton-Schulz in float32 on CPU) "
+    "+ torch.optim.AdamW (the rest)",
 }
 
 
