@@ -55,6 +55,9 @@ def test_event_files_hold_the_curves(tmp_path):
             assert [e.step for e in train] == list(range(1, 21))
             assert [e.value for e in train] == pytest.approx([5.0 - rate * e.step for e in train])
             assert len(events.Scalars("val_loss_vs_train_ms")) == len(val)
+    # a resumed bench rewrites the curves instead of adding a second copy
+    run_bench(config, make_run=make_run)
+    assert len(list((tmp_path / "tb" / "muon" / "seed1").glob("events.out.tfevents.*"))) == 1
 
 
 def test_refused_clearly_without_tensorboard(monkeypatch):

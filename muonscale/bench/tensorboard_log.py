@@ -3,6 +3,8 @@
 One run folder per contender and seed, ``DIR/<contender>/seed<S>``, so TensorBoard overlays
 the contenders. Scalars: ``val_loss`` (x: optimizer step), ``val_loss_vs_train_ms`` (x:
 training milliseconds, evaluation excluded) and ``train_loss`` (x: optimizer step).
+A run folder's older event files are replaced (a resumed bench writes the same curves again,
+and TensorBoard would otherwise show them twice).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ def write_tensorboard(
     for seed, records in per_seed.items():
         for name, record in records.items():
             run_dir = Path(folder) / name / f"seed{seed}"
+            for old in run_dir.glob("events.out.tfevents.*"):
+                old.unlink()
             writer = SummaryWriter(log_dir=str(run_dir))
             try:
                 for step, loss, seconds in zip(
