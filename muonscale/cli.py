@@ -28,6 +28,8 @@ examples:
   muonscale bench --baselines torch-muon           # add torch.optim.Muon
   muonscale bench --sweep --steps 200              # pick each contender's lr by a short sweep
   muonscale bench --data my_corpus.txt --tokenizer bpe   # on your own text, BPE tokens
+  muonscale bench --out runs/v --sweep --seeds 3 --variants pe=coefficients:polar_express
+                                                   # + a Muon variant, every lr swept, 3 seeds
   muonscale bench --device cuda --model gpt2-small --tokens-per-step 65536 --micro-batch-size 16
 """
 

@@ -138,6 +138,7 @@ def test_run_bench_with_fake_runs_writes_report_and_plots(tmp_path, capsys):
         "report.md",
         "bench.png",
         "train_loss.png",
+        "runs",  # the finished runs, for resuming (tests/test_bench_resume.py)
     }
     assert "| muon |" in capsys.readouterr().out
 

@@ -2,10 +2,13 @@
 
 Pipeline of :func:`run_bench`::
 
-    [--sweep: short runs per contender and lr]  ->  one training run per contender
+    [--sweep: short runs per contender and lr]  ->  one training run per contender and seed
     -> steps interleaved A B A B ..., all evaluated at the same steps  (side_by_side.py)
+    -> every finished run saved under --out/runs/, reused by the same command  (store.py)
+    -> [--seeds N: mean and spread over seeds (seeds.py)]
     -> each contender alone in a child process for peak memory         (memory_probe.py)
     -> report.json / report.md / table (report.py), PNG plots (plots.py)
+    -> [--tensorboard DIR: event files (tensorboard_log.py)]
 """
 
 from __future__ import annotations
@@ -82,12 +85,18 @@ def _run_distributed(config: BenchConfig) -> dict:
     )
 
 
+ONCE_ONLY = ("torch-muon-bf16",)
+"""Contenders run for the first seed only (torch.optim.Muon's emulated bfloat16 on CPU is slow;
+its float32 twin torch-muon carries the comparison across seeds)."""
+
+
 def _run_bench(config: BenchConfig, make_run: Callable | None, stream: TextIO) -> dict:
     from muonscale.bench.memory_probe import probe
     from muonscale.bench.report import build_report, format_table, write_report
-    from muonscale.bench.side_by_side import eval_steps_for, run_side_by_side
+    from muonscale.bench.seeds import seed_summary
+    from muonscale.bench.side_by_side import eval_steps_for
+    from muonscale.bench.store import RunStore
     from muonscale.bench.sweep import run_sweep
-    from muonscale.train.trainer import NonFiniteLossError
 
     start = time.perf_counter()
     out_dir = Path(config.out) if config.out else default_out_dir()
@@ -97,26 +106,24 @@ def _run_bench(config: BenchConfig, make_run: Callable | None, stream: TextIO) -
     def log(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
+    store = RunStore(out_dir / "runs")
     lrs = {name: config.lr_for(name) for name in config.contenders}
     sweep = None
     if config.sweep:
-        sweep = run_sweep(config, make_run, log=log)
+        sweep = run_sweep(config, make_run, log=log, store=store)
         lrs = dict(sweep["best"])
         log("sweep picked " + ", ".join(f"{n} lr={lr:.3g}" for n, lr in lrs.items()))
 
-    runs = {name: make_run(config, name, lrs[name]) for name in config.contenders}
     eval_steps = eval_steps_for(config.steps, config.eval_interval)
-    records = run_side_by_side(
-        runs,
-        lrs,
-        config.steps,
-        eval_steps,
-        progress=config.progress,
-        desc="bench",
-        divergence_errors=(NonFiniteLossError,),
-    )
+    seeds = [config.seed + i for i in range(config.seeds)]
+    per_seed = {}
+    for index, seed in enumerate(seeds):
+        names = [n for n in config.contenders if index == 0 or n not in ONCE_ONLY]
+        per_seed[seed] = _side_by_side_resumable(
+            dataclasses.replace(config, seed=seed), names, lrs, eval_steps, make_run, store, log
+        )
+    records = per_seed[seeds[0]]
     resolved = _resolved_config(config, lrs, eval_steps, records)
-    del runs  # free the training runs before the memory probes start
 
     peak_memory = {}
     if config.memory_probe_steps > 0:
@@ -130,6 +137,7 @@ def _run_bench(config: BenchConfig, make_run: Callable | None, stream: TextIO) -
         peak_memory=peak_memory,
         resolved=resolved,
         sweep=sweep,
+        seeds=seed_summary(per_seed) if len(seeds) > 1 else None,
         wall_seconds=time.perf_counter() - start,
     )
     print(format_table(report), file=stream, flush=True)  # before any file can fail
@@ -138,9 +146,52 @@ def _run_bench(config: BenchConfig, make_run: Callable | None, stream: TextIO) -
         from muonscale.bench.plots import plot_report
 
         plot_files = plot_report(report, out_dir)
+    if config.tensorboard is not None:
+        from muonscale.bench.tensorboard_log import write_tensorboard
+
+        write_tensorboard(per_seed, config.tensorboard)
+        log(f"TensorBoard event files: {config.tensorboard}")
     write_report(report, out_dir, plot_files)
     print(f"\nreport: {out_dir / 'report.md'}  ({report['wall_seconds']:.0f}s)", file=stream)
     return report
+
+
+def _side_by_side_resumable(config, names, lrs, eval_steps, make_run, store, log) -> dict:
+    """Records of ``names`` for ``config.seed``: saved runs are loaded, the others trained
+    side by side (steps interleaved) and saved as soon as they finish."""
+    from muonscale.bench.side_by_side import run_side_by_side
+    from muonscale.bench.store import record_from_dict, record_to_dict, run_key
+    from muonscale.train.trainer import NonFiniteLossError
+
+    keys = {
+        name: run_key(config, name, lrs[name], kind="run", steps=config.steps,
+                      eval_steps=eval_steps)
+        for name in names
+    }  # fmt: skip
+    records = {}
+    for name in names:
+        saved = store.load(keys[name])
+        if saved is not None:
+            records[name] = record_from_dict(saved)
+            where = store.path(keys[name])
+            log(f"seed {config.seed}: {name} lr={lrs[name]:.3g}: saved run {where}")
+    todo = [name for name in names if name not in records]
+    if todo:
+        runs = {name: make_run(config, name, lrs[name]) for name in todo}
+        trained = run_side_by_side(
+            runs,
+            {name: lrs[name] for name in todo},
+            config.steps,
+            eval_steps,
+            progress=config.progress,
+            desc="bench" if config.seeds == 1 else f"bench seed {config.seed}",
+            divergence_errors=(NonFiniteLossError,),
+        )
+        del runs  # free the training runs before the next seed or the memory probes
+        for name, record in trained.items():
+            store.save(keys[name], record_to_dict(record))
+        records.update(trained)
+    return {name: records[name] for name in names}
 
 
 @contextlib.contextmanager
@@ -159,7 +210,7 @@ def torch_threads(threads: int | None):
 
 def _resolved_config(config, lrs, eval_steps, records) -> dict:
     """What the run actually used, beyond the BenchConfig flags."""
-    from muonscale.bench.runner import train_config_for
+    from muonscale.bench.runner import newton_schulz_precision, train_config_for
 
     resolved: dict = {"lrs": dict(lrs), "eval_steps": list(eval_steps)}
     initial = {name: r.val_losses[0] for name, r in records.items() if r.eval_steps[:1] == [0]}
@@ -168,4 +219,14 @@ def _resolved_config(config, lrs, eval_steps, records) -> dict:
     train = {name: train_config_for(config, name, lrs[name]) for name in lrs}
     resolved["model"] = dataclasses.asdict(next(iter(train.values())).model_config())
     resolved["train"] = {name: t.to_dict() for name, t in train.items()}
+    resolved["variant_options"] = {
+        name: config.variant_options(name)
+        for name in lrs
+        if config.variant_options(name) is not None
+    }
+    resolved["torch_muon_newton_schulz"] = {
+        name: newton_schulz_precision(config, name)
+        for name in lrs
+        if newton_schulz_precision(config, name) is not None
+    }
     return resolved

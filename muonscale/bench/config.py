@@ -6,15 +6,23 @@ Keep this module free of heavy imports (no torch): ``muonscale bench --help`` re
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 CONTENDERS = ("adamw", "muon")
 """Always run: the AdamW reference and muonscale's Muon."""
-BASELINES = ("torch-muon",)
+BASELINES = ("torch-muon", "torch-muon-bf16")
 """Optional extra contenders (``--baselines``): ``torch-muon`` = ``torch.optim.Muon`` for the
-hidden matrices + AdamW for the rest."""
+hidden matrices + AdamW for the rest (on CPU with its Newton-Schulz iteration run in float32,
+see muonscale.bench.torch_muon); ``torch-muon-bf16``: the same, torch's own bfloat16 iteration
+unchanged, run once (first seed, torch-muon's learning rate)."""
+CORPORA = ("shakespeare", "web")
+"""Corpora bundled in muonscale/data (``--corpus``): the Shakespeare plays and poems, and the
+World English Bible (muonscale/data/PROVENANCE.md)."""
+_VARIANT_NAME = re.compile(r"[a-z][a-z0-9_-]*")
 PARALLEL_MODES = ("dp", "fsdp", "tp", "fsdp+tp")  # for --parallel, with the distributed bench
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -33,9 +41,10 @@ PARALLEL_MODES = ("dp", "fsdp", "tp", "fsdp+tp")  # same names as muonscale.benc
 #   muon   lr 1.6e-2: 1.929 (reaches AdamW's 2.477 at 0.40x the steps; 6 min 19 s in all)
 # The default is 320 steps so that the whole run stays under 6 minutes on 2 cores: 4 min 39 s,
 # adamw 2.507, muon 2.048, 0.45x the steps (docs/bench_default.md).
-# torch-muon was not tuned separately: with adjust_lr_fn="match_rms_adamw" it is muon's update
-# (Newton-Schulz in bfloat16 instead of float32 on CPU), so it shares muon's learning rate.
+# torch-muon starts from muon's learning rate: with adjust_lr_fn="match_rms_adamw" it is muon's
+# update (on CPU, Newton-Schulz in float32 as muon's). --sweep tunes it like every contender.
 DEFAULT_LR = {"adamw": 2e-3, "muon": 1.6e-2, "torch-muon": 1.6e-2}
+# Variants (--variants) start from muon's learning rate unless their spec sets lr.
 
 
 @dataclass(kw_only=True)
@@ -57,6 +66,9 @@ class BenchConfig:
     data: str | None = None
     """UTF-8 text file or folder of .txt files to train on; default: the bundled Shakespeare
     corpus (the same reader as muonscale train --data)."""
+    corpus: Literal["shakespeare", "web"] | None = None
+    """A bundled corpus instead of --data: shakespeare (the default) or web (World English
+    Bible); see muonscale/data/PROVENANCE.md."""
     tokenizer: Literal["byte", "bpe"] = "byte"
     """byte (UTF-8 bytes, vocab 256) or bpe (byte-level BPE trained on the corpus)."""
     bpe_vocab_size: int = 4096
@@ -70,7 +82,15 @@ class BenchConfig:
     lr_torch_muon: float = DEFAULT_LR["torch-muon"]
     """Peak learning rate of the torch.optim.Muon baseline (adjust_lr_fn=match_rms_adamw)."""
     baselines: list[str] = field(default_factory=list)
-    """Extra contenders besides adamw and muon: torch-muon (torch.optim.Muon + AdamW)."""
+    """Extra contenders besides adamw and muon: torch-muon (torch.optim.Muon + AdamW; on CPU its
+    Newton-Schulz in float32) and torch-muon-bf16 (torch's bfloat16 iteration, first seed only)."""
+    variants: list[str] = field(default_factory=list)
+    """Extra muonscale Muon contenders, each NAME=OPTION:VALUE[,OPTION:VALUE...] with options
+    of muonscale.Muon (e.g. pe=coefficients:polar_express normuon=normalize:row); lr:VALUE sets
+    the variant's starting learning rate (default: --lr-muon)."""
+    seeds: int = 1
+    """Seeds per contender (--seed, --seed + 1, ...); > 1 adds the mean and spread of final loss
+    and of steps to AdamW's final loss (each seed against AdamW's run of that seed)."""
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     """Learning-rate schedule after warm-up, shared by every contender."""
     lr_warmup_steps: int = 10
@@ -103,7 +123,10 @@ class BenchConfig:
     memory_probe_steps: int = 3
     """Steps each contender runs alone in a child process to measure peak memory; 0 skips."""
     out: str | None = None
-    """Output folder; None: runs/bench-<UTC timestamp>/."""
+    """Output folder; None: runs/bench-<UTC timestamp>/. Every finished run is saved in its
+    runs/ subfolder, keyed by its full configuration; the same command again reuses them."""
+    tensorboard: str | None = None
+    """Also write the curves as TensorBoard event files into this folder (needs tensorboard)."""
     plots: bool = True
     """Write PNG plots (--no-plots skips them)."""
     progress: bool = True
@@ -117,7 +140,7 @@ class BenchConfig:
     fsdp+tp (DTensorMuon vs AdamW on the same FSDP2 / tensor-parallel model; fsdp+tp: --nproc 4)."""
 
     def __post_init__(self) -> None:
-        positive = ("steps", "tokens_per_step", "eval_batches", "nproc")
+        positive = ("steps", "tokens_per_step", "eval_batches", "nproc", "seeds")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
@@ -133,6 +156,21 @@ class BenchConfig:
                 raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
         if len(set(self.baselines)) != len(self.baselines):
             raise ValueError(f"--baselines lists a contender twice: {self.baselines}")
+        names = [parse_variant(spec)[0] for spec in self.variants]
+        for name in names:
+            if name in (*CONTENDERS, *BASELINES):
+                raise ValueError(f"--variants: name {name!r} is taken by a built-in contender")
+        if len(set(names)) != len(names):
+            raise ValueError(f"--variants names a contender twice: {names}")
+        if self.corpus is not None and self.corpus not in CORPORA:
+            raise ValueError(f"--corpus must be one of {CORPORA}, got {self.corpus!r}")
+        if self.corpus is not None and self.data is not None:
+            raise ValueError("--corpus and --data both choose the text: pass one of them")
+        if self.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError(
+                "--tensorboard needs the tensorboard package, which is not installed: "
+                "pip install 'muonscale[bench]' (or pip install tensorboard)"
+            )
         if not 0 < self.eval_interval <= 1:
             raise ValueError(f"--eval-interval must be in (0, 1], got {self.eval_interval}")
         if not 0 < self.sweep_fraction <= 1:
@@ -154,17 +192,38 @@ class BenchConfig:
             raise ValueError(f"--parallel must be one of {PARALLEL_MODES}, got {self.parallel!r}")
         if self.tokenizer not in ("byte", "bpe"):
             raise ValueError(f"--tokenizer must be byte or bpe, got {self.tokenizer!r}")
-        if self.nproc > 1 and (self.data is not None or self.tokenizer != "byte"):
-            raise ValueError("--data and --tokenizer are not supported with --nproc > 1 yet")
+        if self.nproc > 1 and (
+            self.data is not None or self.corpus is not None or self.tokenizer != "byte"
+        ):
+            raise ValueError(
+                "--data, --corpus and --tokenizer are not supported with --nproc > 1 yet"
+            )
+        if self.nproc > 1 and (self.variants or self.seeds > 1 or self.tensorboard):
+            raise ValueError("--variants, --seeds and --tensorboard need --nproc 1")
         if self.nproc == 1 and self.parallel != "dp":
             raise ValueError(f"--parallel {self.parallel} needs --nproc >= 2")
 
     @property
     def contenders(self) -> list[str]:
         """Contender names in execution order (adamw first: it is the reference)."""
-        return [*CONTENDERS, *self.baselines]
+        return [*CONTENDERS, *self.baselines, *(parse_variant(s)[0] for s in self.variants)]
+
+    def variant_options(self, contender: str) -> dict[str, Any] | None:
+        """The muonscale.Muon options of a --variants contender (without lr); None otherwise."""
+        for spec in self.variants:
+            name, options = parse_variant(spec)
+            if name == contender:
+                return {k: v for k, v in options.items() if k != "lr"}
+        return None
 
     def lr_for(self, contender: str) -> float:
+        """The starting (unswept) peak learning rate of a contender."""
+        for spec in self.variants:
+            name, options = parse_variant(spec)
+            if name == contender:
+                return float(options.get("lr", self.lr_muon))
+        if contender == "torch-muon-bf16":
+            return self.lr_torch_muon
         return getattr(self, "lr_" + contender.replace("-", "_"))
 
     def model_overrides(self) -> dict:
@@ -181,6 +240,52 @@ class BenchConfig:
     @classmethod
     def from_json(cls, text: str) -> BenchConfig:
         return cls(**json.loads(text))
+
+
+def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"NAME=OPTION:VALUE[,OPTION:VALUE...]"`` -> ``(NAME, {OPTION: VALUE})``.
+
+    Values: ``true``/``false`` -> bool, ``none`` -> None, integers and floats -> numbers,
+    anything else a string (dtype names stay strings here). Option names are checked against
+    ``muonscale.Muon``'s signature later (:func:`muonscale.bench.variants.check_options`).
+    """
+    usage = "expected NAME=OPTION:VALUE[,OPTION:VALUE...], e.g. pe=coefficients:polar_express"
+    name, sep, body = spec.partition("=")
+    if not sep or not body:
+        raise ValueError(f"--variants {spec!r}: {usage}")
+    if not _VARIANT_NAME.fullmatch(name):
+        raise ValueError(
+            f"--variants {spec!r}: name {name!r} must be lowercase letters, digits, - or _ "
+            "(starting with a letter)"
+        )
+    options: dict[str, Any] = {}
+    for item in body.split(","):
+        option, sep, value = item.partition(":")
+        if not sep or not option or not value:
+            raise ValueError(f"--variants {spec!r}: bad item {item!r}; {usage}")
+        if option in options:
+            raise ValueError(f"--variants {spec!r}: option {option!r} given twice")
+        options[option] = _parse_value(value)
+    if "lr" in options and not (
+        isinstance(options["lr"], int | float) and not isinstance(options["lr"], bool)
+        and options["lr"] > 0
+    ):
+        raise ValueError(f"--variants {spec!r}: lr must be a number > 0, got {options['lr']!r}")
+    return name, options
+
+
+def _parse_value(text: str) -> Any:
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _flag(name: str) -> str:

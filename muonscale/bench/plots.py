@@ -6,6 +6,14 @@ from collections.abc import Mapping
 from pathlib import Path
 
 COLORS = {"adamw": "#1f77b4", "muon": "#d62728", "torch_muon": "#2ca02c"}
+_OTHER_COLORS = ["#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+
+
+def _color(name: str) -> str:
+    """A fixed color per contender; others (variants, torch_muon_bf16) from a palette."""
+    if name in COLORS:
+        return COLORS[name]
+    return _OTHER_COLORS[sum(map(ord, name)) % len(_OTHER_COLORS)]
 LABELS = {"adamw": "AdamW", "muon": "muonscale Muon", "torch_muon": "torch.optim.Muon"}
 BAR_LABELS = {"adamw": "AdamW", "muon": "muonscale\nMuon", "torch_muon": "torch.optim\nMuon"}
 
@@ -45,7 +53,7 @@ def _plot_losses(ax, contenders: Mapping, x_key: str, mark_target: bool) -> None
             curves[x_key],
             [float("nan") if x is None else x for x in curves["val_loss"]],
             label=_label(name, c),
-            color=COLORS.get(name),
+            color=_color(name),
             linewidth=1.8,
         )
     adamw = contenders.get("adamw")
@@ -55,14 +63,14 @@ def _plot_losses(ax, contenders: Mapping, x_key: str, mark_target: bool) -> None
             for name, c in contenders.items():
                 reached = c.get("steps_to_adamw_final_loss")
                 if name != "adamw" and reached is not None:
-                    ax.plot([reached], [adamw["final_val_loss"]], "o", color=COLORS.get(name))
+                    ax.plot([reached], [adamw["final_val_loss"]], "o", color=_color(name))
                     ax.annotate(
                         f"{c['steps_to_adamw_final_loss_ratio']:.2f}x AdamW's steps",
                         (reached, adamw["final_val_loss"]),
                         textcoords="offset points",
                         xytext=(8, -16),
                         ha="left",
-                        color=COLORS.get(name),
+                        color=_color(name),
                         fontweight="bold",
                     )
     ylim = _loss_ylim(contenders)
@@ -92,7 +100,7 @@ def plot_report(report: Mapping, out_dir: Path, *, train_loss: bool = True) -> l
     names = list(contenders)
     tput = [contenders[n]["tokens_per_s"] or 0.0 for n in names]
     bars = ax_tput.bar(
-        [BAR_LABELS.get(n, n) for n in names], tput, color=[COLORS.get(n, "0.5") for n in names]
+        [BAR_LABELS.get(n, n) for n in names], tput, color=[_color(n) for n in names]
     )
     for bar, name in zip(bars, names):
         c = contenders[name]
@@ -129,7 +137,7 @@ def plot_report(report: Mapping, out_dir: Path, *, train_loss: bool = True) -> l
                 range(1, len(losses) + 1),
                 _smooth(losses),
                 label=_label(name, c),
-                color=COLORS.get(name),
+                color=_color(name),
                 linewidth=1.5,
             )
         ylim = _loss_ylim(contenders)

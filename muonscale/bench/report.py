@@ -9,6 +9,8 @@
     figures: [{name, value, note, published}]   this run's headline figures; ``published``
                                       is {value, source} of a figure reported elsewhere for
                                       the same quantity (context, not a pass mark), or null
+    seeds                             --seeds > 1: per contender, mean/std/min/max over seeds of
+                                      final_val_loss and steps_to_adamw_final_loss(_ratio)
     config, machine, sweep, wall_seconds
 
 Per-contender fields are flat numbers plus a ``curves`` dict, so a distributed run can add
@@ -52,8 +54,19 @@ this run's as context (different models, scales and machines)."""
 OPTIMIZER_DESCRIPTIONS = {
     "adamw": "torch.optim.AdamW (fused when available) for every parameter",
     "muon": "muonscale.Muon (hidden matrices) + AdamW (the rest), one optimizer",
-    "torch-muon": "torch.optim.Muon (hidden matrices) + torch.optim.AdamW (the rest)",
+    "torch-muon": "torch.optim.Muon (hidden matrices; Newton-Schulz in float32 on CPU) "
+    "+ torch.optim.AdamW (the rest)",
 }
+
+
+def describe_optimizer(config: BenchConfig, name: str) -> str:
+    options = config.variant_options(name)
+    if options is not None:
+        args = ", ".join(f"{k}={v!r}" for k, v in options.items())
+        return f"muonscale.Muon({args}) (hidden matrices) + AdamW (the rest), one optimizer"
+    if name == "torch-muon-bf16":
+        return "torch.optim.Muon, its own bfloat16 Newton-Schulz, + torch.optim.AdamW"
+    return OPTIMIZER_DESCRIPTIONS.get(name, name)
 
 
 def contender_summary(
@@ -68,7 +81,7 @@ def contender_summary(
     opt_s = median_after_warmup(record.optimizer_seconds, warmup) if record.step_seconds else None
     tokens_per_step = median_after_warmup(record.tokens, 0) if record.tokens else None
     summary = {
-        "optimizer": OPTIMIZER_DESCRIPTIONS.get(record.name, record.name),
+        "optimizer": describe_optimizer(config, record.name),
         "lr": record.lr,
         "steps": len(record.step_seconds),
         "tokens": int(sum(record.tokens)),
@@ -111,6 +124,7 @@ def build_report(
     peak_memory: Mapping[str, Mapping] | None = None,
     resolved: Mapping | None = None,
     sweep: Mapping | None = None,
+    seeds: Mapping | None = None,
     wall_seconds: float | None = None,
     machine: Mapping | None = None,
 ) -> dict:
@@ -139,6 +153,7 @@ def build_report(
     report["config"] = {"bench": config.to_dict(), **(resolved or {})}
     report["machine"] = dict(machine) if machine is not None else machine_info()
     report["sweep"] = sweep
+    report["seeds"] = _json_safe(seeds) if seeds is not None else None
     report["wall_seconds"] = wall_seconds
     return report
 
@@ -199,6 +214,17 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _json_safe(value):
+    """Nested dicts/lists with every non-finite float as None (JSON has no NaN)."""
+    if isinstance(value, Mapping):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, float):
+        return _finite(value)
+    return value
+
+
 def _finite(x: float) -> float | None:
     """JSON has no NaN/inf: a diverged loss is written as null."""
     x = float(x)
@@ -246,6 +272,10 @@ def format_table(report: Mapping) -> str:
         if f["published"]:
             line += f"; published: {f['published']['value']} ({f['published']['source']})"
         lines.append(line)
+    if report.get("seeds"):
+        from muonscale.bench.seeds import format_seed_table
+
+        lines += ["", format_seed_table(report["seeds"])]
     return "\n".join(lines)
 
 

@@ -3,24 +3,53 @@
 The only place where ``BenchConfig`` is translated into a ``TrainConfig``: every contender
 gets the same preset, seed (model init and data order), schedule and token budget; only the
 optimizer and its learning rate differ.
+
+Contenders: ``adamw``, ``muon`` and ``torch-muon`` are ``muonscale.train`` optimizers;
+``torch-muon-bf16`` is ``torch-muon`` left in bfloat16 (``torch-muon`` runs its Newton-Schulz
+in float32 on CPU, see :mod:`muonscale.bench.torch_muon`); a ``--variants`` contender is the
+``muon`` run with its optimizer rebuilt with the variant's options
+(:mod:`muonscale.bench.variants`).
 """
 
 from __future__ import annotations
 
+import functools
+import lzma
+from pathlib import Path
+
 from muonscale.bench.config import BenchConfig
 from muonscale.train.config import TrainConfig, model_preset
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+
+
+def base_optimizer(bench: BenchConfig, contender: str) -> str:
+    """The ``muonscale.train`` optimizer a contender starts from."""
+    if bench.variant_options(contender) is not None:
+        return "muon"
+    if contender == "torch-muon-bf16":
+        return "torch-muon"
+    return contender
 
 
 def train_config_for(
     bench: BenchConfig, contender: str, lr: float, *, steps: int | None = None
 ) -> TrainConfig:
-    """The ``TrainConfig`` of one contender (``steps`` overrides ``bench.steps``, for sweeps)."""
+    """The ``TrainConfig`` of one contender (``steps`` overrides ``bench.steps``, for sweeps).
+
+    Raises ``ValueError`` for a bad configuration, including a variant option that
+    ``muonscale.Muon`` does not accept."""
+    options = bench.variant_options(contender)
+    if options is not None:
+        from muonscale.bench.variants import check_options
+
+        check_options(contender, options)
     context = model_preset(bench.model, **bench.model_overrides()).context_length
     micro_batch = bench.micro_batch_size or max(1, bench.tokens_per_step // context)
     return TrainConfig(
         model=bench.model,
         **bench.model_overrides(),
-        optimizer=contender,
+        optimizer=base_optimizer(bench, contender),
         data=bench.data,
         tokenizer=bench.tokenizer,
         bpe_vocab_size=bench.bpe_vocab_size,
@@ -41,8 +70,43 @@ def train_config_for(
     )
 
 
+@functools.lru_cache(maxsize=1)
+def bundled_corpus_text(name: str) -> str:
+    """The text of a bundled corpus (``muonscale/data/<name>.txt.xz``)."""
+    return lzma.decompress((DATA_DIR / f"{name}.txt.xz").read_bytes()).decode("utf-8")
+
+
+def newton_schulz_precision(bench: BenchConfig, contender: str) -> str | None:
+    """How torch.optim.Muon's iteration runs for a torch contender (part of its run key)."""
+    if contender == "torch-muon-bf16":
+        return "bfloat16"
+    if contender == "torch-muon":
+        return "float32" if _device_type(bench.device) == "cpu" else "bfloat16"
+    return None
+
+
+def _device_type(device: str) -> str:
+    from muonscale.train.trainer import resolve_device
+
+    return resolve_device(device).type
+
+
 def make_run(bench: BenchConfig, contender: str, lr: float, *, steps: int | None = None):
-    """A fresh ``TrainingRun`` for one contender."""
+    """A fresh training run for one contender."""
+    from muonscale.train.schedule import build_scheduler
     from muonscale.train.trainer import TrainingRun
 
-    return TrainingRun(train_config_for(bench, contender, lr, steps=steps))
+    config = train_config_for(bench, contender, lr, steps=steps)
+    text = bundled_corpus_text(bench.corpus) if bench.corpus is not None else None
+    run = TrainingRun(config, text=text)
+    options = bench.variant_options(contender)
+    if options is not None:
+        from muonscale.bench.variants import build_variant_optimizer
+
+        run.optimizer = build_variant_optimizer(run.model, config, options)
+        run.scheduler = build_scheduler(run.optimizer, run.schedule)
+    if newton_schulz_precision(bench, contender) == "float32":
+        from muonscale.bench.torch_muon import Float32NewtonSchulzRun
+
+        return Float32NewtonSchulzRun(run)
+    return run

@@ -1,0 +1,101 @@
+"""``--variants``: extra muonscale Muon contenders, each with a few extra ``Muon`` options.
+
+A variant is written ``NAME=OPTION:VALUE[,OPTION:VALUE...]`` (parsed by
+:func:`muonscale.bench.config.parse_variant`) and trains exactly like the ``muon`` contender
+(same parameters, routing, splits, learning rate schedule) with its options added to the
+``muonscale.Muon(...)`` call. Option names are checked against ``muonscale.Muon``'s signature
+at run time, and values by building a ``Muon`` on a small matrix, before any training.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+RESERVED = {
+    "params": "the bench passes the model's parameters",
+    "lr": "write lr:VALUE in the variant itself; it is the starting point of --sweep",
+    "splits": "the bench splits the fused QKV weight like the muon contender",
+    "rules": "routing rules are not a scalar option",
+}
+"""``muonscale.Muon`` arguments a variant may not set, and why."""
+
+_DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
+
+
+def muon_option_names() -> list[str]:
+    """Keyword arguments of ``muonscale.Muon`` (read from its signature, so options added to
+    ``Muon`` become available to ``--variants`` without a change here)."""
+    from muonscale import Muon
+
+    return [
+        name
+        for name, p in inspect.signature(Muon).parameters.items()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+
+
+def to_muon_kwargs(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Variant options as ``Muon`` keyword arguments: ``*_dtype`` names become torch dtypes."""
+    import torch
+
+    kwargs = dict(options)
+    for name, value in options.items():
+        if name.endswith("_dtype") and isinstance(value, str):
+            if value not in _DTYPE_NAMES:
+                raise ValueError(
+                    f"variant option {name}: expected one of {_DTYPE_NAMES}, got {value!r}"
+                )
+            kwargs[name] = getattr(torch, value)
+    return kwargs
+
+
+def check_options(contender: str, options: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` naming the variant and option unless every option is a
+    ``muonscale.Muon`` keyword with a value ``Muon`` accepts."""
+    known = muon_option_names()
+    for name in options:
+        if name in RESERVED:
+            raise ValueError(
+                f"--variants {contender}: option {name!r} is not allowed: {RESERVED[name]}"
+            )
+        if name not in known:
+            choices = ", ".join(n for n in known if n not in RESERVED)
+            raise ValueError(
+                f"--variants {contender}: unknown option {name!r}; "
+                f"muonscale.Muon accepts: {choices}"
+            )
+    import torch
+
+    from muonscale import Muon
+
+    probe = torch.nn.Parameter(torch.zeros(4, 3))
+    try:
+        kwargs = to_muon_kwargs(options)
+        Muon([("probe.weight", probe)], **kwargs)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"--variants {contender}: {error}") from error
+
+
+def build_variant_optimizer(model, config, options: Mapping[str, Any]):
+    """``muonscale.Muon`` exactly as ``muonscale.train`` builds it for ``config`` (a
+    ``TrainConfig`` with ``optimizer="muon"``), with ``options`` added."""
+    from muonscale import Muon
+    from muonscale.train.optimizers import DTYPES
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    # Mirrors muonscale.train.optimizers.build_optimizer("muon", ...); tests/test_bench_variants
+    # checks that a variant without options takes the same steps as the muon contender.
+    base = dict(
+        lr=config.lr,
+        momentum=config.momentum,
+        weight_decay=config.weight_decay,
+        ns_steps=config.ns_steps,
+        ns_dtype=DTYPES[config.ns_dtype] if config.ns_dtype else None,
+        momentum_dtype=DTYPES[config.momentum_dtype] if config.momentum_dtype else None,
+        adamw_lr=config.adamw_lr,
+        adamw_betas=tuple(config.adamw_betas),
+        splits={qkv: model.qkv_layout for qkv in model.qkv_param_names()},
+    )
+    return Muon(named, **{**base, **to_muon_kwargs(options)})

@@ -1,0 +1,112 @@
+"""Finished runs are saved under --out/runs/ and the same command resumes from them; a changed
+configuration is not reused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from muonscale.bench import run_bench
+from muonscale.bench.config import BenchConfig
+
+
+class FakeStep:
+    def __init__(self, loss):
+        self.loss, self.tokens, self.step_seconds, self.optimizer_seconds = loss, 256, 0.01, 0.001
+
+
+class LinearRun:
+    def __init__(self, rate):
+        self.rate, self.steps = rate, 0
+
+    def step(self):
+        self.steps += 1
+        return FakeStep(5.0 - self.rate * self.steps)
+
+    def evaluate(self):
+        return 5.0 - self.rate * self.steps
+
+    def optimizer_state_bytes(self):
+        return 100
+
+
+class CountingMakeRun:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, config, contender, lr, steps=None):
+        self.calls.append((contender, lr, config.seed, steps))
+        return LinearRun(
+            0.02 * lr / config.lr_for(contender) + (0.01 if contender != "adamw" else 0)
+        )
+
+
+def bench(tmp_path, **changes):
+    values = dict(steps=20, tokens_per_step=256, memory_probe_steps=0, progress=False,
+                  plots=False, out=str(tmp_path), seeds=2, sweep=True, sweep_factors=[1.0, 2.0],
+                  variants=["pe=coefficients:polar_express"], baselines=["torch-muon"])  # fmt: skip
+    values.update(changes)
+    return BenchConfig(**values)
+
+
+def figures(report):
+    return {name: c["curves"] for name, c in report["contenders"].items()}, report["seeds"]
+
+
+def test_second_invocation_trains_nothing(tmp_path):
+    first = CountingMakeRun()
+    report1 = run_bench(bench(tmp_path), make_run=first)
+    # sweep: 4 contenders x 2 lrs; then 4 contenders x 2 seeds
+    assert len(first.calls) == 4 * 2 + 4 * 2
+    second = CountingMakeRun()
+    report2 = run_bench(bench(tmp_path), make_run=second)
+    assert second.calls == []
+    assert figures(report2) == figures(report1)
+    assert report2["sweep"] == report1["sweep"]
+
+
+def test_a_changed_configuration_is_not_reused(tmp_path):
+    run_bench(bench(tmp_path), make_run=CountingMakeRun())
+    # more seeds: only the new seed trains, the sweep and seeds 0, 1 are reused
+    again = CountingMakeRun()
+    run_bench(bench(tmp_path, seeds=3), make_run=again)
+    assert {(c, s) for c, _, s, _ in again.calls} == {
+        (c, 2) for c in ("adamw", "muon", "torch-muon", "pe")
+    }
+    # a different variant option: that variant only, sweep and runs
+    changed = CountingMakeRun()
+    run_bench(bench(tmp_path, variants=["pe=coefficients:polar_express,ns_steps:4"]),
+              make_run=changed)  # fmt: skip
+    assert {c for c, *_ in changed.calls} == {"pe"} and len(changed.calls) == 2 + 2
+    # a training hyperparameter shared by all (weight decay): everything again
+    decay = CountingMakeRun()
+    run_bench(bench(tmp_path, weight_decay=0.05), make_run=decay)
+    assert len(decay.calls) == 16
+
+
+def test_saved_runs_hold_their_full_configuration(tmp_path):
+    run_bench(bench(tmp_path, sweep=False, seeds=1), make_run=CountingMakeRun())
+    files = sorted((tmp_path / "runs").glob("run-*.json"))
+    assert len(files) == 4
+    saved = {
+        json.loads(f.read_text())["key"]["contender"]: json.loads(f.read_text()) for f in files
+    }
+    assert saved["pe"]["key"]["variant_options"] == {"coefficients": "polar_express"}
+    assert saved["torch-muon"]["key"]["newton_schulz_precision"] == "float32"
+    assert saved["muon"]["key"]["train"]["weight_decay"] == 0.1
+    assert saved["muon"]["result"]["val_losses"][0] == pytest.approx(5.0)
+
+
+def test_real_tiny_run_resumes(tmp_path):
+    tiny = dict(n_layer=1, d_model=32, n_head=2, tokens_per_step=256, eval_batches=1,
+                lr_warmup_steps=1, memory_probe_steps=0, timing_warmup_steps=0, progress=False,
+                plots=False, steps=3, out=str(tmp_path),
+                variants=["pe=coefficients:polar_express"])  # fmt: skip
+    report1 = run_bench(BenchConfig(**tiny))
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a saved run was trained again")
+
+    report2 = run_bench(BenchConfig(**tiny), make_run=no_training)
+    assert figures(report2) == figures(report1)

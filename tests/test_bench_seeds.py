@@ -1,0 +1,143 @@
+"""``--seeds N``: mean and spread over seeds, from fake per-seed results and a real tiny run;
+and a longer budget (``--steps 1000``) through the whole pipeline."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from muonscale.bench import run_bench
+from muonscale.bench.config import BenchConfig
+from muonscale.bench.metrics import steps_to_reach
+from muonscale.bench.seeds import format_seed_table, seed_summary, spread
+from muonscale.bench.side_by_side import ContenderRecord
+from muonscale.bench.store import record_from_dict
+
+
+def test_spread_is_mean_sample_std_min_max():
+    values = [2.0, 4.0, 9.0]
+    mean = sum(values) / 3
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / 2)
+    stats = spread(values)
+    assert stats["mean"] == pytest.approx(mean, rel=1e-15)
+    assert stats["std"] == pytest.approx(std, rel=1e-15)
+    assert (stats["min"], stats["max"], stats["n"], stats["reached"]) == (2.0, 9.0, 3, 3)
+
+
+def test_spread_leaves_out_seeds_that_never_reached():
+    stats = spread([3.0, None, math.nan, 5.0])
+    assert (stats["n"], stats["reached"], stats["mean"], stats["min"]) == (4, 2, 4.0, 3.0)
+    assert spread([None])["mean"] is None and spread([7.0])["std"] == 0.0
+
+
+def linear(name, start, rate, steps=40, every=10):
+    """A straight validation curve: loss = start - rate * step."""
+    eval_steps = list(range(0, steps + 1, every))
+    return ContenderRecord(
+        name=name, lr=1e-3, eval_steps=eval_steps, val_losses=[start - rate * s for s in eval_steps]
+    )
+
+
+def test_seed_summary_uses_each_seeds_own_adamw_target():
+    # adamw final loss per seed: 5 - 40 r_a; muon reaches it at 40 r_a / r_m exactly (linear)
+    rates = {0: (0.05, 0.10), 1: (0.04, 0.16), 2: (0.05, 0.0001)}  # seed 2: never reaches
+    per_seed = {
+        seed: {"adamw": linear("adamw", 5.0, ra), "muon": linear("muon", 5.0, rm)}
+        for seed, (ra, rm) in rates.items()
+    }
+    summary = seed_summary(per_seed)
+    assert summary["seeds"] == [0, 1, 2]
+    muon = summary["contenders"]["muon"]
+    expected_steps = [40 * 0.05 / 0.10, 40 * 0.04 / 0.16]
+    assert muon["steps_to_adamw_final_loss"]["values"][:2] == pytest.approx(expected_steps)
+    assert muon["steps_to_adamw_final_loss"]["values"][2] is None
+    assert muon["steps_to_adamw_final_loss"]["reached"] == 2
+    assert muon["steps_to_adamw_final_loss"]["mean"] == pytest.approx(sum(expected_steps) / 2)
+    assert muon["steps_to_adamw_final_loss_ratio"]["mean"] == pytest.approx(
+        sum(expected_steps) / 2 / 40
+    )
+    finals = [5.0 - 40 * rm for _, rm in rates.values()]
+    assert muon["final_val_loss"]["mean"] == pytest.approx(sum(finals) / 3)
+    assert muon["final_val_loss"]["max"] == pytest.approx(max(finals))
+    table = format_seed_table(summary)
+    assert "(2/3 seeds reached)" in table and "| muon | 3 |" in table
+
+
+def test_seed_summary_with_a_contender_run_for_the_first_seed_only():
+    per_seed = {
+        0: {"adamw": linear("adamw", 5, 0.05), "torch-muon-bf16": linear("t", 5, 0.1)},
+        1: {"adamw": linear("adamw", 5, 0.05)},
+    }
+    bf16 = seed_summary(per_seed)["contenders"]["torch-muon-bf16"]
+    assert bf16["seeds"] == [0] and bf16["final_val_loss"]["n"] == 1
+
+
+TINY = dict(n_layer=1, d_model=32, n_head=2, tokens_per_step=256, eval_batches=1,
+            lr_warmup_steps=1, memory_probe_steps=0, timing_warmup_steps=0, progress=False,
+            plots=False)  # fmt: skip
+
+
+def test_real_tiny_run_over_two_seeds(tmp_path):
+    config = BenchConfig(**TINY, steps=4, seeds=2, out=str(tmp_path))
+    report = run_bench(config)
+    seeds = report["seeds"]
+    assert seeds["seeds"] == [0, 1]
+    saved = {}
+    for path in (tmp_path / "runs").glob("run-*.json"):
+        data = json.loads(path.read_text())
+        saved[(data["key"]["contender"], data["key"]["train"]["seed"])] = record_from_dict(
+            data["result"]
+        )
+    assert set(saved) == {(c, s) for c in ("adamw", "muon") for s in (0, 1)}
+    # different seeds really ran: different initial models, different curves
+    assert saved[("adamw", 0)].val_losses != saved[("adamw", 1)].val_losses
+    # the headline table is seed 0's
+    assert report["contenders"]["muon"]["curves"]["val_loss"] == saved[("muon", 0)].val_losses
+    finals = [saved[("muon", s)].val_losses[-1] for s in (0, 1)]
+    stats = seeds["contenders"]["muon"]["final_val_loss"]
+    assert stats["mean"] == pytest.approx(sum(finals) / 2, rel=1e-12)
+    assert stats["std"] == pytest.approx(abs(finals[0] - finals[1]) / math.sqrt(2), rel=1e-9)
+    reached = [
+        steps_to_reach(saved[("muon", s)].eval_steps, saved[("muon", s)].val_losses,
+                       saved[("adamw", s)].val_losses[-1])
+        for s in (0, 1)
+    ]  # fmt: skip
+    assert seeds["contenders"]["muon"]["steps_to_adamw_final_loss"]["values"] == reached
+    assert "Across seeds 0, 1" in (tmp_path / "report.md").read_text()
+
+
+class FakeStep:
+    def __init__(self, loss):
+        self.loss, self.tokens, self.step_seconds, self.optimizer_seconds = loss, 256, 0.01, 0.001
+
+
+class LinearRun:
+    def __init__(self, rate):
+        self.rate, self.steps = rate, 0
+
+    def step(self):
+        self.steps += 1
+        return FakeStep(5.0 - self.rate * self.steps)
+
+    def evaluate(self):
+        return 5.0 - self.rate * self.steps
+
+    def optimizer_state_bytes(self):
+        return 100
+
+
+def test_a_1000_step_budget_runs_through_the_pipeline(tmp_path):
+    def make_run(config, contender, lr, steps=None):
+        return LinearRun({"adamw": 0.001, "muon": 0.0025}[contender])
+
+    config = BenchConfig(steps=1000, tokens_per_step=256, memory_probe_steps=0, progress=False,
+                         plots=False, out=str(tmp_path))  # fmt: skip
+    report = run_bench(config, make_run=make_run)
+    muon = report["contenders"]["muon"]
+    assert muon["steps"] == 1000 and muon["curves"]["eval_steps"][-1] == 1000
+    assert len(muon["curves"]["eval_steps"]) == 1000 // 25 + 1  # every 2.5% of the budget
+    # adamw ends at 5 - 1 = 4; muon gets there at 1 / 0.0025 = 400 steps
+    assert muon["steps_to_adamw_final_loss"] == pytest.approx(400)
+    assert report["steps_to_adamw_final_loss_ratio"] == pytest.approx(0.4)
