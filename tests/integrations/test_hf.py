@@ -8,24 +8,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
-from tiny_models import EMBEDDING_AND_HEAD, TokenData, algorithm_of, tiny_model
+from tiny_models import EMBEDDING_AND_HEAD, TokenData, algorithm_of, free_port, tiny_model
 from transformers import Trainer, TrainingArguments
 
 from muonscale.integrations.hf import MuonFactory, create_optimizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 MUON_KWARGS = {"lr": 0.02, "adamw_lr": 0.01, "scale": "match_rms_adamw"}
 # float32 steps through two summation orders (micro-batches vs one batch, DDP's all-reduce vs
