@@ -147,6 +147,8 @@ class DistributedMuon(Muon):
     size, even into single-process ``Muon``. ``load_state_dict()`` takes full state and keeps
     the local part (no collectives); see :mod:`.dp_checkpoint`. With main copies each entry also
     holds ``main_param`` (parameter-shaped, main dtype, gathered whole).
+    A framework that saves on one rank only: every rank calls ``prepare_state_dict()`` (the
+    collective part) first; ``state_dict()`` then needs no collectives until the next ``step()``.
 
     A rank that fails inside ``step()`` makes the others fail in their next collective after
     at most the process-group timeout (``init_process_group(timeout=...)``), with a
