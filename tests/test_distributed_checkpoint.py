@@ -143,3 +143,32 @@ def test_fresh_optimizer_state_dict_with_ranks_owning_nothing():
     for non_empty, keys, unchanged in shared_pool(4).run(_fresh_state_dict):
         assert non_empty and unchanged
         assert keys == ["0.weight", "1.weight"]
+
+
+def _prepared(rank, world_size):
+    """prepare_state_dict (collective), then state_dict() on rank 0 alone: the collective
+    state_dict's contents; after a step, state_dict() gathers the new state again."""
+    model = make_model(**MODEL)
+    opt = DistributedMuon(model, **OPTS)
+    train(model, opt, 1)
+    collective = opt.state_dict()
+    opt.prepare_state_dict()
+    alone = opt.state_dict() if rank == 0 else None  # no collective: other ranks do not call
+    dist.barrier()
+    train(model, opt, 1, first_step=1)
+    after = opt.state_dict()  # collective again, the state after the second step
+
+    def equal(a, b):
+        return a["state"].keys() == b["state"].keys() and all(
+            torch.equal(v, b["state"][i][k]) for i, e in a["state"].items() for k, v in e.items()
+        )
+
+    same = rank != 0 or (
+        equal(alone, collective) and alone["param_groups"] == collective["param_groups"]
+    )
+    return same, not equal(after, collective)
+
+
+def test_prepared_state_dict_on_one_rank():
+    for same, moved_on in shared_pool(2).run(_prepared):
+        assert same and moved_on

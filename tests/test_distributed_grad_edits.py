@@ -252,3 +252,84 @@ def test_distributed_muon_follows_swapped_parameters(world_size, swap_groups):
         ):
             assert moved == (0 if swap_groups else n_params)
             assert same and bound and same_state
+
+
+def _swap_dtensor_parameters(bag: nn.Module) -> dict[str, nn.Parameter]:
+    """New DTensor parameter objects with the same mesh, placements and local values."""
+    from torch.distributed.tensor import DTensor
+
+    new = {}
+    for name, p in list(bag.named_parameters()):
+        local = p.to_local().detach().clone()
+        fresh = DTensor.from_local(
+            local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+        )
+        new[name] = nn.Parameter(fresh, requires_grad=p.requires_grad)
+        setattr(bag, name, new[name])
+    return new
+
+
+def _dtensor_rebind(rank, world_size, kind, swap_groups):
+    """DTensorMuon on DTensor parameters with injected sharded gradients: 1 step, swap the
+    parameter objects (same values), re-bind by name, 2 more steps; against an unswapped run."""
+    from test_dtensor_muon import OPTIONS, SHAPES, SPLITS, Bag, _full_tensors, _grads, _shard_like
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    init = _full_tensors(SHAPES, 0)
+    bags = [Bag(init), Bag(init)]
+    for bag in bags:
+        if kind == "fsdp":
+            fully_shard(bag, mesh=mesh)
+        else:  # tensor-parallel-like placements: Shard(1) matrices, Shard(0) QKV, replicated 1-D
+            for name, t in init.items():
+                placement = Replicate() if t.ndim < 2 else Shard(0 if name == "qkv" else 1)
+                bag.register_parameter(
+                    name, nn.Parameter(distribute_tensor(t.clone(), mesh, [placement]))
+                )
+    opts = [DTensorMuon(list(b.named_parameters()), splits=SPLITS, **OPTIONS) for b in bags]
+
+    def train(bag, opt, first, steps):
+        for k in range(first, first + steps):
+            grads = _grads(SHAPES, k)
+            for n, p in bag.named_parameters():
+                p.grad = _shard_like(grads[n], p)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    for bag, opt in zip(bags, opts):
+        train(bag, opt, 0, 1)
+    old = dict(bags[0].named_parameters())
+    new = _swap_dtensor_parameters(bags[0])
+    if swap_groups:  # the framework also swaps the optimizer's groups (accelerate does)
+        for group in opts[0].param_groups:
+            group["params"] = [new[opts[0].param_names[id(p)]] for p in group["params"]]
+    moved = opts[0].rebind_parameters(bags[0].named_parameters())
+    for bag, opt in zip(bags, opts):
+        train(bag, opt, 1, 2)
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    pa, pb = dict(bags[0].named_parameters()), dict(bags[1].named_parameters())
+    same = all(torch.equal(local(pa[n]), local(pb[n])) for n in pa)
+    bound = all(pa[n] is new[n] and pa[n] is not old[n] for n in pa)
+    names_b = {id(p): n for n, p in pb.items()}
+    state_b = {names_b[id(p)]: s for p, s in opts[1].state.items()}
+    same_state = len(opts[0].state) == len(opts[1].state) == len(pa) and all(
+        opts[0].param_names[id(p)] == n and p is pa[n]
+        and all(torch.equal(local(v), local(state_b[n][key])) for key, v in s.items())
+        for p, s in opts[0].state.items()
+        for n in [opts[0].param_names[id(p)]]
+    )  # fmt: skip
+    moved_expected = 0 if swap_groups else len(pa)
+    return moved == moved_expected, same, bound, same_state
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "tp"])
+@pytest.mark.parametrize("swap_groups", [False, True], ids=["model-only", "groups-swapped"])
+def test_dtensor_muon_follows_swapped_parameters(kind, swap_groups):
+    for result in shared_pool(2).run(_dtensor_rebind, kind, swap_groups):
+        assert result == (True, True, True, True)

@@ -147,6 +147,8 @@ class DistributedMuon(Muon):
     size, even into single-process ``Muon``. ``load_state_dict()`` takes full state and keeps
     the local part (no collectives); see :mod:`.dp_checkpoint`. With main copies each entry also
     holds ``main_param`` (parameter-shaped, main dtype, gathered whole).
+    A framework that saves on one rank only: every rank calls ``prepare_state_dict()`` (the
+    collective part) first; ``state_dict()`` then needs no collectives until the next ``step()``.
 
     A rank that fails inside ``step()`` makes the others fail in their next collective after
     at most the process-group timeout (``init_process_group(timeout=...)``), with a
@@ -211,6 +213,7 @@ class DistributedMuon(Muon):
         self._init_local_state()
         self.last_step_wire_bytes = 0
         self.last_step_wire_breakdown: dict[str, int] = {}
+        self._prepared_state: dict[int, dict[str, torch.Tensor]] | None = None
 
     # ================================================================ construction
     def _signature(self) -> list[tuple]:
@@ -391,19 +394,33 @@ class DistributedMuon(Muon):
 
     def state_dict(self) -> dict[str, Any]:
         """Full state, keyed like :class:`muonscale.Muon`'s (:mod:`.dp_checkpoint`).
-        Collective: call on every rank."""
+        Collective: call on every rank, unless :meth:`prepare_state_dict` ran since the last
+        ``step()``."""
         packed = super().state_dict()  # param_groups with indices; its "state" is replaced
+        state = self._prepared_state
+        if state is None:
+            state = self._gather_state()
+        packed["state"] = {i: state[i] for i in sorted(state)}
+        return packed
+
+    def prepare_state_dict(self) -> None:
+        """Gather the full state now (collective: every rank calls it), so that ``state_dict()``
+        on any rank alone returns it without collectives until the next ``step()`` or
+        ``load_state_dict()``: for frameworks that save on one rank only (the HF Trainer)."""
+        self._prepared_state = None
+        self._prepared_state = self._gather_state()
+
+    def _gather_state(self) -> dict[int, dict[str, torch.Tensor]]:
         step_counter, self.comm.counter = self.comm.counter, WireCounter()  # not a step's traffic
         try:
-            state = dp_checkpoint.gather_full_state(self)
-            packed["state"] = {i: state[i] for i in sorted(state)}
+            return dp_checkpoint.gather_full_state(self)
         finally:
             self.comm.counter = step_counter
-        return packed
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load full state (from this class, :class:`muonscale.Muon`, or DCP's
         ``set_state_dict``); every rank keeps its part. No collectives."""
+        self._prepared_state = None
         dp_checkpoint.load_full_state(self, state_dict)
 
     def ownership_table(self) -> str:
@@ -443,6 +460,7 @@ class DistributedMuon(Muon):
         """Reduce (if backward did not finish it), agree on non-finite gradients, update owned
         matrices and AdamW shards, gather the updated parameters."""
         loss = None
+        self._prepared_state = None  # the state is about to change
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()

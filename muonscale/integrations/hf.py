@@ -28,8 +28,9 @@ The Trainer wraps the model in DDP, which averages ``p.grad``; the factory build
 with ``reduce_at="never"`` (no second reduction; each rank reads its slices of ``p.grad`` at
 ``step()``), so the Trainer's clipping (``max_grad_norm``, on ``p.grad``) and its accumulation
 (DDP's ``no_sync``) apply as with AdamW. ``DistributedMuon.state_dict()`` is collective, but the
-Trainer calls it on the saving rank only: :class:`DistributedCheckpointCallback` gathers it on
-every rank just before a save; loading needs nothing (every rank keeps its part of the file).
+Trainer calls it on the saving rank only: :class:`DistributedCheckpointCallback` makes every
+rank call ``opt.prepare_state_dict()`` (the collective part) just before a save; loading needs
+nothing (every rank reads the file and keeps its part).
 """
 
 from __future__ import annotations
@@ -110,23 +111,18 @@ def _transformers_callback_base() -> type:
 
 class DistributedCheckpointCallback(_transformers_callback_base()):
     """Lets the Trainer checkpoint a ``DistributedMuon``: when a save is due (``on_step_end``,
-    ``on_epoch_end``, after the Trainer's flow callback decided it), every rank gathers the
-    optimizer's full state (a collective), and until the save is done (``on_save``) the
-    optimizer's ``state_dict()`` returns that copy without collectives, so the saving rank
-    alone can call it. Other optimizers are left alone."""
+    ``on_epoch_end``, after the Trainer's flow callback decided it), every rank calls the
+    optimizer's collective ``prepare_state_dict()``, so that the saving rank's
+    ``state_dict()`` alone returns the full state (until the next ``step()``). Other
+    optimizers are left alone."""
 
     def _prepare(self, control: Any, optimizer: Any) -> None:
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
         if control.should_save and _collective_state_dict(inner):
-            full = inner.state_dict()  # collective: every rank is here
-            inner.state_dict = lambda: full  # the Trainer's rank-0-only call finds it
+            inner.prepare_state_dict()  # collective: every rank is here
 
     def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kw: Any):
         self._prepare(control, optimizer)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kw: Any):
         self._prepare(control, optimizer)
-
-    def on_save(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kw: Any):
-        inner = getattr(optimizer, "optimizer", optimizer)
-        inner.__dict__.pop("state_dict", None)  # back to the collective method

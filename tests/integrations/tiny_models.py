@@ -1,7 +1,9 @@
 """Tiny GPT-2 and Llama models from configs (random init, nothing downloaded) and a learnable
-token data set, shared by the Hugging Face and Lightning tests."""
+token data set, shared by the Hugging Face and Lightning tests (and a free port for torchrun)."""
 
 from __future__ import annotations
+
+import socket
 
 import torch
 
@@ -54,3 +56,10 @@ def algorithm_of(optimizer) -> dict[str, str]:
     """{name: "muon" | "adamw"} of a muonscale.Muon (or of one inside accelerate's wrapper)."""
     optimizer = getattr(optimizer, "optimizer", optimizer)
     return {optimizer.param_names[id(p)]: g["algorithm"] for g in optimizer.param_groups for p in g["params"]}
+
+
+def free_port() -> int:
+    """A free TCP port for torchrun's rendezvous (``--master_port=0`` can hang)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
