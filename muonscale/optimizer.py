@@ -277,6 +277,7 @@ class Muon(torch.optim.Optimizer):
         self.routing: dict[str, RouteDecision] = {}
         self._rules = list(rules or ())
         self._views: dict[int, MatrixView] = {}
+        self._momentum_views: dict[int, torch.Tensor] = {}  # id(state) -> its view in a stack
         self._unnamed_to_muon = 0
 
         groups = self._groups_from(params)
@@ -509,6 +510,45 @@ class Muon(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
+    def _stacked_momentum(
+        self, group: Mapping[str, Any], params: list[torch.Tensor], states: list[dict]
+    ) -> list[torch.Tensor]:
+        """The momentum buffers of ``states``, each a view into one ``(k, *shape)`` stack per
+        (param group, shape, dtype, device). A buffer that is not the view handed out (new
+        state, ``load_state_dict``, a checkpoint loaded by replacing tensors) has its stack
+        rebuilt: every member's values are copied into a new stack (parameters without a
+        gradient keep their values), so the ``state_dict`` format is unchanged."""
+        stale = {
+            (tuple(p.shape), s["momentum_buffer"].dtype, s["momentum_buffer"].device)
+            for p, s in zip(params, states)
+            if self._momentum_views.get(id(s)) is not s["momentum_buffer"]
+        }
+        for key in stale:
+            self._restack_momentum(group, key, states)
+        if stale:  # forget the views of state that was replaced (their stacks can be freed)
+            live = {id(s) for s in self.state.values()}
+            self._momentum_views = {k: v for k, v in self._momentum_views.items() if k in live}
+        return [s["momentum_buffer"] for s in states]
+
+    @torch.no_grad()
+    def _restack_momentum(self, group: Mapping[str, Any], key: tuple, states: list[dict]) -> None:
+        shape, dtype, device = key
+        members, seen = [], set()
+        candidates = [self.state.get(q) for q in group["params"]] + states
+        for s in candidates:
+            buf = s.get("momentum_buffer") if s else None
+            if (
+                isinstance(buf, torch.Tensor) and id(s) not in seen
+                and (tuple(buf.shape), buf.dtype, buf.device) == key
+            ):  # fmt: skip
+                members.append(s)
+                seen.add(id(s))
+        stack = torch.empty((len(members), *shape), dtype=dtype, device=device)
+        torch._foreach_copy_(list(stack.unbind(0)), [s["momentum_buffer"] for s in members])
+        for s, view in zip(members, stack.unbind(0)):
+            s["momentum_buffer"] = view
+            self._momentum_views[id(s)] = view
+
     def init_all_state(self) -> None:
         """Create every parameter's state now (instead of at its first step)."""
         for group in self.param_groups:
@@ -553,6 +593,7 @@ class Muon(torch.optim.Optimizer):
         extra = state.pop("_muonscale", None)
         super().__setstate__(state)
         self.__dict__.setdefault("memory", MemoryBudget.from_environment())
+        self._momentum_views = {}  # new state tensors: stacks are rebuilt at the next step
         # Options added after a checkpoint was written get their defaults here.
         for i, group in enumerate(self.param_groups):
             group.setdefault("algorithm", "muon")
@@ -701,7 +742,7 @@ class Muon(torch.optim.Optimizer):
                 if not params:
                     return
             functional.muon(
-                params, grads, [s["momentum_buffer"] for s in states],
+                params, grads, self._stacked_momentum(group, params, states),
                 views=[self.matrix_view(p, group) for p in params],
                 lr=float(group["lr"]), weight_decay=group["weight_decay"], momentum=group["momentum"],
                 nesterov=group["nesterov"], ns_steps=group["ns_steps"],

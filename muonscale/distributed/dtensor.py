@@ -304,14 +304,15 @@ class DTensorMuon(Muon):
                 )
                 updates.update({id(p): (o, self._alpha(p, g)) for (p, g), o in zip(part, out)})
 
-        # phase 3: weight decay and update on local shards
-        for p, group in entries:
-            local, lr = local_tensor(p), float(group["lr"])
-            if group["weight_decay"] != 0:
-                local.mul_(1 - lr * group["weight_decay"])
-            update, alpha = updates[id(p)]
-            if update.numel():
-                local.add_(update.reshape(local.shape), alpha=alpha * lr)
+        # phase 3: weight decay and update on local shards, per group for its lr / λ
+        for group in {id(g): g for _, g in entries}.values():
+            params = [p for p, g in entries if g is group]
+            functional.apply_updates_(
+                [local_tensor(p) for p in params],
+                [updates[id(p)][0].reshape(local_tensor(p).shape) for p in params],
+                [updates[id(p)][1] for p in params],
+                lr=float(group["lr"]), weight_decay=group["weight_decay"],
+            )  # fmt: skip
 
     def _result_dtype(self, part, dtype: torch.dtype) -> torch.dtype:
         """Newton–Schulz's output dtype when all groups agree (bf16 on GPU halves the return
@@ -336,10 +337,11 @@ class DTensorMuon(Muon):
                 repr(group["coefficients"]),
                 group["ns_dtype"],
                 group["ns_eps"],
+                group["ns_method"],
             )
             for j, mat in enumerate(mats):
                 by_setting.setdefault(key, []).append((slot, j, mat))
-        for (steps, _, ns_dtype, eps), items in by_setting.items():
+        for (steps, _, ns_dtype, eps, method), items in by_setting.items():
             group = part[indices[items[0][0]]][1]
             ortho = functional.orthogonalize_matrices(
                 [m for _, _, m in items],
@@ -347,6 +349,7 @@ class DTensorMuon(Muon):
                 coefficients=group["coefficients"],
                 ns_dtype=ns_dtype,
                 eps=eps,
+                method=method,
                 max_workspace_bytes=self.memory.ns_workspace_bytes,
             )
             for (slot, j, _), o in zip(items, ortho):
@@ -380,7 +383,7 @@ class DTensorMuon(Muon):
                 continue
             (o,) = functional.orthogonalize_matrices(
                 [u], ns_steps=group["ns_steps"], coefficients=group["coefficients"],
-                ns_dtype=group["ns_dtype"], eps=group["ns_eps"],
+                ns_dtype=group["ns_dtype"], eps=group["ns_eps"], method=group["ns_method"],
                 max_workspace_bytes=self.memory.ns_workspace_bytes,
             )  # fmt: skip
             out[id(p)] = (o, -update_scale(group["scale"], p.shape[0], math.prod(p.shape[1:])))

@@ -339,7 +339,7 @@ def newton_schulz_batched_(
 
 def _preset_of(schedule: Sequence[Coefficients]) -> str | None:
     """The preset whose schedule ``schedule`` is (its first steps, or more of its tail)."""
-    for name, preset in COEFFICIENT_PRESETS.items():
+    for name in COEFFICIENT_PRESETS:
         if list(schedule) == resolve_schedule(name, len(schedule))[0]:
             return name
     return None

@@ -14,6 +14,7 @@ from torch import nn
 
 from muonscale.distributed.comm import Communicator, WireCounter
 from muonscale.distributed.data_parallel import DistributedMuon
+from muonscale.memory import MemoryBudget
 from muonscale.optimizer import Muon
 from muonscale.params import RouteDecision
 
@@ -76,7 +77,8 @@ class MegatronMuon(Muon):
         super().__init__(param_groups, **options)
         self.routing = {pl.name: RouteDecision(pl.algorithm, pl.reason) for pl in self.plans}
         self.orthogonalizer = orthogonalizer or TensorParallelOrthogonalizer(
-            groups, config, counter=self.wire_counter
+            groups, config, counter=self.wire_counter,
+            max_workspace_bytes=self.memory.ns_workspace_bytes,
         )
         self.grad_norm = GlobalGradNorm(
             self.plans, groups, counter=self.wire_counter, dp_replicated=True,
@@ -132,7 +134,7 @@ class MegatronMuon(Muon):
             return super().update_group(group, params, grads)
         states = [self.init_state(p, group) for p in params]
         muon_update_(
-            params, grads, [s["momentum_buffer"] for s in states],
+            params, grads, self._stacked_momentum(group, params, states),
             [self.matrix_view(p, group) for p in params],
             [self._plan_by_id[id(p)] for p in params], group, self.orthogonalizer,
         )  # fmt: skip
@@ -216,7 +218,8 @@ class MegatronDistributedMuon(DistributedMuon):
         )
         self.routing = {pl.name: RouteDecision(pl.algorithm, pl.reason) for pl in self.plans}
         self.orthogonalizer = orthogonalizer or TensorParallelOrthogonalizer(
-            groups, config, counter=self.wire_counter
+            groups, config, counter=self.wire_counter,
+            max_workspace_bytes=self.memory.ns_workspace_bytes,
         )
         self.grad_norm = GlobalGradNorm(
             self.plans, groups, counter=self.wire_counter, dp_replicated=False,
@@ -237,7 +240,7 @@ class MegatronDistributedMuon(DistributedMuon):
             return super().update_group(group, params, grads)
         states = [self.init_state(p, group) for p in params]
         muon_update_(
-            params, grads, [s["momentum_buffer"] for s in states],
+            params, grads, self._stacked_momentum(group, params, states),
             [self.matrix_view(p, group) for p in params],
             [self._plan_by_id[id(self.model_param(p))] for p in params], group,
             self.orthogonalizer,
@@ -330,6 +333,7 @@ def megatron_muon(
     if groups.pp_size > 1:
         zero1_blockers.append("pipeline parallelism")
     mode = config.dp_mode
+    workspace_bytes = MemoryBudget.from_environment().ns_workspace_bytes
     if mode == "auto":
         mode = "replicated" if zero1_blockers or MegatronGroups.size(groups.dp) == 1 else "zero1"
     if mode == "zero1":
@@ -339,10 +343,14 @@ def megatron_muon(
             )
         _check_self_reduction(plans, groups)
         counter = WireCounter()
-        orthogonalizer = TensorParallelOrthogonalizer(groups, config, counter=counter)
+        orthogonalizer = TensorParallelOrthogonalizer(
+            groups, config, counter=counter, max_workspace_bytes=workspace_bytes
+        )
         return MegatronDistributedMuon(
             plans, groups, config, orthogonalizer=orthogonalizer, wire_counter=counter
         )
     counter = WireCounter()
-    orthogonalizer = TensorParallelOrthogonalizer(groups, config, counter=counter)
+    orthogonalizer = TensorParallelOrthogonalizer(
+        groups, config, counter=counter, max_workspace_bytes=workspace_bytes
+    )
     return MegatronMuon(plans, groups, config, orthogonalizer=orthogonalizer, wire_counter=counter)

@@ -13,6 +13,7 @@ from muonscale import functional
 from muonscale.distributed.comm import WireCounter
 from muonscale.distributed.sharded import MatrixLayout, ShardedMatrices
 from muonscale.matrices import MatrixView
+from muonscale.memory import DEFAULT_NS_WORKSPACE_BYTES
 from muonscale.scaling import update_scale
 
 from .config import MegatronMuonConfig
@@ -54,9 +55,15 @@ class TensorParallelOrthogonalizer:
     """
 
     def __init__(
-        self, groups: MegatronGroups, config: MegatronMuonConfig, *, counter: WireCounter
+        self,
+        groups: MegatronGroups,
+        config: MegatronMuonConfig,
+        *,
+        counter: WireCounter,
+        max_workspace_bytes: int = DEFAULT_NS_WORKSPACE_BYTES,
     ) -> None:
         self.groups, self.config, self.counter = groups, config, counter
+        self.max_workspace_bytes = max_workspace_bytes
         self._exchanges: dict[tuple, ShardedMatrices] = {}
 
     def _tp_group(self, expert: bool) -> dist.ProcessGroup | None:
@@ -103,7 +110,8 @@ class TensorParallelOrthogonalizer:
             coefficients=group["coefficients"],
             ns_dtype=group["ns_dtype"],
             eps=group["ns_eps"],
-            max_workspace_bytes=self.memory.ns_workspace_bytes,
+            method=group["ns_method"],
+            max_workspace_bytes=self.max_workspace_bytes,
         )
 
         def orthogonalize(_indices: list[int], matrices: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -157,13 +165,13 @@ def muon_update_(
     orthogonalize: Orthogonalizer,
 ) -> None:
     """Muon's step with an injected orthogonalizer: B ← B.lerp(G, 1 − μ), U = G.lerp(B, μ) or
-    B; W ← W (1 − η λ) − η · ``orthogonalize(U)``."""
+    B; W ← W (1 − η λ) − η · ``orthogonalize(U)`` (the functions of :mod:`muonscale.functional`
+    that every layout uses)."""
     directions = functional.momentum_directions_(
         list(grads), list(momentum_buffers), momentum=group["momentum"], nesterov=group["nesterov"]
     )
     updates = orthogonalize(directions, views, plans, group)
-    lr, wd = float(group["lr"]), group["weight_decay"]
-    for p, update in zip(params, updates):
-        if wd != 0:
-            p.mul_(1 - lr * wd)
-        p.add_(update, alpha=-lr)
+    functional.apply_updates_(
+        params, updates, [-1.0] * len(updates), lr=float(group["lr"]),
+        weight_decay=group["weight_decay"],
+    )  # fmt: skip
