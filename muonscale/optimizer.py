@@ -191,7 +191,9 @@ class Muon(torch.optim.Optimizer):
             (embeddings, head) and 0 for 0/1-D ones (norms, biases).
         ns_dtype: dtype of the iteration; None → bfloat16 on CUDA, float32 on CPU.
         momentum_dtype: dtype of the Muon momentum buffer (e.g. ``torch.bfloat16`` to halve its
-            memory); None → the parameter's dtype.
+            memory); None → the parameter's dtype. The buffers of one param group with the same
+            shape, dtype and device are views into one stacked tensor (``state_dict`` still
+            holds one tensor per parameter).
         nonfinite: ``"raise"`` (a NaN/inf gradient raises :class:`NonFiniteGradientError` naming
             the parameter, leaving parameters and state untouched), ``"skip"`` (skip the whole
             step; counted in ``skipped_steps``) or ``"ignore"`` (no check, no host sync).
@@ -204,10 +206,12 @@ class Muon(torch.optim.Optimizer):
         rules: routing overrides for :func:`muonscale.route` (regex or callables).
         ns_method: ``"plain"`` (the reference iteration), ``"gram"`` (iterate on the m×m Gram
             matrix, restarting every 2 steps) or ``"auto"`` (Gram for float32/float64 matrices
-            with n ≥ 3m, where it is 17–22% cheaper; plain otherwise). Same function either
-            way, not the same rounding: in float32 the Gram form's relative error was measured
-            at 0.7–2× the plain iteration's (Keller) and up to 2.7× (Polar Express, σᵢ ∝ 1/i),
-            about 1e-6 to 5e-6 either way. See :mod:`muonscale.kernels.newton_schulz_fast`.
+            with n ≥ 3m, where it is 17–22% cheaper, and for bfloat16 ones with Keller's
+            coefficients and n ≥ 4m; plain otherwise). Same function either way, not the same
+            rounding: in float32 the Gram form's relative error was measured at 0.7–2× the
+            plain iteration's (Keller) and up to 2.73× (Polar Express, σᵢ ∝ 1/i), about 1e-6 to
+            5e-6 either way; in bfloat16 on an H200 at 0.95–1.01× with Keller's coefficients at
+            n = 4m. See :data:`muonscale.kernels.GRAM_POLICY`.
     """
 
     def __init__(
