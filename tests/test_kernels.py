@@ -219,14 +219,29 @@ def test_gram_error_within_the_documented_bound_fp32(shape, coefficients, spectr
 
 
 @needs_triton
+@pytest.mark.parametrize("shape", [(1, 24, 40), (1, 40, 24)])  # wide, and tall (transposed view)
 @pytest.mark.parametrize("method", ["plain", "gram"])
-def test_triton_backend_matches_reference(method):
+def test_triton_backend_matches_reference(method, shape):
     torch.manual_seed(0)
-    G = torch.randn(1, 24, 40)  # m = 24: two 16-tiles, the second one partial
+    G = torch.randn(shape)  # m = 24: two 16-tiles, the second one partial
     ref = newton_schulz(G, steps=3)
     # 3 steps with a restart before step 2: every branch of the Gram iteration runs
     out = newton_schulz_fast(G, steps=3, method=method, backend="triton", restart_every=2)
     assert _rel_fro(out, ref) <= 2e-5
+
+
+@needs_triton
+def test_triton_backend_float16_divides_first():
+    """float16 (the interpreter's 16-bit dot): the stack is normalized before the iteration
+    (an unnormalized X Xᵀ could overflow), as close to the float64 iteration as the reference
+    float16 iteration, within 1.5×."""
+    torch.manual_seed(0)
+    G = torch.randn(1, 40, 24) * 300  # ‖G‖² ≈ 8.6e7: X Xᵀ unnormalized would overflow fp16
+    ref64 = newton_schulz(G.double(), steps=3, ns_dtype=torch.float64)
+    ref16 = newton_schulz(G, steps=3, ns_dtype=torch.float16)
+    out = newton_schulz_fast(G, steps=3, ns_dtype=torch.float16, backend="triton")
+    assert out.isfinite().all()
+    assert _rel_fro(out, ref64) <= 1.5 * _rel_fro(ref16, ref64)
 
 
 def test_batching_chunks_out_and_leading_dims():
