@@ -14,7 +14,14 @@ from collections.abc import Sequence
 import torch
 
 from . import variants  # [variants]
-from .kernels.newton_schulz_fast import NSMethodChoice, choose_method, newton_schulz_fast
+from .kernels.newton_schulz_fast import (
+    GRAM_POLICY,
+    NSMethodChoice,
+    choose_method,
+    newton_schulz_fast,
+    orthogonalize_stack_,
+)
+from .kernels.process_state import get_workspace, workspace_bytes
 from .matrices import MatrixView
 from .memory import (
     DEFAULT_NS_WORKSPACE_BYTES,
@@ -28,6 +35,35 @@ from .newton_schulz import DEFAULT_EPS, CoefficientSpec, default_ns_dtype, resol
 from .scaling import update_scale
 
 
+def update_momentum_(
+    grads: Sequence[torch.Tensor], momentum_buffers: Sequence[torch.Tensor], *, momentum: float
+) -> None:
+    """B ← B + (1 − μ)(G − B) (``B.lerp_(G, 1 − μ)``, torch.optim.Muon's form), one foreach
+    over every buffer (views into stacked momentum are fine)."""
+    if not momentum_buffers:
+        return
+    grads = [g if g.dtype == b.dtype else g.to(b.dtype) for g, b in zip(grads, momentum_buffers)]
+    torch._foreach_lerp_(list(momentum_buffers), grads, 1 - momentum)
+
+
+def write_directions_(
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor],
+    out: Sequence[torch.Tensor],
+    *,
+    momentum: float,
+    nesterov: bool,
+) -> None:
+    """U = G + μ(B − G) with Nesterov (``G.lerp(B, μ)``), else U = B, written into ``out``
+    (slots of a Newton–Schulz input stack: the cast to its dtype happens in the same pass)."""
+    for grad, buf, dst in zip(grads, momentum_buffers, out):
+        full = buf if buf.dtype == grad.dtype else buf.to(grad.dtype)
+        if nesterov:
+            torch.lerp(grad, full, momentum, out=dst)
+        else:
+            dst.copy_(full)
+
+
 def momentum_directions_(
     grads: Sequence[torch.Tensor],
     momentum_buffers: Sequence[torch.Tensor],
@@ -35,17 +71,51 @@ def momentum_directions_(
     momentum: float,
     nesterov: bool,
 ) -> list[torch.Tensor]:
-    """Update the EMA buffers in place and return the directions to orthogonalize.
-
-    B ← B + (1 − μ)(G − B)   (``B.lerp_(G, 1 − μ)``, torch.optim.Muon's form)
-    U = G + μ(B − G) with Nesterov (``G.lerp(B, μ)``), else U = B.
-    """
-    directions = []
-    for grad, buf in zip(grads, momentum_buffers):
-        buf.lerp_(grad if grad.dtype == buf.dtype else grad.to(buf.dtype), 1 - momentum)
-        full = buf if buf.dtype == grad.dtype else buf.to(grad.dtype)
-        directions.append(grad.lerp(full, momentum) if nesterov else full)
+    """:func:`update_momentum_`, then return the directions U (new tensors, the gradient's
+    dtype): for layouts whose matrices are assembled elsewhere (sharded parameters)."""
+    update_momentum_(grads, momentum_buffers, momentum=momentum)
+    directions = [torch.empty_like(g) for g in grads]
+    write_directions_(grads, momentum_buffers, directions, momentum=momentum, nesterov=nesterov)
     return directions
+
+
+def apply_updates_(
+    params: Sequence[torch.Tensor],
+    updates: Sequence[torch.Tensor],
+    alphas: Sequence[float],
+    *,
+    lr: float | torch.Tensor,
+    weight_decay: float,
+) -> None:
+    """W ← W · (1 − lr · λ) + lr · αᵢ · Oᵢ (decoupled weight decay with the unadjusted lr;
+    αᵢ = −s(m, n) for an unscaled update, −1 for one scaled already). Foreach kernels, one
+    per distinct α; the same arithmetic as ``W.mul_(1 − lr λ); W.add_(O, alpha=lr α)``. A
+    tensor ``lr`` (capturable step) stays on the device."""
+    if not params:
+        return
+    params = list(params)
+    updates = [u if u.shape == p.shape else u.view(p.shape) for p, u in zip(params, updates)]
+    if weight_decay != 0:
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
+    by_alpha: dict[float, list[int]] = defaultdict(list)
+    for i, alpha in enumerate(alphas):
+        by_alpha[alpha].append(i)
+    for alpha, indices in by_alpha.items():
+        if isinstance(lr, torch.Tensor):
+            for i in indices:
+                _add_scaled_(params[i], updates[i], lr * alpha)
+        else:
+            torch._foreach_add_(
+                [params[i] for i in indices], [updates[i] for i in indices], alpha=lr * alpha
+            )
+
+
+def ns_method_for(
+    m: int, n: int, dtype: torch.dtype, method: NSMethodChoice, coefficients: CoefficientSpec,
+    steps: int,
+) -> str:  # fmt: skip
+    """The formulation ``method`` means for an m×n matrix (``"auto"``: :func:`choose_method`)."""
+    return choose_method(m, n, dtype, coefficients, steps)[0] if method == "auto" else method
 
 
 def orthogonalize_matrices(
@@ -59,38 +129,37 @@ def orthogonalize_matrices(
     max_workspace_bytes: int = DEFAULT_NS_WORKSPACE_BYTES,
     preconditioner: variants.Preconditioner = "frobenius",  # [variants]
 ) -> list[torch.Tensor]:
-    """Newton–Schulz of every matrix, batched: matrices with the same (short, long) shape are
-    stacked (tall ones transposed) and orthogonalized in place in one call of
-    :func:`muonscale.kernels.newton_schulz_fast` (workspace reuse; Triton symmetric products on
-    CUDA; ``method="auto"`` takes the Gram form for wide float32 matrices, where it is as
-    accurate and cheaper; ``max_workspace_bytes`` bounds its scratch). Returns matrices in the
-    input's shapes, in ``ns_dtype``."""
+    """Newton–Schulz of every matrix, batched: matrices with the same shape are stacked (in
+    their own orientation: tall stacks are iterated as transposed views) and orthogonalized in
+    one call of :func:`muonscale.kernels.newton_schulz_fast` (workspace reuse; Triton symmetric
+    products on CUDA; ``method="auto"``: :func:`~muonscale.kernels.choose_method`;
+    ``max_workspace_bytes`` bounds its scratch). For matrices assembled one by one (split
+    views, owners of sharded matrices); :func:`muon` writes its stacks directly. Returns
+    matrices in the input's shapes, in ``ns_dtype``."""
     buckets: dict[tuple, list[int]] = defaultdict(list)
     for i, mat in enumerate(matrices):
-        m, n = mat.shape
         dtype = ns_dtype if ns_dtype is not None else default_ns_dtype(mat.device)
-        buckets[(min(m, n), max(m, n), mat.device, dtype)].append(i)
+        buckets[(tuple(mat.shape), mat.device, dtype)].append(i)
     out: list[torch.Tensor | None] = [None] * len(matrices)
-    for (short, long, device, dtype), indices in buckets.items():
-        stack = torch.empty((len(indices), short, long), dtype=dtype, device=device)  # (k, s, l)
-        for slot, i in enumerate(indices):
-            mat = matrices[i]
-            stack[slot].copy_(mat.mT if mat.shape[0] > mat.shape[1] else mat)
+    for ((rows, cols), device, dtype), indices in buckets.items():
+        stack = torch.empty((len(indices), rows, cols), dtype=dtype, device=device)
+        torch._foreach_copy_(list(stack.unbind(0)), [matrices[i] for i in indices])
+        short, long = min(rows, cols), max(rows, cols)
+        method_here = ns_method_for(short, long, dtype, method, coefficients, ns_steps)
         if preconditioner == "aol":  # [variants] Turbo-Muon: AOL scaling, not X / ‖X‖_F
-            aol_method, restart = choose_method(short, long, dtype)
-            aol_method = aol_method if method == "auto" else method
-            ortho = variants.aol_newton_schulz_(
-                stack, resolve_schedule(coefficients, ns_steps)[0], eps=eps, method=aol_method,
-                restart_every=restart or 2,
+            wide = stack.mT if rows > cols else stack  # (k, short, long) view
+            variants.aol_newton_schulz_(
+                wide, resolve_schedule(coefficients, ns_steps)[0], eps=eps, method=method_here,
+                restart_every=GRAM_POLICY["restart_every"],
             )  # fmt: skip
+            ortho = stack
         else:
             ortho = newton_schulz_fast(
-                stack, ns_steps, coefficients, dtype, eps, out=stack, method=method,
+                stack, ns_steps, coefficients, dtype, eps, out=stack, method=method_here,
                 backend="auto", max_workspace_bytes=max_workspace_bytes,
             )  # fmt: skip
         for slot, i in enumerate(indices):
-            o = ortho[slot]
-            out[i] = o.mT if matrices[i].shape[0] > matrices[i].shape[1] else o
+            out[i] = ortho[slot]
     return out  # type: ignore[return-value]
 
 
@@ -112,6 +181,12 @@ def update_chunks(
         dtype = ns_dtype if ns_dtype is not None else default_ns_dtype(p.device)
         costs.append(p.numel() * (p.element_size() + torch.finfo(dtype).bits // 8))
     return [[order[j] for j in group] for group in group_by_budget(costs, max_chunk_bytes)]
+
+
+def _single_matrix(view: MatrixView) -> bool:
+    """Whether the view is one matrix that is a reshape of the parameter (stackable in place;
+    a transposed view is not)."""
+    return len(view.matrix_shapes) == 1 and view.row_partition is None and not view.transposed
 
 
 def muon(
@@ -142,8 +217,12 @@ def muon(
         W ← W · (1 − lr · λ)                 # decoupled weight decay, unadjusted lr
         W ← W − lr · s(m, n) · O             # s: scale rule of each matrix
 
-    Parameters are processed in chunks of at most ``max_chunk_bytes`` of transient memory
-    (directions and their Newton–Schulz copies; a number of bytes,
+    Two elementwise passes over the parameters besides Newton–Schulz: (a) the momentum update
+    and the directions, written straight into the Newton–Schulz input stacks (one per matrix
+    shape and chunk, in the parameter's orientation, cast on the way); the normalization is
+    folded into the first Newton–Schulz step; (b) weight decay and update
+    (:func:`apply_updates_`) from the stack the iteration ends in. Parameters are processed in
+    chunks of at most ``max_chunk_bytes`` of transient memory (a number of bytes,
     :data:`~muonscale.memory.PER_DEVICE` or :data:`~muonscale.memory.UNCHUNKED`), so the
     step's peak memory does not grow with the model; ``max_workspace_bytes`` bounds the
     Newton–Schulz scratch. Every parameter's update is independent of the others, so chunking
@@ -167,39 +246,72 @@ def muon(
                 max_workspace_bytes=max_workspace_bytes,
             )  # fmt: skip
         return
-    directions = momentum_directions_(grads, momentum_buffers, momentum=momentum, nesterov=nesterov)
-    matrices, owner = [], []
-    for index, (direction, view) in enumerate(zip(directions, views)):
-        for mat in view.to_matrices(direction):
-            matrices.append(mat)
-            owner.append(index)
-    orthogonal = orthogonalize_matrices(
-        matrices,
-        ns_steps=ns_steps,
-        coefficients=coefficients,
-        ns_dtype=ns_dtype,
-        eps=eps,
-        method=ns_method,
-        max_workspace_bytes=max_workspace_bytes,
-        preconditioner=options.preconditioner,  # [variants]
-    )
-    if options.normalize == "row":  # [variants] NorMuon, per matrix, rows of each in turn
-        variants.row_normalize_matrices_(orthogonal, owner, row_moments, beta2=options.row_beta2)
-    per_param: list[list[torch.Tensor]] = [[] for _ in params]
-    for index, mat in zip(owner, orthogonal):
-        per_param[index].append(mat)
-    for param, view, mats in zip(params, views, per_param):
-        if len(mats) == 1 and view.row_partition is None:
-            m, n = mats[0].shape
-            update, alpha = view.from_matrices(mats), -lr * update_scale(scale, m, n)
+    update_momentum_(grads, momentum_buffers, momentum=momentum)
+    schedule, margin = resolve_schedule(coefficients, ns_steps)
+    direction = dict(momentum=momentum, nesterov=nesterov)
+    stacks: dict[tuple, list[int]] = defaultdict(list)
+    split: list[int] = []
+    plain = options == variants.PLAIN_MUON  # variants take the per-matrix path below
+    for i, (p, view) in enumerate(zip(params, views)):
+        if plain and _single_matrix(view):
+            dtype = ns_dtype if ns_dtype is not None else default_ns_dtype(p.device)
+            stacks[(view.matrix_shapes[0], p.device, dtype)].append(i)
         else:
-            scaled = [mat * update_scale(scale, *mat.shape) for mat in mats]
-            update, alpha = view.from_matrices(scaled), -lr
-        if weight_decay != 0 and options.cautious_weight_decay:  # [variants]
-            variants.cautious_weight_decay_(param, update, lr=lr, weight_decay=weight_decay)
-        elif weight_decay != 0:
-            param.mul_(1 - lr * weight_decay)
-        _add_scaled_(param, update, alpha)
+            split.append(i)
+    for ((rows, cols), device, dtype), indices in stacks.items():
+        method = ns_method_for(rows, cols, dtype, ns_method, coefficients, ns_steps)
+        alpha = -update_scale(scale, rows, cols)
+        per_matrix = workspace_bytes(1, rows, cols, torch.finfo(dtype).bits // 8, method)
+        for part in group_by_budget([per_matrix] * len(indices), max_workspace_bytes):
+            members = [indices[j] for j in part]
+            ws = get_workspace(
+                (len(members), rows, cols), dtype, device, method,
+                max_cached_bytes=max_workspace_bytes,
+            )  # fmt: skip
+            X = ws.get("x", (len(members), rows, cols))
+            slots = [X[j].view(params[i].shape) for j, i in enumerate(members)]
+            g_part = [grads[i] for i in members]
+            b_part = [momentum_buffers[i] for i in members]
+
+            def write(g_part=g_part, b_part=b_part, slots=slots) -> None:
+                write_directions_(g_part, b_part, slots, **direction)
+
+            write()
+            result = orthogonalize_stack_(
+                X, schedule, margin, eps, method=method, backend="auto",
+                restart_every=GRAM_POLICY["restart_every"], workspace=ws, reload=write,
+            )  # fmt: skip
+            apply_updates_(
+                [params[i] for i in members], list(result.unbind(0)), [alpha] * len(members),
+                lr=lr, weight_decay=weight_decay,
+            )  # fmt: skip
+    if split:
+        matrices, owner = [], []
+        for i in split:
+            u = torch.empty_like(grads[i])
+            write_directions_([grads[i]], [momentum_buffers[i]], [u], **direction)
+            for mat in views[i].to_matrices(u):
+                matrices.append(mat)
+                owner.append(i)
+        orthogonal = orthogonalize_matrices(
+            matrices, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype, eps=eps,
+            method=ns_method, max_workspace_bytes=max_workspace_bytes,
+            preconditioner=options.preconditioner,  # [variants]
+        )  # fmt: skip
+        if options.normalize == "row":  # [variants] NorMuon, per matrix, rows of each in turn
+            variants.row_normalize_matrices_(
+                orthogonal, owner, row_moments, beta2=options.row_beta2
+            )
+        per_param: dict[int, list[torch.Tensor]] = defaultdict(list)
+        for i, mat in zip(owner, orthogonal):
+            per_param[i].append(mat * update_scale(scale, *mat.shape))
+        for i in split:
+            param, update = params[i], views[i].from_matrices(per_param[i])
+            if weight_decay != 0 and options.cautious_weight_decay:  # [variants]
+                variants.cautious_weight_decay_(param, update, lr=lr, weight_decay=weight_decay)
+            elif weight_decay != 0:
+                param.mul_(1 - lr * weight_decay)
+            _add_scaled_(param, update, -lr)
 
 
 def _add_scaled_(param: torch.Tensor, update: torch.Tensor, alpha: float | torch.Tensor) -> None:

@@ -215,7 +215,9 @@ class Muon(torch.optim.Optimizer):
             (embeddings, head) and 0 for 0/1-D ones (norms, biases).
         ns_dtype: dtype of the iteration; None → bfloat16 on CUDA, float32 on CPU.
         momentum_dtype: dtype of the Muon momentum buffer (e.g. ``torch.bfloat16`` to halve its
-            memory); None → the parameter's dtype.
+            memory); None → the parameter's dtype. The buffers of one param group with the same
+            shape, dtype and device are views into one stacked tensor (``state_dict`` still
+            holds one tensor per parameter).
         nonfinite: ``"raise"`` (a NaN/inf gradient raises :class:`NonFiniteGradientError` naming
             the parameter, leaving parameters and state untouched), ``"skip"`` (skip the whole
             step; counted in ``skipped_steps``) or ``"ignore"`` (no check, no host sync).
@@ -241,10 +243,12 @@ class Muon(torch.optim.Optimizer):
             the model (:func:`muonscale.params.transposed_weights`), else none.
         ns_method: ``"plain"`` (the reference iteration), ``"gram"`` (iterate on the m×m Gram
             matrix, restarting every 2 steps) or ``"auto"`` (Gram for float32/float64 matrices
-            with n ≥ 3m, where it is 17–22% cheaper; plain otherwise). Same function either
-            way, not the same rounding: in float32 the Gram form's relative error was measured
-            at 0.7–2× the plain iteration's (Keller) and up to 2.7× (Polar Express, σᵢ ∝ 1/i),
-            about 1e-6 to 5e-6 either way. See :mod:`muonscale.kernels.newton_schulz_fast`.
+            with n ≥ 3m, where it is 17–22% cheaper, and for bfloat16 ones with Keller's
+            coefficients and n ≥ 4m; plain otherwise). Same function either way, not the same
+            rounding: in float32 the Gram form's relative error was measured at 0.7–2× the
+            plain iteration's (Keller) and up to 2.73× (Polar Express, σᵢ ∝ 1/i), about 1e-6 to
+            5e-6 either way; in bfloat16 on an H200 at 0.95–1.01× with Keller's coefficients at
+            n = 4m. See :data:`muonscale.kernels.GRAM_POLICY`.
         normalize: ``"none"`` or ``"row"`` (NorMuon: each row of the orthogonalized update is
             divided by the root of its EMA second moment, then the matrix is rescaled to its
             norm before; state ``row_second_moment``, one float32 per row).
@@ -345,6 +349,7 @@ class Muon(torch.optim.Optimizer):
         self.routing: dict[str, RouteDecision] = {}
         self._rules = list(rules or ())
         self._views: dict[int, MatrixView] = {}
+        self._momentum_views: dict[int, torch.Tensor] = {}  # id(state) -> its view in a stack
         self._unnamed_to_muon = 0
         if isinstance(transposed, str):
             raise TypeError(f"transposed must be a collection of parameter names, got {transposed!r}")
@@ -731,6 +736,45 @@ class Muon(torch.optim.Optimizer):
         shape = row_moment_shape(self.matrix_view(p, group).matrix_shapes)
         state["row_second_moment"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
 
+    def _stacked_momentum(
+        self, group: Mapping[str, Any], params: list[torch.Tensor], states: list[dict]
+    ) -> list[torch.Tensor]:
+        """The momentum buffers of ``states``, each a view into one ``(k, *shape)`` stack per
+        (param group, shape, dtype, device). A buffer that is not the view handed out (new
+        state, ``load_state_dict``, a checkpoint loaded by replacing tensors) has its stack
+        rebuilt: every member's values are copied into a new stack (parameters without a
+        gradient keep their values), so the ``state_dict`` format is unchanged."""
+        stale = {
+            (tuple(p.shape), s["momentum_buffer"].dtype, s["momentum_buffer"].device)
+            for p, s in zip(params, states)
+            if self._momentum_views.get(id(s)) is not s["momentum_buffer"]
+        }
+        for key in stale:
+            self._restack_momentum(group, key, states)
+        if stale:  # forget the views of state that was replaced (their stacks can be freed)
+            live = {id(s) for s in self.state.values()}
+            self._momentum_views = {k: v for k, v in self._momentum_views.items() if k in live}
+        return [s["momentum_buffer"] for s in states]
+
+    @torch.no_grad()
+    def _restack_momentum(self, group: Mapping[str, Any], key: tuple, states: list[dict]) -> None:
+        shape, dtype, device = key
+        members, seen = [], set()
+        candidates = [self.state.get(q) for q in group["params"]] + states
+        for s in candidates:
+            buf = s.get("momentum_buffer") if s else None
+            if (
+                isinstance(buf, torch.Tensor) and id(s) not in seen
+                and (tuple(buf.shape), buf.dtype, buf.device) == key
+            ):  # fmt: skip
+                members.append(s)
+                seen.add(id(s))
+        stack = torch.empty((len(members), *shape), dtype=dtype, device=device)
+        torch._foreach_copy_(list(stack.unbind(0)), [s["momentum_buffer"] for s in members])
+        for s, view in zip(members, stack.unbind(0)):
+            s["momentum_buffer"] = view
+            self._momentum_views[id(s)] = view
+
     def init_all_state(self) -> None:
         """Create every parameter's state now (instead of at its first step)."""
         for group in self.param_groups:
@@ -781,6 +825,7 @@ class Muon(torch.optim.Optimizer):
         self.__dict__.setdefault("_guard", None)
         self.__dict__.setdefault("_step_ok", None)
         self.__dict__.setdefault("_transposed", set())
+        self._momentum_views = {}  # new state tensors: stacks are rebuilt at the next step
         # Options added after a checkpoint was written get their defaults here.
         for i, group in enumerate(self.param_groups):
             group.setdefault("algorithm", "muon")
@@ -971,7 +1016,7 @@ class Muon(torch.optim.Optimizer):
                 if not params:
                     return
             options = VariantOptions.from_group(group)  # [variants]
-            buffers = [s["momentum_buffer"] for s in states]
+            buffers = self._stacked_momentum(group, params, states)
             if self._step_ok is not None:
                 # A gradient equal to the momentum leaves it unchanged (B.lerp(B, w) = B), and a
                 # zero lr leaves the parameter unchanged: the step is a no-op on the device.

@@ -12,8 +12,10 @@ Tolerances (relative, max over entries / matrices):
 * kernel fp32: 1e-5 of max |C| (fp32 accumulation of ≤ 64 products; fp32 rounding ~1e-7).
 * kernel fp16: 2e-3 of max |C| (inputs exact in fp16, fp32 accumulation, one fp16 rounding
   of the output: 2⁻¹¹ ≈ 4.9e-4 relative, ×2 for the epilogue of b·A + c·A² and γ·I).
-* NS fp32, plain workspace path: bitwise equal to the reference on non-transposed inputs (same
-  ops in the same order), 1e-5 otherwise (bmm on a transposed view rounds differently).
+* NS fp32, plain workspace path: 1e-5 relative Frobenius error vs the reference. The
+  normalization is folded into the first step's m×m matrices and tall stacks are iterated as
+  transposed views, so rounding differs from the reference's: a few float32 ulps (6e-8) per
+  step, amplified by the iteration; measured ≤ 2e-6 at these sizes, the bound leaves 5×.
 * NS fp32, Gram path / Triton backend: 2e-5 relative Frobenius error vs the reference (the
   iteration amplifies rounding by up to a⁵ ≈ 500 on the smallest singular directions).
 """
@@ -155,10 +157,7 @@ def test_plain_workspace_matches_reference(shape, coefficients):
     ref = newton_schulz(G, coefficients=coefficients)
     out = newton_schulz_fast(G, coefficients=coefficients, method="plain", backend="torch")
     assert out.shape == G.shape and out.dtype == G.dtype
-    if shape[-2] <= shape[-1]:
-        assert torch.equal(out, ref)
-    else:
-        assert _rel_fro(out, ref) <= 1e-5
+    assert _rel_fro(out, ref) <= 1e-5
 
 
 @pytest.mark.parametrize("restart_every", [None, 2])
@@ -171,7 +170,10 @@ def test_gram_matches_reference(shape, coefficients, restart_every):
     out = newton_schulz_fast(
         G, coefficients=coefficients, method="gram", backend="torch", restart_every=restart_every
     )
-    assert _rel_fro(out, ref) <= 2e-5
+    # With restarts every 2 steps: 2e-5 (rounding amplified by up to a⁵ ≈ 500 on the smallest
+    # directions). Without restarts rounding in R grows with the polynomial Q (docs: up to
+    # 1.3e-3 in float32 with Polar Express; 1e-4 measured here on a tall Gaussian stack).
+    assert _rel_fro(out, ref) <= (2e-5 if restart_every else 1.3e-3)
 
 
 @pytest.mark.parametrize("coefficients", ["keller", "polar_express"])
@@ -189,15 +191,57 @@ def test_gram_policy_path_on_gradient_like_spectrum(coefficients):
     assert _rel_fro(out, ref) <= 1e-4
 
 
-@needs_triton
-@pytest.mark.parametrize("method", ["plain", "gram"])
-def test_triton_backend_matches_reference(method):
+GRAM_ERROR_BOUND_FP32 = 3.0
+"""docs/newton_schulz.md: in float32 the Gram form (restart every 2 steps) errs at most 3× the
+plain iteration's, against the float64 iteration (measured 0.7–2.0× with Keller's
+coefficients, up to 2.73× with Polar Express)."""
+
+
+@pytest.mark.parametrize("spectrum", ["1/i", "gauss"])
+@pytest.mark.parametrize("coefficients", ["keller", "polar_express"])
+@pytest.mark.parametrize("shape", [(3, 32, 128), (3, 128, 32), (3, 48, 96)])
+def test_gram_error_within_the_documented_bound_fp32(shape, coefficients, spectrum):
     torch.manual_seed(0)
-    G = torch.randn(1, 24, 40)  # m = 24: two 16-tiles, the second one partial
+    k, rows, cols = shape
+    m, n = min(rows, cols), max(rows, cols)
+    if spectrum == "1/i":  # gradient-like: σᵢ ∝ 1/i
+        U = torch.linalg.qr(torch.randn(k, m, m, dtype=torch.float64))[0]
+        V = torch.linalg.qr(torch.randn(k, n, m, dtype=torch.float64))[0]
+        G = (U * torch.arange(1, m + 1.0, dtype=torch.float64) ** -1.0) @ V.mT
+        G = G if rows <= cols else G.mT
+    else:
+        G = torch.randn(shape, dtype=torch.float64)
+    ref = newton_schulz(G, coefficients=coefficients, ns_dtype=torch.float64)
+    G = G.float().contiguous()
+    plain = newton_schulz_fast(G, coefficients=coefficients, method="plain", backend="torch")
+    gram = newton_schulz_fast(G, coefficients=coefficients, method="gram", backend="torch")
+    assert _rel_fro(gram, ref) <= GRAM_ERROR_BOUND_FP32 * _rel_fro(plain, ref)
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", [(1, 24, 40), (1, 40, 24)])  # wide, and tall (transposed view)
+@pytest.mark.parametrize("method", ["plain", "gram"])
+def test_triton_backend_matches_reference(method, shape):
+    torch.manual_seed(0)
+    G = torch.randn(shape)  # m = 24: two 16-tiles, the second one partial
     ref = newton_schulz(G, steps=3)
     # 3 steps with a restart before step 2: every branch of the Gram iteration runs
     out = newton_schulz_fast(G, steps=3, method=method, backend="triton", restart_every=2)
     assert _rel_fro(out, ref) <= 2e-5
+
+
+@needs_triton
+def test_triton_backend_float16_divides_first():
+    """float16 (the interpreter's 16-bit dot): the stack is normalized before the iteration
+    (an unnormalized X Xᵀ could overflow), as close to the float64 iteration as the reference
+    float16 iteration, within 1.5×."""
+    torch.manual_seed(0)
+    G = torch.randn(1, 40, 24) * 300  # ‖G‖² ≈ 8.6e7: X Xᵀ unnormalized would overflow fp16
+    ref64 = newton_schulz(G.double(), steps=3, ns_dtype=torch.float64)
+    ref16 = newton_schulz(G, steps=3, ns_dtype=torch.float16)
+    out = newton_schulz_fast(G, steps=3, ns_dtype=torch.float16, backend="triton")
+    assert out.isfinite().all()
+    assert _rel_fro(out, ref64) <= 1.5 * _rel_fro(ref16, ref64)
 
 
 def test_batching_chunks_out_and_leading_dims():
@@ -222,8 +266,12 @@ def test_zero_matrix_and_bfloat16():
     torch.manual_seed(0)
     G = torch.randn(2, 32, 64)
     ref = newton_schulz(G, ns_dtype=torch.bfloat16)
+    ref64 = newton_schulz(G.double(), ns_dtype=torch.float64)
     out = newton_schulz_fast(G, ns_dtype=torch.bfloat16, backend="torch")
-    assert torch.equal(out, ref)  # same ops, same order
+    assert out.dtype == G.dtype
+    # the folded normalization rounds differently from the reference's division: as close to
+    # the float64 iteration as the reference bf16 iteration is, within 1.5× (as on the GPU)
+    assert _rel_fro(out, ref64) <= 1.5 * _rel_fro(ref, ref64)
 
 
 def test_workspace_is_reused_without_allocation():
@@ -278,7 +326,13 @@ def test_flop_counts_and_auto_policy():
     assert gram_flops(m, n, s, restart_every=2) > gram_flops(m, n, s)
     assert choose_method(768, 768, torch.float32) == ("plain", None)
     assert choose_method(3072, 768, torch.float32) == ("gram", 2)
-    assert choose_method(768, 3072, torch.bfloat16) == ("plain", None)  # unstable in bf16
+    # bfloat16: only (preset, aspect) pairs measured on an H200 within 1.1x the plain error
+    assert choose_method(768, 3072, torch.bfloat16) == ("gram", 2)  # Keller, n = 4m
+    assert choose_method(3072, 768, torch.bfloat16, (3.4445, -4.775, 2.0315)) == ("gram", 2)
+    assert choose_method(768, 3072, torch.bfloat16, "polar_express") == ("plain", None)
+    assert choose_method(768, 2304, torch.bfloat16) == ("plain", None)  # n = 3m: not measured
+    assert choose_method(768, 768, torch.bfloat16) == ("plain", None)  # square: 1.5x plain
+    assert choose_method(768, 3072, torch.float16) == ("plain", None)  # not measured
 
 
 def test_invalid_arguments():
@@ -324,25 +378,49 @@ def test_gpu_fast_ns_bf16(method):
     assert _rel_fro(out, ref64) <= 1.5 * _rel_fro(ref_bf16, ref64) + 1e-3
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", [(2, 1024, 4096), (2, 4096, 1024)])
+def test_gpu_gram_bf16_within_the_policy_bound(shape):
+    """GRAM_POLICY: with Keller's coefficients at n = 4m the bf16 Gram form (restart every 2)
+    errs at most 1.1× the plain bf16 iteration, on a gradient-like spectrum (σᵢ ∝ 1/i)."""
+    torch.manual_seed(0)
+    k, rows, cols = shape
+    m, n = min(rows, cols), max(rows, cols)
+    U = torch.linalg.qr(torch.randn(k, m, m, device="cuda", dtype=torch.float64))[0]
+    V = torch.linalg.qr(torch.randn(k, n, m, device="cuda", dtype=torch.float64))[0]
+    G = (U * torch.arange(1, m + 1.0, device="cuda", dtype=torch.float64) ** -1.0) @ V.mT
+    G = (G if rows <= cols else G.mT).float().contiguous()
+    ref = newton_schulz(G.double(), ns_dtype=torch.float64)
+    assert choose_method(rows, cols, torch.bfloat16) == ("gram", 2)
+    plain = newton_schulz_fast(G, ns_dtype=torch.bfloat16, method="plain")
+    gram = newton_schulz_fast(G, ns_dtype=torch.bfloat16, method="auto")
+    assert _rel_fro(gram, ref) <= 1.1 * _rel_fro(plain, ref)
+
+
 def test_auto_backend_falls_back_to_torch_when_triton_fails(monkeypatch):
     """On CUDA, backend="auto" uses Triton; a kernel that fails (compile error on an untested
     GPU) must not break the optimizer step: warn once, reload the input, finish with torch."""
     nsf = importlib.import_module("muonscale.kernels.newton_schulz_fast")
     state = importlib.import_module("muonscale.kernels.process_state")
 
-    def broken(X, schedule, ws):
+    iterate = nsf.iterate_
+
+    def broken(X, schedule, ws, *, use_triton, **kw):
+        if not use_triton:
+            return iterate(X, schedule, ws, use_triton=False, **kw)
         X.mul_(0.0)  # partial damage before failing
         raise RuntimeError("simulated Triton failure")
 
     monkeypatch.setitem(state._triton, "ok", True)
     monkeypatch.setitem(state._triton, "module", None)
     monkeypatch.setattr(nsf, "_resolve_backend", lambda b, X: "triton" if b == "auto" else b)
-    monkeypatch.setattr(nsf, "_plain_triton_", broken)
+    monkeypatch.setattr(nsf, "iterate_", broken)
     torch.manual_seed(0)
     G = torch.randn(2, 16, 32)
     with pytest.warns(RuntimeWarning, match="simulated Triton failure"):
         out = newton_schulz_fast(G, backend="auto")
-    assert torch.equal(out, newton_schulz(G))
+    assert torch.equal(out, newton_schulz_fast(G, backend="torch"))
     assert state._triton["ok"] is False
 
 

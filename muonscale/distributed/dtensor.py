@@ -327,18 +327,19 @@ class DTensorMuon(Muon):
                 )
                 updates.update({id(p): (o, self._alpha(p, g)) for (p, g), o in zip(part, out)})
 
-        # phase 3: weight decay and update on local shards
-        for p, group in entries:
-            local, lr = local_tensor(p), float(group["lr"])
-            update, alpha = updates[id(p)]
-            if group["weight_decay"] != 0 and group.get("cautious_weight_decay"):  # [variants]
-                cautious_weight_decay_(
-                    local, update.reshape(local.shape), lr=lr, weight_decay=group["weight_decay"]
-                )
-            elif group["weight_decay"] != 0:
-                local.mul_(1 - lr * group["weight_decay"])
-            if update.numel():
-                local.add_(update.reshape(local.shape), alpha=alpha * lr)
+        # phase 3: weight decay and update on local shards, per group for its lr / λ
+        for group in {id(g): g for _, g in entries}.values():
+            params = [p for p, g in entries if g is group]
+            shards = [local_tensor(p) for p in params]
+            ups = [updates[id(p)][0].reshape(x.shape) for p, x in zip(params, shards)]
+            alphas = [updates[id(p)][1] for p in params]
+            lr, decay = float(group["lr"]), group["weight_decay"]
+            if decay != 0 and group.get("cautious_weight_decay"):  # [variants]
+                for shard, update, alpha in zip(shards, ups, alphas):
+                    cautious_weight_decay_(shard, update, lr=lr, weight_decay=decay)
+                    shard.add_(update, alpha=alpha * lr)
+            else:
+                functional.apply_updates_(shards, ups, alphas, lr=lr, weight_decay=decay)
 
     def _result_dtype(self, part, dtype: torch.dtype) -> torch.dtype:
         """Newton–Schulz's output dtype when all groups agree (bf16 on GPU halves the return
@@ -368,7 +369,7 @@ class DTensorMuon(Muon):
             )
             for j, mat in enumerate(mats):
                 by_setting.setdefault(key, []).append((slot, j, mat))
-        for (steps, _, ns_dtype, eps, preconditioner, ns_method), items in by_setting.items():
+        for (steps, _, ns_dtype, eps, preconditioner, method), items in by_setting.items():
             group = part[indices[items[0][0]]][1]
             ortho = functional.orthogonalize_matrices(
                 [m for _, _, m in items],
@@ -376,7 +377,7 @@ class DTensorMuon(Muon):
                 coefficients=group["coefficients"],
                 ns_dtype=ns_dtype,
                 eps=eps,
-                method=ns_method,
+                method=method,
                 max_workspace_bytes=self.memory.ns_workspace_bytes,
                 preconditioner=preconditioner,  # [variants]
             )
@@ -411,7 +412,7 @@ class DTensorMuon(Muon):
                 continue
             (o,) = functional.orthogonalize_matrices(
                 [u], ns_steps=group["ns_steps"], coefficients=group["coefficients"],
-                ns_dtype=group["ns_dtype"], eps=group["ns_eps"],
+                ns_dtype=group["ns_dtype"], eps=group["ns_eps"], method=group["ns_method"],
                 max_workspace_bytes=self.memory.ns_workspace_bytes,
                 preconditioner=group.get("preconditioner", "frobenius"),  # [variants]
             )  # fmt: skip

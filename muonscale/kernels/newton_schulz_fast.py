@@ -4,14 +4,17 @@
 Two formulations (the reference's plain iteration, and a Gram-matrix form that iterates on
 the m×m matrix X Xᵀ and is cheaper for wide matrices) on three backends (``torch.bmm`` into
 preallocated workspaces, Triton kernels that compute symmetric products one triangle only, and
-``torch.compile``). ``method="auto"`` takes the Gram form only where it was measured to be as
-accurate and is cheaper (:data:`GRAM_POLICY`). The derivation, FLOP counts, accuracy and
-timing measurements behind these choices are in ``docs/newton_schulz.md``.
+``torch.compile``). Tall stacks are iterated as transposed views, without a copy. ``method="auto"``
+takes the Gram form only where it is cheaper and its measured error stays within the bound
+:data:`GRAM_POLICY` states (in float32 0.7–2.0× the plain iteration's with Keller's
+coefficients, up to 2.73× with Polar Express; in bfloat16 on an H200 at most 1.1×). The
+derivation, FLOP counts, accuracy and timing measurements behind these choices are in
+``docs/newton_schulz.md``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -29,6 +32,7 @@ from muonscale.kernels.process_state import (
 )
 from muonscale.memory import DEFAULT_NS_WORKSPACE_BYTES, group_by_budget
 from muonscale.newton_schulz import (
+    COEFFICIENT_PRESETS,
     DEFAULT_EPS,
     Coefficients,
     CoefficientSpec,
@@ -52,13 +56,20 @@ __all__ = [
     "choose_method",
     "newton_schulz_batched_",
     "newton_schulz_fast",
+    "orthogonalize_stack_",
 ]
 
 # Decision for method="auto" (the measurements are in docs/newton_schulz.md).
 GRAM_POLICY = {
-    "min_aspect_32bit": 3.0,  # float32/float64: Gram form when n >= 3m ...
-    "restart_every": 2,  # ... restarting before steps 2 and 4 (also the default for method="gram")
-    "use_16bit": False,  # bfloat16/float16: never in "auto" (unstable; see the docs)
+    # float32/float64: Gram form when n >= 3m (CPU float32: error 0.7-2.0x the plain
+    # iteration's with Keller, up to 2.73x with Polar Express, both ~1e-6; FLOPs -17 to -22%).
+    "min_aspect_32bit": 3.0,
+    # bfloat16: per coefficient preset, the aspect n/m from which the Gram form's error on an
+    # H200 (tensor cores, sigma_i ~ 1/i and Gaussian spectra) was <= 1.1x the plain iteration's:
+    # Keller at n = 4m: 0.95-1.01x. Polar Express is absent (1.14x), and so are square stacks
+    # (1.53x with Keller) and aspects the card has not measured.
+    "min_aspect_bf16": {"keller": 4.0},
+    "restart_every": 2,  # restarting before steps 2 and 4 (also the default for method="gram")
 }
 
 
@@ -71,97 +82,200 @@ def _resolve_backend(backend: NSBackend, X: torch.Tensor) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# The iterations, in place on a normalized (k, m, n) stack, m <= n
+# The iterations, in place on a (k, rows, cols) stack of either orientation. A tall stack
+# (rows > cols) is iterated as its transpose X = Tᵀ without copying it: X Xᵀ = Tᵀ T and
+# B X = (T Bᵀ)ᵀ, so every product reads T through a transposed operand and writes a contiguous
+# result. ``inv_norm`` (k, 1, 1), when given, is 1 / max(margin·‖X‖_F, eps) of a stack that was
+# not normalized: it is folded into m×m matrices of the first step (no pass over the stack).
 
 
-def _plain_torch_(
-    X: torch.Tensor, schedule: Sequence[Coefficients], ws: NSWorkspace
+class _Products:
+    """The products of one iteration for a stack's orientation and backend."""
+
+    def __init__(self, tall: bool, sym) -> None:
+        self.tall, self.sym = tall, sym
+
+    def gram(self, out: torch.Tensor, S: torch.Tensor) -> torch.Tensor:  # out = X Xᵀ
+        W = S.mT if self.tall else S
+        return self.sym.sym_matmul(W, out=out) if self.sym else torch.bmm(W, W.mT, out=out)
+
+    def square(self, out, A, b, c, gamma=None):  # out = gamma I + b A + c A² (A symmetric)
+        if self.sym:
+            if gamma is None:
+                return self.sym.sym_matmul(A, alpha=c, Z=A, beta=b, out=out)
+            return self.sym.sym_matmul(A, alpha=c, Z=A, beta=b, gamma=gamma, out=out)
+        torch.baddbmm(A, A, A, beta=b, alpha=c, out=out)
+        if gamma is not None:
+            out.diagonal(dim1=-2, dim2=-1).add_(gamma)
+        return out
+
+    def prod(self, out, S, T):  # out = S T, S and T symmetric and commuting
+        return self.sym.sym_matmul(S, T, out=out) if self.sym else torch.bmm(S, T, out=out)
+
+    def left(self, out, M, S, beta=None):  # out = M X (+ beta X) for X = S, or Sᵀ when tall
+        if self.tall:  # (M X)ᵀ = S Mᵀ
+            if beta is None:
+                return torch.bmm(S, M.mT, out=out)
+            return torch.baddbmm(S, S, M.mT, beta=beta, out=out)
+        if beta is None:
+            return torch.bmm(M, S, out=out)
+        return torch.baddbmm(S, M, S, beta=beta, out=out)
+
+
+def _plain_(
+    X: torch.Tensor,
+    schedule: Sequence[Coefficients],
+    ws: NSWorkspace,
+    ops: _Products,
+    inv_norm: torch.Tensor | None,
 ) -> torch.Tensor:
-    k, m, n = X.shape
+    """Returns the tensor holding the result (``X`` or the workspace's ``y``)."""
+    k, m = X.shape[0], min(X.shape[-2:])
     A = ws.get("A", (k, m, m))
     B = ws.get("B", (k, m, m))
-    Y = ws.get("y", (k, m, n))
-    cur, nxt = X, Y
-    for a, b, c in schedule:
-        torch.bmm(cur, cur.mT, out=A)  # A = X Xᵀ
-        torch.baddbmm(A, A, A, beta=b, alpha=c, out=B)  # B = b A + c A²
-        torch.baddbmm(cur, B, cur, beta=a, out=nxt)  # X ← a X + B X
+    cur, nxt = X, ws.get("y", tuple(X.shape))
+    for t, (a, b, c) in enumerate(schedule):
+        ops.gram(A, cur)  # A = X Xᵀ
+        if t == 0 and inv_norm is not None:
+            # X₁ = (a I + b A₀ + c A₀²) X₀ with A₀ = A / ν², X₀ = X / ν
+            A.mul_(inv_norm * inv_norm)
+            ops.square(B, A, b, c, gamma=a)
+            B.mul_(inv_norm)
+            ops.left(nxt, B, cur)
+        else:
+            ops.square(B, A, b, c)  # B = b A + c A²
+            ops.left(nxt, B, cur, beta=a)  # X ← a X + B X
         cur, nxt = nxt, cur
-    if cur is not X:
-        X.copy_(cur)
-    return X
-
-
-def _plain_triton_(
-    X: torch.Tensor, schedule: Sequence[Coefficients], ws: NSWorkspace
-) -> torch.Tensor:
-    sym = triton_module()
-    k, m, n = X.shape
-    A = ws.get("A", (k, m, m))
-    B = ws.get("B", (k, m, m))
-    Y = ws.get("y", (k, m, n))
-    cur, nxt = X, Y
-    for a, b, c in schedule:
-        sym.sym_matmul(cur, out=A)  # A = X Xᵀ            (upper tiles, mirrored)
-        sym.sym_matmul(A, alpha=c, Z=A, beta=b, out=B)  # B = c A Aᵀ + b A = b A + c A²
-        torch.baddbmm(cur, B, cur, beta=a, out=nxt)  # X ← a X + B X
-        cur, nxt = nxt, cur
-    if cur is not X:
-        X.copy_(cur)
-    return X
+    return cur
 
 
 def _gram_(
     X: torch.Tensor,
     schedule: Sequence[Coefficients],
     ws: NSWorkspace,
+    ops: _Products,
+    inv_norm: torch.Tensor | None,
     restart_every: int | None,
-    use_triton: bool,
 ) -> torch.Tensor:
-    k, m, n = X.shape
+    """Returns the tensor holding the result (``X`` or the workspace's ``y``)."""
+    k, m = X.shape[0], min(X.shape[-2:])
     R, Rn = ws.get("R", (k, m, m)), ws.get("Rn", (k, m, m))
     P, P2 = ws.get("P", (k, m, m)), ws.get("P2", (k, m, m))
     Q, Qn = ws.get("Q", (k, m, m)), ws.get("Qn", (k, m, m))
-    Y = ws.get("y", (k, m, n))
-    sym = triton_module() if use_triton else None
-
-    def gram(out, S):  # out = S Sᵀ
-        return sym.sym_matmul(S, out=out) if sym else torch.bmm(S, S.mT, out=out)
-
-    def prod(out, S, T):  # out = S T, S and T symmetric and commuting
-        return sym.sym_matmul(S, T, out=out) if sym else torch.bmm(S, T, out=out)
+    Y = ws.get("y", tuple(X.shape))
 
     x0 = X  # X_k = Q X0
-    gram(R, x0)  # R0 = X0 X0ᵀ
+    ops.gram(R, x0)  # R0 = X0 X0ᵀ
+    pending_norm = inv_norm  # X0 = x0 / ν until the first Q X0 takes the 1/ν
+    if pending_norm is not None:
+        R.mul_(pending_norm * pending_norm)
     have_q = False
     for (a, b, c), (restart, update_r) in zip(schedule, gram_plan(len(schedule), restart_every)):
         if restart:  # re-form X = Q X0 and R = X Xᵀ, reset Q = I
+            if pending_norm is not None:
+                Q.mul_(pending_norm)
+                pending_norm = None
             nx = Y if x0 is X else X
-            torch.bmm(Q, x0, out=nx)
+            ops.left(nx, Q, x0)
             x0 = nx
-            gram(R, x0)
+            ops.gram(R, x0)
             have_q = False
-        # P = a I + b R + c R²
-        if sym:
-            sym.sym_matmul(R, alpha=c, Z=R, beta=b, gamma=a, out=P)
-        else:
-            torch.baddbmm(R, R, R, beta=b, alpha=c, out=P)
-            P.diagonal(dim1=-2, dim2=-1).add_(a)
+        ops.square(P, R, b, c, gamma=a)  # P = a I + b R + c R²
         if have_q:
-            prod(Qn, Q, P)  # Q ← Q P
+            ops.prod(Qn, Q, P)  # Q ← Q P
             Q, Qn = Qn, Q
         else:
             Q.copy_(P)  # Q = P (m² copy instead of a product with I)
             have_q = True
         if update_r:
-            gram(P2, P)  # P² = P Pᵀ
-            prod(Rn, R, P2)  # R ← R P² (= P R P)
+            ops.gram(P2, P)  # P² = P Pᵀ
+            ops.prod(Rn, R, P2)  # R ← R P² (= P R P)
             R, Rn = Rn, R
+    if pending_norm is not None:
+        Q.mul_(pending_norm)
     out = Y if x0 is X else X
-    torch.bmm(Q, x0, out=out)  # X_s = Q X0
-    if out is not X:
-        X.copy_(out)
-    return X
+    ops.left(out, Q, x0)  # X_s = Q X0
+    return out
+
+
+def iterate_(
+    X: torch.Tensor,
+    schedule: Sequence[Coefficients],
+    ws: NSWorkspace,
+    *,
+    method: NSMethod,
+    use_triton: bool,
+    restart_every: int | None,
+    inv_norm: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The iteration on a (k, rows, cols) stack of either orientation, clobbering ``X``;
+    returns the tensor that holds the result (``X`` or the workspace's ``y``, valid until the
+    workspace is used again)."""
+    ops = _Products(X.shape[-2] > X.shape[-1], triton_module() if use_triton else None)
+    if method == "gram":
+        return _gram_(X, schedule, ws, ops, inv_norm, restart_every)
+    return _plain_(X, schedule, ws, ops, inv_norm)
+
+
+def inverse_norms(
+    X: torch.Tensor, ws: NSWorkspace, margin: float, eps: float
+) -> torch.Tensor:
+    """1 / max(margin · ‖X_i‖_F, eps) per matrix, (k, 1, 1), the norm taken in X's dtype
+    like the reference's."""
+    norm = ws.get("norm", (X.shape[0], 1, 1))
+    torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, out=norm)
+    if margin != 1.0:
+        norm.mul_(margin)
+    return norm.clamp_(min=eps).reciprocal_()
+
+
+def orthogonalize_stack_(
+    X: torch.Tensor,
+    schedule: Sequence[Coefficients],
+    margin: float,
+    eps: float,
+    *,
+    method: NSMethod,
+    backend: NSBackend = "auto",
+    restart_every: int | None = 2,
+    workspace: NSWorkspace | None = None,
+    reload: Callable[[], object] | None = None,
+    max_workspace_bytes: int = DEFAULT_NS_WORKSPACE_BYTES,
+) -> torch.Tensor:
+    """Newton–Schulz of every matrix of a (k, rows, cols) stack that is *not* normalized yet
+    (either orientation), clobbering ``X``; returns the tensor that holds the result (``X`` or
+    the workspace's ``y``). The normalization is folded into the first step, except in
+    float16, whose range would not hold the unnormalized X Xᵀ (there X is divided first).
+    ``reload`` refills ``X`` with the input: under ``backend="auto"`` a failing Triton kernel
+    then falls back to torch (once, with a warning) instead of raising."""
+    if workspace is None:
+        workspace = get_workspace(
+            tuple(X.shape), X.dtype, X.device, method, max_cached_bytes=max_workspace_bytes
+        )
+    use = _resolve_backend(backend, X)
+
+    def run(use_triton: bool) -> torch.Tensor:
+        inv_norm = inverse_norms(X, workspace, margin, eps)
+        if X.dtype == torch.float16 or use == "compile":
+            X.mul_(inv_norm)
+            inv_norm = None
+        if use == "compile":
+            if method != "plain":
+                raise ValueError("backend='compile' supports method='plain' only")
+            return _plain_compiled_(X, schedule)
+        return iterate_(
+            X, schedule, workspace, method=method, use_triton=use_triton,
+            restart_every=restart_every, inv_norm=inv_norm,
+        )  # fmt: skip
+
+    if use == "triton" and backend == "auto" and reload is not None:
+        try:
+            return run(True)
+        except Exception as exc:  # a kernel that does not compile/run on this GPU
+            disable_triton(exc)
+            reload()
+            return run(False)
+    return run(use == "triton")
 
 
 def _plain_functional(X: torch.Tensor, schedule: tuple[Coefficients, ...]) -> torch.Tensor:
@@ -214,18 +328,37 @@ def newton_schulz_batched_(
         workspace = get_workspace(
             tuple(X.shape), X.dtype, X.device, method, max_cached_bytes=max_workspace_bytes
         )
-    if method == "gram":
-        return _gram_(X, schedule, workspace, restart_every, backend == "triton")
-    if backend == "triton":
-        return _plain_triton_(X, schedule, workspace)
-    return _plain_torch_(X, schedule, workspace)
+    out = iterate_(
+        X, schedule, workspace, method=method, use_triton=backend == "triton",
+        restart_every=restart_every,
+    )  # fmt: skip
+    if out is not X:
+        X.copy_(out)
+    return X
 
 
-def choose_method(m: int, n: int, dtype: torch.dtype) -> tuple[str, int | None]:
-    """``(method, restart_every)`` that ``method="auto"`` uses for an m×n matrix in ``dtype``."""
+def _preset_of(schedule: Sequence[Coefficients]) -> str | None:
+    """The preset whose schedule ``schedule`` is (its first steps, or more of its tail)."""
+    for name in COEFFICIENT_PRESETS:
+        if list(schedule) == resolve_schedule(name, len(schedule))[0]:
+            return name
+    return None
+
+
+def choose_method(
+    m: int, n: int, dtype: torch.dtype, coefficients: CoefficientSpec = "keller", steps: int = 5
+) -> tuple[str, int | None]:
+    """``(method, restart_every)`` that ``method="auto"`` uses for an m×n matrix in ``dtype``
+    with the schedule of ``coefficients`` over ``steps`` (see :data:`GRAM_POLICY`)."""
     m, n = min(m, n), max(m, n)
-    wide = n >= GRAM_POLICY["min_aspect_32bit"] * m
-    if wide and (dtype in (torch.float32, torch.float64) or GRAM_POLICY["use_16bit"]):
+    if dtype in (torch.float32, torch.float64):
+        min_aspect = GRAM_POLICY["min_aspect_32bit"]
+    elif dtype == torch.bfloat16:
+        preset = _preset_of(resolve_schedule(coefficients, steps)[0])
+        min_aspect = GRAM_POLICY["min_aspect_bf16"].get(preset)
+    else:  # float16: not measured
+        min_aspect = None
+    if min_aspect is not None and n >= min_aspect * m and n > m:
         return "gram", GRAM_POLICY["restart_every"]
     return "plain", None
 
@@ -250,7 +383,8 @@ def newton_schulz_fast(
         out: tensor of G's shape to write the result into (any dtype; may be G itself).
             ``None`` allocates one of G's dtype.
         method: "plain" (the reference's iteration), "gram" (Gram-matrix form) or "auto"
-            (:func:`choose_method`: Gram only where it saves FLOPs and was measured accurate).
+            (:func:`choose_method`: Gram only where it saves FLOPs and its measured error stays
+            within the bound of :data:`GRAM_POLICY`).
         backend: "auto" (Triton symmetric kernels on CUDA, torch elsewhere), "torch",
             "triton", "compile".
         restart_every: Gram form only: restart before steps r, 2r, …; ``None`` never restarts;
@@ -264,6 +398,7 @@ def newton_schulz_fast(
         )
     if G.is_complex() or not G.is_floating_point():
         raise ValueError(f"newton_schulz_fast: G must be real floating point, got {G.dtype}")
+    _resolve_backend(backend, G)  # validates the name
     schedule, margin = resolve_schedule(coefficients, steps)
     dtype = ns_dtype if ns_dtype is not None else default_ns_dtype(G.device)
     if out is None:
@@ -272,48 +407,29 @@ def newton_schulz_fast(
         raise ValueError(
             f"newton_schulz_fast: out shape {tuple(out.shape)} != G shape {tuple(G.shape)}"
         )
-
     rows, cols = G.shape[-2], G.shape[-1]
-    transposed = rows > cols
-    m, n = (cols, rows) if transposed else (rows, cols)
+    m, n = min(rows, cols), max(rows, cols)
     if method == "auto":
-        method, _ = choose_method(m, n, dtype)
+        method, _ = choose_method(m, n, dtype, coefficients, steps)
     if restart_every == "auto":
         restart_every = GRAM_POLICY["restart_every"]
     src = G.reshape(-1, rows, cols)
     dst = out.view(-1, rows, cols) if out.is_contiguous() else None
     k = src.shape[0]
     per_matrix = workspace_bytes(1, m, n, torch.empty((), dtype=dtype).element_size(), method)
-
-    def load(ws: NSWorkspace, g: torch.Tensor) -> torch.Tensor:
-        X = ws.x  # (kc, m, n)
-        X.copy_(g.mT if transposed else g)  # cast + transpose in one copy
-        # X₀ = X / max(margin · ‖X‖_F, eps), norm taken in the NS dtype like the reference
-        norm = ws.get("norm", (X.shape[0], 1, 1))
-        torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, out=norm)
-        if margin != 1.0:
-            norm.mul_(margin)
-        norm.clamp_(min=eps)
-        return X.div_(norm)
-
     results = []
     for chunk in group_by_budget([per_matrix] * k, max_workspace_bytes):
         start, kc = chunk[0], len(chunk)
         ws = get_workspace(
-            (kc, m, n), dtype, G.device, method, max_cached_bytes=max_workspace_bytes
+            (kc, rows, cols), dtype, G.device, method, max_cached_bytes=max_workspace_bytes
         )
+        X = ws.get("x", (kc, rows, cols))
         g = src[start : start + kc]
-        X = load(ws, g)
-        kw = dict(workspace=ws, method=method, restart_every=restart_every)
-        if backend == "auto" and _resolve_backend("auto", X) == "triton":
-            try:
-                newton_schulz_batched_(X, schedule, backend="triton", **kw)
-            except Exception as exc:  # a kernel that does not compile/run on this GPU
-                disable_triton(exc)
-                newton_schulz_batched_(load(ws, g), schedule, backend="torch", **kw)
-        else:
-            newton_schulz_batched_(X, schedule, backend=backend, **kw)
-        res = X.mT if transposed else X
+        X.copy_(g)  # the cast, in G's orientation
+        res = orthogonalize_stack_(
+            X, schedule, margin, eps, method=method, backend=backend,
+            restart_every=restart_every, workspace=ws, reload=lambda X=X, g=g: X.copy_(g),
+        )  # fmt: skip
         if dst is not None:
             dst[start : start + kc].copy_(res)
         else:

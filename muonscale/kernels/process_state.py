@@ -41,7 +41,7 @@ MAX_CACHED_WORKSPACES = 64
 
 @dataclass
 class NSWorkspace:
-    """Buffers for Newton–Schulz on one (k, m, n) stack, allocated on first use and reused.
+    """Buffers for Newton–Schulz on one (k, rows, cols) stack, allocated on first use and reused.
 
     ``x`` is the iterate (the caller fills it); every other buffer is scratch.
     """
@@ -67,7 +67,8 @@ class NSWorkspace:
 
 
 def workspace_bytes(k: int, m: int, n: int, itemsize: int, method: NSMethod) -> int:
-    """Bytes of a workspace for a (k, m, n) stack (x and scratch)."""
+    """Bytes of a workspace for a (k, m, n) stack of either orientation (x and scratch)."""
+    m, n = min(m, n), max(m, n)
     if method == "gram":
         return k * itemsize * (2 * m * n + 5 * m * m + 1)
     return k * itemsize * (2 * m * n + 2 * m * m + 1)

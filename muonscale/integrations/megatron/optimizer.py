@@ -14,6 +14,7 @@ from torch import nn
 
 from muonscale.distributed.comm import Communicator, WireCounter
 from muonscale.distributed.data_parallel import DistributedMuon
+from muonscale.memory import MemoryBudget
 from muonscale.optimizer import Muon
 from muonscale.params import RouteDecision
 
@@ -132,7 +133,7 @@ class MegatronMuon(Muon):
             return super().update_group(group, params, grads)
         states = [self.init_state(p, group) for p in params]
         muon_update_(
-            params, grads, [s["momentum_buffer"] for s in states],
+            params, grads, self._stacked_momentum(group, params, states),
             [self.matrix_view(p, group) for p in params],
             [self._plan_by_id[id(p)] for p in params], group, self.orthogonalizer,
         )  # fmt: skip
@@ -237,7 +238,7 @@ class MegatronDistributedMuon(DistributedMuon):
             return super().update_group(group, params, grads)
         states = [self.init_state(p, group) for p in params]
         muon_update_(
-            params, grads, [s["momentum_buffer"] for s in states],
+            params, grads, self._stacked_momentum(group, params, states),
             [self.matrix_view(p, group) for p in params],
             [self._plan_by_id[id(self.model_param(p))] for p in params], group,
             self.orthogonalizer,
@@ -330,6 +331,7 @@ def megatron_muon(
     if groups.pp_size > 1:
         zero1_blockers.append("pipeline parallelism")
     mode = config.dp_mode
+    memory = MemoryBudget.from_environment()  # the environment is read here, once
     if mode == "auto":
         mode = "replicated" if zero1_blockers or MegatronGroups.size(groups.dp) == 1 else "zero1"
     if mode == "zero1":
@@ -339,10 +341,14 @@ def megatron_muon(
             )
         _check_self_reduction(plans, groups)
         counter = WireCounter()
-        orthogonalizer = TensorParallelOrthogonalizer(groups, config, counter=counter)
+        orthogonalizer = TensorParallelOrthogonalizer(
+            groups, config, counter=counter, memory=memory
+        )
         return MegatronDistributedMuon(
             plans, groups, config, orthogonalizer=orthogonalizer, wire_counter=counter
         )
     counter = WireCounter()
-    orthogonalizer = TensorParallelOrthogonalizer(groups, config, counter=counter)
+    orthogonalizer = TensorParallelOrthogonalizer(
+        groups, config, counter=counter, memory=memory
+    )
     return MegatronMuon(plans, groups, config, orthogonalizer=orthogonalizer, wire_counter=counter)

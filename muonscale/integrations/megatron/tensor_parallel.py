@@ -110,6 +110,7 @@ class TensorParallelOrthogonalizer:
             coefficients=group["coefficients"],
             ns_dtype=group["ns_dtype"],
             eps=group["ns_eps"],
+            method=group["ns_method"],
             max_workspace_bytes=self.memory.ns_workspace_bytes,
         )
 
@@ -164,13 +165,13 @@ def muon_update_(
     orthogonalize: Orthogonalizer,
 ) -> None:
     """Muon's step with an injected orthogonalizer: B ← B.lerp(G, 1 − μ), U = G.lerp(B, μ) or
-    B; W ← W (1 − η λ) − η · ``orthogonalize(U)``."""
+    B; W ← W (1 − η λ) − η · ``orthogonalize(U)`` (the functions of :mod:`muonscale.functional`
+    that every layout uses)."""
     directions = functional.momentum_directions_(
         list(grads), list(momentum_buffers), momentum=group["momentum"], nesterov=group["nesterov"]
     )
     updates = orthogonalize(directions, views, plans, group)
-    lr, wd = float(group["lr"]), group["weight_decay"]
-    for p, update in zip(params, updates):
-        if wd != 0:
-            p.mul_(1 - lr * wd)
-        p.add_(update, alpha=-lr)
+    functional.apply_updates_(
+        params, updates, [-1.0] * len(updates), lr=float(group["lr"]),
+        weight_decay=group["weight_decay"],
+    )  # fmt: skip
