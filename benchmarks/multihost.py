@@ -121,7 +121,8 @@ def run_fault(a, kind: str) -> dict:
             def later():
                 time.sleep(a.link_down_after_s)
                 cluster.link_down(1)
-                started["down"] = time.monotonic() - started["t"]
+                started["down_at"] = time.monotonic()
+                started["down"] = started["down_at"] - started["t"]
 
             threading.Thread(target=later, daemon=True).start()
 
@@ -135,6 +136,9 @@ def run_fault(a, kind: str) -> dict:
             WORKER, args, nproc_per_node=1, python=a.python, timeout_s=a.timeout_s,
             env={"PYTHONPATH": str(REPO)}, on_started=inject,
         )  # fmt: skip
+        killed_at = Path(tmp, "killed_at")
+        if killed_at.exists():  # written by the rank just before it SIGKILLs itself
+            started["killed_at"] = float(killed_at.read_text())
     messages = [
         next((ln for ln in o.splitlines() if "[multihost_worker]" in ln or "killed after" in ln),
              o.strip().splitlines()[-1] if o.strip() else "")
@@ -148,6 +152,7 @@ def run_fault(a, kind: str) -> dict:
         "pg_timeout_s": a.pg_timeout_s,
         "returncodes": result.returncodes,
         "exit_s": result.exit_s,
+        "exit_s_after_fault": _after_fault(result, started),
         "link_down_at_s": started.get("down"),
         "messages": messages,
         "outcome": "clean failure" if survivor_ok else "NOT a clean failure",
@@ -246,6 +251,15 @@ def _compare(got: dict, want: dict) -> tuple[bool, float]:
         else:
             bitwise &= got[key] == value
     return bitwise, worst
+
+
+def _after_fault(result, started: dict) -> list[float] | None:
+    """Seconds from the fault (the SIGKILL, the link going down) to each host's exit."""
+    if "killed_at" in started:
+        return [t - started["killed_at"] for t in result.exit_at]
+    if "down_at" in started:
+        return [t - started["down_at"] for t in result.exit_at]
+    return None
 
 
 def elastic_resume_scenario(a) -> dict:
@@ -379,7 +393,8 @@ def main(argv=None) -> int:
               f"{r['counted_bytes_per_step_per_host'] / 1e6:7.2f} MB "
               f"({r['agreement_pct']:+.1f}%), {r['tokens_per_s']:8.0f} tok/s")  # fmt: skip
     for f in faults:
-        print(f"fault {f['scenario']}: {f['outcome']} {f.get('exit_s', '')}")
+        print(f"fault {f['scenario']}: {f['outcome']}, exit after the fault "
+              f"{f.get('exit_s_after_fault') or f.get('exit_s_after_kill')} s")  # fmt: skip
     return 1 if errors else 0
 
 

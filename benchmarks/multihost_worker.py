@@ -113,6 +113,8 @@ def _run(a, names, rank) -> None:
             nonlocal step
             for i in range(k):
                 if measured and rank == a.kill_rank and i == a.kill_at_step:
+                    # CLOCK_MONOTONIC is one clock for every process of the machine
+                    (Path(a.out) / "killed_at").write_text(repr(time.monotonic()))
                     os.kill(os.getpid(), signal.SIGKILL)
                 ((x, y),) = data.train_batch(seed=0, step=step, batch_size=a.global_batch)
                 mine = slice(rank * per_rank, (rank + 1) * per_rank)

@@ -215,7 +215,7 @@ class Cluster:
                 outputs.append(out)
                 codes.append(p.returncode)
                 exit_s.append(time.monotonic() - start)
-            return RunResult(codes, outputs, exit_s)
+            return RunResult(codes, outputs, exit_s, [start + e for e in exit_s])
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -256,6 +256,7 @@ class RunResult:
     returncodes: list[int]
     outputs: list[str]
     exit_s: list[float]  # seconds from launch until each host's torchrun had exited
+    exit_at: list[float]  # time.monotonic() when each host's torchrun had exited
 
     @property
     def ok(self) -> bool:
