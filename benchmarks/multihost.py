@@ -109,6 +109,20 @@ def _rows(per_host: list[dict], hosts: int, procs: int, link: str) -> list[dict]
     return rows
 
 
+def _split_compute_and_comm(rows: list[dict]) -> None:
+    """On a shaped link: compute = the same contender's step on the unshaped veth link (2 x 1),
+    communication = the rest of the step, both measured (veth's own transfer time counts as
+    compute here, so the communication share is a lower bound)."""
+    veth = {r["optimizer"]: r for r in rows if r["link"] == "veth" and r["hosts"] == 2
+            and r["procs_per_host"] == 1}  # fmt: skip
+    for r in rows:
+        base = veth.get(r["optimizer"])
+        if r["link"] != "veth" and base is not None:
+            r["compute_s"] = base["step_s"]
+            r["comm_s"] = r["step_s"] - base["step_s"]
+            r["comm_fraction"] = r["comm_s"] / r["step_s"]
+
+
 def run_fault(a, kind: str) -> dict:
     """2 hosts x 1 process; ``kill``: rank 1 SIGKILLs itself mid-step; ``link-down``: host
     1's link goes down while training. Records every host's exit code, time and message."""
@@ -337,11 +351,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--hosts", default="2,4")
     ap.add_argument("--procs", default="1,2", help="processes per host")
-    ap.add_argument("--links", default="veth,100mbit",
+    ap.add_argument("--links", default="veth,100mbit,50mbit",
                     help="veth (unshaped) or <rate>mbit (tbf on every host's egress); rates run "
                          "at 2 hosts x 1 process")  # fmt: skip
     ap.add_argument("--contenders",
-                    default="muon,muon-bf16reduce,adamw-zero1,adamw-ddp,fsdp-muon")
+                    default="muon,muon-bf16reduce,adamw-zero1,adamw-ddp,fsdp-muon,muon-nooverlap,"
+                            "muon-bf16reduce-nooverlap")  # fmt: skip
     ap.add_argument("--faults", default="kill,link-down,elastic",
                     help="kill, link-down, elastic (SIGKILL + torchrun restart + resume)")
     ap.add_argument("--steps", type=int, default=5)
@@ -362,7 +377,7 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, faults, errors = [], [], []
-    for link in a.links.split(","):
+    for link in a.links.split(",") if a.contenders else []:
         shapes = [(h, p) for h in map(int, a.hosts.split(",")) for p in map(int, a.procs.split(","))]
         if link != "veth":
             shapes = [(2, 1)]
@@ -376,6 +391,7 @@ def main(argv=None) -> int:
                 print(f"multihost: {exc}", file=sys.stderr, flush=True)
             print(f"multihost: {hosts} hosts x {procs} on {link}: "
                   f"{time.monotonic() - start:.0f} s", flush=True)  # fmt: skip
+    _split_compute_and_comm(rows)
     for kind in filter(None, a.faults.split(",")):
         faults.append(elastic_resume_scenario(a) if kind == "elastic" else run_fault(a, kind))
     report = {
