@@ -186,6 +186,10 @@ class Cluster:
         procs = []
         base_env = {**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": HOST_IF}
         base_env.setdefault("OMP_NUM_THREADS", "1")
+        if max_restarts:  # a new TCPStore per rendezvous round: the agents' shared store keys
+            # the workers' keys by each agent's own restart count, which differ between a host
+            # whose rank died and a host restarted for the membership change
+            base_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         start = time.monotonic()
         try:
             for i in range(self.hosts):
