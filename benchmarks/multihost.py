@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -109,6 +109,20 @@ def _rows(per_host: list[dict], hosts: int, procs: int, link: str) -> list[dict]
     return rows
 
 
+def _split_compute_and_comm(rows: list[dict]) -> None:
+    """On a shaped link: compute = the same contender's step on the unshaped veth link (2 x 1),
+    communication = the rest of the step, both measured (veth's own transfer time counts as
+    compute here, so the communication share is a lower bound)."""
+    veth = {r["optimizer"]: r for r in rows if r["link"] == "veth" and r["hosts"] == 2
+            and r["procs_per_host"] == 1}  # fmt: skip
+    for r in rows:
+        base = veth.get(r["optimizer"])
+        if r["link"] != "veth" and base is not None:
+            r["compute_s"] = base["step_s"]
+            r["comm_s"] = r["step_s"] - base["step_s"]
+            r["comm_fraction"] = r["comm_s"] / r["step_s"]
+
+
 def run_fault(a, kind: str) -> dict:
     """2 hosts x 1 process; ``kill``: rank 1 SIGKILLs itself mid-step; ``link-down``: host
     1's link goes down while training. Records every host's exit code, time and message."""
@@ -121,7 +135,8 @@ def run_fault(a, kind: str) -> dict:
             def later():
                 time.sleep(a.link_down_after_s)
                 cluster.link_down(1)
-                started["down"] = time.monotonic() - started["t"]
+                started["down_at"] = time.monotonic()
+                started["down"] = started["down_at"] - started["t"]
 
             threading.Thread(target=later, daemon=True).start()
 
@@ -135,6 +150,9 @@ def run_fault(a, kind: str) -> dict:
             WORKER, args, nproc_per_node=1, python=a.python, timeout_s=a.timeout_s,
             env={"PYTHONPATH": str(REPO)}, on_started=inject,
         )  # fmt: skip
+        killed_at = Path(tmp, "killed_at")
+        if killed_at.exists():  # written by the rank just before it SIGKILLs itself
+            started["killed_at"] = float(killed_at.read_text())
     messages = [
         next((ln for ln in o.splitlines() if "[multihost_worker]" in ln or "killed after" in ln),
              o.strip().splitlines()[-1] if o.strip() else "")
@@ -148,23 +166,184 @@ def run_fault(a, kind: str) -> dict:
         "pg_timeout_s": a.pg_timeout_s,
         "returncodes": result.returncodes,
         "exit_s": result.exit_s,
+        "exit_s_after_fault": _after_fault(result, started),
         "link_down_at_s": started.get("down"),
         "messages": messages,
         "outcome": "clean failure" if survivor_ok else "NOT a clean failure",
     }
 
 
+ELASTIC_STEPS = 24
+ELASTIC_CHECKPOINT_EVERY = 4
+ELASTIC_KILL_AFTER_CHECKPOINT = 8
+ELASTIC_TRAIN = [
+    "--parallel", "dp", "--n-layer", "2", "--d-model", "128", "--n-head", "4",
+    "--context-length", "64", "--micro-batch-size", "8", "--tokens-per-step", str(2 * 8 * 64),
+    "--schedule", "constant", "--warmup-steps", "1", "--eval-every", "0", "--log-every", "1",
+    "--no-progress", "--resume", "auto",
+]  # fmt: skip
+# As tests/test_train_torchrun.py: each gradient entry sums n = tokens-per-step contributions
+# whose order differs between world sizes (relative rounding <= n * eps32 per step), and the
+# differences add over the steps run after the resume.
+ELASTIC_RTOL = ELASTIC_STEPS * (2 * 8 * 64) * 2.0**-23
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(c) for c in text.split()]
+
+
+def _latest_step(out_dir: Path) -> int:
+    try:
+        return json.loads((out_dir / "checkpoints" / "latest").read_text())["step"]
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def _train_on(a, hosts: int, out_dir: Path, steps: int, *, max_restarts=0, on_started=None):
+    args = ["muonscale", "train", *ELASTIC_TRAIN, "--steps", str(steps), "--checkpoint-every",
+            str(ELASTIC_CHECKPOINT_EVERY), "--pg-timeout-s", str(a.pg_timeout_s),
+            "--out-dir", str(out_dir)]  # fmt: skip
+    with Cluster(hosts) as cluster:
+        return cluster.torchrun(
+            "-m", args, nproc_per_node=1, python=a.python, timeout_s=a.timeout_s,
+            env={"PYTHONPATH": str(REPO)}, on_started=on_started, max_restarts=max_restarts,
+            cwd=REPO,
+        )  # fmt: skip
+
+
+def _metrics(out_dir: Path) -> tuple[dict[int, float], list[int]]:
+    """(step -> last logged loss, start steps) of ``out_dir/metrics.jsonl``."""
+    losses, starts = {}, []
+    for line in (out_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["event"] == "train":
+            losses[record["step"]] = record["loss"]
+        elif record["event"] == "start":
+            starts.append(record["step"])
+    return losses, starts
+
+
+def _final_state(out_dir: Path) -> dict:
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    root = out_dir / "checkpoints"
+    folder = json.loads((root / "latest").read_text())["folder"]
+    dcp_to_torch_save(str(root / folder), str(out_dir / "final.pt"))
+    return torch.load(out_dir / "final.pt", weights_only=False)
+
+
+def _leaves(tree, prefix=""):
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _leaves(value, f"{prefix}/{key}")
+    elif isinstance(tree, list | tuple):
+        for index, value in enumerate(tree):
+            yield from _leaves(value, f"{prefix}/{index}")
+    else:
+        yield prefix, tree
+
+
+def _compare(got: dict, want: dict) -> tuple[bool, float]:
+    """(bitwise equal, max relative difference of a float tensor to its largest entry)."""
+    import torch
+
+    got, want = dict(_leaves(got)), dict(_leaves(want))
+    if got.keys() != want.keys():
+        return False, float("inf")
+    bitwise, worst = True, 0.0
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            bitwise &= torch.equal(got[key], value)
+            if value.is_floating_point() and value.numel():
+                scale = value.abs().max().item() or 1.0
+                worst = max(worst, (got[key] - value).abs().max().item() / scale)
+        else:
+            bitwise &= got[key] == value
+    return bitwise, worst
+
+
+def _after_fault(result, started: dict) -> list[float] | None:
+    """Seconds from the fault (the SIGKILL, the link going down) to each host's exit."""
+    if "killed_at" in started:
+        return [t - started["killed_at"] for t in result.exit_at]
+    if "down_at" in started:
+        return [t - started["down_at"] for t in result.exit_at]
+    return None
+
+
 def elastic_resume_scenario(a) -> dict:
-    """torchrun --max-restarts resuming ``muonscale train --parallel`` from its last
-    checkpoint; runs only once that entry point exists."""
-    probe = subprocess.run(
-        [a.python, "-m", "muonscale", "train", "--help"], capture_output=True, text=True,
-        cwd=REPO, timeout=120,
-    )  # fmt: skip
-    if "--parallel" not in probe.stdout:
-        return {"scenario": "elastic-resume", "outcome": "skipped",
-                "reason": "muonscale train has no --parallel option yet"}  # fmt: skip
-    return {"scenario": "elastic-resume", "outcome": "not implemented here yet"}
+    """``muonscale train --parallel dp`` under ``torchrun --max-restarts 1`` on 2 hosts; one
+    rank is SIGKILLed once a checkpoint at step >= 8 exists. The restarted run must end
+    bitwise equal to an uninterrupted 2-host run; the 2-host checkpoint of half the run,
+    resumed on 1 host, within ``ELASTIC_RTOL``. Records each outcome and the times to exit."""
+    row = {"scenario": "elastic-resume", "hosts": 2, "procs_per_host": 1,
+           "pg_timeout_s": a.pg_timeout_s, "steps": ELASTIC_STEPS,
+           "checkpoint_every": ELASTIC_CHECKPOINT_EVERY}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="multihost-elastic-") as tmp:
+        ref, killed, half = Path(tmp, "uninterrupted"), Path(tmp, "killed"), Path(tmp, "half")
+        t0 = time.monotonic()
+        done = _train_on(a, 2, ref, ELASTIC_STEPS)
+        row["uninterrupted_s"] = time.monotonic() - t0
+        if not done.ok:
+            return {**row, "outcome": "uninterrupted run failed",
+                    "messages": [o[-2000:] for o in done.outputs]}  # fmt: skip
+        kill = {}
+
+        def killer(cluster, procs):
+            def watch():
+                deadline = time.monotonic() + a.timeout_s
+                while time.monotonic() < deadline and procs[1].poll() is None:
+                    step = _latest_step(killed)
+                    ranks = _children(procs[1].pid)
+                    if step >= ELASTIC_KILL_AFTER_CHECKPOINT and ranks:
+                        os.kill(ranks[0], signal.SIGKILL)
+                        kill.update(t=time.monotonic(), checkpoint_step=step)
+                        return
+                    time.sleep(0.02)
+
+            threading.Thread(target=watch, daemon=True).start()
+
+        t0 = time.monotonic()
+        done = _train_on(a, 2, killed, ELASTIC_STEPS, max_restarts=1, on_started=killer)
+        row["killed_run_s"] = time.monotonic() - t0
+        row["returncodes"] = done.returncodes
+        if "t" not in kill:
+            return {**row, "outcome": "kill missed (the run ended first)"}
+        row["checkpoint_step_at_kill"] = kill["checkpoint_step"]
+        row["exit_s_after_kill"] = [t0 + e - kill["t"] for e in done.exit_s]
+        if not done.ok:
+            return {**row, "outcome": "restart failed",
+                    "messages": [o[-2000:] for o in done.outputs]}  # fmt: skip
+        losses, starts = _metrics(killed)
+        ref_losses, _ = _metrics(ref)
+        bitwise, worst = _compare(_final_state(killed), _final_state(ref))
+        row.update(starts=starts, same_losses=losses == ref_losses, bitwise_state=bitwise,
+                   max_relative_state_difference=worst)  # fmt: skip
+        # a smaller world: half the run on 2 hosts, the rest resumed on 1
+        done = _train_on(a, 2, half, ELASTIC_STEPS // 2)
+        if done.ok:
+            done = _train_on(a, 1, half, ELASTIC_STEPS)
+        if not done.ok:
+            row["smaller_world"] = {"outcome": "failed",
+                                    "messages": [o[-2000:] for o in done.outputs]}  # fmt: skip
+        else:
+            losses, starts = _metrics(half)
+            loss_diff = max(abs(losses[s] - ref_losses[s]) / abs(ref_losses[s]) for s in losses)
+            bit, state_diff = _compare(_final_state(half), _final_state(ref))
+            within = loss_diff <= ELASTIC_RTOL and state_diff <= ELASTIC_RTOL
+            row["smaller_world"] = {
+                "hosts": "2 -> 1", "starts": starts, "max_relative_loss_difference": loss_diff,
+                "max_relative_state_difference": state_diff, "rtol": ELASTIC_RTOL,
+                "bitwise_state": bit, "outcome": "within tolerance" if within else "OUTSIDE",
+            }  # fmt: skip
+    same = row["same_losses"] and row["bitwise_state"] and len(row["starts"]) == 2
+    row["outcome"] = "resumed bitwise" if same else "resumed, NOT equal"
+    return row
 
 
 def main(argv=None) -> int:
@@ -172,12 +351,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--hosts", default="2,4")
     ap.add_argument("--procs", default="1,2", help="processes per host")
-    ap.add_argument("--links", default="veth,100mbit",
+    ap.add_argument("--links", default="veth,100mbit,50mbit",
                     help="veth (unshaped) or <rate>mbit (tbf on every host's egress); rates run "
                          "at 2 hosts x 1 process")  # fmt: skip
     ap.add_argument("--contenders",
-                    default="muon,muon-bf16reduce,adamw-zero1,adamw-ddp,fsdp-muon")
-    ap.add_argument("--faults", default="kill,link-down")
+                    default="muon,muon-bf16reduce,adamw-zero1,adamw-ddp,fsdp-muon,muon-nooverlap,"
+                            "muon-bf16reduce-nooverlap")  # fmt: skip
+    ap.add_argument("--faults", default="kill,link-down,elastic",
+                    help="kill, link-down, elastic (SIGKILL + torchrun restart + resume)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--d-model", type=int, default=256)
@@ -196,7 +377,7 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, faults, errors = [], [], []
-    for link in a.links.split(","):
+    for link in a.links.split(",") if a.contenders else []:
         shapes = [(h, p) for h in map(int, a.hosts.split(",")) for p in map(int, a.procs.split(","))]
         if link != "veth":
             shapes = [(2, 1)]
@@ -210,9 +391,9 @@ def main(argv=None) -> int:
                 print(f"multihost: {exc}", file=sys.stderr, flush=True)
             print(f"multihost: {hosts} hosts x {procs} on {link}: "
                   f"{time.monotonic() - start:.0f} s", flush=True)  # fmt: skip
+    _split_compute_and_comm(rows)
     for kind in filter(None, a.faults.split(",")):
-        faults.append(run_fault(a, kind))
-    faults.append(elastic_resume_scenario(a))
+        faults.append(elastic_resume_scenario(a) if kind == "elastic" else run_fault(a, kind))
     report = {
         "machine": {"python": a.python, "torch_backend": "gloo"},
         "settings": {k: v for k, v in vars(a).items() if k != "out"},
@@ -228,7 +409,8 @@ def main(argv=None) -> int:
               f"{r['counted_bytes_per_step_per_host'] / 1e6:7.2f} MB "
               f"({r['agreement_pct']:+.1f}%), {r['tokens_per_s']:8.0f} tok/s")  # fmt: skip
     for f in faults:
-        print(f"fault {f['scenario']}: {f['outcome']} {f.get('exit_s', '')}")
+        print(f"fault {f['scenario']}: {f['outcome']}, exit after the fault "
+              f"{f.get('exit_s_after_fault') or f.get('exit_s_after_kill')} s")  # fmt: skip
     return 1 if errors else 0
 
 

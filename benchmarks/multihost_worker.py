@@ -3,7 +3,8 @@ and measures, per host, the bytes its link carried over K steps (minus an idle w
 same length) next to the bytes ``muonscale.distributed.comm`` counted.
 
 Contenders: ``muon`` (DistributedMuon), ``muon-bf16reduce`` (reduce_dtype=bfloat16),
-``adamw-zero1`` (DistributedMuon with every parameter routed to AdamW), ``adamw-ddp`` (DDP +
+``adamw-zero1`` (DistributedMuon with every parameter routed to AdamW), ``muon-nooverlap`` and
+``muon-bf16reduce-nooverlap`` (``overlap_gather=False``), ``adamw-ddp`` (DDP +
 torch AdamW, all-reduce counted by a comm hook), ``fsdp-muon`` (DTensorMuon under FSDP2; FSDP2's
 own collectives counted with :func:`~muonscale.distributed.comm.native_wire_bytes`).
 Host ``h``'s local rank 0 writes ``<out>/host<h>.json``.
@@ -24,7 +25,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-CONTENDERS = ("muon", "muon-bf16reduce", "adamw-zero1", "adamw-ddp", "fsdp-muon")
+CONTENDERS = (
+    "muon", "muon-bf16reduce", "adamw-zero1", "adamw-ddp", "fsdp-muon",
+    "muon-nooverlap", "muon-bf16reduce-nooverlap",
+)  # fmt: skip
+NO_OVERLAP = "-nooverlap"  # DistributedMuon(overlap_gather=False): gathers after the last wave
 LRS = {"muon": 0.02, "adamw": 1e-3}
 
 
@@ -37,10 +42,20 @@ def _build(names, model_config, seed, world_size):
     from muonscale.bench.distributed_worker import _dp_contenders, _fsdp_contenders
 
     out = {}
-    if any(n != "fsdp-muon" for n in names):
+    for name in (n for n in names if n.endswith(NO_OVERLAP)):
+        base = name.removesuffix(NO_OVERLAP)
+        dtypes = ["bfloat16"] if base == "muon-bf16reduce" else ["float32"]
+        for c in _dp_contenders(model_config, LRS, seed, dtypes):
+            if c.name == base:
+                c.name, c.opt.overlap_gather = name, False
+                out[name] = c
+            else:
+                c.release()
+    names_with_overlap = [n for n in names if not n.endswith(NO_OVERLAP)]
+    if any(n != "fsdp-muon" for n in names_with_overlap):
         dtypes = ["float32"] + (["bfloat16"] if "muon-bf16reduce" in names else [])
         for c in _dp_contenders(model_config, LRS, seed, dtypes):
-            if c.name in names:
+            if c.name in names_with_overlap:
                 out[c.name] = c
             else:
                 c.release()
@@ -113,6 +128,8 @@ def _run(a, names, rank) -> None:
             nonlocal step
             for i in range(k):
                 if measured and rank == a.kill_rank and i == a.kill_at_step:
+                    # CLOCK_MONOTONIC is one clock for every process of the machine
+                    (Path(a.out) / "killed_at").write_text(repr(time.monotonic()))
                     os.kill(os.getpid(), signal.SIGKILL)
                 ((x, y),) = data.train_batch(seed=0, step=step, batch_size=a.global_batch)
                 mine = slice(rank * per_rank, (rank + 1) * per_rank)

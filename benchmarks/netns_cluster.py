@@ -176,27 +176,33 @@ class Cluster:
         timeout_s: float = 300.0,
         env: dict[str, str] | None = None,
         on_started=None,
+        max_restarts: int = 0,
+        cwd: str | Path | None = None,
     ) -> RunResult:
         """Run ``torchrun --nnodes H --nproc-per-node P script args`` with host ``i``'s ranks
         inside namespace ``i``; kills every host's process group after ``timeout_s``.
-        ``on_started(cluster, procs)`` runs right after launch (fault injection)."""
+        ``on_started(cluster, procs)`` runs right after launch (fault injection). ``script``
+        ``"-m"`` runs ``args[0]`` as a module."""
         procs = []
         base_env = {**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": HOST_IF}
         base_env.setdefault("OMP_NUM_THREADS", "1")
+        if max_restarts:  # a new TCPStore per rendezvous round: the agents' shared store keys
+            # the workers' keys by each agent's own restart count, which differ between a host
+            # whose rank died and a host restarted for the membership change
+            base_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         start = time.monotonic()
         try:
             for i in range(self.hosts):
                 cmd = [
                     "ip", "netns", "exec", self.host_ns(i), python, "-m", "torch.distributed.run",
                     "--nnodes", str(self.hosts), "--nproc-per-node", str(nproc_per_node),
-                    "--node-rank", str(i), "--master-addr", self.address(0),
-                    "--master-port", str(MASTER_PORT), "--max-restarts", "0",
+                    "--max-restarts", str(max_restarts), *self._rendezvous(i, max_restarts),
                     str(script), *args,
                 ]  # fmt: skip
                 procs.append(
                     subprocess.Popen(
                         cmd, env=base_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                        text=True, start_new_session=True,
+                        text=True, start_new_session=True, cwd=cwd,
                     )  # fmt: skip
                 )
             if on_started is not None:
@@ -213,12 +219,25 @@ class Cluster:
                 outputs.append(out)
                 codes.append(p.returncode)
                 exit_s.append(time.monotonic() - start)
-            return RunResult(codes, outputs, exit_s)
+            return RunResult(codes, outputs, exit_s, [start + e for e in exit_s])
         finally:
             for p in procs:
                 if p.poll() is None:
                     _kill_group(p)
                     p.wait()
+
+
+    def _rendezvous(self, i: int, max_restarts: int) -> list[str]:
+        """Static rendezvous on host 0's address; with restarts c10d hosted by host 0's agent
+        (the static store keeps the first round's gloo addresses, so restarted ranks would
+        connect to ports that no longer listen), each agent announcing its own address."""
+        endpoint = f"{self.address(0)}:{MASTER_PORT}"
+        if max_restarts == 0:
+            return ["--node-rank", str(i), "--master-addr", self.address(0),
+                    "--master-port", str(MASTER_PORT)]  # fmt: skip
+        return ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                "--rdzv-id", self.prefix, "--rdzv-conf", f"is_host={str(i == 0).lower()}",
+                "--local-addr", self.address(i)]  # fmt: skip
 
 
 def _ip_tc(ns: str, *args: str) -> None:
@@ -241,6 +260,7 @@ class RunResult:
     returncodes: list[int]
     outputs: list[str]
     exit_s: list[float]  # seconds from launch until each host's torchrun had exited
+    exit_at: list[float]  # time.monotonic() when each host's torchrun had exited
 
     @property
     def ok(self) -> bool:

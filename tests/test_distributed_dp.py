@@ -166,6 +166,49 @@ def test_gathers_start_while_later_matrices_are_orthogonalized(world_size):
         assert max(launched[1 : len(launched) // 3]) > 0
 
 
+def _overlap_switch(rank, world_size, steps):
+    """The same small waves with and without overlap: bitwise-equal parameters and state, and
+    without it no all-gather is launched before the last wave."""
+    import os
+
+    os.environ["MUONSCALE_UPDATE_CHUNK_MB"] = "1e-4"
+    models, states, launched_before_wave = [], [], []
+    try:
+        for overlap in (True, False):
+            model = make_model(n_hidden=8)
+            opt = DistributedMuon(model, **OPTS, bucket_cap_mb=1e-4, overlap_gather=overlap)
+            update = opt._update_owned_matrices
+
+            def recording(present, only=None, opt=opt, update=update):
+                launched_before_wave.append(opt.comm.counter.calls_by_key["muon/all_gather"])
+                return update(present, only=only)
+
+            if not overlap:
+                opt._update_owned_matrices = recording
+            train(model, opt, steps, rank=rank, world_size=world_size, split=True)
+            models.append(model)
+            states.append(opt.state_dict()["state"])
+    finally:
+        del os.environ["MUONSCALE_UPDATE_CHUNK_MB"]
+    bitwise = all(torch.equal(p, q) for p, q in zip(models[0].parameters(), models[1].parameters()))
+    same_state = all(
+        torch.equal(v, states[1][k][name]) for k, e in states[0].items() for name, v in e.items()
+    )
+    waves_per_step = len(launched_before_wave) // steps
+    # the counter is per step (taken at the end of step()): every wave of a step saw 0 gathers
+    return bitwise, same_state, waves_per_step, max(launched_before_wave)
+
+
+def test_overlap_gather_switch_is_bitwise_equal():
+    results = shared_pool(2).run(_overlap_switch, 3)
+    for bitwise, same_state, _waves, gathers_before_a_wave in results:
+        assert bitwise and same_state
+        assert gathers_before_a_wave == 0
+    assert max(r[2] for r in results) > 1  # some rank ran several waves per step
+    with pytest.raises(ValueError, match="overlap_gather"):
+        DistributedMuon(make_model(), **OPTS, overlap_gather="yes")
+
+
 def test_row_split_parameters_match_single_process():
     # a parameter orthogonalized as several row blocks (as a fused QKV) is still owned whole
     muon_kw = dict(splits={"blocks.1.weight": 2, "blocks.2.weight": [3, 7]}, nesterov=False)

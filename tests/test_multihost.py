@@ -47,3 +47,36 @@ def test_bytes_on_veth_match_the_count(tmp_path):
     assert round(counted / rows["adamw-ddp"]["counted_bytes_per_step_per_host"], 2) <= 1.00
     assert rows["muon"]["measured_tx_bytes_per_step_per_host"] <= 1.01 * ddp
     assert rows["muon-bf16reduce"]["measured_tx_bytes_per_step_per_host"] <= 0.92 * ddp
+
+
+def _run_faults(tmp_path, faults: str, timeout_s: int) -> list[dict]:
+    reason = unavailable_reason()
+    if reason:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must be able to make network namespaces: {reason}")
+        pytest.skip(reason)
+    cmd = [
+        sys.executable, str(REPO / "benchmarks" / "multihost.py"), "--out", str(tmp_path),
+        "--contenders", "", "--faults", faults, "--d-model", "128", "--pg-timeout-s", "20",
+        "--timeout-s", "150", "--python", sys.executable,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((tmp_path / "multihost.json").read_text())["faults"]
+
+
+def test_a_killed_rank_makes_the_other_host_exit_within_the_timeout(tmp_path):
+    (kill,) = _run_faults(tmp_path, "kill", 200)
+    assert kill["outcome"] == "clean failure", kill
+    # measured from the SIGKILL itself: the survivor sees the closed connection (or at worst
+    # waits the process-group timeout), then torchrun tears down
+    assert all(0 <= s <= kill["pg_timeout_s"] + 10 for s in kill["exit_s_after_fault"]), kill
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_elastic_restart_across_hosts_resumes_bitwise(tmp_path):
+    (elastic,) = _run_faults(tmp_path, "elastic", 850)
+    assert elastic["outcome"] == "resumed bitwise", elastic
+    assert elastic["starts"][0] == 0 and elastic["starts"][1] >= 8  # resumed from a checkpoint
+    assert elastic["smaller_world"]["outcome"] == "within tolerance", elastic

@@ -235,6 +235,8 @@ def test_invalid_values_are_refused_up_front(overrides, message):
     [
         (["train", "--grad-clip", "-1"], "grad_clip must be >= 0"),
         (["train", "--seed", "-1"], "seed must be in"),
+        (["train", "--qk-clip", "0"], "qk_clip must be a finite number > 0"),
+        (["train", "--qk-clip", "-5"], "qk_clip must be a finite number > 0"),
         (["train", "--bpe-vocab-size", "1000000000"], "bpe_vocab_size must be in"),
         (["train", "--tokens-per-step", str(2**31)], "tokens per step"),
         (["bench", "--tokens-per-step", str(2**31)], "tokens per step"),

@@ -176,3 +176,24 @@ def test_elastic_restart_after_a_killed_rank_is_bitwise(uninterrupted, tmp_path)
     assert starts == [0, 2], done.stderr[-3000:]  # the restart resumed from step 2
     assert _losses(tmp_path) == _losses(uninterrupted)
     _assert_bitwise(_final_state(tmp_path), _final_state(uninterrupted))
+
+
+def _max_logits(out_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["max_attention_logit"] for r in records if r["event"] == "train"}
+
+
+def test_qk_clip_at_two_ranks_follows_one(tmp_path):
+    """--qk-clip under --parallel dp: each rank probes its half of the batch, the maxima are
+    MAX-reduced, so the logged maxima and the clipped training follow the 1-rank run (within
+    the 1-vs-2 float32 tolerance). tau is below the initial logits: every step clips."""
+    args = ("--parallel", "dp", "--steps", str(STEPS), "--qk-clip", "0.05")
+    _torchrun(1, tmp_path / "one", *args)
+    _torchrun(2, tmp_path / "two", *args)
+    one, two = _max_logits(tmp_path / "one"), _max_logits(tmp_path / "two")
+    assert sorted(one) == sorted(two) == list(range(1, STEPS + 1))
+    assert all(one[s] > 0.05 for s in one)  # the clip acted on every step
+    for s in one:
+        assert abs(one[s] - two[s]) <= LOSS_RTOL * abs(one[s]), (s, one[s], two[s])
+    losses_one, losses_two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert all(abs(losses_one[s] - losses_two[s]) <= LOSS_RTOL * abs(losses_one[s]) for s in one)

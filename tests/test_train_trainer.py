@@ -297,3 +297,37 @@ def test_bpe_run_and_short_data_file(corpus, tmp_path, monkeypatch):
     short.write_text("Words, words, words.")
     with pytest.raises(ValueError, match=f"data {short} is too short"):
         TrainingRun(_config("adamw", data=str(short)))
+
+
+def test_qk_clip_holds_the_logged_max_logit(corpus):
+    """One layer without QK-norm, Muon at a high lr (as tests/test_qk_clip.py): the logits of
+    plain Muon grow far past tau; with --qk-clip the trainer probes every forward, rescales
+    after step() and logs the maximum, which stays held. A tau that never clips leaves training
+    bitwise unchanged (the probe is a side computation)."""
+    tau, steps = 15.0, 50
+    one_layer = dict(n_layer=1, warmup_steps=0, schedule="constant", grad_clip=None,
+                     lr=0.1, adamw_lr=3e-3, micro_batch_size=8, eval_every=0)  # fmt: skip
+
+    def logged(qk_clip):
+        run = TrainingRun(_config("muon", steps=steps, qk_clip=qk_clip, **one_layer), text=corpus)
+        return run, [run.step().max_attention_logit for _ in range(steps)]
+
+    off, _ = logged(None)
+    never, plain = logged(1e9)
+    _assert_bitwise_equal(_params(off), _params(never))
+    clipped_run, clipped = logged(tau)
+    assert plain[0] < tau and plain[-1] > 2 * tau  # plain Muon: growing, well past tau
+    first_clip = next(i for i, x in enumerate(plain) if x > tau)
+    assert clipped[: first_clip + 1] == plain[: first_clip + 1]  # identical until the 1st clip
+    # K2's order: the maximum is measured in the step's own forward and the rescale follows
+    # the update, so the next forward may exceed tau by one step's growth, never more: it
+    # stays far below the plain run's level (over the last 10 steps)
+    assert max(clipped[-10:]) < min(plain[-10:])
+    # the clip acts on the weights: a forward probe of the final weights is far below plain's
+    x, _ = clipped_run.dataset.validation_batches(n_batches=1, batch_size=8)[0]
+    with torch.no_grad():
+        clipped_run.model(x, probe_max_logits=True)
+        never.model(x, probe_max_logits=True)
+    assert max(m.max() for m in clipped_run.model.pop_max_attention_logits()) < max(
+        m.max() for m in never.model.pop_max_attention_logits()
+    ) / 2

@@ -117,6 +117,9 @@ class DistributedMuon(Muon):
             parameters, so the all-gather still sends the parameters' dtype. None: parameters
             are updated in their own dtype.
         bucket_cap_mb: approximate size of one bucket (as DDP's ``bucket_cap_mb``).
+        overlap_gather: launch each bucket's all-gather as soon as its slice is final, so it
+            overlaps the Newton–Schulz of later waves (True), or only after every owned matrix
+            is updated (False). Results are bitwise equal; only the timing differs.
         wire_counter: the :class:`~muonscale.distributed.WireCounter` that counts this
             optimizer's bytes (None: a new one).
         reduce_at: when ``p.grad`` is read and averaged. ``"backward"`` (default for a plain
@@ -169,10 +172,14 @@ class DistributedMuon(Muon):
         reduce_dtype: torch.dtype | None = None,
         main_params_dtype: torch.dtype | None = None,
         bucket_cap_mb: float = 25.0,
+        overlap_gather: bool = True,
         wire_counter: WireCounter | None = None,
         reduce_at: ReduceAt | None = None,
         **muon_options: Any,
     ) -> None:
+        if not isinstance(overlap_gather, bool):
+            raise ValueError(f"overlap_gather must be True or False, got {overlap_gather!r}")
+        self.overlap_gather = overlap_gather
         check_process_group(process_group, "DistributedMuon")
         params, wrapped = _unwrap_ddp(params)
         if wrapped and reduce_at not in (None, "never"):
@@ -541,12 +548,19 @@ class DistributedMuon(Muon):
             for wave in waves:
                 self._update_owned_matrices(present, only=set(wave))
                 self.reduction.write_owned_for_gather(stream, wave)
+                if not self.overlap_gather:
+                    continue  # gathers launched below, after every stream's last wave
                 last = wave[-1]
                 ready = stream.layout.offsets[last] + stream.layout.numels[last]
                 launched, next_bucket = self.reduction.launch_stream_gathers(stream, next_bucket, ready)
                 pending += launched
-            launched, _ = self.reduction.launch_stream_gathers(stream, next_bucket, stream.layout.length)
-            pending += launched
+            if self.overlap_gather:
+                launched, _ = self.reduction.launch_stream_gathers(stream, next_bucket, stream.layout.length)
+                pending += launched
+        if not self.overlap_gather:
+            for stream in self.reduction.streams:
+                launched, _ = self.reduction.launch_stream_gathers(stream, 0, stream.layout.length)
+                pending += launched
         return pending
 
     def _update_owned_matrices(self, present: list[bool], only: set[int] | None = None) -> None:

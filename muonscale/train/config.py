@@ -195,6 +195,8 @@ class TrainConfig:
     """Fraction of the steps spent in the final linear decay of the wsd schedule."""
     grad_clip: float | None = 1.0
     """Clip the global gradient norm to this value; None or 0 disables clipping."""
+    qk_clip: float | None = None
+    """QK-clip threshold tau (MuonClip): after each step, shrink W_q/W_k of every head whose max attention logit exceeded tau; None: off."""
     eval_every: int = 50
     """Evaluate the validation loss every this many steps (and at the end); 0 disables."""
     eval_batches: int = 8
@@ -245,6 +247,8 @@ class TrainConfig:
             raise ValueError(
                 f"grad_clip must be >= 0 (0 or none disables clipping), got {self.grad_clip}"
             )
+        if self.qk_clip is not None and not 0 < self.qk_clip < float("inf"):
+            raise ValueError(f"qk_clip must be a finite number > 0 (tau), got {self.qk_clip}")
         if not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in [0, {MAX_SEED}], got {self.seed}")
         if not 256 <= self.bpe_vocab_size <= MAX_BPE_VOCAB_SIZE:

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from muonscale.distributed.data_parallel import is_dtensor
+from muonscale.qk_clip import QKClip
 from muonscale.train.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from muonscale.train.checkpoint import read_checkpoint, write_checkpoint
 from muonscale.train.config import TrainConfig
@@ -81,6 +83,9 @@ class StepResult:
     """Wall time of the whole step: data, forward, backward, clipping, optimizer."""
     optimizer_seconds: float
     """Wall time of ``optimizer.step()`` alone (device-synchronized)."""
+    max_attention_logit: float | None = None
+    """With qk_clip: the largest attention logit of any head in this step's forwards (MAX over
+    the ranks), measured before the update and the clip; None without qk_clip."""
 
 
 @dataclass(kw_only=True)
@@ -181,6 +186,7 @@ class TrainingRun:
             decay_fraction=config.decay_fraction,
         )
         self.scheduler = build_scheduler(self.optimizer, self.schedule)
+        self.qk_clip = self._build_qk_clip() if config.qk_clip is not None else None
         self.step_count = 0
         self.last_checkpoint: tuple[str, int] | None = None  # (path, step) of the last good save
         # hyperparameters that differ from the loaded checkpoint's: name -> (saved, now)
@@ -188,6 +194,17 @@ class TrainingRun:
         self._signals: _StopSignals | None = None  # this rank's signal handlers, in run()
         # under --parallel: the signal some rank had received by the last step's agreement
         self.agreed_signal: str | None = None
+
+    def _build_qk_clip(self) -> QKClip:
+        """QK-clip over the unwrapped model's fused QKV weights, maxima MAX-reduced over the
+        data-parallel ranks (the default group under --parallel)."""
+        weight = self.model.blocks[0].attn.qkv.weight
+        if is_dtensor(weight):
+            raise ValueError(
+                "--qk-clip needs the whole QKV weights on every rank, but --parallel fsdp shards "
+                "them (DTensor); use --parallel dp or none with --qk-clip"
+            )
+        return QKClip(self.model.qk_clip_targets(), tau=self.config.qk_clip)
 
     # ------------------------------------------------------------------ one step
     def _autocast(self):
@@ -222,7 +239,9 @@ class TrainingRun:
             last = index == len(micro_batches) - 1
             with self._accumulating(reduce=last):
                 with self._autocast():
-                    _, loss = self.forward_model(inputs, targets)
+                    _, loss = self.forward_model(
+                        inputs, targets, probe_max_logits=self.qk_clip is not None
+                    )
                 (loss / self.accumulation_steps).backward()
             loss_sum += loss.detach()
         if self.parallel is None:
@@ -245,6 +264,9 @@ class TrainingRun:
         self.optimizer.step()
         self._synchronize()
         optimizer_seconds = time.perf_counter() - optimizer_start
+        max_logit = None
+        if self.qk_clip is not None:  # the same rescale on every rank (maxima MAX-reduced)
+            max_logit = self.qk_clip(self.model.pop_max_attention_logits()).max().item()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
@@ -255,6 +277,7 @@ class TrainingRun:
             tokens=self.tokens_per_step,
             step_seconds=time.perf_counter() - start,
             optimizer_seconds=optimizer_seconds,
+            max_attention_logit=max_logit,
         )
 
     def _accumulating(self, *, reduce: bool):
