@@ -8,160 +8,57 @@ tensors; :mod:`muonscale.newton_schulz` the orthogonalization.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 from . import functional
-from .capturable import DeviceNonFiniteGuard, NonFinitePolicy
+from .capturable import DeviceNonFiniteGuard
 from .kernels import clear_workspaces
-from .matrices import MATRIX_MODES, MatrixView, row_blocks
+from .matrices import MatrixView
 from .memory import MemoryBudget
-from .newton_schulz import DEFAULT_EPS, Coefficients, validate_coefficients
-from .params import (
-    ALGORITHMS,
-    RouteDecision,
-    Rule,
-    route,
-    route_one,
-    routing_summary,
-    transposed_weights,
+from .newton_schulz import DEFAULT_EPS, Coefficients
+from .optimizer_groups import (
+    PARAMS_TYPE_ERROR,
+    expand_user_group,
+    groups_from,
+    named_entries,
+    rebind_parameters,
+    warn_unnamed,
 )
+from .optimizer_options import (  # noqa: F401 (NONFINITE_POLICIES, NS_METHODS: re-exported)
+    NONFINITE_POLICIES,
+    NS_METHODS,
+    AdamWGroup,
+    check_range,
+    either,
+    resolve_splits,
+    validate_adamw_group,
+    validate_muon_group,
+)
+from .optimizer_state import (
+    MomentumStacks,
+    check_loadable,
+    pickled_extras,
+    restore_loaded,
+    restore_unpickled,
+    with_group_defaults,
+)
+from .params import ALGORITHMS, RouteDecision, Rule, routing_summary
 from .qkv import QKV_SPLIT_MODES, QKVLayout
 from .scaling import ADJUST_LR_FNS, SCALE_RULES
 from .variants import (  # [variants]
-    VARIANT_DEFAULTS,
     Normalize,
     Preconditioner,
     VariantOptions,
     row_moment_shape,
-    validate_variant_options,
 )
-
-NONFINITE_POLICIES: tuple[NonFinitePolicy, ...] = ("raise", "skip", "ignore")
-NS_METHODS = ("auto", "plain", "gram")
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 class NonFiniteGradientError(FloatingPointError):
     """A gradient held NaN or ±inf; nothing was changed."""
 
-
-def _check_range(name: str, value: Any, low: float, high: float, *, high_open: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and low <= value and (value < high if high_open else value <= high)
-    if not ok:
-        bracket = ")" if high_open else "]"
-        raise ValueError(f"{name} must be a number in [{low}, {high}{bracket}, got {value!r}")
-
-
-def _check_dtype(name: str, value: Any) -> None:
-    if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
-        raise ValueError(f"{name} must be None or a floating torch.dtype, got {value!r}")
-
-
-def _check_lr(name: str, lr: Any) -> None:
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        lr = float(lr)
-    _check_range(name, lr, 0.0, math.inf)
-
-
-def _validate_muon_group(group: Mapping[str, Any]) -> None:
-    _check_lr("lr", group["lr"])
-    _check_range("momentum", group["momentum"], 0.0, 1.0, high_open=True)
-    _check_range("weight_decay", group["weight_decay"], 0.0, math.inf)
-    if not isinstance(group["nesterov"], bool):
-        raise ValueError(f"nesterov must be a bool, got {group['nesterov']!r}")
-    validate_coefficients(group["coefficients"], group["ns_steps"])  # also checks ns_steps
-    if group["scale"] not in SCALE_RULES:
-        raise ValueError(f"scale must be one of {SCALE_RULES}, got {group['scale']!r}")
-    _check_dtype("ns_dtype", group["ns_dtype"])
-    _check_dtype("momentum_dtype", group["momentum_dtype"])
-    if group["matrix_mode"] not in MATRIX_MODES:
-        raise ValueError(f"matrix_mode must be one of {MATRIX_MODES}, got {group['matrix_mode']!r}")
-    _check_range("eps (ns_eps)", group["ns_eps"], 0.0, math.inf)
-    if group["ns_method"] not in NS_METHODS:
-        raise ValueError(f"ns_method must be one of {NS_METHODS}, got {group['ns_method']!r}")
-    validate_variant_options(group)  # [variants]
-
-
-def _validate_adamw_group(group: Mapping[str, Any]) -> None:
-    _check_lr("adamw_lr", group["lr"])
-    betas = group["betas"]
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise ValueError(f"betas (adamw_betas) must be a pair (beta1, beta2), got {betas!r}")
-    _check_range("betas[0] (adamw_betas)", betas[0], 0.0, 1.0, high_open=True)
-    _check_range("betas[1] (adamw_betas)", betas[1], 0.0, 1.0, high_open=True)
-    _check_range("adamw_eps", group["eps"], 0.0, math.inf)
-    _check_range("adamw_weight_decay", group["weight_decay"], 0.0, math.inf)
-
-
-def _either(name: str, value: Any, torch_name: str, torch_value: Any, default: Any) -> Any:
-    """One option under two keywords (ours and torch.optim's): both given → ValueError."""
-    if value is not None and torch_value is not None:
-        raise ValueError(f"pass {name} or {torch_name} (its torch.optim name), not both")
-    if value is not None:
-        return value
-    return torch_value if torch_value is not None else default
-
-
-class AdamWGroup(dict):
-    """An AdamW param group whose ``"momentum"`` is an alias of ``betas[0]``.
-
-    The optimizer's ``defaults`` are Muon's (``momentum``, no ``betas``), so
-    ``OneCycleLR``/``CyclicLR`` with ``cycle_momentum`` write ``group["momentum"]`` into every
-    group; here that write reaches AdamW's β₁, as it does with ``torch.optim.AdamW``.
-    """
-
-    __slots__ = ()
-
-    def __getitem__(self, key: Any) -> Any:
-        if key == "momentum":
-            return dict.__getitem__(self, "betas")[0]
-        return dict.__getitem__(self, key)
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        if key == "momentum":
-            key, value = "betas", (value, *dict.__getitem__(self, "betas")[1:])
-        dict.__setitem__(self, key, value)
-
-    def __contains__(self, key: object) -> bool:
-        return key == "momentum" or dict.__contains__(self, key)
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        return self[key] if key in self else default
-
-    def setdefault(self, key: Any, default: Any = None) -> Any:
-        if key not in self:
-            self[key] = default
-        return self[key]
-
-    @classmethod
-    def wrap(cls, group: Mapping[str, Any]) -> AdamWGroup:
-        out = cls({k: v for k, v in group.items() if k != "momentum"})
-        out["betas"] = tuple(out["betas"])
-        return out
-
-
-_PARAMS_TYPE_ERROR = (
-    "params argument given to the optimizer should be an iterable of Tensors or dicts"
-)
-_FALLBACK_WARNING = (
-    "muonscale.Muon: {n} unnamed parameter(s) with >= 2 dims were routed to Muon by tensor rank "
-    "alone, so embeddings and output heads cannot be told apart from hidden matrices. Pass "
-    "model.named_parameters() or the model itself, give each param group 'param_names', or pin "
-    "a group with 'algorithm': 'adamw'."
-)
 
 
 class Muon(torch.optim.Optimizer):
@@ -299,7 +196,7 @@ class Muon(torch.optim.Optimizer):
         transposed: Iterable[str] | None = None,
     ) -> None:
         if isinstance(params, torch.Tensor):
-            raise TypeError(f"{_PARAMS_TYPE_ERROR}, but got {torch.typename(params)}")
+            raise TypeError(f"{PARAMS_TYPE_ERROR}, but got {torch.typename(params)}")
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
         if qkv_split not in QKV_SPLIT_MODES:
@@ -309,29 +206,29 @@ class Muon(torch.optim.Optimizer):
                 f"Adjust learning rate function {adjust_lr_fn} is not supported: adjust_lr_fn "
                 f"must be one of {tuple(ADJUST_LR_FNS)} (or pass scale=one of {SCALE_RULES})"
             )
-        scale = _either("scale", scale, "adjust_lr_fn", ADJUST_LR_FNS.get(adjust_lr_fn),
+        scale = either("scale", scale, "adjust_lr_fn", ADJUST_LR_FNS.get(adjust_lr_fn),
                         "match_rms_adamw")  # fmt: skip
         if adamw_weight_decay is not None:
-            _check_range("adamw_weight_decay", adamw_weight_decay, 0.0, math.inf)
+            check_range("adamw_weight_decay", adamw_weight_decay, 0.0, math.inf)
         self._muon_defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             # [variants] AOL's default schedule is Turbo-Muon's four steps
             ns_steps=ns_steps if ns_steps is not None else 4 if preconditioner == "aol" else 5,
-            coefficients=_either("coefficients", coefficients, "ns_coefficients", ns_coefficients,
+            coefficients=either("coefficients", coefficients, "ns_coefficients", ns_coefficients,
                                  "turbo_muon" if preconditioner == "aol" else "keller"),
             scale=scale, ns_dtype=ns_dtype, momentum_dtype=momentum_dtype,
-            matrix_mode=matrix_mode, ns_eps=_either("ns_eps", ns_eps, "eps", eps, DEFAULT_EPS),
+            matrix_mode=matrix_mode, ns_eps=either("ns_eps", ns_eps, "eps", eps, DEFAULT_EPS),
             ns_method=ns_method,
             normalize=normalize, row_beta2=row_beta2,  # [variants]
             cautious_weight_decay=cautious_weight_decay, preconditioner=preconditioner,
         )  # fmt: skip
-        _validate_muon_group(self._muon_defaults)
+        validate_muon_group(self._muon_defaults)
         self._adamw_defaults = dict(
             lr=adamw_lr if adamw_lr is not None else lr,
-            betas=tuple(_either("adamw_betas", adamw_betas, "betas", betas, (0.9, 0.95))),
+            betas=tuple(either("adamw_betas", adamw_betas, "betas", betas, (0.9, 0.95))),
             eps=adamw_eps, weight_decay=adamw_weight_decay,
         )  # fmt: skip
-        _validate_adamw_group(dict(self._adamw_defaults, weight_decay=weight_decay))
+        validate_adamw_group(dict(self._adamw_defaults, weight_decay=weight_decay))
         if not isinstance(capturable, bool):
             raise ValueError(f"capturable must be a bool, got {capturable!r}")
         if capturable and self._CAPTURABLE_REFUSAL is not None:
@@ -349,14 +246,14 @@ class Muon(torch.optim.Optimizer):
         self.routing: dict[str, RouteDecision] = {}
         self._rules = list(rules or ())
         self._views: dict[int, MatrixView] = {}
-        self._momentum_views: dict[int, torch.Tensor] = {}  # id(state) -> its view in a stack
+        self._momentum_stacks = MomentumStacks()
         self._unnamed_to_muon = 0
         if isinstance(transposed, str):
             raise TypeError(f"transposed must be a collection of parameter names, got {transposed!r}")
         self._transposed: set[str] = set(transposed or ())
         """Names of the weights stored (in, out) (see ``transposed``)."""
 
-        groups = self._groups_from(params)
+        groups = groups_from(self, params)
         if adamw_lr is None and scale != "match_rms_adamw":
             if any(g["algorithm"] == "adamw" and "lr" not in g for g in groups):
                 adamw_params = [n for n, d in self.routing.items() if d.algorithm == "adamw"]
@@ -367,126 +264,13 @@ class Muon(torch.optim.Optimizer):
                 )
         defaults = dict(self._muon_defaults, algorithm="muon")
         super().__init__(groups, defaults)
-        self._warn_unnamed()
+        warn_unnamed(self)
         self._check_transposed()
-        self._split_rows = self._resolve_splits(splits or {}, qkv_split)
+        by_name = {self.param_names.get(id(p)): (p, g) for g in self.param_groups
+                   for p in g["params"]}  # fmt: skip
+        self._split_rows = resolve_splits(splits or {}, qkv_split, by_name, self.is_transposed)
 
     # ---------------------------------------------------------------- param groups
-    def _groups_from(self, params: Any) -> list[dict[str, Any]]:
-        """Normalize every accepted ``params`` form into groups with an ``algorithm`` each."""
-        if isinstance(params, nn.Module):
-            decisions = route(params, self._rules)
-            named = dict(params.named_parameters())
-            self._transposed |= transposed_weights(params)
-            self.routing.update(decisions)
-            group = {"params": [(n, named[n]) for n in decisions]}
-            return self._split_by_algorithm(group, decisions, named=True)
-        params = list(params)
-        if not params:
-            raise ValueError("params: the optimizer got an empty parameter list")
-        if all(isinstance(p, Mapping) for p in params):
-            groups = []
-            for g in params:
-                groups.extend(self._expand_user_group(dict(g)))
-            return groups
-        return self._expand_user_group({"params": params})
-
-    def _named_entries(self, group: dict[str, Any]) -> tuple[list[tuple[str, torch.Tensor]], bool]:
-        """``group``'s parameters as (name, tensor) pairs, and whether the user named them."""
-        entries = group["params"]
-        if isinstance(entries, (set, frozenset)):
-            raise TypeError(
-                "optimizer parameters need to be organized in ordered collections, but the "
-                "ordering of tensors in sets will change between runs. Please use a list instead."
-            )
-        entries = [entries] if isinstance(entries, torch.Tensor) else list(entries)
-        names = group.get("param_names")
-        if names is not None:
-            names = list(names)
-            if len(names) != len(entries) or not all(isinstance(n, str) for n in names):
-                raise ValueError(
-                    f"param_names: expected {len(entries)} names (str), one per parameter, "
-                    f"got {names!r}"
-                )
-            if any(isinstance(e, tuple) for e in entries):
-                raise ValueError("param_names: give names either in 'param_names' or as "
-                                 "(name, tensor) pairs, not both")  # fmt: skip
-            entries = list(zip(names, entries))
-        pairs = [e for e in entries if isinstance(e, tuple)]
-        if pairs and len(pairs) != len(entries):
-            raise ValueError(
-                "all optimizer params should be with/without names. Some param names are missing"
-            )
-        named: list[tuple[str, torch.Tensor]] = []
-        for entry in entries:
-            if isinstance(entry, tuple):
-                if not (len(entry) == 2 and isinstance(entry[0], str)):
-                    raise TypeError(f"params: expected (name, tensor) pairs, got {entry!r}")
-                name, p = entry
-            else:
-                p = entry
-                name = self.param_names.get(id(p), f"param{len(self.param_names)}")
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(
-                    "optimizer can only optimize Tensors, but one of the params is "
-                    + torch.typename(p)
-                )
-            self.param_names.setdefault(id(p), name)
-            named.append((name, p))
-        return named, bool(pairs)
-
-    def _expand_user_group(self, group: dict[str, Any]) -> list[dict[str, Any]]:
-        named, has_names = self._named_entries(group)
-        algorithm = group.get("algorithm")
-        if algorithm is not None:
-            if algorithm not in ALGORITHMS:
-                raise ValueError(f"param group 'algorithm' must be one of {ALGORITHMS}, got {algorithm!r}")
-            decisions = {n: RouteDecision(algorithm, "param group") for n, _ in named}
-        else:
-            decisions = {n: route_one(n, p, self._rules) for n, p in named}
-            if not has_names:
-                by_rank = [n for n, _ in named if not decisions[n].reason.startswith("user")]
-                self._unnamed_to_muon += sum(decisions[n].algorithm == "muon" for n in by_rank)
-        for name, decision in decisions.items():
-            self.routing.setdefault(name, decision)
-        return self._split_by_algorithm(dict(group, params=named), decisions, named=has_names)
-
-    def _split_by_algorithm(
-        self, group: dict[str, Any], decisions: Mapping[str, RouteDecision], *, named: bool
-    ) -> list[dict[str, Any]]:
-        """One group per algorithm; AdamW without an explicit weight decay further splits by
-        dimensionality (≥ 2-D decays, 0/1-D does not). ``param_names`` stay aligned."""
-        pairs = group["params"]
-        rest = {k: v for k, v in group.items() if k not in ("params", "algorithm", "param_names")}
-
-        def make(selected: list[tuple[str, torch.Tensor]], algorithm: str, **extra: Any):
-            out = dict(rest, params=[p for _, p in selected], algorithm=algorithm, **extra)
-            if named:
-                out["param_names"] = [n for n, _ in selected]
-            return out
-
-        muon = [(n, p) for n, p in pairs if decisions[n].algorithm == "muon"]
-        adamw = [(n, p) for n, p in pairs if decisions[n].algorithm == "adamw"]
-        out = [make(muon, "muon")] if muon else []
-        if adamw:
-            if "weight_decay" in rest or self._adamw_defaults["weight_decay"] is not None:
-                out.append(make(adamw, "adamw"))
-            else:
-                wd = self._muon_defaults["weight_decay"]
-                matrices = [(n, p) for n, p in adamw if p.ndim >= 2]
-                vectors = [(n, p) for n, p in adamw if p.ndim < 2]
-                if matrices:
-                    out.append(make(matrices, "adamw", weight_decay=wd))
-                if vectors:
-                    out.append(make(vectors, "adamw", weight_decay=0.0))
-        return out
-
-    def _warn_unnamed(self) -> None:
-        if self._unnamed_to_muon:
-            message = _FALLBACK_WARNING.format(n=self._unnamed_to_muon)
-            warnings.warn(message, UserWarning, stacklevel=3)
-            self._unnamed_to_muon = 0
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add parameters with the constructor's defaults: routed like the constructor's
         ``params`` (by name when named, by rank otherwise; ``"algorithm"`` pins), AdamW ones
@@ -499,12 +283,12 @@ class Muon(torch.optim.Optimizer):
         if resolved:  # the constructor's groups, or a group pinned with its options
             self._add_resolved_group(dict(param_group))
             return
-        for group in self._expand_user_group(dict(param_group)):
+        for group in expand_user_group(self, dict(param_group)):
             self._add_resolved_group(group)
-        self._warn_unnamed()
+        warn_unnamed(self)
 
     def _add_resolved_group(self, param_group: dict[str, Any]) -> None:
-        named, _ = self._named_entries(param_group)
+        named, _ = named_entries(self, param_group)
         params = [p for _, p in named]
         param_group["params"] = params
         algorithm = param_group["algorithm"]
@@ -513,7 +297,7 @@ class Muon(torch.optim.Optimizer):
         if algorithm == "muon":
             for key, value in self._muon_defaults.items():
                 param_group.setdefault(key, value)
-            _validate_muon_group(param_group)
+            validate_muon_group(param_group)
             for p in params:
                 if p.is_complex():
                     raise ValueError(f"Muon cannot orthogonalize complex parameter '{self._name(p)}'; route it to AdamW")
@@ -525,38 +309,13 @@ class Muon(torch.optim.Optimizer):
             if param_group["weight_decay"] is None:
                 param_group["weight_decay"] = self._muon_defaults["weight_decay"]
             param_group = AdamWGroup.wrap(param_group)
-            _validate_adamw_group(param_group)
+            validate_adamw_group(param_group)
         lr = param_group["lr"]
         if isinstance(lr, torch.Tensor) and any(g["lr"] is lr for g in self.param_groups):
             param_group["lr"] = lr.clone()  # each group's schedule acts on its own tensor
         super().add_param_group(param_group)
         if self.capturable:
             self._device_lr(self.param_groups[-1])
-
-    def _resolve_splits(self, splits: Mapping[str, Any], qkv_split: str) -> dict[int, list[torch.Tensor]]:
-        by_name = {self.param_names.get(id(p)): (p, g) for g in self.param_groups for p in g["params"]}
-        out = {}
-        for name, spec in splits.items():
-            if name not in by_name or by_name[name][1]["algorithm"] != "muon":
-                raise ValueError(f"splits: no Muon parameter named {name!r}")
-            param = by_name[name][0]
-            rows = param.shape[1] if self.is_transposed(param) else param.shape[0]
-            if isinstance(spec, QKVLayout):
-                if spec.rows != rows:
-                    raise ValueError(f"splits[{name!r}]: {spec} describes {spec.rows} rows, the parameter has {rows}")
-                parts = spec.row_partition(qkv_split)
-            elif isinstance(spec, int) and not isinstance(spec, bool):
-                if spec < 1 or rows % spec:
-                    raise ValueError(f"splits[{name!r}]: {spec} equal blocks do not divide {rows} rows")
-                parts = row_blocks([rows // spec] * spec)
-            elif isinstance(spec, Sequence):
-                if sum(int(s) for s in spec) != rows:
-                    raise ValueError(f"splits[{name!r}]: block sizes {list(spec)} do not sum to {rows} rows")
-                parts = row_blocks(spec)
-            else:
-                raise ValueError(f"splits[{name!r}]: expected a QKVLayout, an int or a list of sizes, got {spec!r}")
-            out[id(param)] = parts
-        return out
 
     def rebind_parameters(self, named_parameters: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Point the optimizer at the parameters now named in ``named_parameters``, by the names
@@ -567,46 +326,7 @@ class Muon(torch.optim.Optimizer):
         (accelerate's FSDP2 preparation; a model re-created from a checkpoint). A group slot
         that already holds one of the model's parameters (the framework swapped the group) is
         named by the model."""
-        current = dict(named_parameters)
-        model_name = {id(p): n for n, p in current.items()}
-        old_names = dict(self.param_names)
-        split_by_name = {old_names[i]: rows for i, rows in self._split_rows.items() if i in old_names}
-        slots: list[tuple[torch.Tensor, torch.Tensor, str]] = []  # (bound now, new, name)
-        for group in self.param_groups:
-            for p in group["params"]:
-                name = model_name.get(id(p))
-                if name is None or current[name] is not p:
-                    name = old_names.get(id(p))
-                if name is None or name not in current:
-                    raise KeyError(
-                        f"rebind_parameters: optimizer parameter {name or '<unnamed>'!r} is not "
-                        f"among the model's parameters (first names there: {list(current)[:3]})"
-                    )
-                new = current[name]
-                if tuple(new.shape) != tuple(p.shape) and not _is_dtensor(new):
-                    raise ValueError(
-                        f"rebind_parameters: {name!r} changed shape {tuple(p.shape)} -> "
-                        f"{tuple(new.shape)}"
-                    )
-                slots.append((p, new, name))
-        self._check_rebind([(old, new) for old, new, _ in slots])
-        new_of_name = {name: new for _, new, name in slots}
-        for key in list(self.state):  # state keys are alive, so their ids name them exactly
-            name = old_names.get(id(key))
-            if name in new_of_name and new_of_name[name] is not key:
-                self.state[new_of_name[name]] = self.state.pop(key)
-        flat = iter(slots)
-        for group in self.param_groups:
-            group["params"] = [next(flat)[1] for _ in group["params"]]
-        self.param_names.clear()
-        self.param_names.update({id(new): name for _, new, name in slots})
-        self._split_rows = {
-            id(new): split_by_name[name] for _, new, name in slots if name in split_by_name
-        }
-        self._views.clear()
-        moved = [(old, new) for old, new, _ in slots if old is not new]
-        self._after_rebind([(old, new) for old, new, _ in slots])
-        return len(moved)
+        return rebind_parameters(self, named_parameters)
 
     def _check_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Raise before anything changes if a subclass cannot follow ``slots`` (see below)."""
@@ -739,41 +459,9 @@ class Muon(torch.optim.Optimizer):
     def _stacked_momentum(
         self, group: Mapping[str, Any], params: list[torch.Tensor], states: list[dict]
     ) -> list[torch.Tensor]:
-        """The momentum buffers of ``states``, each a view into one ``(k, *shape)`` stack per
-        (param group, shape, dtype, device). A buffer that is not the view handed out (new
-        state, ``load_state_dict``, a checkpoint loaded by replacing tensors) has its stack
-        rebuilt: every member's values are copied into a new stack (parameters without a
-        gradient keep their values), so the ``state_dict`` format is unchanged."""
-        stale = {
-            (tuple(p.shape), s["momentum_buffer"].dtype, s["momentum_buffer"].device)
-            for p, s in zip(params, states)
-            if self._momentum_views.get(id(s)) is not s["momentum_buffer"]
-        }
-        for key in stale:
-            self._restack_momentum(group, key, states)
-        if stale:  # forget the views of state that was replaced (their stacks can be freed)
-            live = {id(s) for s in self.state.values()}
-            self._momentum_views = {k: v for k, v in self._momentum_views.items() if k in live}
-        return [s["momentum_buffer"] for s in states]
-
-    @torch.no_grad()
-    def _restack_momentum(self, group: Mapping[str, Any], key: tuple, states: list[dict]) -> None:
-        shape, dtype, device = key
-        members, seen = [], set()
-        candidates = [self.state.get(q) for q in group["params"]] + states
-        for s in candidates:
-            buf = s.get("momentum_buffer") if s else None
-            if (
-                isinstance(buf, torch.Tensor) and id(s) not in seen
-                and (tuple(buf.shape), buf.dtype, buf.device) == key
-            ):  # fmt: skip
-                members.append(s)
-                seen.add(id(s))
-        stack = torch.empty((len(members), *shape), dtype=dtype, device=device)
-        torch._foreach_copy_(list(stack.unbind(0)), [s["momentum_buffer"] for s in members])
-        for s, view in zip(members, stack.unbind(0)):
-            s["momentum_buffer"] = view
-            self._momentum_views[id(s)] = view
+        """The momentum buffers of ``states``, as views into their stacks (see
+        :class:`~muonscale.optimizer_state.MomentumStacks`)."""
+        return self._momentum_stacks.buffers(group, params, states, self.state)
 
     def init_all_state(self) -> None:
         """Create every parameter's state now (instead of at its first step)."""
@@ -800,123 +488,22 @@ class Muon(torch.optim.Optimizer):
             lines.append(f"  {d.algorithm:<6} {name:<50} {tuple(params[name].shape)!s:<18} {d.reason}")
         return "\n".join(lines)
 
-    _STATE_KEYS = {"muon": {"momentum_buffer", "row_second_moment"}, "adamw": {"step", "exp_avg", "exp_avg_sq"}}
-
     def __getstate__(self) -> dict[str, Any]:
-        # torch pickles only defaults/state/param_groups; the rest is keyed by id(param), which
-        # a copy changes, so it travels by position (group, index) and is re-keyed on load.
         state = super().__getstate__()
-        state["_muonscale"] = dict(
-            nonfinite=self.nonfinite, skipped_steps=self.skipped_steps, routing=self.routing,
-            capturable=self.capturable,
-            muon_defaults=self._muon_defaults, adamw_defaults=self._adamw_defaults,
-            names=[[self.param_names.get(id(p)) for p in g["params"]] for g in self.param_groups],
-            split_rows=[[self._split_rows.get(id(p)) for p in g["params"]]
-                        for g in self.param_groups],
-            transposed=sorted(self._transposed),
-        )  # fmt: skip
+        state["_muonscale"] = pickled_extras(self)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         extra = state.pop("_muonscale", None)
         super().__setstate__(state)
-        self.__dict__.setdefault("memory", MemoryBudget.from_environment())
-        self.__dict__.setdefault("capturable", False)
-        self.__dict__.setdefault("_guard", None)
-        self.__dict__.setdefault("_step_ok", None)
-        self.__dict__.setdefault("_transposed", set())
-        self._momentum_views = {}  # new state tensors: stacks are rebuilt at the next step
-        # Options added after a checkpoint was written get their defaults here.
-        for i, group in enumerate(self.param_groups):
-            group.setdefault("algorithm", "muon")
-            if group["algorithm"] == "muon":
-                group.setdefault("matrix_mode", "flatten")
-                group.setdefault("ns_eps", DEFAULT_EPS)
-                group.setdefault("momentum_dtype", None)
-                group.setdefault("ns_dtype", None)
-                group.setdefault("ns_method", "auto")
-                for key, value in VARIANT_DEFAULTS.items():  # [variants]
-                    group.setdefault(key, value)
-            elif not isinstance(group, AdamWGroup):
-                self.param_groups[i] = AdamWGroup.wrap(group)
-        if extra is None:  # load_state_dict: same parameters, same attributes
-            return
-        self.nonfinite, self.skipped_steps = extra["nonfinite"], extra["skipped_steps"]
-        self.capturable = extra.get("capturable", False)
-        self.routing = extra["routing"]
-        self._muon_defaults, self._adamw_defaults = extra["muon_defaults"], extra["adamw_defaults"]
-        self._rules, self._views, self._unnamed_to_muon = [], {}, 0
-        self.param_names, self._split_rows = {}, {}
-        self._transposed = set(extra.get("transposed", ()))
-        for group, names, rows in zip(self.param_groups, extra["names"], extra["split_rows"]):
-            for p, name, parts in zip(group["params"], names, rows):
-                if name is not None:
-                    self.param_names[id(p)] = name
-                if parts is not None:
-                    self._split_rows[id(p)] = parts
-
-    def _check_loadable(self, state_dict: Mapping[str, Any]) -> None:
-        """Raise ``ValueError`` unless ``state_dict`` was written by this kind of optimizer with
-        the same groups (checked before anything changes)."""
-        saved = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
-        if not isinstance(saved, list) or "state" not in state_dict:
-            raise ValueError("load_state_dict: expected a dict with 'state' and 'param_groups'")
-        if len(saved) != len(self.param_groups):
-            raise ValueError(
-                f"load_state_dict: the state dict has {len(saved)} param groups, this optimizer "
-                f"{len(self.param_groups)} ({[g['algorithm'] for g in self.param_groups]})"
-            )
-        for i, (old, new) in enumerate(zip(saved, self.param_groups)):
-            algorithm = old.get("algorithm")
-            if algorithm is None and {"ns_steps", "coefficients"} <= old.keys():
-                algorithm = "muon"  # written before groups carried 'algorithm'
-            if algorithm != new["algorithm"]:
-                raise ValueError(
-                    f"load_state_dict: param group {i} of the state dict is not a muonscale.Muon "
-                    f"{new['algorithm']} group (algorithm={old.get('algorithm')!r}, keys "
-                    f"{sorted(old)}); a state dict written by another optimizer (such as "
-                    "torch.optim.AdamW or torch.optim.Muon) cannot be loaded. Nothing was changed."
-                )
-            allowed = self._STATE_KEYS[algorithm]
-            for index in old.get("params", []):
-                extra_keys = set(state_dict["state"].get(index, {})) - allowed
-                if extra_keys:
-                    raise ValueError(
-                        f"load_state_dict: state of parameter {index} (group {i}, "
-                        f"{algorithm}) has keys {sorted(extra_keys)} that muonscale.Muon does "
-                        f"not write (expected {sorted(allowed)}). Nothing was changed."
-                    )
+        restore_unpickled(self, extra)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._check_loadable(state_dict)
-        state_dict = dict(state_dict, param_groups=[dict(g) for g in state_dict["param_groups"]])
-        for group in state_dict["param_groups"]:  # checkpoints from older versions
-            group.setdefault("algorithm", "muon")
-            if group["algorithm"] == "muon":
-                for key, value in self._muon_defaults.items():
-                    group.setdefault(key, value)
+        check_loadable(state_dict, self.param_groups)
+        state_dict = with_group_defaults(state_dict, self._muon_defaults)
         lrs = [g["lr"] for g in self.param_groups] if self.capturable else []
         super().load_state_dict(state_dict)
-        for group, lr in zip(self.param_groups, lrs):  # keep the tensors a graph captured
-            loaded = group["lr"]
-            if isinstance(loaded, torch.Tensor):
-                lr.copy_(loaded)
-            else:
-                lr.fill_(loaded)
-            group["lr"] = lr
-        for s in self.state.values():  # AdamW's step saved as a Python number (older torch)
-            if "step" in s and not torch.is_tensor(s["step"]):
-                s["step"] = torch.tensor(float(s["step"]), dtype=torch.float32)
-        # torch casts floating state to the parameter's dtype; restore momentum_dtype.
-        for s in self.state.values():  # [variants] NorMuon's row moment stays float32
-            if "row_second_moment" in s:
-                s["row_second_moment"] = s["row_second_moment"].float()
-        for group in self.param_groups:
-            if group["algorithm"] == "muon" and group["momentum_dtype"] is not None:
-                for p in group["params"]:
-                    buf = self.state.get(p, {}).get("momentum_buffer")
-                    if buf is not None and buf.dtype != group["momentum_dtype"]:
-                        self.state[p]["momentum_buffer"] = buf.to(group["momentum_dtype"])
+        restore_loaded(self, lrs)
 
     # ---------------------------------------------------------------- step
     def _check_gradients(self) -> str | None:

@@ -1,0 +1,198 @@
+"""Param groups of :class:`muonscale.Muon`: every accepted ``params`` form (model, named
+parameters, tensors, group dicts) named, routed and split into one group per algorithm; and
+re-binding the groups to replaced parameter objects."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .params import ALGORITHMS, RouteDecision, route, route_one, transposed_weights
+
+if TYPE_CHECKING:
+    from .optimizer import Muon
+
+PARAMS_TYPE_ERROR = (
+    "params argument given to the optimizer should be an iterable of Tensors or dicts"
+)
+FALLBACK_WARNING = (
+    "muonscale.Muon: {n} unnamed parameter(s) with >= 2 dims were routed to Muon by tensor rank "
+    "alone, so embeddings and output heads cannot be told apart from hidden matrices. Pass "
+    "model.named_parameters() or the model itself, give each param group 'param_names', or pin "
+    "a group with 'algorithm': 'adamw'."
+)
+
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def groups_from(opt: Muon, params: Any) -> list[dict[str, Any]]:
+    """Normalize every accepted ``params`` form into groups with an ``algorithm`` each."""
+    if isinstance(params, nn.Module):
+        decisions = route(params, opt._rules)
+        named = dict(params.named_parameters())
+        opt._transposed |= transposed_weights(params)
+        opt.routing.update(decisions)
+        group = {"params": [(n, named[n]) for n in decisions]}
+        return split_by_algorithm(opt, group, decisions, named=True)
+    params = list(params)
+    if not params:
+        raise ValueError("params: the optimizer got an empty parameter list")
+    if all(isinstance(p, Mapping) for p in params):
+        groups = []
+        for g in params:
+            groups.extend(expand_user_group(opt, dict(g)))
+        return groups
+    return expand_user_group(opt, {"params": params})
+
+
+def named_entries(opt: Muon, group: dict[str, Any]) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+    """``group``'s parameters as (name, tensor) pairs, and whether the user named them."""
+    entries = group["params"]
+    if isinstance(entries, (set, frozenset)):
+        raise TypeError(
+            "optimizer parameters need to be organized in ordered collections, but the "
+            "ordering of tensors in sets will change between runs. Please use a list instead."
+        )
+    entries = [entries] if isinstance(entries, torch.Tensor) else list(entries)
+    names = group.get("param_names")
+    if names is not None:
+        names = list(names)
+        if len(names) != len(entries) or not all(isinstance(n, str) for n in names):
+            raise ValueError(
+                f"param_names: expected {len(entries)} names (str), one per parameter, "
+                f"got {names!r}"
+            )
+        if any(isinstance(e, tuple) for e in entries):
+            raise ValueError("param_names: give names either in 'param_names' or as "
+                             "(name, tensor) pairs, not both")  # fmt: skip
+        entries = list(zip(names, entries))
+    pairs = [e for e in entries if isinstance(e, tuple)]
+    if pairs and len(pairs) != len(entries):
+        raise ValueError(
+            "all optimizer params should be with/without names. Some param names are missing"
+        )
+    named: list[tuple[str, torch.Tensor]] = []
+    for entry in entries:
+        if isinstance(entry, tuple):
+            if not (len(entry) == 2 and isinstance(entry[0], str)):
+                raise TypeError(f"params: expected (name, tensor) pairs, got {entry!r}")
+            name, p = entry
+        else:
+            p = entry
+            name = opt.param_names.get(id(p), f"param{len(opt.param_names)}")
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(
+                "optimizer can only optimize Tensors, but one of the params is "
+                + torch.typename(p)
+            )
+        opt.param_names.setdefault(id(p), name)
+        named.append((name, p))
+    return named, bool(pairs)
+
+
+def expand_user_group(opt: Muon, group: dict[str, Any]) -> list[dict[str, Any]]:
+    named, has_names = named_entries(opt, group)
+    algorithm = group.get("algorithm")
+    if algorithm is not None:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"param group 'algorithm' must be one of {ALGORITHMS}, got {algorithm!r}")
+        decisions = {n: RouteDecision(algorithm, "param group") for n, _ in named}
+    else:
+        decisions = {n: route_one(n, p, opt._rules) for n, p in named}
+        if not has_names:
+            by_rank = [n for n, _ in named if not decisions[n].reason.startswith("user")]
+            opt._unnamed_to_muon += sum(decisions[n].algorithm == "muon" for n in by_rank)
+    for name, decision in decisions.items():
+        opt.routing.setdefault(name, decision)
+    return split_by_algorithm(opt, dict(group, params=named), decisions, named=has_names)
+
+
+def split_by_algorithm(
+    opt: Muon, group: dict[str, Any], decisions: Mapping[str, RouteDecision], *, named: bool
+) -> list[dict[str, Any]]:
+    """One group per algorithm; AdamW without an explicit weight decay further splits by
+    dimensionality (≥ 2-D decays, 0/1-D does not). ``param_names`` stay aligned."""
+    pairs = group["params"]
+    rest = {k: v for k, v in group.items() if k not in ("params", "algorithm", "param_names")}
+
+    def make(selected: list[tuple[str, torch.Tensor]], algorithm: str, **extra: Any):
+        out = dict(rest, params=[p for _, p in selected], algorithm=algorithm, **extra)
+        if named:
+            out["param_names"] = [n for n, _ in selected]
+        return out
+
+    muon = [(n, p) for n, p in pairs if decisions[n].algorithm == "muon"]
+    adamw = [(n, p) for n, p in pairs if decisions[n].algorithm == "adamw"]
+    out = [make(muon, "muon")] if muon else []
+    if adamw:
+        if "weight_decay" in rest or opt._adamw_defaults["weight_decay"] is not None:
+            out.append(make(adamw, "adamw"))
+        else:
+            wd = opt._muon_defaults["weight_decay"]
+            matrices = [(n, p) for n, p in adamw if p.ndim >= 2]
+            vectors = [(n, p) for n, p in adamw if p.ndim < 2]
+            if matrices:
+                out.append(make(matrices, "adamw", weight_decay=wd))
+            if vectors:
+                out.append(make(vectors, "adamw", weight_decay=0.0))
+    return out
+
+
+def warn_unnamed(opt: Muon) -> None:
+    if opt._unnamed_to_muon:
+        message = FALLBACK_WARNING.format(n=opt._unnamed_to_muon)
+        warnings.warn(message, UserWarning, stacklevel=3)
+        opt._unnamed_to_muon = 0
+
+
+def rebind_parameters(opt: Muon, named_parameters: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """:meth:`muonscale.Muon.rebind_parameters` (see there)."""
+    current = dict(named_parameters)
+    model_name = {id(p): n for n, p in current.items()}
+    old_names = dict(opt.param_names)
+    split_by_name = {old_names[i]: rows for i, rows in opt._split_rows.items() if i in old_names}
+    slots: list[tuple[torch.Tensor, torch.Tensor, str]] = []  # (bound now, new, name)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            name = model_name.get(id(p))
+            if name is None or current[name] is not p:
+                name = old_names.get(id(p))
+            if name is None or name not in current:
+                raise KeyError(
+                    f"rebind_parameters: optimizer parameter {name or '<unnamed>'!r} is not "
+                    f"among the model's parameters (first names there: {list(current)[:3]})"
+                )
+            new = current[name]
+            if tuple(new.shape) != tuple(p.shape) and not _is_dtensor(new):
+                raise ValueError(
+                    f"rebind_parameters: {name!r} changed shape {tuple(p.shape)} -> "
+                    f"{tuple(new.shape)}"
+                )
+            slots.append((p, new, name))
+    opt._check_rebind([(old, new) for old, new, _ in slots])
+    new_of_name = {name: new for _, new, name in slots}
+    for key in list(opt.state):  # state keys are alive, so their ids name them exactly
+        name = old_names.get(id(key))
+        if name in new_of_name and new_of_name[name] is not key:
+            opt.state[new_of_name[name]] = opt.state.pop(key)
+    flat = iter(slots)
+    for group in opt.param_groups:
+        group["params"] = [next(flat)[1] for _ in group["params"]]
+    opt.param_names.clear()
+    opt.param_names.update({id(new): name for _, new, name in slots})
+    opt._split_rows = {
+        id(new): split_by_name[name] for _, new, name in slots if name in split_by_name
+    }
+    opt._views.clear()
+    moved = [(old, new) for old, new, _ in slots if old is not new]
+    opt._after_rebind([(old, new) for old, new, _ in slots])
+    return len(moved)

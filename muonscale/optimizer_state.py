@@ -1,0 +1,205 @@
+"""State of :class:`muonscale.Muon` beyond ``torch.optim``'s: what pickling carries, the checks
+before ``load_state_dict``, the fix-ups after it, and the stacks its momentum buffers live in."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .memory import MemoryBudget
+from .newton_schulz import DEFAULT_EPS
+from .optimizer_options import AdamWGroup
+from .variants import VARIANT_DEFAULTS  # [variants]
+
+if TYPE_CHECKING:
+    from .optimizer import Muon
+
+STATE_KEYS = {
+    "muon": {"momentum_buffer", "row_second_moment"},
+    "adamw": {"step", "exp_avg", "exp_avg_sq"},
+}
+"""The state keys :class:`muonscale.Muon` writes, per algorithm."""
+
+
+class MomentumStacks:
+    """Muon momentum buffers as views into one ``(k, *shape)`` stack per (param group, shape,
+    dtype, device); owned by the optimizer, rebuilt whenever a buffer was replaced."""
+
+    def __init__(self) -> None:
+        self.views: dict[int, torch.Tensor] = {}  # id(state) -> its view in a stack
+
+    def buffers(
+        self,
+        group: Mapping[str, Any],
+        params: list[torch.Tensor],
+        states: list[dict],
+        all_state: Mapping[torch.Tensor, dict],
+    ) -> list[torch.Tensor]:
+        """The momentum buffers of ``states``, each a view into its stack. A buffer that is not
+        the view handed out (new state, ``load_state_dict``, a checkpoint loaded by replacing
+        tensors) has its stack rebuilt: every member's values are copied into a new stack
+        (parameters without a gradient keep their values), so the ``state_dict`` format is
+        unchanged. ``all_state`` is the optimizer's ``state``."""
+        stale = {
+            (tuple(p.shape), s["momentum_buffer"].dtype, s["momentum_buffer"].device)
+            for p, s in zip(params, states)
+            if self.views.get(id(s)) is not s["momentum_buffer"]
+        }
+        for key in stale:
+            self._restack(group, key, states, all_state)
+        if stale:  # forget the views of state that was replaced (their stacks can be freed)
+            live = {id(s) for s in all_state.values()}
+            self.views = {k: v for k, v in self.views.items() if k in live}
+        return [s["momentum_buffer"] for s in states]
+
+    @torch.no_grad()
+    def _restack(
+        self,
+        group: Mapping[str, Any],
+        key: tuple,
+        states: list[dict],
+        all_state: Mapping[torch.Tensor, dict],
+    ) -> None:
+        shape, dtype, device = key
+        members, seen = [], set()
+        candidates = [all_state.get(q) for q in group["params"]] + states
+        for s in candidates:
+            buf = s.get("momentum_buffer") if s else None
+            if (
+                isinstance(buf, torch.Tensor) and id(s) not in seen
+                and (tuple(buf.shape), buf.dtype, buf.device) == key
+            ):  # fmt: skip
+                members.append(s)
+                seen.add(id(s))
+        stack = torch.empty((len(members), *shape), dtype=dtype, device=device)
+        torch._foreach_copy_(list(stack.unbind(0)), [s["momentum_buffer"] for s in members])
+        for s, view in zip(members, stack.unbind(0)):
+            s["momentum_buffer"] = view
+            self.views[id(s)] = view
+
+
+def pickled_extras(opt: Muon) -> dict[str, Any]:
+    """What a pickle of ``opt`` carries besides torch's defaults/state/param_groups. The rest is
+    keyed by id(param), which a copy changes, so it travels by position (group, index)."""
+    return dict(
+        nonfinite=opt.nonfinite, skipped_steps=opt.skipped_steps, routing=opt.routing,
+        capturable=opt.capturable,
+        muon_defaults=opt._muon_defaults, adamw_defaults=opt._adamw_defaults,
+        names=[[opt.param_names.get(id(p)) for p in g["params"]] for g in opt.param_groups],
+        split_rows=[[opt._split_rows.get(id(p)) for p in g["params"]]
+                    for g in opt.param_groups],
+        transposed=sorted(opt._transposed),
+    )  # fmt: skip
+
+
+def restore_unpickled(opt: Muon, extra: dict[str, Any] | None) -> None:
+    """Complete ``opt`` after torch's ``__setstate__``: defaults for options added after a
+    checkpoint was written, and (from a pickle) ``extra`` re-keyed to the new parameters."""
+    opt.__dict__.setdefault("memory", MemoryBudget.from_environment())
+    opt.__dict__.setdefault("capturable", False)
+    opt.__dict__.setdefault("_guard", None)
+    opt.__dict__.setdefault("_step_ok", None)
+    opt.__dict__.setdefault("_transposed", set())
+    opt._momentum_stacks = MomentumStacks()  # new state tensors: stacks rebuilt at the next step
+    # Options added after a checkpoint was written get their defaults here.
+    for i, group in enumerate(opt.param_groups):
+        group.setdefault("algorithm", "muon")
+        if group["algorithm"] == "muon":
+            group.setdefault("matrix_mode", "flatten")
+            group.setdefault("ns_eps", DEFAULT_EPS)
+            group.setdefault("momentum_dtype", None)
+            group.setdefault("ns_dtype", None)
+            group.setdefault("ns_method", "auto")
+            for key, value in VARIANT_DEFAULTS.items():  # [variants]
+                group.setdefault(key, value)
+        elif not isinstance(group, AdamWGroup):
+            opt.param_groups[i] = AdamWGroup.wrap(group)
+    if extra is None:  # load_state_dict: same parameters, same attributes
+        return
+    opt.nonfinite, opt.skipped_steps = extra["nonfinite"], extra["skipped_steps"]
+    opt.capturable = extra.get("capturable", False)
+    opt.routing = extra["routing"]
+    opt._muon_defaults, opt._adamw_defaults = extra["muon_defaults"], extra["adamw_defaults"]
+    opt._rules, opt._views, opt._unnamed_to_muon = [], {}, 0
+    opt.param_names, opt._split_rows = {}, {}
+    opt._transposed = set(extra.get("transposed", ()))
+    for group, names, rows in zip(opt.param_groups, extra["names"], extra["split_rows"]):
+        for p, name, parts in zip(group["params"], names, rows):
+            if name is not None:
+                opt.param_names[id(p)] = name
+            if parts is not None:
+                opt._split_rows[id(p)] = parts
+
+
+def check_loadable(state_dict: Mapping[str, Any], param_groups: list[Mapping[str, Any]]) -> None:
+    """Raise ``ValueError`` unless ``state_dict`` was written by this kind of optimizer with
+    the same groups (checked before anything changes)."""
+    saved = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+    if not isinstance(saved, list) or "state" not in state_dict:
+        raise ValueError("load_state_dict: expected a dict with 'state' and 'param_groups'")
+    if len(saved) != len(param_groups):
+        raise ValueError(
+            f"load_state_dict: the state dict has {len(saved)} param groups, this optimizer "
+            f"{len(param_groups)} ({[g['algorithm'] for g in param_groups]})"
+        )
+    for i, (old, new) in enumerate(zip(saved, param_groups)):
+        algorithm = old.get("algorithm")
+        if algorithm is None and {"ns_steps", "coefficients"} <= old.keys():
+            algorithm = "muon"  # written before groups carried 'algorithm'
+        if algorithm != new["algorithm"]:
+            raise ValueError(
+                f"load_state_dict: param group {i} of the state dict is not a muonscale.Muon "
+                f"{new['algorithm']} group (algorithm={old.get('algorithm')!r}, keys "
+                f"{sorted(old)}); a state dict written by another optimizer (such as "
+                "torch.optim.AdamW or torch.optim.Muon) cannot be loaded. Nothing was changed."
+            )
+        allowed = STATE_KEYS[algorithm]
+        for index in old.get("params", []):
+            extra_keys = set(state_dict["state"].get(index, {})) - allowed
+            if extra_keys:
+                raise ValueError(
+                    f"load_state_dict: state of parameter {index} (group {i}, "
+                    f"{algorithm}) has keys {sorted(extra_keys)} that muonscale.Muon does "
+                    f"not write (expected {sorted(allowed)}). Nothing was changed."
+                )
+
+
+def with_group_defaults(
+    state_dict: Mapping[str, Any], muon_defaults: Mapping[str, Any]
+) -> dict[str, Any]:
+    """A shallow copy of ``state_dict`` whose groups (from older versions) have every option."""
+    state_dict = dict(state_dict, param_groups=[dict(g) for g in state_dict["param_groups"]])
+    for group in state_dict["param_groups"]:  # checkpoints from older versions
+        group.setdefault("algorithm", "muon")
+        if group["algorithm"] == "muon":
+            for key, value in muon_defaults.items():
+                group.setdefault(key, value)
+    return state_dict
+
+
+def restore_loaded(opt: Muon, lrs: list[torch.Tensor]) -> None:
+    """Undo what torch's ``load_state_dict`` changes: capturable lr tensors (``lrs``, the ones a
+    graph captured) are written in place, step counters become tensors, and buffers get back
+    their dtypes (torch casts floating state to the parameter's dtype)."""
+    for group, lr in zip(opt.param_groups, lrs):  # keep the tensors a graph captured
+        loaded = group["lr"]
+        if isinstance(loaded, torch.Tensor):
+            lr.copy_(loaded)
+        else:
+            lr.fill_(loaded)
+        group["lr"] = lr
+    for s in opt.state.values():  # AdamW's step saved as a Python number (older torch)
+        if "step" in s and not torch.is_tensor(s["step"]):
+            s["step"] = torch.tensor(float(s["step"]), dtype=torch.float32)
+    # torch casts floating state to the parameter's dtype; restore momentum_dtype.
+    for s in opt.state.values():  # [variants] NorMuon's row moment stays float32
+        if "row_second_moment" in s:
+            s["row_second_moment"] = s["row_second_moment"].float()
+    for group in opt.param_groups:
+        if group["algorithm"] == "muon" and group["momentum_dtype"] is not None:
+            for p in group["params"]:
+                buf = opt.state.get(p, {}).get("momentum_buffer")
+                if buf is not None and buf.dtype != group["momentum_dtype"]:
+                    opt.state[p]["momentum_buffer"] = buf.to(group["momentum_dtype"])
