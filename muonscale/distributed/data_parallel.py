@@ -9,15 +9,12 @@ all-gather). ``clip_grad_norm_`` is in :mod:`.dp_grad_clip`, checkpoints in
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import os
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from .. import functional
 from ..kernels import clear_workspaces
@@ -28,33 +25,12 @@ from . import dp_checkpoint, dp_grad_clip
 from .comm import Communicator, WireCounter
 from .dp_reduction import BucketedReduction, ReduceAt, ReductionOptions
 from .ownership import assign_owners, format_ownership_table, rank_loads
-
-
-def is_dtensor(t: Any) -> bool:
-    """Whether ``t`` (a tensor or parameter) is a DTensor."""
-    return isinstance(t, DTensor) or isinstance(getattr(t, "data", None), DTensor)
-
-
-def check_process_group(process_group: dist.ProcessGroup | None, what: str) -> None:
-    """Refuse to run as world size 1 when a launcher started several processes: ``WORLD_SIZE``
-    > 1 in the environment (torchrun, accelerate, Lightning set it) but no process group."""
-    world = os.environ.get("WORLD_SIZE", "1")
-    initialized = dist.is_available() and dist.is_initialized()
-    if process_group is None and not initialized and world.isdigit() and int(world) > 1:
-        raise RuntimeError(
-            f"{what}: WORLD_SIZE={world} in the environment but no process group is "
-            "initialized, so every rank would train alone. Call "
-            "torch.distributed.init_process_group(...) before building the optimizer (with "
-            "Hugging Face, create the TrainingArguments first; with Lightning, build it in "
-            "configure_optimizers)."
-        )
-
-
-def _unwrap_ddp(params: Any) -> tuple[Any, bool]:
-    """(the module inside a DDP wrapper, True) or (params, False)."""
-    if isinstance(params, torch.nn.parallel.DistributedDataParallel):
-        return params.module, True
-    return params, False
+from .setup_checks import (  # noqa: F401 (check_process_group, is_dtensor: imported from here)
+    check_process_group,
+    is_dtensor,
+    require_same_parameters,
+    unwrap_ddp,
+)
 
 
 class DistributedMuon(Muon):
@@ -181,7 +157,7 @@ class DistributedMuon(Muon):
             raise ValueError(f"overlap_gather must be True or False, got {overlap_gather!r}")
         self.overlap_gather = overlap_gather
         check_process_group(process_group, "DistributedMuon")
-        params, wrapped = _unwrap_ddp(params)
+        params, wrapped = unwrap_ddp(params)
         if wrapped and reduce_at not in (None, "never"):
             raise ValueError(
                 f"reduce_at={reduce_at!r} with a model wrapped in DistributedDataParallel would "
@@ -234,28 +210,7 @@ class DistributedMuon(Muon):
         torch's fake process group (one process alone: nothing to compare with)."""
         if not self.comm.active or dist.get_backend(self.comm.group) == "fake":
             return
-        signature = self._signature()
-        digest = hashlib.sha256(repr(signature).encode()).digest()
-        mine = torch.tensor(
-            [int.from_bytes(digest[:7], "little")], dtype=torch.int64, device=self.comm.device
-        )
-        every = torch.empty(self.world_size, dtype=torch.int64, device=self.comm.device)
-        self.comm.all_gather(every, mine, tag="setup")
-        if bool((every == every[0]).all()):
-            return
-        signatures = self.comm.all_gather_object(signature)
-        reference = signatures[0]
-        for rank, other in enumerate(signatures):
-            for i in range(max(len(reference), len(other))):
-                a = reference[i] if i < len(reference) else None
-                b = other[i] if i < len(other) else None
-                if a != b:
-                    raise ValueError(
-                        f"DistributedMuon: the parameter lists differ between ranks: parameter #{i} "
-                        f"is {a} on rank 0 but {b} on rank {rank} (name, shape, dtype, algorithm). "
-                        "Every rank must build the same model and optimizer."
-                    )
-        raise ValueError("DistributedMuon: the parameter lists differ between ranks")
+        require_same_parameters(self.comm, self.world_size, self._signature())
 
     def _assign_owners(self) -> None:
         self.muon_indices = [i for i, g in enumerate(self.group_of) if g["algorithm"] == "muon"]

@@ -13,12 +13,9 @@ makes them agree on the loss and on stopping; checkpoints are then DCP folders
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import signal
 import sys
-import threading
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -43,7 +40,9 @@ from muonscale.train.dcp_checkpoint import (
 from muonscale.train.model import GPT
 from muonscale.train.optimizers import build_optimizer, optimizer_state_bytes
 from muonscale.train.parallel import Parallelism
+from muonscale.train.run_log import MetricsLog, progress_bar
 from muonscale.train.schedule import LRSchedule, build_scheduler
+from muonscale.train.stop_signals import StopSignals
 
 __all__ = [
     "CheckpointExistsError",
@@ -191,7 +190,7 @@ class TrainingRun:
         self.last_checkpoint: tuple[str, int] | None = None  # (path, step) of the last good save
         # hyperparameters that differ from the loaded checkpoint's: name -> (saved, now)
         self.resume_changes: dict[str, tuple[Any, Any]] = {}
-        self._signals: _StopSignals | None = None  # this rank's signal handlers, in run()
+        self._signals: StopSignals | None = None  # this rank's signal handlers, in run()
         # under --parallel: the signal some rank had received by the last step's agreement
         self.agreed_signal: str | None = None
 
@@ -497,7 +496,7 @@ class TrainingRun:
                 if self.rank == 0:
                     print(f"muonscale train: resuming with {name}={now} (the checkpoint had "
                           f"{saved})", file=sys.stderr)  # fmt: skip
-        with _StopSignals() as stop:
+        with StopSignals() as stop:
             self._signals = stop
             try:
                 summary = self._run_loop(progress, checkpoint_path, out_dir, stop)
@@ -510,7 +509,7 @@ class TrainingRun:
         self, progress: bool, checkpoint_path: Path | None, out_dir: Path | None, stop
     ) -> RunSummary:
         config = self.config
-        log = _MetricsLog(out_dir / METRICS_NAME if out_dir and self.rank == 0 else None)
+        log = MetricsLog(out_dir / METRICS_NAME if out_dir and self.rank == 0 else None)
         log.write(
             event="start",
             step=self.step_count,
@@ -520,7 +519,7 @@ class TrainingRun:
             tokens_per_step=self.tokens_per_step,
             resume_changes={k: list(v) for k, v in self.resume_changes.items()},
         )
-        bar = _progress_bar(progress and self.rank == 0, total=config.steps, initial=self.step_count)
+        bar = progress_bar(progress and self.rank == 0, total=config.steps, initial=self.step_count)
         if bar is not None:
             bar.write(self.describe())
         result: StepResult | None = None
@@ -584,7 +583,7 @@ class TrainingRun:
         )
 
 
-    def _stop_signal(self, stop: _StopSignals) -> str | None:
+    def _stop_signal(self, stop: StopSignals) -> str | None:
         """The signal that stops the run at this step boundary: this process's, or under
         --parallel the one the ranks agreed on in the last step (so all stop together)."""
         return self.agreed_signal if self.parallel is not None else stop.signal
@@ -593,65 +592,3 @@ class TrainingRun:
         """Leave the process group (when this run joined it) and release optimizer hooks."""
         if self.parallel is not None:
             self.parallel.close()
-
-
-class _StopSignals:
-    """While active (main thread only), SIGINT and SIGTERM set ``signal`` instead of raising:
-    the loop stops at the next step boundary and saves; later signals are only reported."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.signal: str | None = None
-        self.saving = False
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for number in self.SIGNALS:
-                self._previous[number] = signal.signal(number, self._handle)
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        for number, handler in self._previous.items():
-            signal.signal(number, handler)
-
-    def _handle(self, number: int, frame) -> None:
-        name = signal.Signals(number).name
-        if self.saving:
-            what = f"{name} deferred: writing the checkpoint first"
-        elif self.signal is None:
-            what = f"{name}: stopping after the current step, then saving a checkpoint"
-        else:
-            what = f"{name} again: still finishing the step (SIGKILL abandons it unsaved)"
-        self.signal = self.signal or name
-        print(f"muonscale train: {what}", file=sys.stderr, flush=True)
-
-
-class _MetricsLog:
-    """Appends one JSON object per line (with wall-clock ``time``); no-op without a path."""
-
-    def __init__(self, path: Path | None) -> None:
-        self._file = None
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = path.open("a", encoding="utf-8")
-
-    def write(self, **record: Any) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps({"time": time.time(), **record}) + "\n")
-            self._file.flush()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-
-
-def _progress_bar(enabled: bool, *, total: int, initial: int):
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
