@@ -161,9 +161,12 @@ class DTensorMuon(Muon):
     Step phases (see the module docstring for the picture): check gradients (one tiny
     all-reduce of non-finite flags, unless ``nonfinite="ignore"``) → momentum on shards →
     all-to-all to owners → Newton–Schulz on whole matrices → all-to-all back → update shards →
-    AdamW on shards. ``last_step_wire_bytes`` / ``last_step_wire_breakdown`` give the bytes this
-    rank sent in the last step (``"muon/all_to_all"``, ``"control/all_reduce"``), counted by
-    :mod:`.comm` as for :class:`~muonscale.distributed.DistributedMuon`.
+    AdamW on shards. NorMuon (``normalize="row"``) normalises rows on the owner and shares the
+    owners' row statistics in one all-reduce, so its ``row_second_moment`` is replicated.
+    ``last_step_wire_bytes`` / ``last_step_wire_breakdown`` give the bytes this rank sent in the
+    last step (``"muon/all_to_all"``, ``"muon/all_reduce"``, ``"control/all_reduce"``), counted
+    by :mod:`.comm` as for :class:`~muonscale.distributed.DistributedMuon`. Construction checks
+    that every rank routed and configured every parameter alike (:mod:`.agreement`).
     """
 
     _CAPTURABLE_REFUSAL = (
