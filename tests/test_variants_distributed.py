@@ -10,19 +10,28 @@ import torch
 from distributed_harness import shared_pool
 from test_distributed_dp import OPTS, make_model, max_diff, reference, train
 from test_dtensor_muon import (
+    E2E_TOL,
     SHAPES,
     SPLITS,
+    STEPS,
     Bag,
+    TinyLM,
+    _full_params,
     _full_tensors,
+    _grads,
     _max_diff,
+    _parallel_model,
     _placements_1d,
     _reference,
     _run_injected,
+    _shard_like,
+    _train,
 )
+from test_dtensor_muon import OPTIONS as DT_OPTIONS
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import Replicate, distribute_tensor
 
 import muonscale
 from muonscale.distributed import DistributedMuon
@@ -37,7 +46,6 @@ VARIANTS = {
     "aol_gram": dict(preconditioner="aol", ns_method="gram"),
     "polar_express": dict(coefficients="polar_express"),
 }
-DTENSOR_VARIANTS = [k for k in VARIANTS if k != "normuon"]  # NorMuon: refused (see dtensor.py)
 # Same-batch data parallelism averages gradients in another order than one process, so the
 # layouts agree to float32 rounding carried through a few steps (the bound the existing
 # DistributedMuon tests use); world size 1 and DTensor owners see the same bits.
@@ -95,8 +103,7 @@ def test_variants_world_size_one_distributed_is_bitwise():
 def _dtensor_worker(rank, world_size):
     init = _full_tensors(SHAPES, 0)
     out = {}
-    for name in DTENSOR_VARIANTS:
-        kw = VARIANTS[name]
+    for name, kw in VARIANTS.items():
         ref = _reference(init, SHAPES, SPLITS, **kw)
         for kind in ("fsdp", "tp1"):
             mesh = init_device_mesh("cpu", (world_size,))
@@ -113,22 +120,141 @@ def _dtensor_worker(rank, world_size):
             out[(name, kind)] = _max_diff(full, ref)
             del named, full
             gc.collect()
-    mesh = init_device_mesh("cpu", (world_size,))
-    w = nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, _placements_1d("tp1", 2)))
-    try:
-        DTensorMuon([("h.weight", w)], normalize="row")
-        out["normuon_refused"] = False
-    except NotImplementedError as exc:
-        out["normuon_refused"] = "normalize" in str(exc)
     return out
 
 
 def test_variants_dtensor_muon_2_ranks():
     res = shared_pool(2).run(_dtensor_worker)[0]
+    assert {name for name, _ in res} == set(VARIANTS)
     for key, diff in res.items():
-        if key == "normuon_refused":
-            assert diff
+        # DTensorMuon runs Newton–Schulz on whole matrices and elementwise math on shards:
+        # the existing layouts are exact to 1e-6 (test_dtensor_muon.TOL); so are variants
+        # (NorMuon's row factors are computed on the owner from the same bits as on one process)
+        assert diff <= 1e-6, (key, diff)
+
+
+def _normuon_dtensor_state_worker(rank, world_size):
+    """NorMuon's row second moment under DTensorMuon: the same on every rank (replicated), and
+    equal to single-process Muon's after the same steps, for FSDP2 and column TP."""
+    init = _full_tensors(SHAPES, 0)
+    kw = VARIANTS["normuon"]
+    ref_params = {n: nn.Parameter(t.clone()) for n, t in init.items()}
+    ref_opt = muonscale.Muon(list(ref_params.items()), splits=SPLITS, **{**DT_OPTIONS, **kw})
+    for k in range(STEPS):
+        grads = _grads(SHAPES, k)
+        for n, p in ref_params.items():
+            p.grad = grads[n].clone()
+        ref_opt.step()
+    ref_moments = {
+        n: ref_opt.state[p]["row_second_moment"] for n, p in ref_params.items()
+        if "row_second_moment" in ref_opt.state[p]
+    }  # fmt: skip
+    out = {}
+    for kind in ("fsdp", "tp1"):
+        mesh = init_device_mesh("cpu", (world_size,))
+        if kind == "fsdp":
+            bag = Bag(init)
+            fully_shard(bag, mesh=mesh)
+            named = list(bag.named_parameters())
         else:
-            # DTensorMuon runs Newton–Schulz on whole matrices and elementwise math on shards:
-            # the existing layouts are exact to 1e-6 (test_dtensor_muon.TOL); so are variants
-            assert diff <= 1e-6, (key, diff)
+            named = [
+                (n, nn.Parameter(distribute_tensor(t.clone(), mesh, _placements_1d(kind, t.ndim))))
+                for n, t in init.items()
+            ]  # fmt: skip
+        opt = DTensorMuon(named, splits=SPLITS, **{**DT_OPTIONS, **kw})
+        for k in range(STEPS):
+            grads = _grads(SHAPES, k)
+            for n, p in named:
+                p.grad = _shard_like(grads[n], p)
+            opt.step()
+        moments = {
+            n: opt.state[p]["row_second_moment"] for n, p in named
+            if "row_second_moment" in opt.state[p]
+        }  # fmt: skip
+        assert moments.keys() == ref_moments.keys() and moments
+        out[kind] = {
+            "diff": max((moments[n] - ref_moments[n]).abs().max().item() for n in moments),
+            "moments": {n: m.clone() for n, m in moments.items()},
+            "wire": opt.last_step_wire_breakdown,
+        }
+        del opt, named
+        gc.collect()
+    return out
+
+
+def test_normuon_dtensor_moment_replicated_and_equal_to_single_process():
+    res = shared_pool(2).run(_normuon_dtensor_state_worker)
+    rows = sum(v.numel() for v in res[0]["fsdp"]["moments"].values())
+    for kind in ("fsdp", "tp1"):
+        for rank_result in res:
+            # an EMA of mean squares (~1/n) of the same float32 updates: float32 rounding
+            assert rank_result[kind]["diff"] <= 1e-6, (kind, rank_result[kind]["diff"])
+        a, b = res[0][kind]["moments"], res[1][kind]["moments"]
+        assert all(torch.equal(a[n], b[n]) for n in a), kind  # bitwise replicas
+        # one all-reduce of the owners' row statistics per step (plus the all-to-alls)
+        assert res[0][kind]["wire"].get("muon/all_reduce", 0) > 0, res[0][kind]["wire"]
+    assert rows > 0
+
+
+def _dcp_normuon_worker(rank, world_size, path):
+    """NorMuon under FSDP2: 2 steps, DCP save, load into a fresh model/optimizer, 1 more step;
+    compare with 3 uninterrupted single-process steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    kw = VARIANTS["normuon"]
+    model = _parallel_model("fsdp", world_size)
+    opt = DTensorMuon(model, **DT_OPTIONS, **kw)
+    _train(model, opt, 2)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    saved = {n: opt.state[p]["row_second_moment"].clone() for n, p in model.named_parameters()
+             if "row_second_moment" in opt.state[p]}  # fmt: skip
+    del model, opt, msd, osd
+    model = _parallel_model("fsdp", world_size)
+    opt = DTensorMuon(model, **DT_OPTIONS, **kw)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loaded = {n: opt.state[p]["row_second_moment"].clone() for n, p in model.named_parameters()
+              if "row_second_moment" in opt.state[p]}  # fmt: skip
+    restored = saved.keys() == loaded.keys() and all(
+        torch.equal(saved[n], loaded[n]) for n in saved
+    )
+    _train(model, opt, 1, first=2)
+    torch.manual_seed(0)
+    ref = TinyLM()
+    _train(ref, muonscale.Muon(ref, **DT_OPTIONS, **kw), 3)
+    diff = _max_diff(_full_params(model), _full_params(ref))
+    del model, opt, state
+    gc.collect()
+    return {"restored": restored, "moments": len(saved), "diff": diff}
+
+
+def test_normuon_dtensor_dcp_round_trip(tmp_path):
+    res = shared_pool(2).run(_dcp_normuon_worker, str(tmp_path / "ckpt"))
+    for r in res:
+        assert r["restored"] and r["moments"] == 2, r  # fc1, fc2
+        assert r["diff"] <= E2E_TOL, r  # FSDP2's reduce-scatter rounding, as in test_dtensor_muon
+
+
+def _routing_mismatch_worker(rank, world_size):
+    """Rank 1 routes 'h.weight' to AdamW by a rule; rank 0 sends it to Muon."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    w = nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, _placements_1d("tp1", 2)))
+    b = nn.Parameter(distribute_tensor(torch.randn(8), mesh, [Replicate()]))
+    rules = [(r"h\.weight", "adamw")] if rank == 1 else []
+    try:
+        DTensorMuon([("h.weight", w), ("h.bias", b)], rules=rules)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_dtensor_muon_routing_mismatch_is_named():
+    for message in shared_pool(2).run(_routing_mismatch_worker):
+        assert message is not None
+        assert "'h.weight'" in message, message
+        assert "rank 0: 'h.weight' ('muon'" in message, message
+        assert "rank 1: 'h.weight' ('adamw'" in message, message

@@ -49,7 +49,13 @@ from .. import functional
 from ..newton_schulz import default_ns_dtype
 from ..optimizer import Muon
 from ..scaling import update_scale
-from ..variants import cautious_weight_decay_  # [variants]
+from ..variants import (  # [variants]
+    cautious_weight_decay_,
+    row_factors,
+    row_statistics,
+    update_row_moments_,
+)
+from .agreement import check_same_on_every_rank
 from .comm import Communicator, WireCounter
 from .data_parallel import check_process_group
 from .sharded import MatrixLayout, ShardedMatrices, chunk_bounds, default_owners
@@ -155,9 +161,12 @@ class DTensorMuon(Muon):
     Step phases (see the module docstring for the picture): check gradients (one tiny
     all-reduce of non-finite flags, unless ``nonfinite="ignore"``) → momentum on shards →
     all-to-all to owners → Newton–Schulz on whole matrices → all-to-all back → update shards →
-    AdamW on shards. ``last_step_wire_bytes`` / ``last_step_wire_breakdown`` give the bytes this
-    rank sent in the last step (``"muon/all_to_all"``, ``"control/all_reduce"``), counted by
-    :mod:`.comm` as for :class:`~muonscale.distributed.DistributedMuon`.
+    AdamW on shards. NorMuon (``normalize="row"``) normalises rows on the owner and shares the
+    owners' row statistics in one all-reduce, so its ``row_second_moment`` is replicated.
+    ``last_step_wire_bytes`` / ``last_step_wire_breakdown`` give the bytes this rank sent in the
+    last step (``"muon/all_to_all"``, ``"muon/all_reduce"``, ``"control/all_reduce"``), counted
+    by :mod:`.comm` as for :class:`~muonscale.distributed.DistributedMuon`. Construction checks
+    that every rank routed and configured every parameter alike (:mod:`.agreement`).
     """
 
     _CAPTURABLE_REFUSAL = (
@@ -178,13 +187,14 @@ class DTensorMuon(Muon):
         if not isinstance(approximate_per_shard, bool):
             raise ValueError(f"approximate_per_shard must be a bool, got {approximate_per_shard!r}")
         self.approximate_per_shard = approximate_per_shard
-        for group in self.param_groups:  # [variants] NorMuon's row statistics need the owner
-            if group["algorithm"] == "muon" and group.get("normalize", "none") != "none":
-                raise NotImplementedError(
-                    "DTensorMuon: normalize='row' (NorMuon) is not supported yet: its row second "
-                    "moment is computed on the matrix's owner and would have to reach every "
-                    "shard. Use muonscale.Muon or DistributedMuon for NorMuon."
-                )
+        if approximate_per_shard and any(  # [variants]
+            g["algorithm"] == "muon" and g.get("normalize", "none") != "none"
+            for g in self.param_groups
+        ):
+            raise ValueError(
+                "DTensorMuon: normalize='row' (NorMuon) needs the whole orthogonalized matrix; "
+                "it cannot be combined with approximate_per_shard=True"
+            )
         self.process_group = process_group
         self.wire_counter = WireCounter()
         self.last_step_wire_bytes = 0
@@ -196,9 +206,32 @@ class DTensorMuon(Muon):
             self._group_ranks = [0]
         self._plans: dict[tuple, ShardedMatrices] = {}
         self._layouts: dict[int, MatrixLayout] = {}
+        self._row_stats: dict[int, torch.Tensor] = {}  # [variants] NorMuon, this step's owners
+        check_same_on_every_rank(
+            self.comm, self._routing_records(), who="DTensorMuon",
+            fields="algorithm, shape, dtype, matrices, options",
+        )  # fmt: skip
         for group in self.param_groups:  # fail fast on unsupported placements / meshes
             for p in group["params"]:
                 self.matrix_layout(p)
+
+    def _routing_records(self) -> list[tuple[str, tuple]]:
+        """Per parameter: its name and what this rank decided for it (routing, matrices,
+        options); every rank must decide the same (checked at construction)."""
+        records = []
+        for group in self.param_groups:
+            options = tuple(
+                (k, repr(v)) for k, v in sorted(group.items()) if k not in ("params", "param_names")
+            )
+            for p in group["params"]:
+                shapes = (
+                    tuple(self.matrix_view(p, group).matrix_shapes)
+                    if group["algorithm"] == "muon"
+                    else ()
+                )
+                decision = (group["algorithm"], tuple(p.shape), str(p.dtype), shapes, options)
+                records.append((self._name(p), decision))
+        return records
 
     # ---------------------------------------------------------------- layouts
     def matrix_layout(self, p: torch.Tensor) -> MatrixLayout:
@@ -314,7 +347,7 @@ class DTensorMuon(Muon):
         if self.approximate_per_shard:
             updates = self._per_shard_updates(entries, directions)
         else:
-            updates = {}
+            updates, whole_here = {}, set()
             for dtype in sorted({directions[id(p)].dtype for p, _ in entries}, key=str):
                 part = [(p, g) for p, g in entries if directions[id(p)].dtype == dtype]
                 plan = self._plan(part, dtype)
@@ -326,6 +359,8 @@ class DTensorMuon(Muon):
                     result_dtype=result_dtype,
                 )
                 updates.update({id(p): (o, self._alpha(p, g)) for (p, g), o in zip(part, out)})
+                whole_here.update(id(part[i][0]) for i in plan.local)
+            self._share_row_statistics(entries, whole_here)  # [variants] NorMuon
 
         # phase 3: weight decay and update on local shards, per group for its lr / λ
         for group in {id(g): g for _, g in entries}.values():
@@ -340,6 +375,51 @@ class DTensorMuon(Muon):
                     shard.add_(update, alpha=alpha * lr)
             else:
                 functional.apply_updates_(shards, ups, alphas, lr=lr, weight_decay=decay)
+
+    def _share_row_statistics(self, entries, whole_here: set[int]) -> None:
+        """[variants] NorMuon: every rank's replica of a matrix's row second moment takes the
+        step the owner took. The owners' row statistics reach every rank in one all-reduce
+        (sum; the other ranks add zeros, so the sum is exact); matrices every rank holds whole
+        used their own statistics, with no traffic."""
+        shared = []
+        for p, group in entries:
+            if group.get("normalize", "none") != "row":
+                continue
+            v = self.state[p]["row_second_moment"]
+            if id(p) in whole_here:
+                update_row_moments_(v, self._row_stats.pop(id(p)), group["row_beta2"])
+            else:
+                shared.append((p, group, v))
+        if shared:
+            total = sum(v.numel() for _, _, v in shared)
+            stats = torch.zeros(total, dtype=torch.float32, device=self.comm.device)
+            offset = 0
+            for p, _, v in shared:
+                mine = self._row_stats.pop(id(p), None)  # only on the matrix's owner
+                if mine is not None:
+                    stats[offset : offset + v.numel()] = mine
+                offset += v.numel()
+            self.comm.all_reduce(stats, op=dist.ReduceOp.SUM, tag="muon")
+            offset = 0
+            for _, group, v in shared:
+                chunk = stats[offset : offset + v.numel()].to(v.device)
+                update_row_moments_(v, chunk, group["row_beta2"])
+                offset += v.numel()
+        self._row_stats.clear()
+
+    def _row_normalize_on_owner(self, p, group, mats: list[torch.Tensor]) -> None:
+        """[variants] NorMuon on the owner's whole matrices of ``p``, in place: each matrix's
+        rows scaled by :func:`~muonscale.variants.row_factors` of the moment after this step
+        (computed on a copy; every replica is stepped by :meth:`_share_row_statistics`)."""
+        v, offset, stats = self.state[p]["row_second_moment"], 0, []
+        for mat in mats:
+            rows = mat.shape[0]
+            s = row_statistics(mat)
+            moment = update_row_moments_(v[offset : offset + rows].clone(), s, group["row_beta2"])
+            mat.mul_(row_factors(moment, s).to(mat.dtype)[:, None])
+            stats.append(s.to(torch.float32))
+            offset += rows
+        self._row_stats[id(p)] = torch.cat(stats)
 
     def _result_dtype(self, part, dtype: torch.dtype) -> torch.dtype:
         """Newton–Schulz's output dtype when all groups agree (bf16 on GPU halves the return
@@ -387,6 +467,8 @@ class DTensorMuon(Muon):
         for slot, i in enumerate(indices):
             p, group = part[i]
             view, mats = self.matrix_view(p, group), per_param[slot]
+            if group.get("normalize", "none") == "row":  # [variants]
+                self._row_normalize_on_owner(p, group, mats)
             if len(mats) == 1 and view.row_partition is None and not view.transposed:
                 out.append(mats[0].reshape(whole[slot].shape))
             else:
