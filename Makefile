@@ -35,7 +35,9 @@ test-integrations:
 	bash .ci/integrations_env.sh
 	PYTHONPATH=. .venv-integrations/bin/python -m pytest tests/integrations -q -p no:cacheprovider
 
+# Formatting is the tool's: `ruff format .` fixes what `ruff format --check` reports.
 lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
 clean:

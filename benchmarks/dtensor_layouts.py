@@ -143,9 +143,12 @@ def _entry(rank, world_size, port, queue, args):
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
         timeout=datetime.timedelta(seconds=120),
-    )  # fmt: skip
+    )
     try:
         queue.put((rank, layout_worker(rank, world_size, *args)))
     finally:

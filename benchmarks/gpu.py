@@ -159,10 +159,29 @@ class Bench:
             torch.cuda.empty_cache()
 
 
-SECTIONS = ("matmul", "correctness", "ns", "optimizer", "e2e", "memory", "graph", "profile",
-            "projection", "megatron")  # fmt: skip
-MIN_SECONDS = {"matmul": 5, "correctness": 20, "ns": 40, "optimizer": 30, "e2e": 40, "memory": 30,
-               "graph": 25, "profile": 15, "projection": 30}  # fmt: skip
+SECTIONS = (
+    "matmul",
+    "correctness",
+    "ns",
+    "optimizer",
+    "e2e",
+    "memory",
+    "graph",
+    "profile",
+    "projection",
+    "megatron",
+)
+MIN_SECONDS = {
+    "matmul": 5,
+    "correctness": 20,
+    "ns": 40,
+    "optimizer": 30,
+    "e2e": 40,
+    "memory": 30,
+    "graph": 25,
+    "profile": 15,
+    "projection": 30,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,21 +190,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only", action="append", choices=SECTIONS, help="run only this section (repeatable)"
     )
-    parser.add_argument("--out", default=os.environ.get("OUT", os.path.join("runs", "gpu")),
-                        help="output directory (default: $OUT or ./runs/gpu)")  # fmt: skip
-    parser.add_argument("--budget-s", type=float, default=None,
-                        help="global time guard in seconds (default 270; none with --smoke)")  # fmt: skip
-    parser.add_argument("--megatron-site", default=None,
-                        help="folder of unpacked megatron-core wheels (default: <repo>/.megatron-site "
-                             "when it exists; built by .ci/megatron_site.sh)")  # fmt: skip
-    parser.add_argument("--megatron-timeout-s", type=float, default=None,
-                        help="wall limit of the megatron section's subprocess (default 150; 300 with --smoke)")  # fmt: skip
+    parser.add_argument(
+        "--out",
+        default=os.environ.get("OUT", os.path.join("runs", "gpu")),
+        help="output directory (default: $OUT or ./runs/gpu)",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="global time guard in seconds (default 270; none with --smoke)",
+    )
+    parser.add_argument(
+        "--megatron-site",
+        default=None,
+        help="folder of unpacked megatron-core wheels (default: <repo>/.megatron-site "
+        "when it exists; built by .ci/megatron_site.sh)",
+    )
+    parser.add_argument(
+        "--megatron-timeout-s",
+        type=float,
+        default=None,
+        help="wall limit of the megatron section's subprocess (default 150; 300 with --smoke)",
+    )
     args = parser.parse_args(argv)
     if args.budget_s is None:  # smoke runs every section whatever the clock says: it tests code
         args.budget_s = 1e6 if args.smoke else 270.0
     bench = Bench(args)
-    print(f"device: {bench.results['meta']['device']}  dtype: {bench.dtype}  "
-          f"triton: {triton_available()}  budget: {args.budget_s:.0f}s")  # fmt: skip
+    print(
+        f"device: {bench.results['meta']['device']}  dtype: {bench.dtype}  "
+        f"triton: {triton_available()}  budget: {args.budget_s:.0f}s"
+    )
     bench.run("matmul", section_matmul, MIN_SECONDS["matmul"])
     if triton_available():
         bench.run("correctness", section_correctness, MIN_SECONDS["correctness"])
@@ -198,8 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.run("optimizer", section_optimizer, MIN_SECONDS["optimizer"])
     bench.run("e2e", section_e2e, MIN_SECONDS["e2e"])
     bench.run("memory", section_memory, MIN_SECONDS["memory"])
-    for name, section in (("graph", section_graph), ("profile", section_profile),
-                          ("projection", section_projection)):  # fmt: skip
+    for name, section in (
+        ("graph", section_graph),
+        ("profile", section_profile),
+        ("projection", section_projection),
+    ):
         bench.run(name, section, MIN_SECONDS[name])
     bench.run("megatron", section_megatron, 0, guarded=False)
     bench.save()

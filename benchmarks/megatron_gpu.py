@@ -113,12 +113,40 @@ from benchmarks.megatron_gpu_parts.model import Batches, build_gpt, resolve_spec
 from benchmarks.megatron_gpu_parts.report import med, print_table, sanity, summarize, write_json
 
 __all__ = [  # the parts, re-exported: everything the script defined before it was split
-    "ARMS", "CPU_STANDIN", "CPU_STANDINS", "MainParamsChain", "muon_optimizer_config",
-    "muon_settings", "muonscale_config", "unwrapped_megatron_optimizers", "SPECS", "SMOKE_DEFAULTS", "Arm", "Batches", "BenchConfig", "Device",
-    "StandinAdamW", "build_arm", "build_gpt", "build_parser", "cpu_shims", "eval_loss",
-    "free_port", "main", "med", "parse_config", "print_table", "resolve_spec", "run", "sanity",
-    "seed_weights", "standin_mean_over_dp", "summarize", "train_step", "write_json",
-]  # fmt: skip
+    "ARMS",
+    "CPU_STANDIN",
+    "CPU_STANDINS",
+    "MainParamsChain",
+    "muon_optimizer_config",
+    "muon_settings",
+    "muonscale_config",
+    "unwrapped_megatron_optimizers",
+    "SPECS",
+    "SMOKE_DEFAULTS",
+    "Arm",
+    "Batches",
+    "BenchConfig",
+    "Device",
+    "StandinAdamW",
+    "build_arm",
+    "build_gpt",
+    "build_parser",
+    "cpu_shims",
+    "eval_loss",
+    "free_port",
+    "main",
+    "med",
+    "parse_config",
+    "print_table",
+    "resolve_spec",
+    "run",
+    "sanity",
+    "seed_weights",
+    "standin_mean_over_dp",
+    "summarize",
+    "train_step",
+    "write_json",
+]
 
 SPECS = ("auto", "local", "te")
 MUON_COEFFICIENT_TYPES = ("simple", "quintic", "polar_express")
@@ -147,38 +175,95 @@ class BenchConfig:
     )
     micro_batch: int = _option(8, int, "sequences per micro-batch per data-parallel rank")
     tp: int = _option(1, int, "tensor-parallel size (must divide the number of processes)")
-    spec: str = _option("auto", str, "layer spec: local, te (Transformer Engine), auto = te if it imports", choices=SPECS)  # fmt: skip
+    spec: str = _option(
+        "auto",
+        str,
+        "layer spec: local, te (Transformer Engine), auto = te if it imports",
+        choices=SPECS,
+    )
     lr: float = _option(3e-4, float, "learning rate of both arms (muonscale's AdamW half too)")
     weight_decay: float = _option(0.1, float, "decoupled weight decay of both arms")
     clip_grad: float = _option(1.0, float, "global gradient-norm clip of both arms (0 = off)")
     warmup: int = _option(2, int, "untimed steps per arm before the timed rounds")
     rounds: int = _option(3, int, "timed rounds; each runs every arm for --steps-per-round steps")
     steps_per_round: int = _option(4, int, "timed steps per arm per round")
-    accum: int = _option(64, int, "micro-batches per step of the accumulation point (64 x 8 x 1024 = 0.5M tokens); 0 = skip")  # fmt: skip
+    accum: int = _option(
+        64,
+        int,
+        "micro-batches per step of the accumulation point (64 x 8 x 1024 = 0.5M tokens); 0 = skip",
+    )
     accum_rounds: int = _option(1, int, "timed accumulation steps per arm (interleaved)")
-    budget_s: float = _option(0.0, float, "wall-clock budget in seconds: the accumulation point is measured only if it fits (0 = no limit)")  # fmt: skip
+    budget_s: float = _option(
+        0.0,
+        float,
+        "wall-clock budget in seconds: the accumulation point is measured only if it fits (0 = no limit)",
+    )
     muon_momentum: float = _option(0.95, float, "OptimizerConfig.muon_momentum (both Muon arms)")
     muon_nesterov: bool = _option(True, bool, "OptimizerConfig.muon_nesterov (both Muon arms)")
     muon_split_qkv: bool = _option(True, bool, "OptimizerConfig.muon_split_qkv (both Muon arms)")
-    muon_coefficient_type: str = _option("simple", str, "OptimizerConfig.muon_coefficient_type (simple = muonscale's keller)", choices=MUON_COEFFICIENT_TYPES)  # fmt: skip
+    muon_coefficient_type: str = _option(
+        "simple",
+        str,
+        "OptimizerConfig.muon_coefficient_type (simple = muonscale's keller)",
+        choices=MUON_COEFFICIENT_TYPES,
+    )
     muon_num_ns_steps: int = _option(5, int, "OptimizerConfig.muon_num_ns_steps")
-    muon_scale_mode: str = _option("spectral", str, "OptimizerConfig.muon_scale_mode (Megatron's names)", choices=MUON_SCALE_MODES)  # fmt: skip
-    muon_extra_scale_factor: float = _option(0.2, float, "OptimizerConfig.muon_extra_scale_factor (spectral x 0.2 = muonscale's default match_rms_adamw)")  # fmt: skip
-    muon_fp32_matmul_prec: str = _option("medium", str, "OptimizerConfig.muon_fp32_matmul_prec (medium = bf16 Newton-Schulz)", choices=MUON_MATMUL_PRECISIONS)  # fmt: skip
-    muon_tp_mode: str = _option("duplicated", str, "OptimizerConfig.muon_tp_mode of Megatron's Muon (muonscale is exact whatever it says)", choices=MUON_TP_MODES)  # fmt: skip
+    muon_scale_mode: str = _option(
+        "spectral",
+        str,
+        "OptimizerConfig.muon_scale_mode (Megatron's names)",
+        choices=MUON_SCALE_MODES,
+    )
+    muon_extra_scale_factor: float = _option(
+        0.2,
+        float,
+        "OptimizerConfig.muon_extra_scale_factor (spectral x 0.2 = muonscale's default match_rms_adamw)",
+    )
+    muon_fp32_matmul_prec: str = _option(
+        "medium",
+        str,
+        "OptimizerConfig.muon_fp32_matmul_prec (medium = bf16 Newton-Schulz)",
+        choices=MUON_MATMUL_PRECISIONS,
+    )
+    muon_tp_mode: str = _option(
+        "duplicated",
+        str,
+        "OptimizerConfig.muon_tp_mode of Megatron's Muon (muonscale is exact whatever it says)",
+        choices=MUON_TP_MODES,
+    )
     seed: int = _option(0, int, "seed of the weights (every arm) and of the batches")
     out: str = _option("", str, "write the JSON result to this path (rank 0)")
-    smoke: bool = _option(False, bool, "tiny model on CPU with gloo (see the module docstring for what it covers)")  # fmt: skip
+    smoke: bool = _option(
+        False, bool, "tiny model on CPU with gloo (see the module docstring for what it covers)"
+    )
 
     def __post_init__(self) -> None:
-        positive = ("layers", "hidden", "heads", "seq", "micro_batch", "tp", "rounds",
-                    "steps_per_round", "accum_rounds", "muon_num_ns_steps")  # fmt: skip
+        positive = (
+            "layers",
+            "hidden",
+            "heads",
+            "seq",
+            "micro_batch",
+            "tp",
+            "rounds",
+            "steps_per_round",
+            "accum_rounds",
+            "muon_num_ns_steps",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 )
-        for name in ("query_groups", "ffn_hidden", "warmup", "accum", "budget_s", "clip_grad", "weight_decay"):  # fmt: skip
+        for name in (
+            "query_groups",
+            "ffn_hidden",
+            "warmup",
+            "accum",
+            "budget_s",
+            "clip_grad",
+            "weight_decay",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}"
@@ -186,7 +271,9 @@ class BenchConfig:
         if not 0 <= self.muon_momentum < 1:
             raise ValueError(f"--muon-momentum must be in [0, 1), got {self.muon_momentum}")
         if not self.muon_extra_scale_factor > 0:
-            raise ValueError(f"--muon-extra-scale-factor must be > 0, got {self.muon_extra_scale_factor}")  # fmt: skip
+            raise ValueError(
+                f"--muon-extra-scale-factor must be > 0, got {self.muon_extra_scale_factor}"
+            )
         if not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         if self.hidden % self.heads:
@@ -195,9 +282,13 @@ class BenchConfig:
         if self.heads % groups:
             raise ValueError(f"--heads {self.heads} is not a multiple of --query-groups {groups}")
         if self.heads % self.tp or groups % self.tp:
-            raise ValueError(f"--tp {self.tp} must divide --heads {self.heads} and the query groups {groups}")  # fmt: skip
+            raise ValueError(
+                f"--tp {self.tp} must divide --heads {self.heads} and the query groups {groups}"
+            )
         if self.vocab < 256 or self.vocab % self.tp:
-            raise ValueError(f"--vocab must be >= 256 (byte tokens) and a multiple of --tp, got {self.vocab}")  # fmt: skip
+            raise ValueError(
+                f"--vocab must be >= 256 (byte tokens) and a multiple of --tp, got {self.vocab}"
+            )
         if self.seq < 2:
             raise ValueError(f"--seq must be >= 2, got {self.seq}")
 
@@ -210,27 +301,49 @@ class BenchConfig:
         return self.ffn_hidden or 4 * self.hidden
 
 
-SMOKE_DEFAULTS = dict(layers=2, hidden=64, heads=4, query_groups=2, seq=32, vocab=256,
-                      micro_batch=2, warmup=1, rounds=2, steps_per_round=3, accum=2, lr=3e-3)  # fmt: skip
+SMOKE_DEFAULTS = dict(
+    layers=2,
+    hidden=64,
+    heads=4,
+    query_groups=2,
+    seq=32,
+    vocab=256,
+    micro_batch=2,
+    warmup=1,
+    rounds=2,
+    steps_per_round=3,
+    accum=2,
+    lr=3e-3,
+)
 """--smoke replaces these defaults (flags given explicitly still win)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Defaults: one H200, GPT-2-medium shapes; --smoke: " + ", ".join(f"{k}={v}" for k, v in SMOKE_DEFAULTS.items()),
-    )  # fmt: skip
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Defaults: one H200, GPT-2-medium shapes; --smoke: "
+        + ", ".join(f"{k}={v}" for k, v in SMOKE_DEFAULTS.items()),
+    )
     for f in fields(BenchConfig):
         flag = "--" + f.name.replace("_", "-")
         meta = dict(f.metadata)
         kind, help_text = meta.pop("kind"), meta.pop("help")
         default = f.default if f.default is not MISSING else None
         if kind is bool and default:  # on by default: --x / --no-x
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=True, help=help_text)  # fmt: skip
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=True, help=help_text
+            )
         elif kind is bool:
             parser.add_argument(flag, action="store_true", help=help_text)
         else:
-            parser.add_argument(flag, type=kind, default=default, help=f"{help_text} (default {default if default != '' else 'none'})", **meta)  # fmt: skip
+            parser.add_argument(
+                flag,
+                type=kind,
+                default=default,
+                help=f"{help_text} (default {default if default != '' else 'none'})",
+                **meta,
+            )
     return parser
 
 
@@ -258,8 +371,13 @@ def main(argv: list[str] | None = None) -> int:
     """0: measured and sane; 1: a sanity check failed; 3: megatron-core does not import."""
     cfg = parse_config(argv)
     if "WORLD_SIZE" not in os.environ:  # plain ``python megatron_gpu.py``: one process
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))  # fmt: skip
+        os.environ.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+        )
     rank0 = os.environ["RANK"] == "0"
     try:
         import megatron.core
@@ -283,23 +401,34 @@ def main(argv: list[str] | None = None) -> int:
     ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tp)
     result: dict[str, Any] = {
         "meta": {
-            "device": device.name(), "world_size": world, "tp": cfg.tp, "torch": torch.__version__,
+            "device": device.name(),
+            "world_size": world,
+            "tp": cfg.tp,
+            "torch": torch.__version__,
             "megatron_core": megatron.core.__version__,
             "megatron_core_path": os.path.dirname(megatron.core.__file__),
-            "adam_impl": "torch.optim.AdamW" if megatron_optimizer.USING_PYTORCH_OPTIMIZER else "fused Adam (TE or apex)",  # fmt: skip
-            "peak_metric": "torch.cuda.max_memory_allocated during the arm's build and warm-up, minus memory allocated before" if device.cuda else "process peak RSS (CPU smoke: not per arm)",  # fmt: skip
+            "adam_impl": "torch.optim.AdamW"
+            if megatron_optimizer.USING_PYTORCH_OPTIMIZER
+            else "fused Adam (TE or apex)",
+            "peak_metric": "torch.cuda.max_memory_allocated during the arm's build and warm-up, minus memory allocated before"
+            if device.cuda
+            else "process peak RSS (CPU smoke: not per arm)",
             "config": asdict(cfg),
         },
-        "arms": {}, "phases_done": [],
-    }  # fmt: skip
+        "arms": {},
+        "phases_done": [],
+    }
 
     def save() -> None:
         if rank0 and cfg.out:
             write_json(cfg.out, result)
 
     if rank0:
-        print(f"megatron_gpu: {device.name()}, {world} processes, TP {cfg.tp}, "
-              f"megatron-core {result['meta']['megatron_core']} ({result['meta']['megatron_core_path']})", flush=True)  # fmt: skip
+        print(
+            f"megatron_gpu: {device.name()}, {world} processes, TP {cfg.tp}, "
+            f"megatron-core {result['meta']['megatron_core']} ({result['meta']['megatron_core_path']})",
+            flush=True,
+        )
     try:
         run(cfg, device, result, save)
     except Exception as error:

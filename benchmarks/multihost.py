@@ -41,14 +41,29 @@ def run_config(a, hosts: int, procs: int, link: str, contenders: str) -> list[di
         if link != "veth":
             cluster.shape(float(link.removesuffix("mbit")))
         args = [
-            "--out", tmp, "--contenders", contenders, "--steps", str(a.steps),
-            "--global-batch", str(a.global_batch), "--d-model", str(a.d_model),
-            "--n-layer", str(a.n_layer), "--pg-timeout-s", str(a.pg_timeout_s),
-        ]  # fmt: skip
+            "--out",
+            tmp,
+            "--contenders",
+            contenders,
+            "--steps",
+            str(a.steps),
+            "--global-batch",
+            str(a.global_batch),
+            "--d-model",
+            str(a.d_model),
+            "--n-layer",
+            str(a.n_layer),
+            "--pg-timeout-s",
+            str(a.pg_timeout_s),
+        ]
         result = cluster.torchrun(
-            WORKER, args, nproc_per_node=procs, python=a.python, timeout_s=a.timeout_s,
+            WORKER,
+            args,
+            nproc_per_node=procs,
+            python=a.python,
+            timeout_s=a.timeout_s,
             env={"PYTHONPATH": str(REPO)},
-        )  # fmt: skip
+        )
         if not result.ok:
             tail = "\n".join(o[-3000:] for o in result.outputs)
             raise RuntimeError(f"{hosts}x{procs} on {link}: rc {result.returncodes}\n{tail}")
@@ -67,45 +82,53 @@ def _rows(per_host: list[dict], hosts: int, procs: int, link: str) -> list[dict]
             lead = next(r for r in mine if r["local_rank"] == 0)  # reads the host's link
             measured.append((lead["tx"] - lead["idle_tx"]) / first["steps"])
             counted.append(
-                sum(r["counted_bytes_per_step"] + r["torch_collective_bytes_per_step"]
-                    for r in mine)
-            )  # fmt: skip
+                sum(
+                    r["counted_bytes_per_step"] + r["torch_collective_bytes_per_step"] for r in mine
+                )
+            )
         m, c = sum(measured) / hosts, sum(counted) / hosts
         step_s = max(r["step_s"] for r in ranks)
-        rows.append({
-            "optimizer": entry["optimizer"],
-            "hosts": hosts,
-            "procs_per_host": procs,
-            "link": link,
-            "measured_tx_bytes_per_step_per_host": m,
-            "measured_by_host": measured,
-            "counted_bytes_per_step_per_host": c,
-            "counted_by_comm_py": sum(r["counted_bytes_per_step"] for r in ranks) / hosts,
-            "modelled_torch_collectives": sum(
-                r["torch_collective_bytes_per_step"] for r in ranks) / hosts,
-            "agreement_pct": 100.0 * (m / c - 1.0) if c else None,
-            "step_s": step_s,
-            "optimizer_step_s": max(r["opt_s"] for r in ranks),
-            "tokens_per_s": first["tokens_per_step"] / step_s,
-            "idle_tx_bytes_per_window": [r["idle_tx"] for r in ranks if r["local_rank"] == 0],
-            "counted_breakdown_rank0": ranks[0]["counted_breakdown"],
-            "torch_breakdown_rank0": ranks[0]["torch_breakdown"],
-            "n_params": first["n_params"],
-            "note": None if procs == 1 else
-            "ranks of one host talk over loopback: counted bytes include traffic that never "
-            "crosses the host's link",
-        })  # fmt: skip
+        rows.append(
+            {
+                "optimizer": entry["optimizer"],
+                "hosts": hosts,
+                "procs_per_host": procs,
+                "link": link,
+                "measured_tx_bytes_per_step_per_host": m,
+                "measured_by_host": measured,
+                "counted_bytes_per_step_per_host": c,
+                "counted_by_comm_py": sum(r["counted_bytes_per_step"] for r in ranks) / hosts,
+                "modelled_torch_collectives": sum(
+                    r["torch_collective_bytes_per_step"] for r in ranks
+                )
+                / hosts,
+                "agreement_pct": 100.0 * (m / c - 1.0) if c else None,
+                "step_s": step_s,
+                "optimizer_step_s": max(r["opt_s"] for r in ranks),
+                "tokens_per_s": first["tokens_per_step"] / step_s,
+                "idle_tx_bytes_per_window": [r["idle_tx"] for r in ranks if r["local_rank"] == 0],
+                "counted_breakdown_rank0": ranks[0]["counted_breakdown"],
+                "torch_breakdown_rank0": ranks[0]["torch_breakdown"],
+                "n_params": first["n_params"],
+                "note": None
+                if procs == 1
+                else "ranks of one host talk over loopback: counted bytes include traffic that never "
+                "crosses the host's link",
+            }
+        )
     by_name = {(r["optimizer"]): r for r in rows}
     ddp = by_name.get("adamw-ddp")
     for r in rows:
         if ddp:
             r["bytes_vs_ddp_adamw"] = (
-                r["measured_tx_bytes_per_step_per_host"] / ddp["measured_tx_bytes_per_step_per_host"]
+                r["measured_tx_bytes_per_step_per_host"]
+                / ddp["measured_tx_bytes_per_step_per_host"]
             )
             r["tokens_per_s_vs_ddp_adamw"] = r["tokens_per_s"] / ddp["tokens_per_s"]
         if "adamw-zero1" in by_name:
-            r["tokens_per_s_vs_zero1_adamw"] = r["tokens_per_s"] / by_name["adamw-zero1"][
-                "tokens_per_s"]  # fmt: skip
+            r["tokens_per_s_vs_zero1_adamw"] = (
+                r["tokens_per_s"] / by_name["adamw-zero1"]["tokens_per_s"]
+            )
     return rows
 
 
@@ -113,8 +136,11 @@ def _split_compute_and_comm(rows: list[dict]) -> None:
     """On a shaped link: compute = the same contender's step on the unshaped veth link (2 x 1),
     communication = the rest of the step, both measured (veth's own transfer time counts as
     compute here, so the communication share is a lower bound)."""
-    veth = {r["optimizer"]: r for r in rows if r["link"] == "veth" and r["hosts"] == 2
-            and r["procs_per_host"] == 1}  # fmt: skip
+    veth = {
+        r["optimizer"]: r
+        for r in rows
+        if r["link"] == "veth" and r["hosts"] == 2 and r["procs_per_host"] == 1
+    }
     for r in rows:
         base = veth.get(r["optimizer"])
         if r["link"] != "veth" and base is not None:
@@ -132,6 +158,7 @@ def run_fault(a, kind: str) -> dict:
     def inject(cluster, procs):
         started["t"] = time.monotonic()
         if kind == "link-down":
+
             def later():
                 time.sleep(a.link_down_after_s)
                 cluster.link_down(1)
@@ -142,22 +169,40 @@ def run_fault(a, kind: str) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="multihost-") as tmp, Cluster(2) as cluster:
         args = [
-            "--out", tmp, "--contenders", "muon", "--steps", str(steps),
-            "--global-batch", str(a.global_batch), "--d-model", str(a.d_model),
-            "--n-layer", str(a.n_layer), "--pg-timeout-s", str(a.pg_timeout_s),
-        ] + (["--kill-rank", "1"] if kind == "kill" else [])  # fmt: skip
+            "--out",
+            tmp,
+            "--contenders",
+            "muon",
+            "--steps",
+            str(steps),
+            "--global-batch",
+            str(a.global_batch),
+            "--d-model",
+            str(a.d_model),
+            "--n-layer",
+            str(a.n_layer),
+            "--pg-timeout-s",
+            str(a.pg_timeout_s),
+        ] + (["--kill-rank", "1"] if kind == "kill" else [])
         result = cluster.torchrun(
-            WORKER, args, nproc_per_node=1, python=a.python, timeout_s=a.timeout_s,
-            env={"PYTHONPATH": str(REPO)}, on_started=inject,
-        )  # fmt: skip
+            WORKER,
+            args,
+            nproc_per_node=1,
+            python=a.python,
+            timeout_s=a.timeout_s,
+            env={"PYTHONPATH": str(REPO)},
+            on_started=inject,
+        )
         killed_at = Path(tmp, "killed_at")
         if killed_at.exists():  # written by the rank just before it SIGKILLs itself
             started["killed_at"] = float(killed_at.read_text())
     messages = [
-        next((ln for ln in o.splitlines() if "[multihost_worker]" in ln or "killed after" in ln),
-             o.strip().splitlines()[-1] if o.strip() else "")
+        next(
+            (ln for ln in o.splitlines() if "[multihost_worker]" in ln or "killed after" in ln),
+            o.strip().splitlines()[-1] if o.strip() else "",
+        )
         for o in result.outputs
-    ]  # fmt: skip
+    ]
     survivor_ok = result.returncodes[0] != 0 and "failed" in messages[0]
     return {
         "scenario": kind,
@@ -177,11 +222,32 @@ ELASTIC_STEPS = 24
 ELASTIC_CHECKPOINT_EVERY = 4
 ELASTIC_KILL_AFTER_CHECKPOINT = 8
 ELASTIC_TRAIN = [
-    "--parallel", "dp", "--n-layer", "2", "--d-model", "128", "--n-head", "4",
-    "--context-length", "64", "--micro-batch-size", "8", "--tokens-per-step", str(2 * 8 * 64),
-    "--schedule", "constant", "--warmup-steps", "1", "--eval-every", "0", "--log-every", "1",
-    "--no-progress", "--resume", "auto",
-]  # fmt: skip
+    "--parallel",
+    "dp",
+    "--n-layer",
+    "2",
+    "--d-model",
+    "128",
+    "--n-head",
+    "4",
+    "--context-length",
+    "64",
+    "--micro-batch-size",
+    "8",
+    "--tokens-per-step",
+    str(2 * 8 * 64),
+    "--schedule",
+    "constant",
+    "--warmup-steps",
+    "1",
+    "--eval-every",
+    "0",
+    "--log-every",
+    "1",
+    "--no-progress",
+    "--resume",
+    "auto",
+]
 # As tests/test_train_torchrun.py: each gradient entry sums n = tokens-per-step contributions
 # whose order differs between world sizes (relative rounding <= n * eps32 per step), and the
 # differences add over the steps run after the resume.
@@ -204,15 +270,31 @@ def _latest_step(out_dir: Path) -> int:
 
 
 def _train_on(a, hosts: int, out_dir: Path, steps: int, *, max_restarts=0, on_started=None):
-    args = ["muonscale", "train", *ELASTIC_TRAIN, "--steps", str(steps), "--checkpoint-every",
-            str(ELASTIC_CHECKPOINT_EVERY), "--pg-timeout-s", str(a.pg_timeout_s),
-            "--out-dir", str(out_dir)]  # fmt: skip
+    args = [
+        "muonscale",
+        "train",
+        *ELASTIC_TRAIN,
+        "--steps",
+        str(steps),
+        "--checkpoint-every",
+        str(ELASTIC_CHECKPOINT_EVERY),
+        "--pg-timeout-s",
+        str(a.pg_timeout_s),
+        "--out-dir",
+        str(out_dir),
+    ]
     with Cluster(hosts) as cluster:
         return cluster.torchrun(
-            "-m", args, nproc_per_node=1, python=a.python, timeout_s=a.timeout_s,
-            env={"PYTHONPATH": str(REPO)}, on_started=on_started, max_restarts=max_restarts,
+            "-m",
+            args,
+            nproc_per_node=1,
+            python=a.python,
+            timeout_s=a.timeout_s,
+            env={"PYTHONPATH": str(REPO)},
+            on_started=on_started,
+            max_restarts=max_restarts,
             cwd=REPO,
-        )  # fmt: skip
+        )
 
 
 def _metrics(out_dir: Path) -> tuple[dict[int, float], list[int]]:
@@ -281,17 +363,25 @@ def elastic_resume_scenario(a) -> dict:
     rank is SIGKILLed once a checkpoint at step >= 8 exists. The restarted run must end
     bitwise equal to an uninterrupted 2-host run; the 2-host checkpoint of half the run,
     resumed on 1 host, within ``ELASTIC_RTOL``. Records each outcome and the times to exit."""
-    row = {"scenario": "elastic-resume", "hosts": 2, "procs_per_host": 1,
-           "pg_timeout_s": a.pg_timeout_s, "steps": ELASTIC_STEPS,
-           "checkpoint_every": ELASTIC_CHECKPOINT_EVERY}  # fmt: skip
+    row = {
+        "scenario": "elastic-resume",
+        "hosts": 2,
+        "procs_per_host": 1,
+        "pg_timeout_s": a.pg_timeout_s,
+        "steps": ELASTIC_STEPS,
+        "checkpoint_every": ELASTIC_CHECKPOINT_EVERY,
+    }
     with tempfile.TemporaryDirectory(prefix="multihost-elastic-") as tmp:
         ref, killed, half = Path(tmp, "uninterrupted"), Path(tmp, "killed"), Path(tmp, "half")
         t0 = time.monotonic()
         done = _train_on(a, 2, ref, ELASTIC_STEPS)
         row["uninterrupted_s"] = time.monotonic() - t0
         if not done.ok:
-            return {**row, "outcome": "uninterrupted run failed",
-                    "messages": [o[-2000:] for o in done.outputs]}  # fmt: skip
+            return {
+                **row,
+                "outcome": "uninterrupted run failed",
+                "messages": [o[-2000:] for o in done.outputs],
+            }
         kill = {}
 
         def killer(cluster, procs):
@@ -317,30 +407,43 @@ def elastic_resume_scenario(a) -> dict:
         row["checkpoint_step_at_kill"] = kill["checkpoint_step"]
         row["exit_s_after_kill"] = [t0 + e - kill["t"] for e in done.exit_s]
         if not done.ok:
-            return {**row, "outcome": "restart failed",
-                    "messages": [o[-2000:] for o in done.outputs]}  # fmt: skip
+            return {
+                **row,
+                "outcome": "restart failed",
+                "messages": [o[-2000:] for o in done.outputs],
+            }
         losses, starts = _metrics(killed)
         ref_losses, _ = _metrics(ref)
         bitwise, worst = _compare(_final_state(killed), _final_state(ref))
-        row.update(starts=starts, same_losses=losses == ref_losses, bitwise_state=bitwise,
-                   max_relative_state_difference=worst)  # fmt: skip
+        row.update(
+            starts=starts,
+            same_losses=losses == ref_losses,
+            bitwise_state=bitwise,
+            max_relative_state_difference=worst,
+        )
         # a smaller world: half the run on 2 hosts, the rest resumed on 1
         done = _train_on(a, 2, half, ELASTIC_STEPS // 2)
         if done.ok:
             done = _train_on(a, 1, half, ELASTIC_STEPS)
         if not done.ok:
-            row["smaller_world"] = {"outcome": "failed",
-                                    "messages": [o[-2000:] for o in done.outputs]}  # fmt: skip
+            row["smaller_world"] = {
+                "outcome": "failed",
+                "messages": [o[-2000:] for o in done.outputs],
+            }
         else:
             losses, starts = _metrics(half)
             loss_diff = max(abs(losses[s] - ref_losses[s]) / abs(ref_losses[s]) for s in losses)
             bit, state_diff = _compare(_final_state(half), _final_state(ref))
             within = loss_diff <= ELASTIC_RTOL and state_diff <= ELASTIC_RTOL
             row["smaller_world"] = {
-                "hosts": "2 -> 1", "starts": starts, "max_relative_loss_difference": loss_diff,
-                "max_relative_state_difference": state_diff, "rtol": ELASTIC_RTOL,
-                "bitwise_state": bit, "outcome": "within tolerance" if within else "OUTSIDE",
-            }  # fmt: skip
+                "hosts": "2 -> 1",
+                "starts": starts,
+                "max_relative_loss_difference": loss_diff,
+                "max_relative_state_difference": state_diff,
+                "rtol": ELASTIC_RTOL,
+                "bitwise_state": bit,
+                "outcome": "within tolerance" if within else "OUTSIDE",
+            }
     same = row["same_losses"] and row["bitwise_state"] and len(row["starts"]) == 2
     row["outcome"] = "resumed bitwise" if same else "resumed, NOT equal"
     return row
@@ -351,14 +454,22 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--hosts", default="2,4")
     ap.add_argument("--procs", default="1,2", help="processes per host")
-    ap.add_argument("--links", default="veth,100mbit,50mbit",
-                    help="veth (unshaped) or <rate>mbit (tbf on every host's egress); rates run "
-                         "at 2 hosts x 1 process")  # fmt: skip
-    ap.add_argument("--contenders",
-                    default="muon,muon-bf16reduce,adamw-zero1,adamw-ddp,fsdp-muon,muon-nooverlap,"
-                            "muon-bf16reduce-nooverlap")  # fmt: skip
-    ap.add_argument("--faults", default="kill,link-down,elastic",
-                    help="kill, link-down, elastic (SIGKILL + torchrun restart + resume)")
+    ap.add_argument(
+        "--links",
+        default="veth,100mbit,50mbit",
+        help="veth (unshaped) or <rate>mbit (tbf on every host's egress); rates run "
+        "at 2 hosts x 1 process",
+    )
+    ap.add_argument(
+        "--contenders",
+        default="muon,muon-bf16reduce,adamw-zero1,adamw-ddp,fsdp-muon,muon-nooverlap,"
+        "muon-bf16reduce-nooverlap",
+    )
+    ap.add_argument(
+        "--faults",
+        default="kill,link-down,elastic",
+        help="kill, link-down, elastic (SIGKILL + torchrun restart + resume)",
+    )
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--d-model", type=int, default=256)
@@ -366,8 +477,11 @@ def main(argv=None) -> int:
     ap.add_argument("--pg-timeout-s", type=float, default=20.0)
     ap.add_argument("--link-down-after-s", type=float, default=15.0)
     ap.add_argument("--timeout-s", type=float, default=300.0, help="per torchrun job")
-    ap.add_argument("--python", default=_default_python(),
-                    help="interpreter with torch (default: the repo's .venv)")
+    ap.add_argument(
+        "--python",
+        default=_default_python(),
+        help="interpreter with torch (default: the repo's .venv)",
+    )
     a = ap.parse_args(argv)
     reason = unavailable_reason()
     if reason:
@@ -378,7 +492,9 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows, faults, errors = [], [], []
     for link in a.links.split(",") if a.contenders else []:
-        shapes = [(h, p) for h in map(int, a.hosts.split(",")) for p in map(int, a.procs.split(","))]
+        shapes = [
+            (h, p) for h in map(int, a.hosts.split(",")) for p in map(int, a.procs.split(","))
+        ]
         if link != "veth":
             shapes = [(2, 1)]
         for hosts, procs in shapes:
@@ -386,11 +502,19 @@ def main(argv=None) -> int:
             try:
                 rows += run_config(a, hosts, procs, link, a.contenders)
             except RuntimeError as exc:  # recorded; the other configurations still run
-                errors.append({"hosts": hosts, "procs_per_host": procs, "link": link,
-                               "error": str(exc)[-4000:]})  # fmt: skip
+                errors.append(
+                    {
+                        "hosts": hosts,
+                        "procs_per_host": procs,
+                        "link": link,
+                        "error": str(exc)[-4000:],
+                    }
+                )
                 print(f"multihost: {exc}", file=sys.stderr, flush=True)
-            print(f"multihost: {hosts} hosts x {procs} on {link}: "
-                  f"{time.monotonic() - start:.0f} s", flush=True)  # fmt: skip
+            print(
+                f"multihost: {hosts} hosts x {procs} on {link}: {time.monotonic() - start:.0f} s",
+                flush=True,
+            )
     _split_compute_and_comm(rows)
     for kind in filter(None, a.faults.split(",")):
         faults.append(elastic_resume_scenario(a) if kind == "elastic" else run_fault(a, kind))
@@ -404,13 +528,17 @@ def main(argv=None) -> int:
     }
     (out / "multihost.json").write_text(json.dumps(report, indent=1))
     for r in rows:
-        print(f"{r['optimizer']:>16} {r['hosts']}x{r['procs_per_host']} {r['link']:>8}: "
-              f"measured {r['measured_tx_bytes_per_step_per_host'] / 1e6:7.2f} MB, counted "
-              f"{r['counted_bytes_per_step_per_host'] / 1e6:7.2f} MB "
-              f"({r['agreement_pct']:+.1f}%), {r['tokens_per_s']:8.0f} tok/s")  # fmt: skip
+        print(
+            f"{r['optimizer']:>16} {r['hosts']}x{r['procs_per_host']} {r['link']:>8}: "
+            f"measured {r['measured_tx_bytes_per_step_per_host'] / 1e6:7.2f} MB, counted "
+            f"{r['counted_bytes_per_step_per_host'] / 1e6:7.2f} MB "
+            f"({r['agreement_pct']:+.1f}%), {r['tokens_per_s']:8.0f} tok/s"
+        )
     for f in faults:
-        print(f"fault {f['scenario']}: {f['outcome']}, exit after the fault "
-              f"{f.get('exit_s_after_fault') or f.get('exit_s_after_kill')} s")  # fmt: skip
+        print(
+            f"fault {f['scenario']}: {f['outcome']}, exit after the fault "
+            f"{f.get('exit_s_after_fault') or f.get('exit_s_after_kill')} s"
+        )
     return 1 if errors else 0
 
 

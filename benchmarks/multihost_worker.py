@@ -26,9 +26,14 @@ import torch
 import torch.distributed as dist
 
 CONTENDERS = (
-    "muon", "muon-bf16reduce", "adamw-zero1", "adamw-ddp", "fsdp-muon",
-    "muon-nooverlap", "muon-bf16reduce-nooverlap",
-)  # fmt: skip
+    "muon",
+    "muon-bf16reduce",
+    "adamw-zero1",
+    "adamw-ddp",
+    "fsdp-muon",
+    "muon-nooverlap",
+    "muon-bf16reduce-nooverlap",
+)
 NO_OVERLAP = "-nooverlap"  # DistributedMuon(overlap_gather=False): gathers after the last wave
 LRS = {"muon": 0.02, "adamw": 1e-3}
 
@@ -94,8 +99,11 @@ def main(argv=None) -> int:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=a.pg_timeout_s))
         _run(a, names, rank)
     except Exception as exc:  # noqa: BLE001 - reported, then a non-zero exit
-        print(f"[multihost_worker] rank {rank} failed: {type(exc).__name__}: {exc}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"[multihost_worker] rank {rank} failed: {type(exc).__name__}: {exc}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     dist.destroy_process_group()
     return 0
@@ -110,9 +118,12 @@ def _run(a, names, rank) -> None:
     local_rank = int(os.environ["LOCAL_RANK"])
     host = int(os.environ["GROUP_RANK"])
     cfg = model_preset(
-        "tiny", d_model=a.d_model, n_layer=a.n_layer, n_head=a.n_head,
+        "tiny",
+        d_model=a.d_model,
+        n_layer=a.n_layer,
+        n_head=a.n_head,
         context_length=a.context_length,
-    )  # fmt: skip
+    )
     data = TokenDataset.from_text(load_corpus(), ByteTokenizer(), context_length=cfg.context_length)
     per_rank = a.global_batch // world
     if per_rank < 1:
@@ -161,10 +172,13 @@ def _run(a, names, rank) -> None:
             "torch_breakdown": {k: v / a.steps for k, v in torch_counter.breakdown().items()},
             "step_s": sum(c.step_s[-a.steps :]) / a.steps,
             "opt_s": sum(c.opt_s[-a.steps :]) / a.steps,
-            "tx": tx1 - tx0, "rx": rx1 - rx0, "idle_tx": ix1 - ix0, "idle_rx": irx1 - irx0,
+            "tx": tx1 - tx0,
+            "rx": rx1 - rx0,
+            "idle_tx": ix1 - ix0,
+            "idle_rx": irx1 - irx0,
             "window_s": window,
             "final_loss": c.losses[-1],
-        }  # fmt: skip
+        }
         everyone = [None] * world
         dist.all_gather_object(everyone, mine)
         rows.append({"optimizer": c.name, "ranks": everyone})

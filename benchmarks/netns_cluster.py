@@ -122,8 +122,20 @@ class Cluster:
             ns = self.host_ns(i)
             self._add_ns(ns)
             # both ends are created directly inside their namespaces
-            _ip("-n", ns, "link", "add", HOST_IF, "type", "veth", "peer", "name", f"p{i}",
-                "netns", self.bridge_ns)  # fmt: skip
+            _ip(
+                "-n",
+                ns,
+                "link",
+                "add",
+                HOST_IF,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                f"p{i}",
+                "netns",
+                self.bridge_ns,
+            )
             _ip("-n", self.bridge_ns, "link", "set", f"p{i}", "master", "br0")
             _ip("-n", self.bridge_ns, "link", "set", f"p{i}", "up")
             _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", HOST_IF)
@@ -143,13 +155,37 @@ class Cluster:
         for i in range(self.hosts):
             ns = self.host_ns(i)
             if delay_ms > 0:
-                _ip_tc(ns, "qdisc", "add", "dev", HOST_IF, "root", "handle", "1:", "netem",
-                       "delay", f"{delay_ms}ms")  # fmt: skip
+                _ip_tc(
+                    ns,
+                    "qdisc",
+                    "add",
+                    "dev",
+                    HOST_IF,
+                    "root",
+                    "handle",
+                    "1:",
+                    "netem",
+                    "delay",
+                    f"{delay_ms}ms",
+                )
                 parent = ["parent", "1:1", "handle", "10:"]
             else:
                 parent = ["root"]
-            _ip_tc(ns, "qdisc", "add", "dev", HOST_IF, *parent, "tbf", "rate",
-                   f"{rate_mbit}mbit", "burst", str(burst), "latency", "100ms")  # fmt: skip
+            _ip_tc(
+                ns,
+                "qdisc",
+                "add",
+                "dev",
+                HOST_IF,
+                *parent,
+                "tbf",
+                "rate",
+                f"{rate_mbit}mbit",
+                "burst",
+                str(burst),
+                "latency",
+                "100ms",
+            )
 
     def link_down(self, i: int) -> None:
         _ip("-n", self.host_ns(i), "link", "set", HOST_IF, "down")
@@ -157,11 +193,21 @@ class Cluster:
     def if_bytes(self, i: int) -> tuple[int, int]:
         """(tx, rx) bytes of host ``i``'s link, from its /sys/class/net statistics."""
         out = subprocess.run(
-            ["ip", "netns", "exec", self.host_ns(i), "sh", "-c",
-             f"cat /sys/class/net/{HOST_IF}/statistics/tx_bytes "
-             f"/sys/class/net/{HOST_IF}/statistics/rx_bytes"],
-            capture_output=True, text=True, check=True, timeout=30,
-        )  # fmt: skip
+            [
+                "ip",
+                "netns",
+                "exec",
+                self.host_ns(i),
+                "sh",
+                "-c",
+                f"cat /sys/class/net/{HOST_IF}/statistics/tx_bytes "
+                f"/sys/class/net/{HOST_IF}/statistics/rx_bytes",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        )
         tx, rx = out.stdout.split()
         return int(tx), int(rx)
 
@@ -194,16 +240,33 @@ class Cluster:
         try:
             for i in range(self.hosts):
                 cmd = [
-                    "ip", "netns", "exec", self.host_ns(i), python, "-m", "torch.distributed.run",
-                    "--nnodes", str(self.hosts), "--nproc-per-node", str(nproc_per_node),
-                    "--max-restarts", str(max_restarts), *self._rendezvous(i, max_restarts),
-                    str(script), *args,
-                ]  # fmt: skip
+                    "ip",
+                    "netns",
+                    "exec",
+                    self.host_ns(i),
+                    python,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes",
+                    str(self.hosts),
+                    "--nproc-per-node",
+                    str(nproc_per_node),
+                    "--max-restarts",
+                    str(max_restarts),
+                    *self._rendezvous(i, max_restarts),
+                    str(script),
+                    *args,
+                ]
                 procs.append(
                     subprocess.Popen(
-                        cmd, env=base_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                        text=True, start_new_session=True, cwd=cwd,
-                    )  # fmt: skip
+                        cmd,
+                        env=base_env,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                        text=True,
+                        start_new_session=True,
+                        cwd=cwd,
+                    )
                 )
             if on_started is not None:
                 on_started(self, procs)
@@ -226,18 +289,32 @@ class Cluster:
                     _kill_group(p)
                     p.wait()
 
-
     def _rendezvous(self, i: int, max_restarts: int) -> list[str]:
         """Static rendezvous on host 0's address; with restarts c10d hosted by host 0's agent
         (the static store keeps the first round's gloo addresses, so restarted ranks would
         connect to ports that no longer listen), each agent announcing its own address."""
         endpoint = f"{self.address(0)}:{MASTER_PORT}"
         if max_restarts == 0:
-            return ["--node-rank", str(i), "--master-addr", self.address(0),
-                    "--master-port", str(MASTER_PORT)]  # fmt: skip
-        return ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-                "--rdzv-id", self.prefix, "--rdzv-conf", f"is_host={str(i == 0).lower()}",
-                "--local-addr", self.address(i)]  # fmt: skip
+            return [
+                "--node-rank",
+                str(i),
+                "--master-addr",
+                self.address(0),
+                "--master-port",
+                str(MASTER_PORT),
+            ]
+        return [
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            self.prefix,
+            "--rdzv-conf",
+            f"is_host={str(i == 0).lower()}",
+            "--local-addr",
+            self.address(i),
+        ]
 
 
 def _ip_tc(ns: str, *args: str) -> None:

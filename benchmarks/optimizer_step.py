@@ -36,13 +36,19 @@ def gpt2_small_parameters(layers: int, d: int = 768, vocab: int = 50304, context
     named = [("wte.weight", p(vocab, d)), ("wpe.weight", p(context, d))]
     for i in range(layers):
         named += [
-            (f"h.{i}.ln_1.weight", p(d)), (f"h.{i}.ln_1.bias", p(d)),
-            (f"h.{i}.attn.c_attn.weight", p(3 * d, d)), (f"h.{i}.attn.c_attn.bias", p(3 * d)),
-            (f"h.{i}.attn.c_proj.weight", p(d, d)), (f"h.{i}.attn.c_proj.bias", p(d)),
-            (f"h.{i}.ln_2.weight", p(d)), (f"h.{i}.ln_2.bias", p(d)),
-            (f"h.{i}.mlp.c_fc.weight", p(4 * d, d)), (f"h.{i}.mlp.c_fc.bias", p(4 * d)),
-            (f"h.{i}.mlp.c_proj.weight", p(d, 4 * d)), (f"h.{i}.mlp.c_proj.bias", p(d)),
-        ]  # fmt: skip
+            (f"h.{i}.ln_1.weight", p(d)),
+            (f"h.{i}.ln_1.bias", p(d)),
+            (f"h.{i}.attn.c_attn.weight", p(3 * d, d)),
+            (f"h.{i}.attn.c_attn.bias", p(3 * d)),
+            (f"h.{i}.attn.c_proj.weight", p(d, d)),
+            (f"h.{i}.attn.c_proj.bias", p(d)),
+            (f"h.{i}.ln_2.weight", p(d)),
+            (f"h.{i}.ln_2.bias", p(d)),
+            (f"h.{i}.mlp.c_fc.weight", p(4 * d, d)),
+            (f"h.{i}.mlp.c_fc.bias", p(4 * d)),
+            (f"h.{i}.mlp.c_proj.weight", p(d, 4 * d)),
+            (f"h.{i}.mlp.c_proj.bias", p(d)),
+        ]
     named += [("ln_f.weight", p(d)), ("ln_f.bias", p(d))]
     return named
 
@@ -81,10 +87,18 @@ def _torch_zeropower_in(dtype: torch.dtype, original: Callable) -> Callable:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=1, help="transformer layers of GPT-2-small shapes")
-    parser.add_argument("--reps", type=int, default=5, help="timed rounds per contender (after 1 warm-up)")
-    parser.add_argument("--dtypes", default="float32,bfloat16", help="Newton–Schulz dtypes to compare")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--layers", type=int, default=1, help="transformer layers of GPT-2-small shapes"
+    )
+    parser.add_argument(
+        "--reps", type=int, default=5, help="timed rounds per contender (after 1 warm-up)"
+    )
+    parser.add_argument(
+        "--dtypes", default="float32,bfloat16", help="Newton–Schulz dtypes to compare"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
@@ -102,7 +116,10 @@ def main(argv=None) -> dict:
         states[f"muonscale[{dtype_name}]"] = (named, ours)
         named_t = gpt2_small_parameters(args.layers)
         theirs = TorchMuonPair(named_t, lr=1e-3)
-        contenders[f"torch-muon[{dtype_name}]"] = (theirs.step, _torch_zeropower_in(dtype, original_zeropower))
+        contenders[f"torch-muon[{dtype_name}]"] = (
+            theirs.step,
+            _torch_zeropower_in(dtype, original_zeropower),
+        )
         states[f"torch-muon[{dtype_name}]"] = (named_t, theirs)
     named_a = gpt2_small_parameters(args.layers)
     adamw = torch.optim.AdamW([p for _, p in named_a], lr=1e-3, fused=True)
@@ -123,11 +140,19 @@ def main(argv=None) -> dict:
             elapsed = time.perf_counter() - start
             if rep > 0:
                 times[name].append(elapsed)
-        print(f"round {rep}/{args.reps} " + " ".join(f"{n}={t[-1] * 1e3:.0f}ms" for n, t in times.items() if t), flush=True)
+        print(
+            f"round {rep}/{args.reps} "
+            + " ".join(f"{n}={t[-1] * 1e3:.0f}ms" for n, t in times.items() if t),
+            flush=True,
+        )
     torch_muon_module._zeropower_via_newtonschulz = original_zeropower
 
     medians = {name: statistics.median(t) for name, t in times.items()}
-    matrices = [p.shape for n, p in gpt2_small_parameters(args.layers) if p.ndim == 2 and "wte" not in n and "wpe" not in n]
+    matrices = [
+        p.shape
+        for n, p in gpt2_small_parameters(args.layers)
+        if p.ndim == 2 and "wte" not in n and "wpe" not in n
+    ]
     flops = sum(newton_schulz_flops(m, n, 5) for m, n in matrices)
     result = {
         "date": time.strftime("%Y-%m-%d"),

@@ -107,10 +107,21 @@ def main(argv=None) -> dict:
         env = dict(os.environ, **CONTENDERS[name])
         start = time.perf_counter()
         out = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--child", name,
-             "--layers", str(args.layers), "--steps", str(args.steps)],
-            env=env, capture_output=True, text=True, check=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--child",
+                name,
+                "--layers",
+                str(args.layers),
+                "--steps",
+                str(args.steps),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         results[name] = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"{name:<26} done in {time.perf_counter() - start:.0f} s", flush=True)
 

@@ -26,14 +26,33 @@ class Tokens(torch.utils.data.Dataset):
 
 
 def main():
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     model = LlamaForCausalLM(config)
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=16,
-                             max_steps=60, logging_steps=10, report_to=[], use_cpu=True,
-                             save_strategy="no", lr_scheduler_type="cosine", warmup_steps=5)
-    trainer = Trainer(model, args, train_dataset=Tokens(),
-                      optimizer_cls_and_kwargs=(hf.MuonFactory, {"lr": 0.02, "adamw_lr": 0.01}))
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=16,
+        max_steps=60,
+        logging_steps=10,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        lr_scheduler_type="cosine",
+        warmup_steps=5,
+    )
+    trainer = Trainer(
+        model,
+        args,
+        train_dataset=Tokens(),
+        optimizer_cls_and_kwargs=(hf.MuonFactory, {"lr": 0.02, "adamw_lr": 0.01}),
+    )
     trainer.train()
     print(trainer.optimizer.optimizer.summary())
 

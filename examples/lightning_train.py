@@ -14,8 +14,9 @@ from muonscale.integrations import lightning as ms_lightning
 class LM(L.LightningModule):
     def __init__(self):
         super().__init__()
-        self.model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=64,
-                                                n_layer=2, n_head=4))
+        self.model = GPT2LMHeadModel(
+            GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=4)
+        )
 
     def training_step(self, batch, batch_idx):
         loss = self.model(input_ids=batch, labels=batch).loss
@@ -25,10 +26,12 @@ class LM(L.LightningModule):
     def configure_optimizers(self):
         return ms_lightning.configure_optimizers(self, lr=0.02, adamw_lr=0.01)
 
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
-                                    gradient_clip_algorithm=None):
-        ms_lightning.configure_gradient_clipping(self, optimizer, gradient_clip_val,
-                                                 gradient_clip_algorithm)
+    def configure_gradient_clipping(
+        self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+    ):
+        ms_lightning.configure_gradient_clipping(
+            self, optimizer, gradient_clip_val, gradient_clip_algorithm
+        )
 
 
 def main():
@@ -36,8 +39,13 @@ def main():
     start = torch.randint(0, 128, (256, 1), generator=g)
     ids = (start + torch.randint(1, 4, (256, 1), generator=g) * torch.arange(32)) % 128
     loader = torch.utils.data.DataLoader(ids, batch_size=16, shuffle=True)
-    trainer = L.Trainer(accelerator="cpu", max_steps=60, gradient_clip_val=1.0, logger=False,
-                        enable_checkpointing=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=60,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(LM(), loader)
 
 

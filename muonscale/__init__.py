@@ -27,6 +27,7 @@ def __getattr__(name: str):
         return getattr(distributed, name)
     raise AttributeError(f"module 'muonscale' has no attribute {name!r}")
 
+
 __all__ = [
     "COEFFICIENT_PRESETS",
     "DTensorMuon",

@@ -111,9 +111,13 @@ def apply_updates_(
 
 
 def ns_method_for(
-    m: int, n: int, dtype: torch.dtype, method: NSMethodChoice, coefficients: CoefficientSpec,
+    m: int,
+    n: int,
+    dtype: torch.dtype,
+    method: NSMethodChoice,
+    coefficients: CoefficientSpec,
     steps: int,
-) -> str:  # fmt: skip
+) -> str:
     """The formulation ``method`` means for an m×n matrix (``"auto"``: :func:`choose_method`)."""
     return choose_method(m, n, dtype, coefficients, steps)[0] if method == "auto" else method
 
@@ -149,15 +153,25 @@ def orthogonalize_matrices(
         if preconditioner == "aol":  # [variants] Turbo-Muon: AOL scaling, not X / ‖X‖_F
             wide = stack.mT if rows > cols else stack  # (k, short, long) view
             variants.aol_newton_schulz_(
-                wide, resolve_schedule(coefficients, ns_steps)[0], eps=eps, method=method_here,
+                wide,
+                resolve_schedule(coefficients, ns_steps)[0],
+                eps=eps,
+                method=method_here,
                 restart_every=GRAM_POLICY["restart_every"],
-            )  # fmt: skip
+            )
             ortho = stack
         else:
             ortho = newton_schulz_fast(
-                stack, ns_steps, coefficients, dtype, eps, out=stack, method=method_here,
-                backend="auto", max_workspace_bytes=max_workspace_bytes,
-            )  # fmt: skip
+                stack,
+                ns_steps,
+                coefficients,
+                dtype,
+                eps,
+                out=stack,
+                method=method_here,
+                backend="auto",
+                max_workspace_bytes=max_workspace_bytes,
+            )
         for slot, i in enumerate(indices):
             out[i] = ortho[slot]
     return out  # type: ignore[return-value]
@@ -236,15 +250,25 @@ def muon(
     if len(chunks) > 1:
         for chunk in chunks:
             muon(
-                [params[i] for i in chunk], [grads[i] for i in chunk],
-                [momentum_buffers[i] for i in chunk], views=[views[i] for i in chunk], lr=lr,
+                [params[i] for i in chunk],
+                [grads[i] for i in chunk],
+                [momentum_buffers[i] for i in chunk],
+                views=[views[i] for i in chunk],
+                lr=lr,
                 options=options,  # [variants]
                 row_moments=None if row_moments is None else [row_moments[i] for i in chunk],
-                weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype, scale=scale,
-                eps=eps, ns_method=ns_method, max_chunk_bytes=None,
+                weight_decay=weight_decay,
+                momentum=momentum,
+                nesterov=nesterov,
+                ns_steps=ns_steps,
+                coefficients=coefficients,
+                ns_dtype=ns_dtype,
+                scale=scale,
+                eps=eps,
+                ns_method=ns_method,
+                max_chunk_bytes=None,
                 max_workspace_bytes=max_workspace_bytes,
-            )  # fmt: skip
+            )
         return
     update_momentum_(grads, momentum_buffers, momentum=momentum)
     schedule, margin = resolve_schedule(coefficients, ns_steps)
@@ -265,9 +289,12 @@ def muon(
         for part in group_by_budget([per_matrix] * len(indices), max_workspace_bytes):
             members = [indices[j] for j in part]
             ws = get_workspace(
-                (len(members), rows, cols), dtype, device, method,
+                (len(members), rows, cols),
+                dtype,
+                device,
+                method,
                 max_cached_bytes=max_workspace_bytes,
-            )  # fmt: skip
+            )
             X = ws.get("x", (len(members), rows, cols))
             slots = [X[j].view(params[i].shape) for j, i in enumerate(members)]
             g_part = [grads[i] for i in members]
@@ -278,13 +305,23 @@ def muon(
 
             write()
             result = orthogonalize_stack_(
-                X, schedule, margin, eps, method=method, backend="auto",
-                restart_every=GRAM_POLICY["restart_every"], workspace=ws, reload=write,
-            )  # fmt: skip
+                X,
+                schedule,
+                margin,
+                eps,
+                method=method,
+                backend="auto",
+                restart_every=GRAM_POLICY["restart_every"],
+                workspace=ws,
+                reload=write,
+            )
             apply_updates_(
-                [params[i] for i in members], list(result.unbind(0)), [alpha] * len(members),
-                lr=lr, weight_decay=weight_decay,
-            )  # fmt: skip
+                [params[i] for i in members],
+                list(result.unbind(0)),
+                [alpha] * len(members),
+                lr=lr,
+                weight_decay=weight_decay,
+            )
     if split:
         matrices, owner = [], []
         for i in split:
@@ -294,10 +331,15 @@ def muon(
                 matrices.append(mat)
                 owner.append(i)
         orthogonal = orthogonalize_matrices(
-            matrices, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype, eps=eps,
-            method=ns_method, max_workspace_bytes=max_workspace_bytes,
+            matrices,
+            ns_steps=ns_steps,
+            coefficients=coefficients,
+            ns_dtype=ns_dtype,
+            eps=eps,
+            method=ns_method,
+            max_workspace_bytes=max_workspace_bytes,
             preconditioner=options.preconditioner,  # [variants]
-        )  # fmt: skip
+        )
         if options.normalize == "row":  # [variants] NorMuon, per matrix, rows of each in turn
             variants.row_normalize_matrices_(
                 orthogonal, owner, row_moments, beta2=options.row_beta2
@@ -355,9 +397,19 @@ def adamw(
         return
     if isinstance(lr, torch.Tensor):
         adamw_on_device(
-            params, grads, exp_avgs, exp_avg_sqs, state_steps, lr=lr, beta1=beta1, beta2=beta2,
-            eps=eps, weight_decay=weight_decay, max_chunk_bytes=max_chunk_bytes, finite=finite,
-        )  # fmt: skip
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            state_steps,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+            max_chunk_bytes=max_chunk_bytes,
+            finite=finite,
+        )
         return
     if finite is not None:
         raise ValueError("adamw: finite= needs a tensor lr (the capturable path)")
@@ -398,7 +450,6 @@ def adamw(
         torch._foreach_add_(denoms, eps)
         torch._foreach_addcdiv_(seg_params, seg_avgs, denoms, sizes)
         del denoms
-
 
 
 def adamw_on_device(
@@ -461,7 +512,9 @@ def adamw_on_device(
     ]
     for chunk in split_by_budget(nbytes, budget, itemsizes=itemsizes):
         for i, start, stop in chunk:
-            param, avg, avg_sq = (t if start is None else t.view(-1)[start:stop] for t in tensors[i])
+            param, avg, avg_sq = (
+                t if start is None else t.view(-1)[start:stop] for t in tensors[i]
+            )
             # (size · m) / (√v / c₂ + ε), each op rounded as addcdiv_'s (s·m)/d on the host path
             denom = avg_sq.sqrt().div_(bias_correction2_sqrt[i]).add_(eps)
             update = avg * step_sizes[i]

@@ -47,16 +47,22 @@ class MatrixView:
         if mode not in MATRIX_MODES:
             raise ValueError(f"matrix_mode must be one of {MATRIX_MODES}, got {mode!r}")
         if transposed and len(shape) != 2:
-            raise ValueError(f"transposed: only a 2-D (in, out) weight can be transposed, got shape {shape}")
+            raise ValueError(
+                f"transposed: only a 2-D (in, out) weight can be transposed, got shape {shape}"
+            )
         if row_partition is None:
             return MatrixView(shape, mode, transposed=bool(transposed))
         if mode == "batch" and len(shape) > 2:
-            raise ValueError("a row partition (split) applies to 2-D or flattened parameters, not matrix_mode='batch'")
+            raise ValueError(
+                "a row partition (split) applies to 2-D or flattened parameters, not matrix_mode='batch'"
+            )
         parts = tuple(torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in row_partition)
         rows = shape[1] if transposed else shape[0]
         covered = torch.cat(parts).sort().values
         if covered.numel() != rows or not torch.equal(covered, torch.arange(rows)):
-            what = "output features (columns of the stored (in, out) weight)" if transposed else "rows"
+            what = (
+                "output features (columns of the stored (in, out) weight)" if transposed else "rows"
+            )
             raise ValueError(
                 f"split: the row blocks must cover each of the {rows} {what} exactly once "
                 f"(got {covered.numel()} row indices for a parameter of shape {shape})"

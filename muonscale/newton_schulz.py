@@ -161,9 +161,11 @@ def _composed_range(schedule: tuple[Coefficients, ...], margin: float) -> tuple[
     """(min, max) of the composed map p_k ∘ … ∘ p_1 (σ / margin) over σ in (0, 1], on a grid
     dense near 0 (geometric) and on (0, 1] (uniform), in float64."""
     grid = torch.cat(
-        [torch.logspace(-9, 0, 2049, dtype=torch.float64),
-         torch.linspace(0, 1, 16385, dtype=torch.float64)[1:]]
-    )  # fmt: skip
+        [
+            torch.logspace(-9, 0, 2049, dtype=torch.float64),
+            torch.linspace(0, 1, 16385, dtype=torch.float64)[1:],
+        ]
+    )
     x = grid / margin
     for a, b, c in schedule:
         x2 = x * x
@@ -229,7 +231,9 @@ def newton_schulz(
     Returns a new tensor with G's shape and dtype. Does not modify ``G``.
     """
     if not isinstance(G, torch.Tensor) or G.ndim < 2:
-        raise ValueError(f"newton_schulz: G must be a tensor with >= 2 dims, got shape {getattr(G, 'shape', None)}")
+        raise ValueError(
+            f"newton_schulz: G must be a tensor with >= 2 dims, got shape {getattr(G, 'shape', None)}"
+        )
     if G.is_complex() or not G.is_floating_point():
         raise ValueError(f"newton_schulz: G must be real floating point, got {G.dtype}")
     schedule, margin = resolve_schedule(coefficients, steps)

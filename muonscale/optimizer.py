@@ -60,7 +60,6 @@ class NonFiniteGradientError(FloatingPointError):
     """A gradient held NaN or ±inf; nothing was changed."""
 
 
-
 class Muon(torch.optim.Optimizer):
     r"""Muon for hidden 2-D (or reshaped) weights, AdamW for everything else, one ``state_dict``.
 
@@ -206,28 +205,43 @@ class Muon(torch.optim.Optimizer):
                 f"Adjust learning rate function {adjust_lr_fn} is not supported: adjust_lr_fn "
                 f"must be one of {tuple(ADJUST_LR_FNS)} (or pass scale=one of {SCALE_RULES})"
             )
-        scale = either("scale", scale, "adjust_lr_fn", ADJUST_LR_FNS.get(adjust_lr_fn),
-                        "match_rms_adamw")  # fmt: skip
+        scale = either(
+            "scale", scale, "adjust_lr_fn", ADJUST_LR_FNS.get(adjust_lr_fn), "match_rms_adamw"
+        )
         if adamw_weight_decay is not None:
             check_range("adamw_weight_decay", adamw_weight_decay, 0.0, math.inf)
         self._muon_defaults = dict(
-            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
             # [variants] AOL's default schedule is Turbo-Muon's four steps
             ns_steps=ns_steps if ns_steps is not None else 4 if preconditioner == "aol" else 5,
-            coefficients=either("coefficients", coefficients, "ns_coefficients", ns_coefficients,
-                                 "turbo_muon" if preconditioner == "aol" else "keller"),
-            scale=scale, ns_dtype=ns_dtype, momentum_dtype=momentum_dtype,
-            matrix_mode=matrix_mode, ns_eps=either("ns_eps", ns_eps, "eps", eps, DEFAULT_EPS),
+            coefficients=either(
+                "coefficients",
+                coefficients,
+                "ns_coefficients",
+                ns_coefficients,
+                "turbo_muon" if preconditioner == "aol" else "keller",
+            ),
+            scale=scale,
+            ns_dtype=ns_dtype,
+            momentum_dtype=momentum_dtype,
+            matrix_mode=matrix_mode,
+            ns_eps=either("ns_eps", ns_eps, "eps", eps, DEFAULT_EPS),
             ns_method=ns_method,
-            normalize=normalize, row_beta2=row_beta2,  # [variants]
-            cautious_weight_decay=cautious_weight_decay, preconditioner=preconditioner,
-        )  # fmt: skip
+            normalize=normalize,
+            row_beta2=row_beta2,  # [variants]
+            cautious_weight_decay=cautious_weight_decay,
+            preconditioner=preconditioner,
+        )
         validate_muon_group(self._muon_defaults)
         self._adamw_defaults = dict(
             lr=adamw_lr if adamw_lr is not None else lr,
             betas=tuple(either("adamw_betas", adamw_betas, "betas", betas, (0.9, 0.95))),
-            eps=adamw_eps, weight_decay=adamw_weight_decay,
-        )  # fmt: skip
+            eps=adamw_eps,
+            weight_decay=adamw_weight_decay,
+        )
         validate_adamw_group(dict(self._adamw_defaults, weight_decay=weight_decay))
         if not isinstance(capturable, bool):
             raise ValueError(f"capturable must be a bool, got {capturable!r}")
@@ -249,7 +263,9 @@ class Muon(torch.optim.Optimizer):
         self._momentum_stacks = MomentumStacks()
         self._unnamed_to_muon = 0
         if isinstance(transposed, str):
-            raise TypeError(f"transposed must be a collection of parameter names, got {transposed!r}")
+            raise TypeError(
+                f"transposed must be a collection of parameter names, got {transposed!r}"
+            )
         self._transposed: set[str] = set(transposed or ())
         """Names of the weights stored (in, out) (see ``transposed``)."""
 
@@ -266,8 +282,9 @@ class Muon(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         warn_unnamed(self)
         self._check_transposed()
-        by_name = {self.param_names.get(id(p)): (p, g) for g in self.param_groups
-                   for p in g["params"]}  # fmt: skip
+        by_name = {
+            self.param_names.get(id(p)): (p, g) for g in self.param_groups for p in g["params"]
+        }
         self._split_rows = resolve_splits(splits or {}, qkv_split, by_name, self.is_transposed)
 
     # ---------------------------------------------------------------- param groups
@@ -293,16 +310,22 @@ class Muon(torch.optim.Optimizer):
         param_group["params"] = params
         algorithm = param_group["algorithm"]
         if algorithm not in ALGORITHMS:
-            raise ValueError(f"param group 'algorithm' must be one of {ALGORITHMS}, got {algorithm!r}")
+            raise ValueError(
+                f"param group 'algorithm' must be one of {ALGORITHMS}, got {algorithm!r}"
+            )
         if algorithm == "muon":
             for key, value in self._muon_defaults.items():
                 param_group.setdefault(key, value)
             validate_muon_group(param_group)
             for p in params:
                 if p.is_complex():
-                    raise ValueError(f"Muon cannot orthogonalize complex parameter '{self._name(p)}'; route it to AdamW")
+                    raise ValueError(
+                        f"Muon cannot orthogonalize complex parameter '{self._name(p)}'; route it to AdamW"
+                    )
                 if p.ndim < 2:
-                    raise ValueError(f"Muon parameter '{self._name(p)}' has shape {tuple(p.shape)}; Muon needs >= 2 dims (route it to AdamW)")
+                    raise ValueError(
+                        f"Muon parameter '{self._name(p)}' has shape {tuple(p.shape)}; Muon needs >= 2 dims (route it to AdamW)"
+                    )
         else:
             for key, value in self._adamw_defaults.items():
                 param_group.setdefault(key, value)
@@ -349,8 +372,12 @@ class Muon(torch.optim.Optimizer):
         return bool(self._transposed) and self.param_names.get(id(p)) in self._transposed
 
     def _check_transposed(self) -> None:
-        muon = {self.param_names.get(id(p)): p for g in self.param_groups if g["algorithm"] == "muon"
-                for p in g["params"]}  # fmt: skip
+        muon = {
+            self.param_names.get(id(p)): p
+            for g in self.param_groups
+            if g["algorithm"] == "muon"
+            for p in g["params"]
+        }
         for name in sorted(self._transposed & muon.keys()):
             if muon[name].ndim != 2:
                 raise ValueError(
@@ -363,9 +390,11 @@ class Muon(torch.optim.Optimizer):
         view = self._views.get(id(p))
         if view is None or view.param_shape != tuple(p.shape):
             view = MatrixView.build(
-                p.shape, mode=group["matrix_mode"], row_partition=self._split_rows.get(id(p)),
+                p.shape,
+                mode=group["matrix_mode"],
+                row_partition=self._split_rows.get(id(p)),
                 transposed=self.is_transposed(p),
-            )  # fmt: skip
+            )
             self._views[id(p)] = view
         return view
 
@@ -436,7 +465,9 @@ class Muon(torch.optim.Optimizer):
         if group["algorithm"] == "muon":
             if "momentum_buffer" not in state:
                 dtype = group["momentum_dtype"] or p.dtype
-                state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                state["momentum_buffer"] = torch.zeros_like(
+                    p, dtype=dtype, memory_format=torch.preserve_format
+                )
             if group.get("normalize") == "row" and "row_second_moment" not in state:
                 self.init_row_moment(p, group, state)  # [variants]
             return state
@@ -481,11 +512,16 @@ class Muon(torch.optim.Optimizer):
     def summary(self) -> str:
         """Routing table: tensors and elements per algorithm, then one line per parameter."""
         params = {self._name(p): p for g in self.param_groups for p in g["params"]}
-        decisions = {n: self.routing.get(n, RouteDecision(g["algorithm"], "param group"))
-                     for g in self.param_groups for n in [self._name(p) for p in g["params"]]}  # fmt: skip
+        decisions = {
+            n: self.routing.get(n, RouteDecision(g["algorithm"], "param group"))
+            for g in self.param_groups
+            for n in [self._name(p) for p in g["params"]]
+        }
         lines = [routing_summary(decisions, params)]
         for name, d in decisions.items():
-            lines.append(f"  {d.algorithm:<6} {name:<50} {tuple(params[name].shape)!s:<18} {d.reason}")
+            lines.append(
+                f"  {d.algorithm:<6} {name:<50} {tuple(params[name].shape)!s:<18} {d.reason}"
+            )
         return "\n".join(lines)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -521,7 +557,9 @@ class Muon(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
-                    raise ValueError(f"parameter '{self._name(p)}' has a sparse gradient; muonscale.Muon needs dense gradients")
+                    raise ValueError(
+                        f"parameter '{self._name(p)}' has a sparse gradient; muonscale.Muon needs dense gradients"
+                    )
                 if p.grad.numel():  # an empty tensor has no max norm (and nothing to check)
                     grads.append(p.grad)
                     owners.append(p)
@@ -588,7 +626,9 @@ class Muon(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             self.update_group(group, params, [p.grad for p in params])
 
-    def update_group(self, group: Mapping[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    def update_group(
+        self, group: Mapping[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]
+    ) -> None:
         """Apply one step of ``group``'s algorithm to ``params`` with ``grads`` (plain local
         tensors; the distributed optimizers call this on the matrices a rank owns)."""
         if not params:
@@ -609,18 +649,25 @@ class Muon(torch.optim.Optimizer):
                 # zero lr leaves the parameter unchanged: the step is a no-op on the device.
                 grads = [torch.where(self._step_ok, g, b) for g, b in zip(grads, buffers)]
             functional.muon(
-                params, grads, buffers,
+                params,
+                grads,
+                buffers,
                 options=options,  # [variants]
                 row_moments=[s.get("row_second_moment") for s in states],
                 views=[self.matrix_view(p, group) for p in params],
                 lr=self._step_lr(group) if self.capturable else float(group["lr"]),
-                weight_decay=group["weight_decay"], momentum=group["momentum"],
-                nesterov=group["nesterov"], ns_steps=group["ns_steps"],
-                coefficients=group["coefficients"], ns_dtype=group["ns_dtype"],
-                scale=group["scale"], eps=group["ns_eps"], ns_method=group["ns_method"],
+                weight_decay=group["weight_decay"],
+                momentum=group["momentum"],
+                nesterov=group["nesterov"],
+                ns_steps=group["ns_steps"],
+                coefficients=group["coefficients"],
+                ns_dtype=group["ns_dtype"],
+                scale=group["scale"],
+                eps=group["ns_eps"],
+                ns_method=group["ns_method"],
                 max_chunk_bytes=self.memory.update_chunk_bytes,
                 max_workspace_bytes=self.memory.ns_workspace_bytes,
-            )  # fmt: skip
+            )
         else:
             beta1, beta2 = group["betas"]
             if self.capturable:
@@ -636,10 +683,16 @@ class Muon(torch.optim.Optimizer):
                     for ts in (params, grads, exp_avgs, exp_avg_sqs)
                 )
             functional.adamw(
-                params, grads, exp_avgs, exp_avg_sqs,
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
                 [s["step"] for s in states],
                 lr=self._device_lr(group) if self.capturable else float(group["lr"]),
-                beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                max_chunk_bytes=self.memory.update_chunk_bytes, finite=self._step_ok,
-            )  # fmt: skip
-
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                max_chunk_bytes=self.memory.update_chunk_bytes,
+                finite=self._step_ok,
+            )

@@ -27,7 +27,6 @@ FALLBACK_WARNING = (
 )
 
 
-
 def _is_dtensor(t: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -72,8 +71,10 @@ def named_entries(opt: Muon, group: dict[str, Any]) -> tuple[list[tuple[str, tor
                 f"got {names!r}"
             )
         if any(isinstance(e, tuple) for e in entries):
-            raise ValueError("param_names: give names either in 'param_names' or as "
-                             "(name, tensor) pairs, not both")  # fmt: skip
+            raise ValueError(
+                "param_names: give names either in 'param_names' or as "
+                "(name, tensor) pairs, not both"
+            )
         entries = list(zip(names, entries))
     pairs = [e for e in entries if isinstance(e, tuple)]
     if pairs and len(pairs) != len(entries):
@@ -91,8 +92,7 @@ def named_entries(opt: Muon, group: dict[str, Any]) -> tuple[list[tuple[str, tor
             name = opt.param_names.get(id(p), f"param{len(opt.param_names)}")
         if not isinstance(p, torch.Tensor):
             raise TypeError(
-                "optimizer can only optimize Tensors, but one of the params is "
-                + torch.typename(p)
+                "optimizer can only optimize Tensors, but one of the params is " + torch.typename(p)
             )
         opt.param_names.setdefault(id(p), name)
         named.append((name, p))
@@ -104,7 +104,9 @@ def expand_user_group(opt: Muon, group: dict[str, Any]) -> list[dict[str, Any]]:
     algorithm = group.get("algorithm")
     if algorithm is not None:
         if algorithm not in ALGORITHMS:
-            raise ValueError(f"param group 'algorithm' must be one of {ALGORITHMS}, got {algorithm!r}")
+            raise ValueError(
+                f"param group 'algorithm' must be one of {ALGORITHMS}, got {algorithm!r}"
+            )
         decisions = {n: RouteDecision(algorithm, "param group") for n, _ in named}
     else:
         decisions = {n: route_one(n, p, opt._rules) for n, p in named}

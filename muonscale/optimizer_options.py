@@ -19,6 +19,7 @@ from .variants import validate_variant_options  # [variants]
 NONFINITE_POLICIES: tuple[NonFinitePolicy, ...] = ("raise", "skip", "ignore")
 NS_METHODS = ("auto", "plain", "gram")
 
+
 def check_range(name: str, value: Any, low: float, high: float, *, high_open: bool = False) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     ok = ok and low <= value and (value < high if high_open else value <= high)
@@ -115,8 +116,6 @@ class AdamWGroup(dict):
         out = cls({k: v for k, v in group.items() if k != "momentum"})
         out["betas"] = tuple(out["betas"])
         return out
-
-
 
 
 def resolve_splits(

@@ -68,9 +68,10 @@ class MomentumStacks:
         for s in candidates:
             buf = s.get("momentum_buffer") if s else None
             if (
-                isinstance(buf, torch.Tensor) and id(s) not in seen
+                isinstance(buf, torch.Tensor)
+                and id(s) not in seen
                 and (tuple(buf.shape), buf.dtype, buf.device) == key
-            ):  # fmt: skip
+            ):
                 members.append(s)
                 seen.add(id(s))
         stack = torch.empty((len(members), *shape), dtype=dtype, device=device)
@@ -84,14 +85,16 @@ def pickled_extras(opt: Muon) -> dict[str, Any]:
     """What a pickle of ``opt`` carries besides torch's defaults/state/param_groups. The rest is
     keyed by id(param), which a copy changes, so it travels by position (group, index)."""
     return dict(
-        nonfinite=opt.nonfinite, skipped_steps=opt.skipped_steps, routing=opt.routing,
+        nonfinite=opt.nonfinite,
+        skipped_steps=opt.skipped_steps,
+        routing=opt.routing,
         capturable=opt.capturable,
-        muon_defaults=opt._muon_defaults, adamw_defaults=opt._adamw_defaults,
+        muon_defaults=opt._muon_defaults,
+        adamw_defaults=opt._adamw_defaults,
         names=[[opt.param_names.get(id(p)) for p in g["params"]] for g in opt.param_groups],
-        split_rows=[[opt._split_rows.get(id(p)) for p in g["params"]]
-                    for g in opt.param_groups],
+        split_rows=[[opt._split_rows.get(id(p)) for p in g["params"]] for g in opt.param_groups],
         transposed=sorted(opt._transposed),
-    )  # fmt: skip
+    )
 
 
 def restore_unpickled(opt: Muon, extra: dict[str, Any] | None) -> None:

@@ -25,11 +25,21 @@ ALGORITHMS = ("muon", "adamw")
 
 EMBEDDING_OR_HEAD_NAMES = frozenset(
     {
-        "wte", "wpe", "embed_tokens", "tok_embeddings", "embed_positions", "word_embeddings",
-        "position_embeddings", "token_type_embeddings", "lm_head", "output", "output_layer",
-        "head", "classifier",
+        "wte",
+        "wpe",
+        "embed_tokens",
+        "tok_embeddings",
+        "embed_positions",
+        "word_embeddings",
+        "position_embeddings",
+        "token_type_embeddings",
+        "lm_head",
+        "output",
+        "output_layer",
+        "head",
+        "classifier",
     }
-)  # fmt: skip
+)
 
 TRANSPOSED_LINEAR_CLASSES = frozenset({"Conv1D"})
 """Module classes (matched by name, so muonscale need not import their library) whose 2-D
@@ -52,7 +62,9 @@ def _owning_module(name: str) -> str:
     return parts[-2] if len(parts) >= 2 else ""
 
 
-def _apply_user_rules(name: str, param: torch.Tensor, rules: Sequence[Rule]) -> RouteDecision | None:
+def _apply_user_rules(
+    name: str, param: torch.Tensor, rules: Sequence[Rule]
+) -> RouteDecision | None:
     for rule in rules:
         if callable(rule):
             answer = rule(name, param)
@@ -65,7 +77,9 @@ def _apply_user_rules(name: str, param: torch.Tensor, rules: Sequence[Rule]) -> 
         if answer is None:
             continue
         if answer not in ALGORITHMS:
-            raise ValueError(f"rules: {label} returned {answer!r} for {name}; expected one of {ALGORITHMS}")
+            raise ValueError(
+                f"rules: {label} returned {answer!r} for {name}; expected one of {ALGORITHMS}"
+            )
         return RouteDecision(answer, f"user {label}")
     return None
 
@@ -88,13 +102,20 @@ def transposed_weights(model: nn.Module) -> set[str]:
             continue
         weight = getattr(module, "weight", None)
         out_features = getattr(module, "nf", None)
-        if isinstance(weight, torch.Tensor) and weight.ndim == 2 and weight.shape[1] == out_features:
+        if (
+            isinstance(weight, torch.Tensor)
+            and weight.ndim == 2
+            and weight.shape[1] == out_features
+        ):
             out.add(f"{module_name}.weight" if module_name else "weight")
     return out
 
 
 def route_one(
-    name: str, param: torch.Tensor, rules: Sequence[Rule] = (), embedding_ids: set[int] | None = None
+    name: str,
+    param: torch.Tensor,
+    rules: Sequence[Rule] = (),
+    embedding_ids: set[int] | None = None,
 ) -> RouteDecision:
     """Decide one parameter (see the module docstring for the rule)."""
     decision = _apply_user_rules(name, param, rules)
@@ -131,7 +152,9 @@ def route(
     out: dict[str, RouteDecision] = {}
     for name, param in named:
         if not isinstance(name, str) or not isinstance(param, torch.Tensor):
-            raise TypeError(f"route: expected (name, tensor) pairs, got {(type(name).__name__, type(param).__name__)}")
+            raise TypeError(
+                f"route: expected (name, tensor) pairs, got {(type(name).__name__, type(param).__name__)}"
+            )
         out[name] = route_one(name, param, rules, embedding_ids)
     return out
 

@@ -59,14 +59,22 @@ class QKVLayout:
 
     def q_rows(self) -> torch.Tensor:
         return torch.cat(
-            [self._block_rows(g, j) for g in range(self.n_query_groups) for j in range(self.q_per_group)]
+            [
+                self._block_rows(g, j)
+                for g in range(self.n_query_groups)
+                for j in range(self.q_per_group)
+            ]
         )
 
     def k_rows(self) -> torch.Tensor:
-        return torch.cat([self._block_rows(g, self.q_per_group) for g in range(self.n_query_groups)])
+        return torch.cat(
+            [self._block_rows(g, self.q_per_group) for g in range(self.n_query_groups)]
+        )
 
     def v_rows(self) -> torch.Tensor:
-        return torch.cat([self._block_rows(g, self.q_per_group + 1) for g in range(self.n_query_groups)])
+        return torch.cat(
+            [self._block_rows(g, self.q_per_group + 1) for g in range(self.n_query_groups)]
+        )
 
     def row_partition(self, mode: str = "qkv") -> list[torch.Tensor]:
         """Row-index sets, each orthogonalized as its own matrix.
@@ -84,7 +92,9 @@ class QKVLayout:
             ]
         raise ValueError(f"QKV split mode must be one of {QKV_SPLIT_MODES}, got {mode!r}")
 
-    def split_activations(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def split_activations(
+        self, qkv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split ``x @ W.T`` of shape ``(..., rows)`` into q ``(..., n_heads, head_dim)`` and
         k, v ``(..., n_query_groups, head_dim)``. Works on a TP shard holding whole groups."""
         groups = qkv.shape[-1] // self.rows_per_group

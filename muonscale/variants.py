@@ -41,7 +41,6 @@ NORMUON_EPS = 1e-10
 """ε of NorMuon's divisions (the official implementation: ``add_(1e-10)``)."""
 
 
-
 @dataclass(frozen=True)
 class VariantOptions:
     """The variant options of one Muon param group (keyword-only in :class:`muonscale.Muon`)."""

@@ -30,8 +30,16 @@ def test_bundled_corpus_matches_its_provenance(name):
 
 
 def test_corpus_web_is_what_the_run_trains_on():
-    bench = BenchConfig(n_layer=1, d_model=32, n_head=2, tokens_per_step=256, eval_batches=1,
-                        lr_warmup_steps=1, steps=2, corpus="web")  # fmt: skip
+    bench = BenchConfig(
+        n_layer=1,
+        d_model=32,
+        n_head=2,
+        tokens_per_step=256,
+        eval_batches=1,
+        lr_warmup_steps=1,
+        steps=2,
+        corpus="web",
+    )
     run = make_run(bench, "muon", 0.02)
     data = bundled_corpus_text("web").encode("utf-8")
     n = len(run.dataset.train_tokens)

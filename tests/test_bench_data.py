@@ -13,10 +13,27 @@ from muonscale.bench.runner import train_config_for
 from muonscale.cli import main
 
 BENCH_TINY = [
-    "--n-layer", "1", "--d-model", "32", "--n-head", "2", "--steps", "2",
-    "--tokens-per-step", "256", "--eval-batches", "1", "--lr-warmup-steps", "1",
-    "--memory-probe-steps", "0", "--timing-warmup-steps", "0", "--no-progress", "--no-plots",
-]  # fmt: skip
+    "--n-layer",
+    "1",
+    "--d-model",
+    "32",
+    "--n-head",
+    "2",
+    "--steps",
+    "2",
+    "--tokens-per-step",
+    "256",
+    "--eval-batches",
+    "1",
+    "--lr-warmup-steps",
+    "1",
+    "--memory-probe-steps",
+    "0",
+    "--timing-warmup-steps",
+    "0",
+    "--no-progress",
+    "--no-plots",
+]
 
 
 def test_bench_data_reaches_every_contenders_train_config(tmp_path):
@@ -37,8 +54,18 @@ def test_bench_on_a_user_corpus_with_bpe(tmp_path, monkeypatch):
     corpus = tmp_path / "mine.txt"
     corpus.write_text(load_corpus()[:150_000])
     out = tmp_path / "bench"
-    argv = ["bench", *BENCH_TINY, "--data", str(corpus), "--tokenizer", "bpe",
-            "--bpe-vocab-size", "300", "--out", str(out)]  # fmt: skip
+    argv = [
+        "bench",
+        *BENCH_TINY,
+        "--data",
+        str(corpus),
+        "--tokenizer",
+        "bpe",
+        "--bpe-vocab-size",
+        "300",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["config"]["model"]["vocab_size"] == 320  # 300 rounded up to 64

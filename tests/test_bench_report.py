@@ -61,8 +61,10 @@ def test_build_report_figures_and_published_references():
     assert "wire_bytes_per_step" in muon
     figures = {f["name"]: f for f in report["figures"]}
     assert set(figures) == {  # torch-muon not run: no loss difference to report
-        "steps_to_adamw_final_loss_ratio", "throughput_ratio", "peak_memory_ratio",
-    }  # fmt: skip
+        "steps_to_adamw_final_loss_ratio",
+        "throughput_ratio",
+        "peak_memory_ratio",
+    }
     assert figures["steps_to_adamw_final_loss_ratio"]["value"] == pytest.approx(0.45)
     assert figures["throughput_ratio"]["value"] == pytest.approx(0.8)
     assert figures["peak_memory_ratio"]["published"] is None

@@ -43,9 +43,19 @@ class CountingMakeRun:
 
 
 def bench(tmp_path, **changes):
-    values = dict(steps=20, tokens_per_step=256, memory_probe_steps=0, progress=False,
-                  plots=False, out=str(tmp_path), seeds=2, sweep=True, sweep_factors=[1.0, 2.0],
-                  variants=["pe=coefficients:polar_express"], baselines=["torch-muon"])  # fmt: skip
+    values = dict(
+        steps=20,
+        tokens_per_step=256,
+        memory_probe_steps=0,
+        progress=False,
+        plots=False,
+        out=str(tmp_path),
+        seeds=2,
+        sweep=True,
+        sweep_factors=[1.0, 2.0],
+        variants=["pe=coefficients:polar_express"],
+        baselines=["torch-muon"],
+    )
     values.update(changes)
     return BenchConfig(**values)
 
@@ -76,8 +86,9 @@ def test_a_changed_configuration_is_not_reused(tmp_path):
     }
     # a different variant option: that variant only, sweep and runs
     changed = CountingMakeRun()
-    run_bench(bench(tmp_path, variants=["pe=coefficients:polar_express,ns_steps:4"]),
-              make_run=changed)  # fmt: skip
+    run_bench(
+        bench(tmp_path, variants=["pe=coefficients:polar_express,ns_steps:4"]), make_run=changed
+    )
     assert {c for c, *_ in changed.calls} == {"pe"} and len(changed.calls) == 2 + 2
     # a training hyperparameter shared by all (weight decay): everything again
     decay = CountingMakeRun()
@@ -99,10 +110,21 @@ def test_saved_runs_hold_their_full_configuration(tmp_path):
 
 
 def test_real_tiny_run_resumes(tmp_path):
-    tiny = dict(n_layer=1, d_model=32, n_head=2, tokens_per_step=256, eval_batches=1,
-                lr_warmup_steps=1, memory_probe_steps=0, timing_warmup_steps=0, progress=False,
-                plots=False, steps=3, out=str(tmp_path),
-                variants=["pe=coefficients:polar_express"])  # fmt: skip
+    tiny = dict(
+        n_layer=1,
+        d_model=32,
+        n_head=2,
+        tokens_per_step=256,
+        eval_batches=1,
+        lr_warmup_steps=1,
+        memory_probe_steps=0,
+        timing_warmup_steps=0,
+        progress=False,
+        plots=False,
+        steps=3,
+        out=str(tmp_path),
+        variants=["pe=coefficients:polar_express"],
+    )
     report1 = run_bench(BenchConfig(**tiny))
 
     def no_training(*args, **kwargs):

@@ -74,9 +74,18 @@ def test_seed_summary_with_a_contender_run_for_the_first_seed_only():
     assert bf16["seeds"] == [0] and bf16["final_val_loss"]["n"] == 1
 
 
-TINY = dict(n_layer=1, d_model=32, n_head=2, tokens_per_step=256, eval_batches=1,
-            lr_warmup_steps=1, memory_probe_steps=0, timing_warmup_steps=0, progress=False,
-            plots=False)  # fmt: skip
+TINY = dict(
+    n_layer=1,
+    d_model=32,
+    n_head=2,
+    tokens_per_step=256,
+    eval_batches=1,
+    lr_warmup_steps=1,
+    memory_probe_steps=0,
+    timing_warmup_steps=0,
+    progress=False,
+    plots=False,
+)
 
 
 def test_real_tiny_run_over_two_seeds(tmp_path):
@@ -100,10 +109,13 @@ def test_real_tiny_run_over_two_seeds(tmp_path):
     assert stats["mean"] == pytest.approx(sum(finals) / 2, rel=1e-12)
     assert stats["std"] == pytest.approx(abs(finals[0] - finals[1]) / math.sqrt(2), rel=1e-9)
     reached = [
-        steps_to_reach(saved[("muon", s)].eval_steps, saved[("muon", s)].val_losses,
-                       saved[("adamw", s)].val_losses[-1])
+        steps_to_reach(
+            saved[("muon", s)].eval_steps,
+            saved[("muon", s)].val_losses,
+            saved[("adamw", s)].val_losses[-1],
+        )
         for s in (0, 1)
-    ]  # fmt: skip
+    ]
     assert seeds["contenders"]["muon"]["steps_to_adamw_final_loss"]["values"] == reached
     assert "Across seeds 0, 1" in (tmp_path / "report.md").read_text()
 
@@ -132,8 +144,14 @@ def test_a_1000_step_budget_runs_through_the_pipeline(tmp_path):
     def make_run(config, contender, lr, steps=None):
         return LinearRun({"adamw": 0.001, "muon": 0.0025}[contender])
 
-    config = BenchConfig(steps=1000, tokens_per_step=256, memory_probe_steps=0, progress=False,
-                         plots=False, out=str(tmp_path))  # fmt: skip
+    config = BenchConfig(
+        steps=1000,
+        tokens_per_step=256,
+        memory_probe_steps=0,
+        progress=False,
+        plots=False,
+        out=str(tmp_path),
+    )
     report = run_bench(config, make_run=make_run)
     muon = report["contenders"]["muon"]
     assert muon["steps"] == 1000 and muon["curves"]["eval_steps"][-1] == 1000

@@ -9,10 +9,13 @@ from muonscale.bench.side_by_side import eval_steps_for, interleaved_order, run_
 
 def test_interleaved_order_is_round_robin():
     assert list(interleaved_order(["adamw", "muon"], 3)) == [
-        (1, "adamw"), (1, "muon"),
-        (2, "adamw"), (2, "muon"),
-        (3, "adamw"), (3, "muon"),
-    ]  # fmt: skip
+        (1, "adamw"),
+        (1, "muon"),
+        (2, "adamw"),
+        (2, "muon"),
+        (3, "adamw"),
+        (3, "muon"),
+    ]
     assert list(interleaved_order(["a", "b", "c"], 1)) == [(1, "a"), (1, "b"), (1, "c")]
     assert list(interleaved_order(["a"], 0)) == []
 
@@ -62,14 +65,21 @@ def test_run_side_by_side_interleaves_steps_and_evaluates_all_at_the_same_steps(
         runs, {"adamw": 1e-3, "muon": 2e-3}, steps=4, eval_steps=[0, 2, 4], progress=False
     )
     assert log == [
-        ("eval", "adamw", 0), ("eval", "muon", 0),
-        ("step", "adamw", 1), ("step", "muon", 1),
-        ("step", "adamw", 2), ("step", "muon", 2),
-        ("eval", "adamw", 2), ("eval", "muon", 2),
-        ("step", "adamw", 3), ("step", "muon", 3),
-        ("step", "adamw", 4), ("step", "muon", 4),
-        ("eval", "adamw", 4), ("eval", "muon", 4),
-    ]  # fmt: skip
+        ("eval", "adamw", 0),
+        ("eval", "muon", 0),
+        ("step", "adamw", 1),
+        ("step", "muon", 1),
+        ("step", "adamw", 2),
+        ("step", "muon", 2),
+        ("eval", "adamw", 2),
+        ("eval", "muon", 2),
+        ("step", "adamw", 3),
+        ("step", "muon", 3),
+        ("step", "adamw", 4),
+        ("step", "muon", 4),
+        ("eval", "adamw", 4),
+        ("eval", "muon", 4),
+    ]
     muon = records["muon"]
     assert muon.lr == 2e-3
     assert muon.eval_steps == [0, 2, 4]

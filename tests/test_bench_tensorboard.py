@@ -37,9 +37,16 @@ def test_event_files_hold_the_curves(tmp_path):
     def make_run(config, contender, lr, steps=None):
         return LinearRun({"adamw": 0.05, "muon": 0.1}[contender] + 0.01 * config.seed)
 
-    config = BenchConfig(steps=20, tokens_per_step=256, memory_probe_steps=0, progress=False,
-                         plots=False, seeds=2, out=str(tmp_path / "out"),
-                         tensorboard=str(tmp_path / "tb"))  # fmt: skip
+    config = BenchConfig(
+        steps=20,
+        tokens_per_step=256,
+        memory_probe_steps=0,
+        progress=False,
+        plots=False,
+        seeds=2,
+        out=str(tmp_path / "out"),
+        tensorboard=str(tmp_path / "tb"),
+    )
     report = run_bench(config, make_run=make_run)
     for name in ("adamw", "muon"):
         for seed in (0, 1):

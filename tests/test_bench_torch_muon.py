@@ -50,10 +50,12 @@ def test_float32_path_is_torchs_update_with_float32_newton_schulz(shape):
         with float32_newton_schulz():
             optimizer.step()
         assert torch.equal(param.grad, grad)  # torch's in-place division hit a copy only
-        ref32, buf32 = reference_step(ref32, grad, buf32, lr=0.02, wd=0.1, momentum=0.95,
-                                      dtype=torch.float32)  # fmt: skip
-        ref64, buf64 = reference_step(ref64, grad.double(), buf64, lr=0.02, wd=0.1,
-                                      momentum=0.95, dtype=torch.float64)  # fmt: skip
+        ref32, buf32 = reference_step(
+            ref32, grad, buf32, lr=0.02, wd=0.1, momentum=0.95, dtype=torch.float32
+        )
+        ref64, buf64 = reference_step(
+            ref64, grad.double(), buf64, lr=0.02, wd=0.1, momentum=0.95, dtype=torch.float64
+        )
     assert param.dtype == torch.float32
     # Same float32 operations in the same order: equal up to a few rounding steps of |param|
     # (eps32 ~ 1.2e-7, ~10 roundings on O(1) values per step, 3 steps).
@@ -86,9 +88,16 @@ def test_torch_function_is_restored_even_after_an_error():
 
 
 def test_bench_contenders_use_float32_on_cpu_and_bf16_for_torch_muon_bf16():
-    bench = BenchConfig(n_layer=1, d_model=32, n_head=2, tokens_per_step=256, eval_batches=1,
-                        lr_warmup_steps=1, steps=3,
-                        baselines=["torch-muon", "torch-muon-bf16"])  # fmt: skip
+    bench = BenchConfig(
+        n_layer=1,
+        d_model=32,
+        n_head=2,
+        tokens_per_step=256,
+        eval_batches=1,
+        lr_warmup_steps=1,
+        steps=3,
+        baselines=["torch-muon", "torch-muon-bf16"],
+    )
     f32 = make_run(bench, "torch-muon", 0.03)
     bf16 = make_run(bench, "torch-muon-bf16", 0.03)
     manual = make_run(bench, "torch-muon-bf16", 0.03)  # torch-muon stepped by hand in float32

@@ -10,13 +10,31 @@ from muonscale.bench.runner import make_run, train_config_for
 from muonscale.bench.variants import build_variant_optimizer, check_options, muon_option_names
 from muonscale.cli import main
 
-TINY = dict(n_layer=1, d_model=32, n_head=2, tokens_per_step=256, eval_batches=1,
-            lr_warmup_steps=1, steps=3)  # fmt: skip
+TINY = dict(
+    n_layer=1, d_model=32, n_head=2, tokens_per_step=256, eval_batches=1, lr_warmup_steps=1, steps=3
+)
 BENCH_TINY = [
-    "--n-layer", "1", "--d-model", "32", "--n-head", "2", "--steps", "2",
-    "--tokens-per-step", "256", "--eval-batches", "1", "--lr-warmup-steps", "1",
-    "--memory-probe-steps", "0", "--timing-warmup-steps", "0", "--no-progress", "--no-plots",
-]  # fmt: skip
+    "--n-layer",
+    "1",
+    "--d-model",
+    "32",
+    "--n-head",
+    "2",
+    "--steps",
+    "2",
+    "--tokens-per-step",
+    "256",
+    "--eval-batches",
+    "1",
+    "--lr-warmup-steps",
+    "1",
+    "--memory-probe-steps",
+    "0",
+    "--timing-warmup-steps",
+    "0",
+    "--no-progress",
+    "--no-plots",
+]
 
 
 def test_parse_variant_values():

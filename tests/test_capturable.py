@@ -65,6 +65,7 @@ def _pair(policy: str = "raise", **options):
     # float64 lrs: a scheduler then computes the same values for both (the capturable
     # optimizer holds its lr as a float64 device tensor)
     f64 = dict(dtype=torch.float64)
+
     def lr():  # each optimizer its own tensors (a scheduler writes them in place)
         return dict(lr=torch.tensor(0.02, **f64), adamw_lr=torch.tensor(3e-3, **f64))
 
@@ -208,7 +209,7 @@ def test_cuda_graph_replay_equals_eager_bitwise(policy):
     for step in range(1, 5):
         nan_in = "down.weight" if step == 2 and policy != "ignore" else None
         _grads(eager_model, step, nan_in=nan_in)
-        for (n, p) in eager_model.named_parameters():
+        for n, p in eager_model.named_parameters():
             static[n].copy_(p.grad)
         for g_eager, g_graph in zip(eager.param_groups, graphed.param_groups):
             g_eager["lr"].fill_(0.02 / step)

@@ -43,13 +43,35 @@ def test_bench_defaults_match_benchconfig():
 def test_bench_flags_parse_into_benchconfig():
     config = parse_bench(
         [
-            "--steps", "50", "--model", "tiny", "--tokens-per-step", "512",
-            "--lr-adamw", "2e-3", "--lr-muon", "5e-3", "--ns-dtype", "bfloat16",
-            "--momentum-dtype", "bfloat16", "--device", "cpu", "--out", "somewhere",
-            "--no-plots", "--seed", "7", "--baselines", "torch-muon", "--sweep",
-            "--sweep-factors", "0.5", "2",
+            "--steps",
+            "50",
+            "--model",
+            "tiny",
+            "--tokens-per-step",
+            "512",
+            "--lr-adamw",
+            "2e-3",
+            "--lr-muon",
+            "5e-3",
+            "--ns-dtype",
+            "bfloat16",
+            "--momentum-dtype",
+            "bfloat16",
+            "--device",
+            "cpu",
+            "--out",
+            "somewhere",
+            "--no-plots",
+            "--seed",
+            "7",
+            "--baselines",
+            "torch-muon",
+            "--sweep",
+            "--sweep-factors",
+            "0.5",
+            "2",
         ]
-    )  # fmt: skip
+    )
     assert config.steps == 50 and config.tokens_per_step == 512
     assert config.lr_for("adamw") == 2e-3 and config.lr_for("muon") == 5e-3
     assert config.ns_dtype == "bfloat16" and config.momentum_dtype == "bfloat16"
@@ -89,10 +111,26 @@ def test_bad_train_flag(capsys):
 
 
 TINY = [
-    "--n-layer", "1", "--d-model", "32", "--n-head", "2", "--steps", "4",
-    "--tokens-per-step", "256", "--eval-batches", "1", "--lr-warmup-steps", "1",
-    "--memory-probe-steps", "1", "--timing-warmup-steps", "1", "--no-progress",
-]  # fmt: skip
+    "--n-layer",
+    "1",
+    "--d-model",
+    "32",
+    "--n-head",
+    "2",
+    "--steps",
+    "4",
+    "--tokens-per-step",
+    "256",
+    "--eval-batches",
+    "1",
+    "--lr-warmup-steps",
+    "1",
+    "--memory-probe-steps",
+    "1",
+    "--timing-warmup-steps",
+    "1",
+    "--no-progress",
+]
 
 
 def test_bench_end_to_end_tiny(tmp_path, capsys):
@@ -103,14 +141,25 @@ def test_bench_end_to_end_tiny(tmp_path, capsys):
     }
     assert all((out / name).stat().st_size > 1000 for name in ("bench.png", "train_loss.png"))
     report = json.loads((out / "report.json").read_text())
-    for key in ("steps_to_adamw_final_loss_ratio", "throughput_ratio", "contenders", "figures",
-                "config", "machine"):  # fmt: skip
+    for key in (
+        "steps_to_adamw_final_loss_ratio",
+        "throughput_ratio",
+        "contenders",
+        "figures",
+        "config",
+        "machine",
+    ):
         assert key in report
     assert report["throughput_ratio"] > 0
     assert set(report["contenders"]) == {"adamw", "muon"}
     for contender in report["contenders"].values():
-        for key in ("final_val_loss", "tokens_per_s", "optimizer_step_ms",
-                    "optimizer_state_bytes", "peak_memory_bytes"):  # fmt: skip
+        for key in (
+            "final_val_loss",
+            "tokens_per_s",
+            "optimizer_step_ms",
+            "optimizer_state_bytes",
+            "peak_memory_bytes",
+        ):
             assert contender[key] is not None and contender[key] > 0, key
         assert contender["curves"]["eval_steps"] == [0, 1, 2, 3, 4]
     # AdamW keeps exp_avg and exp_avg_sq for every parameter: 2 float32 copies of the model
@@ -123,8 +172,10 @@ def test_bench_end_to_end_tiny(tmp_path, capsys):
     assert report["config"]["model"]["d_model"] == 32
     assert {"date", "torch", "cpu"} <= set(report["machine"])
     assert {f["name"] for f in report["figures"]} == {
-        "steps_to_adamw_final_loss_ratio", "throughput_ratio", "peak_memory_ratio",
-    }  # fmt: skip
+        "steps_to_adamw_final_loss_ratio",
+        "throughput_ratio",
+        "peak_memory_ratio",
+    }
     assert all("published" in f for f in report["figures"])
     table = capsys.readouterr().out
     assert "| adamw |" in table and "| muon |" in table
@@ -133,10 +184,27 @@ def test_bench_end_to_end_tiny(tmp_path, capsys):
 
 def test_train_end_to_end_tiny(tmp_path):
     argv = [
-        "train", "--n-layer", "1", "--d-model", "32", "--n-head", "2", "--steps", "2",
-        "--micro-batch-size", "2", "--eval-every", "1", "--eval-batches", "1",
-        "--device", "cpu", "--no-progress", "--out-dir", str(tmp_path),
-    ]  # fmt: skip
+        "train",
+        "--n-layer",
+        "1",
+        "--d-model",
+        "32",
+        "--n-head",
+        "2",
+        "--steps",
+        "2",
+        "--micro-batch-size",
+        "2",
+        "--eval-every",
+        "1",
+        "--eval-batches",
+        "1",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--out-dir",
+        str(tmp_path),
+    ]
     assert main(argv) == 0
     assert (tmp_path / "checkpoint.pt").exists()
     events = [json.loads(line)["event"] for line in (tmp_path / "metrics.jsonl").open()]
@@ -145,12 +213,30 @@ def test_train_end_to_end_tiny(tmp_path):
 
 def test_bench_nproc_runs_the_distributed_bench(tmp_path):
     out = tmp_path / "dist"
-    main(["bench", "--nproc", "2", "--steps", "2", "--n-layer", "1", "--d-model", "32", "--n-head", "2",
-          "--out", str(out)])  # fmt: skip
+    main(
+        [
+            "bench",
+            "--nproc",
+            "2",
+            "--steps",
+            "2",
+            "--n-layer",
+            "1",
+            "--d-model",
+            "32",
+            "--n-head",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     report = json.loads((out / "report.json").read_text())
     rows = report["rows"]
     assert rows["muon"]["wire_bytes_per_step"]["mean"] > 0
-    assert rows["muon-bf16reduce"]["wire_bytes_per_step"]["mean"] < rows["muon"]["wire_bytes_per_step"]["mean"]
+    assert (
+        rows["muon-bf16reduce"]["wire_bytes_per_step"]["mean"]
+        < rows["muon"]["wire_bytes_per_step"]["mean"]
+    )
 
 
 def test_train_parallel_outside_torchrun_names_what_is_missing(capsys, monkeypatch):

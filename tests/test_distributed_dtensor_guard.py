@@ -19,7 +19,9 @@ def test_distributed_muon_factory_picks_the_class_by_parameter_kind(tmp_path):
     try:
         mesh = init_device_mesh("cpu", (1,))
         weight = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
-        named = (pair for pair in [("blocks.0.fc.weight", weight)])  # a generator, as named_parameters()
+        named = (
+            pair for pair in [("blocks.0.fc.weight", weight)]
+        )  # a generator, as named_parameters()
         opt = muonscale.distributed_muon(named, lr=1e-3)
         assert type(opt) is muonscale.DTensorMuon and opt.param_groups[0]["algorithm"] == "muon"
         with pytest.raises(ValueError, match="reduce_dtype does not apply"):

@@ -158,7 +158,11 @@ def _ddp(rank, world_size, max_norm):
     for step in range(3):
         x, y = batch(step)
         xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
-        for m, o, inputs in ((ref, ref_opt, (x, y)), (wrapped, opt, (xs, ys)), (plain, plain_opt, (xs, ys))):
+        for m, o, inputs in (
+            (ref, ref_opt, (x, y)),
+            (wrapped, opt, (xs, ys)),
+            (plain, plain_opt, (xs, ys)),
+        ):
             o.zero_grad()
             loss_fn(m, *inputs).backward()
             if m is plain:
@@ -186,7 +190,9 @@ def test_ddp_wrapped_model_refuses_a_second_reduction():
     import torch.distributed as dist
     from distributed_harness import free_port
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
     try:
         wrapped = nn.parallel.DistributedDataParallel(make_model())
         with pytest.raises(ValueError, match="twice"):
@@ -319,11 +325,12 @@ def _dtensor_rebind(rank, world_size, kind, swap_groups):
     names_b = {id(p): n for n, p in pb.items()}
     state_b = {names_b[id(p)]: s for p, s in opts[1].state.items()}
     same_state = len(opts[0].state) == len(opts[1].state) == len(pa) and all(
-        opts[0].param_names[id(p)] == n and p is pa[n]
+        opts[0].param_names[id(p)] == n
+        and p is pa[n]
         and all(torch.equal(local(v), local(state_b[n][key])) for key, v in s.items())
         for p, s in opts[0].state.items()
         for n in [opts[0].param_names[id(p)]]
-    )  # fmt: skip
+    )
     moved_expected = 0 if swap_groups else len(pa)
     return moved == moved_expected, same, bound, same_state
 

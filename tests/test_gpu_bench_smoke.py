@@ -10,8 +10,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_gpu_bench_smoke_new_sections(tmp_path):
-    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "gpu.py"), "--smoke",
-           "--only", "graph", "--only", "profile", "--only", "projection", "--out", str(tmp_path)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "benchmarks", "gpu.py"),
+        "--smoke",
+        "--only",
+        "graph",
+        "--only",
+        "profile",
+        "--only",
+        "projection",
+        "--out",
+        str(tmp_path),
+    ]
     env = dict(os.environ, PYTHONPATH=REPO)
     done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -58,9 +58,14 @@ def _reference(steps: int, clip: float | None = None, scale: float = 1.0):
         },
     ]
     opt = Muon(
-        groups, lr=0.02, weight_decay=0.1, scale="unit_rms", adamw_lr=0.01, adamw_betas=(0.9, 0.95),
+        groups,
+        lr=0.02,
+        weight_decay=0.1,
+        scale="unit_rms",
+        adamw_lr=0.01,
+        adamw_betas=(0.9, 0.95),
         ns_dtype=torch.float32,
-    )  # fmt: skip
+    )
     norms = []
     for step in range(steps):
         for p, g in zip(model.parameters(), _gradients(model, step, scale)):

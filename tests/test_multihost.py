@@ -26,14 +26,34 @@ def test_bytes_on_veth_match_the_count(tmp_path):
             pytest.fail(f"CI must be able to make network namespaces: {reason}")
         pytest.skip(reason)
     cmd = [
-        sys.executable, str(REPO / "benchmarks" / "multihost.py"), "--out", str(tmp_path),
-        "--hosts", "2", "--procs", "1", "--links", "veth", "--faults", "", "--steps", "2",
-        "--d-model", "128", "--contenders", "muon,muon-bf16reduce,adamw-zero1,adamw-ddp",
-        "--timeout-s", "150", "--python", sys.executable,
-    ]  # fmt: skip
+        sys.executable,
+        str(REPO / "benchmarks" / "multihost.py"),
+        "--out",
+        str(tmp_path),
+        "--hosts",
+        "2",
+        "--procs",
+        "1",
+        "--links",
+        "veth",
+        "--faults",
+        "",
+        "--steps",
+        "2",
+        "--d-model",
+        "128",
+        "--contenders",
+        "muon,muon-bf16reduce,adamw-zero1,adamw-ddp",
+        "--timeout-s",
+        "150",
+        "--python",
+        sys.executable,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {r["optimizer"]: r for r in json.loads((tmp_path / "multihost.json").read_text())["rows"]}
+    rows = {
+        r["optimizer"]: r for r in json.loads((tmp_path / "multihost.json").read_text())["rows"]
+    }
     assert set(rows) == {"muon", "muon-bf16reduce", "adamw-zero1", "adamw-ddp"}
     for name, r in rows.items():
         # headers of GSO-sized TCP segments, ACKs and the barrier closing the window: ~0.2-0.5%
@@ -56,10 +76,23 @@ def _run_faults(tmp_path, faults: str, timeout_s: int) -> list[dict]:
             pytest.fail(f"CI must be able to make network namespaces: {reason}")
         pytest.skip(reason)
     cmd = [
-        sys.executable, str(REPO / "benchmarks" / "multihost.py"), "--out", str(tmp_path),
-        "--contenders", "", "--faults", faults, "--d-model", "128", "--pg-timeout-s", "20",
-        "--timeout-s", "150", "--python", sys.executable,
-    ]  # fmt: skip
+        sys.executable,
+        str(REPO / "benchmarks" / "multihost.py"),
+        "--out",
+        str(tmp_path),
+        "--contenders",
+        "",
+        "--faults",
+        faults,
+        "--d-model",
+        "128",
+        "--pg-timeout-s",
+        "20",
+        "--timeout-s",
+        "150",
+        "--python",
+        sys.executable,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((tmp_path / "multihost.json").read_text())["faults"]

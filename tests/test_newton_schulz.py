@@ -19,7 +19,11 @@ from hypothesis import strategies as st
 
 from muonscale import COEFFICIENT_PRESETS, newton_schulz, newton_schulz_flops, resolve_coefficients
 
-BANDS = {"keller": (5, 0.682, 1.202), "polar_express": (5, 0.859, 1.141), "jiacheng": (6, 0.996, 0.999)}
+BANDS = {
+    "keller": (5, 0.682, 1.202),
+    "polar_express": (5, 0.859, 1.141),
+    "jiacheng": (6, 0.996, 0.999),
+}
 SHAPES = [(64, 64), (32, 96), (96, 32), (1, 50), (50, 1), (128, 256), (7, 5)]
 
 
@@ -64,7 +68,9 @@ def test_batched_equals_per_matrix(shape):
 
 def test_tall_input_is_transpose_of_wide():
     G = torch.randn(40, 12, dtype=torch.float64)
-    torch.testing.assert_close(newton_schulz(G, ns_dtype=torch.float64), newton_schulz(G.T, ns_dtype=torch.float64).T)
+    torch.testing.assert_close(
+        newton_schulz(G, ns_dtype=torch.float64), newton_schulz(G.T, ns_dtype=torch.float64).T
+    )
 
 
 def test_returns_input_dtype_and_leaves_input_alone():
@@ -81,7 +87,9 @@ def test_zero_matrix_maps_to_zero():
 
 def test_default_dtype_on_cpu_is_float32():
     G = torch.randn(16, 16, dtype=torch.float64)
-    torch.testing.assert_close(newton_schulz(G), newton_schulz(G, ns_dtype=torch.float32), rtol=0, atol=0)
+    torch.testing.assert_close(
+        newton_schulz(G), newton_schulz(G, ns_dtype=torch.float32), rtol=0, atol=0
+    )
 
 
 def test_unknown_preset_lists_valid_ones():
@@ -89,9 +97,7 @@ def test_unknown_preset_lists_valid_ones():
         newton_schulz(torch.randn(4, 4), coefficients="kellr")
 
 
-@pytest.mark.parametrize(
-    "bad", [(1.0, 2.0), [(1.0, 2.0, 3.0), (1.0,)], "", 3.0, []]
-)
+@pytest.mark.parametrize("bad", [(1.0, 2.0), [(1.0, 2.0, 3.0), (1.0,)], "", 3.0, []])
 def test_bad_coefficients_raise(bad):
     with pytest.raises(ValueError, match="coefficients"):
         resolve_coefficients(bad, 5)
@@ -127,13 +133,22 @@ def test_flops():
 
 @settings(max_examples=40, deadline=None)
 @given(
-    m=st.integers(1, 24), n=st.integers(1, 24), scale=st.floats(1e-3, 1e3), seed=st.integers(0, 2**16)
+    m=st.integers(1, 24),
+    n=st.integers(1, 24),
+    scale=st.floats(1e-3, 1e3),
+    seed=st.integers(0, 2**16),
 )
 def test_properties(m, n, scale, seed):
     G = torch.randn(m, n, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
     O = newton_schulz(G, ns_dtype=torch.float64)
     assert O.shape == G.shape and torch.isfinite(O).all()
     assert torch.linalg.matrix_norm(O, ord=2) <= 1.21  # Keller's band top
-    torch.testing.assert_close(newton_schulz(G * scale, ns_dtype=torch.float64), O, rtol=1e-9, atol=1e-9)
-    torch.testing.assert_close(newton_schulz(G.T, ns_dtype=torch.float64), O.T, rtol=1e-12, atol=1e-12)
-    assert math.isclose(float((O * G).sum()), float((O * G).sum().abs()))  # <O, G> ≥ 0: same direction
+    torch.testing.assert_close(
+        newton_schulz(G * scale, ns_dtype=torch.float64), O, rtol=1e-9, atol=1e-9
+    )
+    torch.testing.assert_close(
+        newton_schulz(G.T, ns_dtype=torch.float64), O.T, rtol=1e-12, atol=1e-12
+    )
+    assert math.isclose(
+        float((O * G).sum()), float((O * G).sum().abs())
+    )  # <O, G> ≥ 0: same direction

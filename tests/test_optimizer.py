@@ -130,18 +130,33 @@ def test_chunked_update_equals_one_chunk():
         ]
         for step_grads in grads:
             functional.muon(
-                params, step_grads, bufs, views=views, lr=0.02, weight_decay=0.1, momentum=0.95,
-                nesterov=True, ns_steps=5, coefficients="keller", ns_dtype=torch.float32,
-                scale="match_rms_adamw", max_chunk_bytes=max_chunk_bytes,
-            )  # fmt: skip
+                params,
+                step_grads,
+                bufs,
+                views=views,
+                lr=0.02,
+                weight_decay=0.1,
+                momentum=0.95,
+                nesterov=True,
+                ns_steps=5,
+                coefficients="keller",
+                ns_dtype=torch.float32,
+                scale="match_rms_adamw",
+                max_chunk_bytes=max_chunk_bytes,
+            )
         return params, bufs
 
     whole = run(None)
     for budget in (1, 3000, 10_000):
         chunks = functional.update_chunks(
-            whole[0], [MatrixView.build(tuple(p.shape), mode="batch" if p.ndim > 2 else "flatten") for p in whole[0]],
-            ns_dtype=torch.float32, max_chunk_bytes=budget,
-        )  # fmt: skip
+            whole[0],
+            [
+                MatrixView.build(tuple(p.shape), mode="batch" if p.ndim > 2 else "flatten")
+                for p in whole[0]
+            ],
+            ns_dtype=torch.float32,
+            max_chunk_bytes=budget,
+        )
         assert sorted(i for c in chunks for i in c) == list(range(len(shapes)))
         for c in chunks:  # within budget, or one parameter alone
             assert len(c) == 1 or sum(whole[0][i].numel() * 8 for i in c) <= budget
@@ -210,9 +225,18 @@ def test_chunked_adamw_equals_one_chunk(budget):
         ]
         for _ in range(3):
             functional.adamw(
-                params, grads, avgs, sqs, steps, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8,
-                weight_decay=0.1, max_chunk_bytes=max_chunk_bytes,
-            )  # fmt: skip
+                params,
+                grads,
+                avgs,
+                sqs,
+                steps,
+                lr=1e-2,
+                beta1=0.9,
+                beta2=0.95,
+                eps=1e-8,
+                weight_decay=0.1,
+                max_chunk_bytes=max_chunk_bytes,
+            )
         return params + avgs + sqs
 
     for a, b in zip(run(None), run(budget)):
@@ -424,7 +448,13 @@ def test_equal_row_blocks_and_higher_dim_modes():
     experts = torch.randn(3, 5, 7, dtype=torch.float64, requires_grad=True)
     heads = torch.randn(12, 6, dtype=torch.float64, requires_grad=True)
     opt_flat = Muon(
-        [conv], lr=0.1, momentum=0.0, weight_decay=0.0, nesterov=False, scale="none", ns_dtype=torch.float64
+        [conv],
+        lr=0.1,
+        momentum=0.0,
+        weight_decay=0.0,
+        nesterov=False,
+        scale="none",
+        ns_dtype=torch.float64,
     )
     opt_batch = Muon(
         [experts],

@@ -29,8 +29,14 @@ pytestmark = pytest.mark.timeout(400)
 
 STEPS = 3
 MIN_EFFECT = 1e-9  # below every option's measured effect (smallest: ns_method, 5.6e-7)
-SHAPES = {"wide": (8, 40), "w": (12, 20), "tall": (20, 12), "sq": (10, 10), "batched": (2, 6, 10),
-          "bias": (20,)}  # fmt: skip
+SHAPES = {
+    "wide": (8, 40),
+    "w": (12, 20),
+    "tall": (20, 12),
+    "sq": (10, 10),
+    "batched": (2, 6, 10),
+    "bias": (20,),
+}
 BASE = dict(lr=0.5, weight_decay=0.1, momentum=0.95, nesterov=True)
 CASES = {  # option -> value different from the default, chosen to change the result
     "ns_method": {"ns_method": "gram"},  # 'auto' takes Gram for 'wide' only

@@ -167,8 +167,9 @@ class _OpsOnMatrices(TorchDispatchMode):
         for a in [*args, *(kwargs or {}).values(), out]:
             tensors += list(a) if isinstance(a, (list, tuple)) else [a]
         name = func.overloadpacket.__name__
-        hit = any(isinstance(t, torch.Tensor) and t.ndim and t.shape[-1] == self.cols
-                  for t in tensors)  # fmt: skip
+        hit = any(
+            isinstance(t, torch.Tensor) and t.ndim and t.shape[-1] == self.cols for t in tensors
+        )
         if hit and name not in self.IGNORED:
             self.ops.append(name)
         return out
@@ -194,5 +195,11 @@ def test_step_makes_no_copy_of_stacks_and_two_elementwise_passes():
         opt.step()
     matmuls = ("bmm", "baddbmm", "linalg_vector_norm")
     elementwise = [op for op in counter.ops if op not in matmuls]
-    assert elementwise == ["_foreach_lerp_", "lerp", "lerp", "lerp", "_foreach_mul_",
-                           "_foreach_add_"], counter.ops  # fmt: skip
+    assert elementwise == [
+        "_foreach_lerp_",
+        "lerp",
+        "lerp",
+        "lerp",
+        "_foreach_mul_",
+        "_foreach_add_",
+    ], counter.ops

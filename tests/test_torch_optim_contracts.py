@@ -134,8 +134,11 @@ def test_can_load_from_to_named_state_dict(named0, named1):
         if named0 or named1:
             names = dict(model.named_parameters())
             assert [n for g in groups for n in g["param_names"]] == [
-                "0.weight", "0.bias", "1.weight", "1.bias"
-            ]  # fmt: skip
+                "0.weight",
+                "0.bias",
+                "1.weight",
+                "1.bias",
+            ]
             for g, live in zip(groups, opt2.param_groups):
                 assert [names[n] for n in g["param_names"]] == live["params"]
         else:
@@ -406,8 +409,14 @@ def test_positional_order_and_defaults_match_torch_muon():
 
 def test_torch_keyword_names_mean_ours():
     p = [("w", torch.randn(4, 4, requires_grad=True))]
-    a = Muon(p, adjust_lr_fn="original", ns_coefficients=(3.4, -4.7, 2.0), eps=1e-6,
-             betas=(0.8, 0.9), adamw_lr=1e-3)  # fmt: skip
+    a = Muon(
+        p,
+        adjust_lr_fn="original",
+        ns_coefficients=(3.4, -4.7, 2.0),
+        eps=1e-6,
+        betas=(0.8, 0.9),
+        adamw_lr=1e-3,
+    )
     g = a.param_groups[0]
     assert (g["scale"], g["coefficients"], g["ns_eps"]) == ("shape", (3.4, -4.7, 2.0), 1e-6)
     assert a._adamw_defaults["betas"] == (0.8, 0.9)
@@ -422,8 +431,10 @@ def test_adamw_half_inherits_weight_decay_except_vectors():
 
 def test_add_param_group_uses_constructor_defaults():
     opt = Muon([("fc.weight", torch.randn(4, 4, requires_grad=True))], weight_decay=0.1)
-    new = [("head.bias", torch.randn(4, requires_grad=True)),
-           ("emb.weight", torch.randn(5, 4, requires_grad=True))]  # fmt: skip
+    new = [
+        ("head.bias", torch.randn(4, requires_grad=True)),
+        ("emb.weight", torch.randn(5, 4, requires_grad=True)),
+    ]
     opt.add_param_group({"params": new, "algorithm": "adamw"})
     decay = {
         n: (g["algorithm"], g["weight_decay"]) for g in opt.param_groups for n in g["param_names"]
@@ -437,8 +448,9 @@ def test_param_names_in_groups_route_by_name_and_unnamed_warn_once():
     emb, hidden = torch.randn(10, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
     opt = Muon([{"params": [emb, hidden], "param_names": ["wte.weight", "h.0.mlp.weight"]}])
     assert {n: g["algorithm"] for g in opt.param_groups for n in g["param_names"]} == {
-        "wte.weight": "adamw", "h.0.mlp.weight": "muon"
-    }  # fmt: skip
+        "wte.weight": "adamw",
+        "h.0.mlp.weight": "muon",
+    }
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         Muon([emb, hidden, torch.randn(4, requires_grad=True)])

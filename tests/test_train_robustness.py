@@ -28,14 +28,39 @@ from muonscale.train.data import load_corpus
 from muonscale.train.trainer import CheckpointExistsError, TrainingRun
 
 MICRO = dict(
-    n_layer=2, d_model=64, n_head=4, context_length=32, micro_batch_size=4, eval_batches=2,
-    warmup_steps=3, device="cpu", log_every=1, eval_every=0, out_dir=None,
-)  # fmt: skip
+    n_layer=2,
+    d_model=64,
+    n_head=4,
+    context_length=32,
+    micro_batch_size=4,
+    eval_batches=2,
+    warmup_steps=3,
+    device="cpu",
+    log_every=1,
+    eval_every=0,
+    out_dir=None,
+)
 MICRO_FLAGS = [
-    "--n-layer", "2", "--d-model", "64", "--n-head", "4", "--context-length", "32",
-    "--micro-batch-size", "4", "--eval-batches", "1", "--eval-every", "0", "--device", "cpu",
-    "--no-progress", "--log-every", "1",
-]  # fmt: skip
+    "--n-layer",
+    "2",
+    "--d-model",
+    "64",
+    "--n-head",
+    "4",
+    "--context-length",
+    "32",
+    "--micro-batch-size",
+    "4",
+    "--eval-batches",
+    "1",
+    "--eval-every",
+    "0",
+    "--device",
+    "cpu",
+    "--no-progress",
+    "--log-every",
+    "1",
+]
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -113,8 +138,17 @@ def _train_records(metrics: Path) -> list[dict]:
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_nonzero_naming_it(tmp_path):
-    command = [sys.executable, "-m", "muonscale", "train", *MICRO_FLAGS, "--steps", "100000",
-               "--out-dir", str(tmp_path)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "muonscale",
+        "train",
+        *MICRO_FLAGS,
+        "--steps",
+        "100000",
+        "--out-dir",
+        str(tmp_path),
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -201,8 +235,10 @@ def test_resume_applies_changed_hyperparameters(optimizer, corpus, tmp_path):
         }
         assert got["lr"] == pytest.approx(want["initial_lr"] * fresh.schedule(3), rel=1e-12)
     assert resumed.resume_changes == {
-        "lr": (3e-3, 1e-3), "momentum": (0.95, 0.8), "weight_decay": (0.1, 0.02)
-    }  # fmt: skip
+        "lr": (3e-3, 1e-3),
+        "momentum": (0.95, 0.8),
+        "weight_decay": (0.1, 0.02),
+    }
     # the optimizer state (moments, momentum buffers) is the checkpoint's
     saved = first.optimizer.state_dict()
     loaded = resumed.optimizer.state_dict()
@@ -252,10 +288,27 @@ def test_cli_refuses_invalid_values_with_exit_2(argv, message, capsys):
 
 # ------------------------------------------------------------------ bench --out
 BENCH_TINY = [
-    "--n-layer", "1", "--d-model", "32", "--n-head", "2", "--steps", "2",
-    "--tokens-per-step", "256", "--eval-batches", "1", "--lr-warmup-steps", "1",
-    "--memory-probe-steps", "0", "--timing-warmup-steps", "0", "--no-progress", "--no-plots",
-]  # fmt: skip
+    "--n-layer",
+    "1",
+    "--d-model",
+    "32",
+    "--n-head",
+    "2",
+    "--steps",
+    "2",
+    "--tokens-per-step",
+    "256",
+    "--eval-batches",
+    "1",
+    "--lr-warmup-steps",
+    "1",
+    "--memory-probe-steps",
+    "0",
+    "--timing-warmup-steps",
+    "0",
+    "--no-progress",
+    "--no-plots",
+]
 
 
 def test_bench_out_is_checked_before_any_training(tmp_path, monkeypatch, capsys):
@@ -332,7 +385,9 @@ def test_a_checkpoint_missing_a_key_names_it(good_checkpoint):
     state = read_checkpoint(path)
     del state["optimizer"]
     write_checkpoint(state, path)
-    with pytest.raises(CheckpointError, match=rf"checkpoint {path} lacks the entries \['optimizer'\]"):
+    with pytest.raises(
+        CheckpointError, match=rf"checkpoint {path} lacks the entries \['optimizer'\]"
+    ):
         run.load_checkpoint(path)
 
 

@@ -25,11 +25,32 @@ ROOT = Path(__file__).resolve().parent.parent
 TOKENS_PER_STEP = 2 * 8 * 32
 STEPS = 4
 SMALL = [
-    "--n-layer", "2", "--d-model", "64", "--n-head", "2", "--context-length", "32",
-    "--micro-batch-size", "8", "--tokens-per-step", str(TOKENS_PER_STEP),
-    "--schedule", "constant", "--warmup-steps", "1", "--eval-every", "0", "--log-every", "1",
-    "--no-progress", "--pg-timeout-s", "30", "--resume", "auto",
-]  # fmt: skip
+    "--n-layer",
+    "2",
+    "--d-model",
+    "64",
+    "--n-head",
+    "2",
+    "--context-length",
+    "32",
+    "--micro-batch-size",
+    "8",
+    "--tokens-per-step",
+    str(TOKENS_PER_STEP),
+    "--schedule",
+    "constant",
+    "--warmup-steps",
+    "1",
+    "--eval-every",
+    "0",
+    "--log-every",
+    "1",
+    "--no-progress",
+    "--pg-timeout-s",
+    "30",
+    "--resume",
+    "auto",
+]
 # Losses of 1 and 2 ranks differ by the order of float32 sums only: a rank's mean over its
 # half of the rows, then the mean over ranks, vs one mean over all rows. Each gradient entry
 # sums n = 512 token contributions, so its relative rounding difference is at most about
@@ -44,14 +65,31 @@ STATE_RTOL = LOSS_RTOL
 pytestmark = pytest.mark.timeout(300)
 
 
-def _torchrun(nproc: int, out_dir: Path, *args: str, script: str | None = None,
-              max_restarts: int = 0, env: dict | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+def _torchrun(
+    nproc: int,
+    out_dir: Path,
+    *args: str,
+    script: str | None = None,
+    max_restarts: int = 0,
+    env: dict | None = None,
+) -> subprocess.CompletedProcess:
     target = [script] if script else ["-m", "muonscale"]
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts), *target,
-        "train", *SMALL, "--out-dir", str(out_dir), *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(max_restarts),
+        *target,
+        "train",
+        *SMALL,
+        "--out-dir",
+        str(out_dir),
+        *args,
+    ]
     environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     done = subprocess.run(
         command, env=environment, capture_output=True, text=True, timeout=240, cwd=ROOT
@@ -165,9 +203,18 @@ def test_elastic_restart_after_a_killed_rank_is_bitwise(uninterrupted, tmp_path)
     ranks, which resume from step 2 and finish equal to the uninterrupted run."""
     env = {"MUONSCALE_TEST_KILL_RANK": "1", "MUONSCALE_TEST_KILL_AFTER_STEP": "3"}
     done = _torchrun(
-        2, tmp_path, "--parallel", "dp", "--steps", str(STEPS), "--checkpoint-every", "2",
-        script=str(ROOT / "tests" / "torchrun_fault.py"), max_restarts=1, env=env,
-    )  # fmt: skip
+        2,
+        tmp_path,
+        "--parallel",
+        "dp",
+        "--steps",
+        str(STEPS),
+        "--checkpoint-every",
+        "2",
+        script=str(ROOT / "tests" / "torchrun_fault.py"),
+        max_restarts=1,
+        env=env,
+    )
     starts = [
         json.loads(line)["step"]
         for line in (tmp_path / "metrics.jsonl").read_text().splitlines()

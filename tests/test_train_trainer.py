@@ -305,8 +305,16 @@ def test_qk_clip_holds_the_logged_max_logit(corpus):
     after step() and logs the maximum, which stays held. A tau that never clips leaves training
     bitwise unchanged (the probe is a side computation)."""
     tau, steps = 15.0, 50
-    one_layer = dict(n_layer=1, warmup_steps=0, schedule="constant", grad_clip=None,
-                     lr=0.1, adamw_lr=3e-3, micro_batch_size=8, eval_every=0)  # fmt: skip
+    one_layer = dict(
+        n_layer=1,
+        warmup_steps=0,
+        schedule="constant",
+        grad_clip=None,
+        lr=0.1,
+        adamw_lr=3e-3,
+        micro_batch_size=8,
+        eval_every=0,
+    )
 
     def logged(qk_clip):
         run = TrainingRun(_config("muon", steps=steps, qk_clip=qk_clip, **one_layer), text=corpus)
@@ -328,6 +336,7 @@ def test_qk_clip_holds_the_logged_max_logit(corpus):
     with torch.no_grad():
         clipped_run.model(x, probe_max_logits=True)
         never.model(x, probe_max_logits=True)
-    assert max(m.max() for m in clipped_run.model.pop_max_attention_logits()) < max(
-        m.max() for m in never.model.pop_max_attention_logits()
-    ) / 2
+    assert (
+        max(m.max() for m in clipped_run.model.pop_max_attention_logits())
+        < max(m.max() for m in never.model.pop_max_attention_logits()) / 2
+    )

@@ -33,10 +33,20 @@ class Conv1D(nn.Module):
 def _step(param, grad, view, scale):
     buf = torch.zeros_like(param)
     functional.muon(
-        [param], [grad], [buf], views=[view], lr=0.1, weight_decay=0.0, momentum=0.9,
-        nesterov=True, ns_steps=5, coefficients="keller", ns_dtype=torch.float64, scale=scale,
+        [param],
+        [grad],
+        [buf],
+        views=[view],
+        lr=0.1,
+        weight_decay=0.0,
+        momentum=0.9,
+        nesterov=True,
+        ns_steps=5,
+        coefficients="keller",
+        ns_dtype=torch.float64,
+        scale=scale,
         max_chunk_bytes=None,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("scale", ["shape", "spectral", "match_rms_adamw", "unit_rms"])
@@ -63,10 +73,17 @@ def test_scale_uses_true_aspect():
     # stored shape as (rows, cols) would give sqrt(1/3), 3x smaller.
     torch.manual_seed(1)
     stored = torch.zeros(8, 24, dtype=torch.float64)
-    _step(stored, torch.randn(8, 24, dtype=torch.float64), MatrixView.build((8, 24), transposed=True), "spectral")
+    _step(
+        stored,
+        torch.randn(8, 24, dtype=torch.float64),
+        MatrixView.build((8, 24), transposed=True),
+        "spectral",
+    )
     update = stored.T  # (out, in), every singular value ≈ lr · sqrt(3)
     sv = torch.linalg.svdvals(update)
-    assert sv.max().item() == pytest.approx(0.1 * 3**0.5, rel=0.35)  # NS(keller) leaves σ in ~[0.7, 1.2]
+    assert sv.max().item() == pytest.approx(
+        0.1 * 3**0.5, rel=0.35
+    )  # NS(keller) leaves σ in ~[0.7, 1.2]
 
 
 def test_split_must_cover_output_features():
@@ -111,18 +128,24 @@ def test_muon_routes_conv1d_as_its_transpose(scale, split):
     splits = {"c_attn.weight": split} if split else None
     opt_conv = muonscale.Muon(conv, splits=splits, **kwargs)
     opt_linear = muonscale.Muon(linear, splits=splits, **kwargs)
-    assert opt_conv.is_transposed(conv.c_attn.weight) and not opt_linear.is_transposed(linear.c_attn.weight)
+    assert opt_conv.is_transposed(conv.c_attn.weight) and not opt_linear.is_transposed(
+        linear.c_attn.weight
+    )
     for step in range(3):
         g = torch.Generator().manual_seed(step)
         for c, lin in ((conv.c_attn, linear.c_attn), (conv.c_proj, linear.c_proj)):
             grad = torch.randn(lin.weight.shape, generator=g, dtype=torch.float64)
             lin.weight.grad, c.weight.grad = grad, grad.T.clone()
-            c.bias.grad = lin.bias.grad = torch.randn(lin.bias.shape, generator=g, dtype=torch.float64)
+            c.bias.grad = lin.bias.grad = torch.randn(
+                lin.bias.shape, generator=g, dtype=torch.float64
+            )
         opt_conv.step()
         opt_linear.step()
     # The same float64 arithmetic on the same (out, in) matrices: a few ulp (as above).
     for c, lin in ((conv.c_attn, linear.c_attn), (conv.c_proj, linear.c_proj)):
-        torch.testing.assert_close(c.weight.T, lin.weight, rtol=0, atol=8 * torch.finfo(torch.float64).eps)
+        torch.testing.assert_close(
+            c.weight.T, lin.weight, rtol=0, atol=8 * torch.finfo(torch.float64).eps
+        )
 
 
 def test_conv1d_splits_count_output_features():

@@ -39,8 +39,11 @@ def test_aol_newton_schulz_matches_float64_reference(method, shape):
         assert torch.allclose(out[k], ref, atol=1e-10, rtol=0)
     out32 = aol_newton_schulz_(X.clone(), TURBO_MUON_STEPS, eps=1e-7, method=method)
     out32 = out32.mT if shape[0] > shape[1] else out32
-    assert torch.allclose(out32.double(), torch.stack([ns_aol(G[k], TURBO_MUON_STEPS)
-                                                       for k in range(3)]), atol=F32_NS_TOL)
+    assert torch.allclose(
+        out32.double(),
+        torch.stack([ns_aol(G[k], TURBO_MUON_STEPS) for k in range(3)]),
+        atol=F32_NS_TOL,
+    )
 
 
 def test_aol_gives_spectral_norm_at_most_one_and_orthogonalizes():
@@ -100,10 +103,19 @@ def test_muon_option_matches_float64_reference_update(case, shape):
         w.grad = G.clone()
         opt.step()
         W, B, v = muon_step(
-            W, G, B, v, lr=0.05, wd=0.5, mu=0.95, nesterov=True, orth=orth,
-            scale=update_scale("match_rms_adamw", *shape), normalize="normalize" in kw,
+            W,
+            G,
+            B,
+            v,
+            lr=0.05,
+            wd=0.5,
+            mu=0.95,
+            nesterov=True,
+            orth=orth,
+            scale=update_scale("match_rms_adamw", *shape),
+            normalize="normalize" in kw,
             cautious=kw.get("cautious_weight_decay", False),
-        )  # fmt: skip
+        )
     # three steps of float32 NS (F32_NS_TOL each) times lr · scale ≈ 0.05 · 0.2 · √48 ≈ 0.07
     assert torch.allclose(w.detach().double(), W, atol=F32_NS_TOL)
     if "normalize" in kw:

@@ -67,17 +67,24 @@ def _dp_worker(rank, world_size, steps):
             train(ref_model, ref_opt, steps)
             ref_state = ref_opt.state_dict()
             single.load_state_dict(state)
-            moments = {k: v["row_second_moment"] for k, v in state["state"].items()
-                       if "row_second_moment" in v}  # fmt: skip
-            ref_moments = {k: v["row_second_moment"] for k, v in ref_state["state"].items()
-                           if "row_second_moment" in v}  # fmt: skip
+            moments = {
+                k: v["row_second_moment"]
+                for k, v in state["state"].items()
+                if "row_second_moment" in v
+            }
+            ref_moments = {
+                k: v["row_second_moment"]
+                for k, v in ref_state["state"].items()
+                if "row_second_moment" in v
+            }
             assert moments.keys() == ref_moments.keys() and moments
             moment_diff = max((moments[k] - ref_moments[k]).abs().max().item() for k in moments)
             fresh = DistributedMuon(make_model(n_hidden=3), **OPTS, **kw, bucket_cap_mb=2e-4)
             fresh.load_state_dict(state)
             again = fresh.state_dict()
-            assert all(torch.equal(again["state"][k]["row_second_moment"], moments[k])
-                       for k in moments)  # fmt: skip
+            assert all(
+                torch.equal(again["state"][k]["row_second_moment"], moments[k]) for k in moments
+            )
             out["normuon_moment_diff"] = moment_diff
         out[name] = max_diff(ref, model)
     return out
@@ -113,9 +120,14 @@ def _dtensor_worker(rank, world_size):
                 named = list(bag.named_parameters())
             else:
                 named = [
-                    (n, nn.Parameter(distribute_tensor(t.clone(), mesh, _placements_1d(kind, t.ndim))))
+                    (
+                        n,
+                        nn.Parameter(
+                            distribute_tensor(t.clone(), mesh, _placements_1d(kind, t.ndim))
+                        ),
+                    )
                     for n, t in init.items()
-                ]  # fmt: skip
+                ]
             full, _ = _run_injected(named, SHAPES, SPLITS, **kw)
             out[(name, kind)] = _max_diff(full, ref)
             del named, full
@@ -146,9 +158,10 @@ def _normuon_dtensor_state_worker(rank, world_size):
             p.grad = grads[n].clone()
         ref_opt.step()
     ref_moments = {
-        n: ref_opt.state[p]["row_second_moment"] for n, p in ref_params.items()
+        n: ref_opt.state[p]["row_second_moment"]
+        for n, p in ref_params.items()
         if "row_second_moment" in ref_opt.state[p]
-    }  # fmt: skip
+    }
     out = {}
     for kind in ("fsdp", "tp1"):
         mesh = init_device_mesh("cpu", (world_size,))
@@ -160,7 +173,7 @@ def _normuon_dtensor_state_worker(rank, world_size):
             named = [
                 (n, nn.Parameter(distribute_tensor(t.clone(), mesh, _placements_1d(kind, t.ndim))))
                 for n, t in init.items()
-            ]  # fmt: skip
+            ]
         opt = DTensorMuon(named, splits=SPLITS, **{**DT_OPTIONS, **kw})
         for k in range(STEPS):
             grads = _grads(SHAPES, k)
@@ -168,9 +181,10 @@ def _normuon_dtensor_state_worker(rank, world_size):
                 p.grad = _shard_like(grads[n], p)
             opt.step()
         moments = {
-            n: opt.state[p]["row_second_moment"] for n, p in named
+            n: opt.state[p]["row_second_moment"]
+            for n, p in named
             if "row_second_moment" in opt.state[p]
-        }  # fmt: skip
+        }
         assert moments.keys() == ref_moments.keys() and moments
         out[kind] = {
             "diff": max((moments[n] - ref_moments[n]).abs().max().item() for n in moments),
@@ -208,8 +222,11 @@ def _dcp_normuon_worker(rank, world_size, path):
     _train(model, opt, 2)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-    saved = {n: opt.state[p]["row_second_moment"].clone() for n, p in model.named_parameters()
-             if "row_second_moment" in opt.state[p]}  # fmt: skip
+    saved = {
+        n: opt.state[p]["row_second_moment"].clone()
+        for n, p in model.named_parameters()
+        if "row_second_moment" in opt.state[p]
+    }
     del model, opt, msd, osd
     model = _parallel_model("fsdp", world_size)
     opt = DTensorMuon(model, **DT_OPTIONS, **kw)
@@ -217,8 +234,11 @@ def _dcp_normuon_worker(rank, world_size, path):
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    loaded = {n: opt.state[p]["row_second_moment"].clone() for n, p in model.named_parameters()
-              if "row_second_moment" in opt.state[p]}  # fmt: skip
+    loaded = {
+        n: opt.state[p]["row_second_moment"].clone()
+        for n, p in model.named_parameters()
+        if "row_second_moment" in opt.state[p]
+    }
     restored = saved.keys() == loaded.keys() and all(
         torch.equal(saved[n], loaded[n]) for n in saved
     )

@@ -22,15 +22,21 @@ def section_correctness(bench) -> dict:
         A = (C / C.norm(dim=(-2, -1), keepdim=True)).to(dt)
         B = ts.sym_matmul(A, alpha=2.0315, Z=A, beta=-4.775)
         refB = -4.775 * A.double() + 2.0315 * A.double() @ A.double()
-        rows.append({
-            "kernel": "sym_matmul", "shape": shape, "dtype": str(dt),
-            "xxt_max_rel": ((C.double() - ref).abs().max() / ref.abs().max()).item(),
-            "poly_max_rel": ((B.double() - refB).abs().max() / refB.abs().max()).item(),
-            "symmetric": bool(torch.equal(C, C.mT)),
-        })  # fmt: skip
-    nshapes = [(2, 32, 48), (2, 48, 32)] if bench.smoke else [
-        (2, 768, 768), (2, 768, 3072), (2, 3072, 768), (2, 1600, 6400)
-    ]  # fmt: skip
+        rows.append(
+            {
+                "kernel": "sym_matmul",
+                "shape": shape,
+                "dtype": str(dt),
+                "xxt_max_rel": ((C.double() - ref).abs().max() / ref.abs().max()).item(),
+                "poly_max_rel": ((B.double() - refB).abs().max() / refB.abs().max()).item(),
+                "symmetric": bool(torch.equal(C, C.mT)),
+            }
+        )
+    nshapes = (
+        [(2, 32, 48), (2, 48, 32)]
+        if bench.smoke
+        else [(2, 768, 768), (2, 768, 3072), (2, 3072, 768), (2, 1600, 6400)]
+    )
     for shape in nshapes:
         G = torch.randn(shape, device=dev)
         ref64 = newton_schulz(G.double(), ns_dtype=torch.float64)
@@ -45,11 +51,15 @@ def section_correctness(bench) -> dict:
         variants = {
             "reference": lambda G=G: newton_schulz(G, ns_dtype=dt),
             "fast_plain": lambda G=G: newton_schulz_fast(G, ns_dtype=dt, method="plain"),
-            "fast_plain_torch": lambda G=G: newton_schulz_fast(G, ns_dtype=dt, method="plain", backend="torch"),
+            "fast_plain_torch": lambda G=G: newton_schulz_fast(
+                G, ns_dtype=dt, method="plain", backend="torch"
+            ),
             "fast_gram": lambda G=G: newton_schulz_fast(G, ns_dtype=dt, method="gram"),
-            "fast_gram_r2": lambda G=G: newton_schulz_fast(G, ns_dtype=dt, method="gram", restart_every=2),
+            "fast_gram_r2": lambda G=G: newton_schulz_fast(
+                G, ns_dtype=dt, method="gram", restart_every=2
+            ),
             "fast_auto": lambda G=G: newton_schulz_fast(G, ns_dtype=dt, method="auto"),
-        }  # fmt: skip
+        }
         row = {"ns": list(shape), "dtype": str(dt), "ns64_vs_polar": err(ref64, polar)}
         for name, fn in variants.items():
             o = fn()

@@ -47,20 +47,33 @@ def section_e2e(bench) -> dict:
 
     tokens = micro * ctx
     fwd_bwd()  # creates grads, so the optimizer steps below have work
-    parts = bench.clock.interleaved({"fwd_bwd": fwd_bwd, **{f"opt_{k}": o.step for k, o in opts.items()}},
-                                   warmup=1 if bench.smoke else 2, reps=2 if bench.smoke else 8, budget_s=40)  # fmt: skip
+    parts = bench.clock.interleaved(
+        {"fwd_bwd": fwd_bwd, **{f"opt_{k}": o.step for k, o in opts.items()}},
+        warmup=1 if bench.smoke else 2,
+        reps=2 if bench.smoke else 8,
+        budget_s=40,
+    )
     for o in opts.values():
         o.zero_grad(set_to_none=True)
-    one = bench.clock.interleaved({k: train_step(o, 1) for k, o in opts.items()},
-                                 warmup=1, reps=2 if bench.smoke else 6, budget_s=40)  # fmt: skip
+    one = bench.clock.interleaved(
+        {k: train_step(o, 1) for k, o in opts.items()},
+        warmup=1,
+        reps=2 if bench.smoke else 6,
+        budget_s=40,
+    )
     n_acc = accum if bench.guard.left() > 120 or bench.smoke else 0
     acc = {}
     if n_acc:
-        acc = bench.clock.interleaved({k: train_step(o, n_acc) for k, o in opts.items()},
-                                     warmup=0, reps=2, budget_s=30)  # fmt: skip
+        acc = bench.clock.interleaved(
+            {k: train_step(o, n_acc) for k, o in opts.items()}, warmup=0, reps=2, budget_s=30
+        )
     t_fb = parts["fwd_bwd"]
-    res = {"model_source": source, "tokens_per_micro_batch": tokens, "accum": accum,
-           "parts_ms": {k: v * 1e3 for k, v in parts.items()}}  # fmt: skip
+    res = {
+        "model_source": source,
+        "tokens_per_micro_batch": tokens,
+        "accum": accum,
+        "parts_ms": {k: v * 1e3 for k, v in parts.items()},
+    }
     for k in ("torch_muon", "muonscale"):
         res[f"{k}_ratio_one_micro_measured"] = one["adamw"] / one[k]
         res[f"{k}_ratio_one_micro_composed"] = (t_fb + parts["opt_adamw"]) / (

@@ -40,7 +40,9 @@ def capture_step(opt: muonscale.Muon, warmup: int = 3) -> torch.cuda.CUDAGraph:
 
 def section_graph(bench) -> dict:
     dev, cuda = bench.device, bench.device.type == "cuda"
-    models = bench.models if bench.smoke else {k: bench.models[k] for k in ("gpt2-small", "gpt2-medium")}
+    models = (
+        bench.models if bench.smoke else {k: bench.models[k] for k in ("gpt2-small", "gpt2-medium")}
+    )
     rows = []
     for name, (n_layer, d, _) in models.items():
         if bench.guard.left() < 30 and not bench.smoke:
@@ -70,6 +72,10 @@ def section_graph(bench) -> dict:
         rows.append(row)
         fns = keep = None
         bench.cleanup()
-    print_table(rows, ["model", "eager_ms", "eager_capturable_ms", "graph_replay_ms",
-                       "graph_vs_eager"])  # fmt: skip
-    return {"rows": rows, "options": "Muon(capturable=True), defaults otherwise (nonfinite='raise')"}
+    print_table(
+        rows, ["model", "eager_ms", "eager_capturable_ms", "graph_replay_ms", "graph_vs_eager"]
+    )
+    return {
+        "rows": rows,
+        "options": "Muon(capturable=True), defaults otherwise (nonfinite='raise')",
+    }

@@ -32,7 +32,10 @@ def megatron_pythonpath(bench) -> tuple[str | None, str | None]:
     elif bench.args.megatron_site:
         return None, f"--megatron-site {site} does not exist"
     elif importlib.util.find_spec("megatron") is None:
-        return None, "megatron-core is not installed and there is no .megatron-site/ (run bash .ci/megatron_site.sh here and carry .megatron-site)"  # fmt: skip
+        return (
+            None,
+            "megatron-core is not installed and there is no .megatron-site/ (run bash .ci/megatron_site.sh here and carry .megatron-site)",
+        )
     if os.environ.get("PYTHONPATH"):
         paths.append(os.environ["PYTHONPATH"])
     return os.pathsep.join(paths), None
@@ -50,16 +53,28 @@ def section_megatron(bench) -> dict:
     log_path = os.path.join(bench.out_dir, "megatron_gpu.log")
     if os.path.exists(json_path):
         os.remove(json_path)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-           MEGATRON_SCRIPT, "--out", json_path, "--budget-s", str(max(10.0, timeout - 40.0))]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        MEGATRON_SCRIPT,
+        "--out",
+        json_path,
+        "--budget-s",
+        str(max(10.0, timeout - 40.0)),
+    ]
     if bench.smoke:
         cmd.append("--smoke")
     print(f"PYTHONPATH={pythonpath} {' '.join(cmd)}  (limit {timeout:.0f}s)", flush=True)
     env = {**os.environ, "PYTHONPATH": pythonpath}
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             rc: int | None = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -90,7 +105,9 @@ def section_megatron(bench) -> dict:
         reason = f"timed out after {timeout:.0f}s (phases done: {data.get('phases_done', [])})"
     elif rc != 0 or "sanity" not in data:
         sane = data.get("sanity", {}).get("ok", True)
-        bench.results["megatron_leg"] = f"failed: exit code {rc}" if sane else "measured, sanity check failed"  # fmt: skip
+        bench.results["megatron_leg"] = (
+            f"failed: exit code {rc}" if sane else "measured, sanity check failed"
+        )
         return {**out, "status": "error", "log_tail": tail[-15:]}
     else:
         bench.results["megatron_leg"] = "measured"

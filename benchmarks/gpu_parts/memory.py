@@ -38,8 +38,14 @@ def section_memory(bench) -> dict:
                 opt.zero_grad(set_to_none=True)
             bench.clock.sync()
             peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else _peak_rss()
-            rows.append({"optimizer": kind, "peak_bytes": peak, "state_bytes": state_bytes(opt),
-                         "model_source": source})  # fmt: skip
+            rows.append(
+                {
+                    "optimizer": kind,
+                    "peak_bytes": peak,
+                    "state_bytes": state_bytes(opt),
+                    "model_source": source,
+                }
+            )
             del model, opt, loss, muon_named, adamw_named
         except Exception as exc:
             rows.append({"optimizer": kind, "error": repr(exc)})
@@ -49,7 +55,13 @@ def section_memory(bench) -> dict:
             r["peak_vs_adamw"] = r["peak_bytes"] / base["peak_bytes"]
             r["state_vs_adamw"] = r["state_bytes"] / max(base["state_bytes"], 1)
     print_table(rows, ["optimizer", "peak_bytes", "peak_vs_adamw", "state_bytes", "state_vs_adamw"])
-    return {"rows": rows, "micro_batch": (micro, ctx), "peak_metric": "cuda max_memory_allocated" if dev.type == "cuda" else "process peak RSS (smoke)"}  # fmt: skip
+    return {
+        "rows": rows,
+        "micro_batch": (micro, ctx),
+        "peak_metric": "cuda max_memory_allocated"
+        if dev.type == "cuda"
+        else "process peak RSS (smoke)",
+    }
 
 
 def _peak_rss() -> int:

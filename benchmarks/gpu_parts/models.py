@@ -96,8 +96,14 @@ def build_model(preset: str, dims: tuple[int, int, int], device, vocab: int, con
             from muonscale.train.config import model_preset
             from muonscale.train.model import GPT
 
-            cfg = model_preset(preset, n_layer=n_layer, d_model=d, n_head=n_head,
-                               vocab_size=vocab, context_length=context)  # fmt: skip
+            cfg = model_preset(
+                preset,
+                n_layer=n_layer,
+                d_model=d,
+                n_head=n_head,
+                vocab_size=vocab,
+                context_length=context,
+            )
             return GPT(cfg), "muonscale.train.model.GPT"
         except Exception as exc:  # missing module or changed API: fall back, say so
             return MiniGPT(n_layer, d, n_head, vocab, context), f"MiniGPT (fallback: {exc!r})"

@@ -42,14 +42,20 @@ def section_ns(bench) -> dict:
                 _zeropower_via_newtonschulz(G[i], KELLER, 5, 1e-7) for i in range(G.shape[0])
             ],
             "reference_batched": lambda G=G: newton_schulz(G, ns_dtype=dt),
-            "fast_plain_torch": lambda G=G, o=out: newton_schulz_fast(G, ns_dtype=dt, out=o, backend="torch"),
-            "fast_gram_torch": lambda G=G, o=out: newton_schulz_fast(G, ns_dtype=dt, out=o, method="gram", backend="torch", restart_every=2),
-        }  # fmt: skip
+            "fast_plain_torch": lambda G=G, o=out: newton_schulz_fast(
+                G, ns_dtype=dt, out=o, backend="torch"
+            ),
+            "fast_gram_torch": lambda G=G, o=out: newton_schulz_fast(
+                G, ns_dtype=dt, out=o, method="gram", backend="torch", restart_every=2
+            ),
+        }
         if triton_available() and dev.type == "cuda":
             fns["fast_plain_triton"] = lambda G=G, o=out: newton_schulz_fast(
                 G, ns_dtype=dt, out=o, backend="triton"
             )
-            fns["fast_gram_triton"] = lambda G=G, o=out: newton_schulz_fast(G, ns_dtype=dt, out=o, method="gram", backend="triton", restart_every=2)  # fmt: skip
+            fns["fast_gram_triton"] = lambda G=G, o=out: newton_schulz_fast(
+                G, ns_dtype=dt, out=o, method="gram", backend="triton", restart_every=2
+            )
         fns["fast_auto"] = lambda G=G, o=out: newton_schulz_fast(
             G, ns_dtype=dt, out=o, method="auto"
         )
@@ -62,11 +68,13 @@ def section_ns(bench) -> dict:
         flops = k * newton_schulz_flops(r, c, 5)
         m, n = min(r, c), max(r, c)
         row = {
-            "shape": (k, r, c), "ns_flops": flops, "floor_s": flops / rate,
+            "shape": (k, r, c),
+            "ns_flops": flops,
+            "floor_s": flops / rate,
             "auto_method": choose_method(m, n, dt),
             "gram_r2_flops": k * gram_flops(m, n, 5, restart_every=2),
             "plain_sym_flops": k * newton_schulz_flops(m, n, 5, symmetric=True),
-        }  # fmt: skip
+        }
         for name, t in times.items():
             row[f"{name}_ms"] = t * 1e3
             row[f"{name}_tflops"] = flops / t / 1e12  # nominal (plain) FLOPs / time

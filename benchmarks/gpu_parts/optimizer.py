@@ -37,7 +37,9 @@ def section_optimizer(bench) -> dict:
         fns["ns_fast_auto_only"] = lambda st=stacks: [
             newton_schulz_fast(g, ns_dtype=dt, method="auto") for g in st.values()
         ]
-        fns["ns_fast_plain_only"] = lambda st=stacks: [newton_schulz_fast(g, ns_dtype=dt) for g in st.values()]  # fmt: skip
+        fns["ns_fast_plain_only"] = lambda st=stacks: [
+            newton_schulz_fast(g, ns_dtype=dt) for g in st.values()
+        ]
         times = bench.clock.interleaved(
             fns, warmup=1 if bench.smoke else 2, reps=2 if bench.smoke else 8, budget_s=30
         )
@@ -56,6 +58,17 @@ def section_optimizer(bench) -> dict:
         rows.append(row)
         opts = fns = stacks = muon_named = adamw_named = None
         bench.cleanup()
-    print_table(rows, ["model", "floor_ms", "adamw_ms", "torch_muon_ms", "muonscale_ms",
-                             "ns_fast_auto_only_ms", "torch_muon_vs_floor", "muonscale_vs_floor"])  # fmt: skip
+    print_table(
+        rows,
+        [
+            "model",
+            "floor_ms",
+            "adamw_ms",
+            "torch_muon_ms",
+            "muonscale_ms",
+            "ns_fast_auto_only_ms",
+            "torch_muon_vs_floor",
+            "muonscale_vs_floor",
+        ],
+    )
     return {"rows": rows, "matmul_tflops": rate / 1e12}

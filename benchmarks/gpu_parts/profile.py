@@ -20,8 +20,11 @@ from .timing import print_table
 _CLASSES = {
     "copy": re.compile(r"copy_|memcpy|\bcat\b|stack", re.I),
     "matmul": re.compile(r"gemm|bmm|\bmm\b|matmul|addmm|_sym_|triton|cutlass|sm90", re.I),
-    "elementwise": re.compile(r"elementwise|foreach|lerp|\badd|\bmul|\bdiv|sqrt|where|fill|"
-                              r"reduce|norm", re.I),  # fmt: skip
+    "elementwise": re.compile(
+        r"elementwise|foreach|lerp|\badd|\bmul|\bdiv|sqrt|where|fill|"
+        r"reduce|norm",
+        re.I,
+    ),
 }
 
 
@@ -35,8 +38,7 @@ def classify(name: str) -> str:
 def summarize(prof, steps: int, cuda: bool) -> dict:
     """Per step: launches (device kernels + memcpys on CUDA; top-level-free aten ops on CPU)
     and milliseconds per class (device time on CUDA, self CPU time on CPU)."""
-    out = {"launches": 0, "copy_ms": 0.0, "elementwise_ms": 0.0, "matmul_ms": 0.0,
-           "other_ms": 0.0}  # fmt: skip
+    out = {"launches": 0, "copy_ms": 0.0, "elementwise_ms": 0.0, "matmul_ms": 0.0, "other_ms": 0.0}
     for evt in prof.events():
         if cuda:
             if evt.device_type != torch.autograd.DeviceType.CUDA:
@@ -54,7 +56,9 @@ def summarize(prof, steps: int, cuda: bool) -> dict:
 
 def section_profile(bench) -> dict:
     dev, cuda = bench.device, bench.device.type == "cuda"
-    models = bench.models if bench.smoke else {k: bench.models[k] for k in ("gpt2-small", "gpt2-medium")}
+    models = (
+        bench.models if bench.smoke else {k: bench.models[k] for k in ("gpt2-small", "gpt2-medium")}
+    )
     steps = 1 if bench.smoke else 3
     rows = []
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -76,7 +80,8 @@ def section_profile(bench) -> dict:
             rows.append({"model": name, "step": label, **summarize(prof, steps, cuda)})
             opt = muon_named = adamw_named = prof = None
             bench.cleanup()
-    print_table(rows, ["model", "step", "launches", "copy_ms", "elementwise_ms", "matmul_ms",
-                       "other_ms"])  # fmt: skip
+    print_table(
+        rows, ["model", "step", "launches", "copy_ms", "elementwise_ms", "matmul_ms", "other_ms"]
+    )
     unit = "CUDA kernels and memcpys, device ms" if cuda else "aten ops, self CPU ms (smoke)"
     return {"rows": rows, "per_step": unit, "classes": {k: p.pattern for k, p in _CLASSES.items()}}

@@ -35,8 +35,12 @@ from .timing import print_table
 NVLINK_BYTES_PER_S = 900e9
 INTER_NODE_BYTES_PER_S = 50e9
 GPUS_PER_NODE = 8
-NVIDIA_PUBLISHED = {"ratio": 0.979, "model": "Kimi K2", "gpus": 256,
-                    "source": "NVIDIA, Muon in Megatron-Core (Emerging-Optimizers)"}  # fmt: skip
+NVIDIA_PUBLISHED = {
+    "ratio": 0.979,
+    "model": "Kimi K2",
+    "gpus": 256,
+    "source": "NVIDIA, Muon in Megatron-Core (Emerging-Optimizers)",
+}
 
 
 def llama_7b_shapes() -> tuple[list[tuple[int, int]], int]:
@@ -99,7 +103,9 @@ def _adamw_seconds_per_element(bench, dev) -> float:
 def _xl_mfu(bench, rate: float) -> dict:
     """Forward+backward of GPT-2-XL (tiny model with --smoke), bf16 autocast: MFU."""
     dev = bench.device
-    dims, vocab, ctx, micro = ((2, 64, 2), 256, 32, 2) if bench.smoke else (GPT2["gpt2-xl"], VOCAB, CONTEXT, 4)  # fmt: skip
+    dims, vocab, ctx, micro = (
+        ((2, 64, 2), 256, 32, 2) if bench.smoke else (GPT2["gpt2-xl"], VOCAB, CONTEXT, 4)
+    )
     model, source = build_model("gpt2-xl", dims, dev, vocab, ctx)
     params = sum(p.numel() for p in model.parameters())
     idx = torch.randint(0, vocab, (micro, ctx), device=dev)
@@ -151,46 +157,84 @@ def section_projection(bench) -> dict:
             mean_elems = sum(elems) / n_ranks
             byte_imbalance = max(elems) / mean_elems if mean_elems else 1.0
             comm_adamw = 2 * ring_seconds(2 * params, n_ranks)  # bf16 RS + bf16 AG
-            comm_muon = 2 * ring_seconds(2 * (adamw_elements + muon_elements * byte_imbalance), n_ranks)  # fmt: skip
-            loads.append({
-                "model": model_name, "ranks": n_ranks,
-                "flops_max_over_mean": max(flops) / (sum(flops) / n_ranks),
-                "bytes_max_over_mean": byte_imbalance, "idle_ranks": sum(not o for o in elems),
-                "distinct_rank_sets_timed": len(distinct), "muon_step_ms": muon_step * 1e3,
-            })  # fmt: skip
+            comm_muon = 2 * ring_seconds(
+                2 * (adamw_elements + muon_elements * byte_imbalance), n_ranks
+            )
+            loads.append(
+                {
+                    "model": model_name,
+                    "ranks": n_ranks,
+                    "flops_max_over_mean": max(flops) / (sum(flops) / n_ranks),
+                    "bytes_max_over_mean": byte_imbalance,
+                    "idle_ranks": sum(not o for o in elems),
+                    "distinct_rank_sets_timed": len(distinct),
+                    "muon_step_ms": muon_step * 1e3,
+                }
+            )
             for tokens in tokens_per_step:
                 fb = 6 * params * (tokens / n_ranks) / (rate * xl["mfu"])
                 t_adamw = fb + zero1_step + comm_adamw
                 t_muon = fb + muon_step + adamw_share + comm_muon
-                rows.append({
-                    "model": model_name, "ranks": n_ranks, "tokens_per_step": tokens,
-                    "fwd_bwd_ms": fb * 1e3, "adamw_step_ms": (zero1_step + comm_adamw) * 1e3,
-                    "muon_step_ms": (muon_step + adamw_share + comm_muon) * 1e3,
-                    "projected_ratio": t_adamw / t_muon,
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "model": model_name,
+                        "ranks": n_ranks,
+                        "tokens_per_step": tokens,
+                        "fwd_bwd_ms": fb * 1e3,
+                        "adamw_step_ms": (zero1_step + comm_adamw) * 1e3,
+                        "muon_step_ms": (muon_step + adamw_share + comm_muon) * 1e3,
+                        "projected_ratio": t_adamw / t_muon,
+                    }
+                )
     print("owner load (max/mean over ranks):")
-    print_table(loads, ["model", "ranks", "flops_max_over_mean", "bytes_max_over_mean",
-                        "idle_ranks", "distinct_rank_sets_timed", "muon_step_ms"])  # fmt: skip
+    print_table(
+        loads,
+        [
+            "model",
+            "ranks",
+            "flops_max_over_mean",
+            "bytes_max_over_mean",
+            "idle_ranks",
+            "distinct_rank_sets_timed",
+            "muon_step_ms",
+        ],
+    )
     print("projected tokens/s, muonscale ÷ ZeRO-1 AdamW (a MODEL, see below):")
-    print_table(rows, ["model", "ranks", "tokens_per_step", "fwd_bwd_ms", "adamw_step_ms",
-                       "muon_step_ms", "projected_ratio"])  # fmt: skip
-    fb_rule = (f"forward+backward = 6 * params * tokens_per_rank / ({rate / 1e12:.4g} TFLOP/s "
-               f"bf16 * MFU {xl['mfu']:.3f} measured for GPT-2-XL fwd+bwd here)")  # fmt: skip
-    print(f"MODEL, not a measurement: {fb_rule}; collectives: bf16 reduce-scatter + all-gather, "
-          f"ring, {NVLINK_BYTES_PER_S / 1e9:.0f} GB/s within {GPUS_PER_NODE} GPUs, "
-          f"{INTER_NODE_BYTES_PER_S / 1e9:.0f} GB/s per GPU across nodes, no overlap; "
-          f"optimizer steps timed on this card. Published beside it: "
-          f"{NVIDIA_PUBLISHED['ratio']:.1%} ({NVIDIA_PUBLISHED['model']}, "
-          f"{NVIDIA_PUBLISHED['gpus']} GPUs, {NVIDIA_PUBLISHED['source']}).")  # fmt: skip
+    print_table(
+        rows,
+        [
+            "model",
+            "ranks",
+            "tokens_per_step",
+            "fwd_bwd_ms",
+            "adamw_step_ms",
+            "muon_step_ms",
+            "projected_ratio",
+        ],
+    )
+    fb_rule = (
+        f"forward+backward = 6 * params * tokens_per_rank / ({rate / 1e12:.4g} TFLOP/s "
+        f"bf16 * MFU {xl['mfu']:.3f} measured for GPT-2-XL fwd+bwd here)"
+    )
+    print(
+        f"MODEL, not a measurement: {fb_rule}; collectives: bf16 reduce-scatter + all-gather, "
+        f"ring, {NVLINK_BYTES_PER_S / 1e9:.0f} GB/s within {GPUS_PER_NODE} GPUs, "
+        f"{INTER_NODE_BYTES_PER_S / 1e9:.0f} GB/s per GPU across nodes, no overlap; "
+        f"optimizer steps timed on this card. Published beside it: "
+        f"{NVIDIA_PUBLISHED['ratio']:.1%} ({NVIDIA_PUBLISHED['model']}, "
+        f"{NVIDIA_PUBLISHED['gpus']} GPUs, {NVIDIA_PUBLISHED['source']})."
+    )
     return {
         "kind": "model (projection), not a measurement",
         "forward_backward_rule": fb_rule,
         "gpt2_xl_mfu": xl,
         "matmul_tflops": rate / 1e12,
         "adamw_ns_per_element": adamw_per_element * 1e9,
-        "links": {"nvlink_GBps": NVLINK_BYTES_PER_S / 1e9,
-                  "inter_node_GBps_per_gpu": INTER_NODE_BYTES_PER_S / 1e9,
-                  "gpus_per_node": GPUS_PER_NODE},  # fmt: skip
+        "links": {
+            "nvlink_GBps": NVLINK_BYTES_PER_S / 1e9,
+            "inter_node_GBps_per_gpu": INTER_NODE_BYTES_PER_S / 1e9,
+            "gpus_per_node": GPUS_PER_NODE,
+        },
         "owner_load": loads,
         "rows": rows,
         "published": NVIDIA_PUBLISHED,

@@ -27,7 +27,10 @@ if TYPE_CHECKING:  # the config lives in the entry script, benchmarks/megatron_g
     from megatron_gpu import BenchConfig
 
 ARMS = ("megatron_adam", "muonscale", "megatron_muon")
-CPU_STANDINS = {"megatron_adam": "adamw_cpu_standin", "megatron_muon": "megatron_muon_unwrapped_cpu"}
+CPU_STANDINS = {
+    "megatron_adam": "adamw_cpu_standin",
+    "megatron_muon": "megatron_muon_unwrapped_cpu",
+}
 """--smoke: what runs in place of each arm that needs CUDA (see the script's docstring)."""
 CPU_STANDIN = CPU_STANDINS["megatron_adam"]
 GPU_ONLY_REASONS = {
@@ -71,16 +74,27 @@ def muon_optimizer_config(cfg: BenchConfig) -> Any:
     from megatron.core.optimizer import OptimizerConfig
 
     return OptimizerConfig(
-        optimizer="muon", bf16=True, params_dtype=torch.bfloat16, lr=cfg.lr, min_lr=0.0,
-        weight_decay=cfg.weight_decay, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-        clip_grad=cfg.clip_grad, use_distributed_optimizer=False,
-        muon_momentum=cfg.muon_momentum, muon_nesterov=cfg.muon_nesterov,
-        muon_split_qkv=cfg.muon_split_qkv, muon_scale_mode=cfg.muon_scale_mode,
+        optimizer="muon",
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        lr=cfg.lr,
+        min_lr=0.0,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_eps=1e-8,
+        clip_grad=cfg.clip_grad,
+        use_distributed_optimizer=False,
+        muon_momentum=cfg.muon_momentum,
+        muon_nesterov=cfg.muon_nesterov,
+        muon_split_qkv=cfg.muon_split_qkv,
+        muon_scale_mode=cfg.muon_scale_mode,
         muon_extra_scale_factor=cfg.muon_extra_scale_factor,
         muon_fp32_matmul_prec=cfg.muon_fp32_matmul_prec,
-        muon_coefficient_type=cfg.muon_coefficient_type, muon_num_ns_steps=cfg.muon_num_ns_steps,
+        muon_coefficient_type=cfg.muon_coefficient_type,
+        muon_num_ns_steps=cfg.muon_num_ns_steps,
         muon_tp_mode=cfg.muon_tp_mode,
-    )  # fmt: skip
+    )
 
 
 def muonscale_config(optimizer_config: Any) -> Any:
@@ -125,10 +139,18 @@ def constant_schedule(optimizer: Any, optimizer_config: Any) -> Any:
 
     lr, wd = optimizer_config.lr, optimizer_config.weight_decay
     return OptimizerParamScheduler(
-        optimizer, init_lr=lr, max_lr=lr, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=1,
-        lr_decay_style="constant", start_wd=wd, end_wd=wd, wd_incr_steps=1,
+        optimizer,
+        init_lr=lr,
+        max_lr=lr,
+        min_lr=0.0,
+        lr_warmup_steps=0,
+        lr_decay_steps=1,
+        lr_decay_style="constant",
+        start_wd=wd,
+        end_wd=wd,
+        wd_incr_steps=1,
         wd_incr_style="constant",
-    )  # fmt: skip
+    )
 
 
 def megatron_muon_optimizers(optimizer: Any) -> list[Any]:
@@ -159,21 +181,33 @@ def muon_settings(optimizer: Any) -> dict[str, Any]:
         group = tpm.param_groups[0]
         closure = inspect.getclosurevars(tpm.scaled_orthogonalize_fn).nonlocals
         return dict(
-            lr=group["lr"], momentum=group["momentum"], nesterov=tpm.nesterov,
-            weight_decay=group["weight_decay"], num_ns_steps=closure["num_ns_steps"],
-            coefficients=megatron_coefficients(closure["coefficient_type"], closure["num_ns_steps"]),
+            lr=group["lr"],
+            momentum=group["momentum"],
+            nesterov=tpm.nesterov,
+            weight_decay=group["weight_decay"],
+            num_ns_steps=closure["num_ns_steps"],
+            coefficients=megatron_coefficients(
+                closure["coefficient_type"], closure["num_ns_steps"]
+            ),
             scale=(closure["scale_mode"], closure["extra_scale_factor"]),
             ns_dtype=str(MEGATRON_MATMUL_PRECISION[tpm.fp32_matmul_prec]),
-            split_qkv=tpm.split_qkv, tp_exact=closure["tp_mode"] != "blockwise",
-        )  # fmt: skip
+            split_qkv=tpm.split_qkv,
+            tp_exact=closure["tp_mode"] != "blockwise",
+        )
     c = optimizer.config
     to_megatron_scale = {ours: theirs for theirs, ours in MEGATRON_SCALE_MODES.items()}
     return dict(
-        lr=c.lr, momentum=c.muon_momentum, nesterov=c.muon_nesterov, weight_decay=c.weight_decay,
-        num_ns_steps=c.muon_num_ns_steps, coefficients=[tuple(t) for t in c.coefficients],
+        lr=c.lr,
+        momentum=c.muon_momentum,
+        nesterov=c.muon_nesterov,
+        weight_decay=c.weight_decay,
+        num_ns_steps=c.muon_num_ns_steps,
+        coefficients=[tuple(t) for t in c.coefficients],
         scale=(to_megatron_scale.get(c.scale, c.scale), c.muon_extra_scale_factor),
-        ns_dtype=str(c.ns_dtype), split_qkv=c.muon_split_qkv, tp_exact=c.muon_tp_mode == "exact",
-    )  # fmt: skip
+        ns_dtype=str(c.ns_dtype),
+        split_qkv=c.muon_split_qkv,
+        tp_exact=c.muon_tp_mode == "exact",
+    )
 
 
 def describe_muon_config(optimizer_config: Any, model: nn.Module) -> dict[str, Any]:
@@ -182,9 +216,22 @@ def describe_muon_config(optimizer_config: Any, model: nn.Module) -> dict[str, A
     (``_muon_config_to_kwargs``, the function it calls)."""
     from megatron.core.optimizer.emerging_optimizers import _muon_config_to_kwargs
 
-    shared = {f.name: getattr(optimizer_config, f.name) for f in dataclasses.fields(optimizer_config)}
-    keep = ("optimizer", "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
-            "clip_grad", "bf16", "decoupled_weight_decay", "use_distributed_optimizer")  # fmt: skip
+    shared = {
+        f.name: getattr(optimizer_config, f.name) for f in dataclasses.fields(optimizer_config)
+    }
+    keep = (
+        "optimizer",
+        "lr",
+        "min_lr",
+        "weight_decay",
+        "adam_beta1",
+        "adam_beta2",
+        "adam_eps",
+        "clip_grad",
+        "bf16",
+        "decoupled_weight_decay",
+        "use_distributed_optimizer",
+    )
     megatron_kwargs = _muon_config_to_kwargs(optimizer_config, [model], None)
     ours = muonscale_config(optimizer_config)
     return {
@@ -203,7 +250,7 @@ def describe_muon_config(optimizer_config: Any, model: nn.Module) -> dict[str, A
     }
 
 
-def build_arm(name: str, cfg: BenchConfig, spec: str, device: Device, optimizer_config: Any) -> Arm:  # fmt: skip
+def build_arm(name: str, cfg: BenchConfig, spec: str, device: Device, optimizer_config: Any) -> Arm:
     """Build the model (seeded identically for every arm) and the arm's optimizer; the Megatron
     arms and muonscale read ``optimizer_config`` (:func:`muon_optimizer_config`)."""
     seed_weights(cfg, device)

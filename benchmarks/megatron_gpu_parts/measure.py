@@ -28,7 +28,9 @@ if TYPE_CHECKING:  # the config lives in the entry script, benchmarks/megatron_g
     from megatron_gpu import BenchConfig
 
 
-def train_step(arm: Arm, batches: Batches, step: int, n_micro: int, device: Device, phase: str) -> None:  # fmt: skip
+def train_step(
+    arm: Arm, batches: Batches, step: int, n_micro: int, device: Device, phase: str
+) -> None:
     """One optimizer step of ``n_micro`` micro-batches, as Megatron's loop; records the times
     (total, forward+backward incl. gradient reduction, optimizer step), loss and grad norm."""
     data = [batches.get(step, m) for m in range(n_micro)]
@@ -110,7 +112,9 @@ def run(cfg: BenchConfig, device: Device, result: dict, save: Callable[[], None]
         order = list(arms.values()) if r % 2 == 0 else list(reversed(arms.values()))
         for arm in order:
             for i in range(cfg.steps_per_round):
-                train_step(arm, batches, cfg.warmup + r * cfg.steps_per_round + i, 1, device, "one_micro")  # fmt: skip
+                train_step(
+                    arm, batches, cfg.warmup + r * cfg.steps_per_round + i, 1, device, "one_micro"
+                )
         rounds_done += 1
         if time_left() < 0:
             break
@@ -120,10 +124,16 @@ def run(cfg: BenchConfig, device: Device, result: dict, save: Callable[[], None]
     save()
 
     if cfg.accum:
-        per_arm = {a.name: cfg.accum * med(a.times["one_micro"]["fwd_bwd"]) + med(a.times["one_micro"]["opt"]) for a in arms.values()}  # fmt: skip
+        per_arm = {
+            a.name: cfg.accum * med(a.times["one_micro"]["fwd_bwd"])
+            + med(a.times["one_micro"]["opt"])
+            for a in arms.values()
+        }
         estimate = cfg.accum_rounds * sum(per_arm.values())
         if estimate > time_left():
-            result["accum_point"] = f"skipped: needs ~{estimate:.0f}s, {time_left():.0f}s left of --budget-s"  # fmt: skip
+            result["accum_point"] = (
+                f"skipped: needs ~{estimate:.0f}s, {time_left():.0f}s left of --budget-s"
+            )
         else:
             first = cfg.warmup + cfg.rounds * cfg.steps_per_round
             for r in range(cfg.accum_rounds):

@@ -81,11 +81,17 @@ class Batches:
         self.cfg = cfg
         self.tokens = ByteTokenizer().encode(load_corpus()).to(torch.int64)
         if self.tokens.numel() <= cfg.seq + 1:
-            raise ValueError(f"--seq {cfg.seq} is longer than the corpus ({self.tokens.numel()} tokens)")  # fmt: skip
+            raise ValueError(
+                f"--seq {cfg.seq} is longer than the corpus ({self.tokens.numel()} tokens)"
+            )
         self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.device = device.torch_device
-        self.positions = torch.arange(cfg.seq, device=self.device).unsqueeze(0).expand(cfg.micro_batch, -1)  # fmt: skip
-        self.mask = torch.triu(torch.ones(cfg.seq, cfg.seq, dtype=torch.bool, device=self.device), 1)[None, None]  # fmt: skip
+        self.positions = (
+            torch.arange(cfg.seq, device=self.device).unsqueeze(0).expand(cfg.micro_batch, -1)
+        )
+        self.mask = torch.triu(
+            torch.ones(cfg.seq, cfg.seq, dtype=torch.bool, device=self.device), 1
+        )[None, None]
 
     def get(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, labels), each (micro_batch, seq) on this rank."""

@@ -35,9 +35,13 @@ def summarize(cfg: BenchConfig, arms: dict[str, Arm], result: dict, tokens_per_m
             "grad_norms": arm.grad_norms,
         }
         if cfg.accum:
-            row["tokens_per_s_accum_composed"] = cfg.accum * tokens_per_micro / (cfg.accum * med(one["fwd_bwd"]) + med(one["opt"]))  # fmt: skip
+            row["tokens_per_s_accum_composed"] = (
+                cfg.accum * tokens_per_micro / (cfg.accum * med(one["fwd_bwd"]) + med(one["opt"]))
+            )
         if "accum" in arm.times:
-            row["tokens_per_s_accum_measured"] = cfg.accum * tokens_per_micro / med(arm.times["accum"]["step"])  # fmt: skip
+            row["tokens_per_s_accum_measured"] = (
+                cfg.accum * tokens_per_micro / med(arm.times["accum"]["step"])
+            )
         result["arms"].setdefault(arm.name, {}).update(row)
     on_cpu = cfg.smoke
     if on_cpu:  # per-arm peak memory needs torch.cuda's counters
@@ -53,8 +57,12 @@ def summarize(cfg: BenchConfig, arms: dict[str, Arm], result: dict, tokens_per_m
         result["baseline" if not suffix else "baseline_muon"] = name
         for key in ("one_micro", "accum_composed", "accum_measured"):
             if f"tokens_per_s_{key}" in ours and f"tokens_per_s_{key}" in base:
-                result[f"throughput_ratio{suffix}_{key}"] = ours[f"tokens_per_s_{key}"] / base[f"tokens_per_s_{key}"]  # fmt: skip
-        result[f"optimizer_step_ratio{suffix}"] = ours["optimizer_step_ms"] / base["optimizer_step_ms"]  # fmt: skip
+                result[f"throughput_ratio{suffix}_{key}"] = (
+                    ours[f"tokens_per_s_{key}"] / base[f"tokens_per_s_{key}"]
+                )
+        result[f"optimizer_step_ratio{suffix}"] = (
+            ours["optimizer_step_ms"] / base["optimizer_step_ms"]
+        )
         result[f"peak_memory_ratio{suffix}"] = (
             "not measured: CPU (no per-arm peak memory)"
             if on_cpu
@@ -75,7 +83,11 @@ def sanity(result: dict) -> dict:
         losses = a["train_losses"] + [a["loss_before"], a["loss_after"]]
         out[f"{name}_finite"] = all(math.isfinite(x) for x in losses)
         out[f"{name}_decreased"] = a["loss_after"] < a["loss_before"]
-    first_norms = [a["grad_norms"][0] for a in arms.values() if a["grad_norms"] and a["grad_norms"][0] is not None]  # fmt: skip
+    first_norms = [
+        a["grad_norms"][0]
+        for a in arms.values()
+        if a["grad_norms"] and a["grad_norms"][0] is not None
+    ]
     if len(first_norms) == len(arms):
         out["first_grad_norms"] = first_norms
         out["same_first_grad_norm"] = max(first_norms) - min(first_norms) <= 1e-2 * max(first_norms)
@@ -86,21 +98,35 @@ def sanity(result: dict) -> dict:
 
 
 def print_table(result: dict) -> None:
-    cols = [("arm", "{}"), ("tokens_per_s_one_micro", "{:,.0f}"), ("step_ms", "{:.1f}"),
-            ("fwd_bwd_ms", "{:.1f}"), ("optimizer_step_ms", "{:.2f}"), ("peak_memory_bytes", "{:,}"),
-            ("loss_before", "{:.3f}"), ("loss_after", "{:.3f}"),
-            ("tokens_per_s_accum_composed", "{:,.0f}"), ("tokens_per_s_accum_measured", "{:,.0f}")]  # fmt: skip
+    cols = [
+        ("arm", "{}"),
+        ("tokens_per_s_one_micro", "{:,.0f}"),
+        ("step_ms", "{:.1f}"),
+        ("fwd_bwd_ms", "{:.1f}"),
+        ("optimizer_step_ms", "{:.2f}"),
+        ("peak_memory_bytes", "{:,}"),
+        ("loss_before", "{:.3f}"),
+        ("loss_after", "{:.3f}"),
+        ("tokens_per_s_accum_composed", "{:,.0f}"),
+        ("tokens_per_s_accum_measured", "{:,.0f}"),
+    ]
+
     def cell(a: dict, c: str, fmt: str) -> str:
         return "-" if c not in a else fmt.format(a[c]) if isinstance(a[c], (int, float)) else "n/m"
 
-    rows = [[name] + [cell(a, c, fmt) for c, fmt in cols[1:]] for name, a in result["arms"].items()]  # fmt: skip
+    rows = [[name] + [cell(a, c, fmt) for c, fmt in cols[1:]] for name, a in result["arms"].items()]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, (c, _) in enumerate(cols)]
     print("  ".join(c.ljust(w) for (c, _), w in zip(cols, widths)))
     for r in rows:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
     for suffix, base in (("", result["baseline"]), ("_vs_megatron_muon", result["baseline_muon"])):
-        for key in ("throughput_ratio{}_one_micro", "throughput_ratio{}_accum_composed",
-                    "throughput_ratio{}_accum_measured", "optimizer_step_ratio{}", "peak_memory_ratio{}"):  # fmt: skip
+        for key in (
+            "throughput_ratio{}_one_micro",
+            "throughput_ratio{}_accum_composed",
+            "throughput_ratio{}_accum_measured",
+            "optimizer_step_ratio{}",
+            "peak_memory_ratio{}",
+        ):
             key = key.format(suffix)
             if isinstance(result.get(key), float):
                 print(f"{key} (muonscale / {base}): {result[key]:.4f}")

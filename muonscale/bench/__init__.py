@@ -71,7 +71,11 @@ def _run_distributed(config: BenchConfig) -> dict:
 
     overrides = {
         key: value
-        for key, value in (("n_layer", config.n_layer), ("d_model", config.d_model), ("n_head", config.n_head))
+        for key, value in (
+            ("n_layer", config.n_layer),
+            ("d_model", config.d_model),
+            ("n_head", config.n_head),
+        )
         if value is not None
     }
     return run_distributed_bench(
@@ -164,10 +168,11 @@ def _side_by_side_resumable(config, names, lrs, eval_steps, make_run, store, log
     from muonscale.train.trainer import NonFiniteLossError
 
     keys = {
-        name: run_key(config, name, lrs[name], kind="run", steps=config.steps,
-                      eval_steps=eval_steps)
+        name: run_key(
+            config, name, lrs[name], kind="run", steps=config.steps, eval_steps=eval_steps
+        )
         for name in names
-    }  # fmt: skip
+    }
     records = {}
     for name in names:
         saved = store.load(keys[name])

@@ -267,7 +267,8 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
             raise ValueError(f"--variants {spec!r}: option {option!r} given twice")
         options[option] = _parse_value(value)
     if "lr" in options and not (
-        isinstance(options["lr"], int | float) and not isinstance(options["lr"], bool)
+        isinstance(options["lr"], int | float)
+        and not isinstance(options["lr"], bool)
         and options["lr"] > 0
     ):
         raise ValueError(f"--variants {spec!r}: lr must be a number > 0, got {options['lr']!r}")

@@ -14,6 +14,8 @@ def _color(name: str) -> str:
     if name in COLORS:
         return COLORS[name]
     return _OTHER_COLORS[sum(map(ord, name)) % len(_OTHER_COLORS)]
+
+
 LABELS = {"adamw": "AdamW", "muon": "muonscale Muon", "torch_muon": "torch.optim.Muon"}
 BAR_LABELS = {"adamw": "AdamW", "muon": "muonscale\nMuon", "torch_muon": "torch.optim\nMuon"}
 

@@ -45,8 +45,7 @@ def check_same_on_every_rank(
             continue
         name = next(s[0] for s in seen if s is not None)
         decisions = "; ".join(
-            f"rank {rank}: "
-            + ("no such parameter" if s is None else f"'{s[0]}' {s[1]}")
+            f"rank {rank}: " + ("no such parameter" if s is None else f"'{s[0]}' {s[1]}")
             for rank, s in enumerate(seen)
         )
         raise ValueError(

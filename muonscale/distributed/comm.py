@@ -422,8 +422,9 @@ def counting_torch_collectives(counter: WireCounter, *, tag: str = "torch"):
         def call(output, input, *args, group=None, **kwargs):
             full = output if op == "all_gather" else input
             n = dist.get_world_size(group)
-            counter.add(op, native_wire_bytes(op, tensor_bytes(full), n, dist.get_backend(group)),
-                        tag)  # fmt: skip
+            counter.add(
+                op, native_wire_bytes(op, tensor_bytes(full), n, dist.get_backend(group)), tag
+            )
             return fn(output, input, *args, group=group, **kwargs)
 
         return call

@@ -190,9 +190,14 @@ class DistributedMuon(Muon):
         self._check_same_parameters()
         self._assign_owners()
         self.reduction = BucketedReduction(
-            self.params, options, muon=self.muon_indices, adamw=self.adamw_indices,
-            owner_rank=self.owner_rank, comm=self.comm, name_of=self._name,
-        )  # fmt: skip
+            self.params,
+            options,
+            muon=self.muon_indices,
+            adamw=self.adamw_indices,
+            owner_rank=self.owner_rank,
+            comm=self.comm,
+            name_of=self._name,
+        )
         self._init_local_state()
         self.last_step_wire_bytes = 0
         self.last_step_wire_breakdown: dict[str, int] = {}
@@ -216,7 +221,8 @@ class DistributedMuon(Muon):
         self.muon_indices = [i for i, g in enumerate(self.group_of) if g["algorithm"] == "muon"]
         self.adamw_indices = [i for i, g in enumerate(self.group_of) if g["algorithm"] == "adamw"]
         shapes = [
-            self.matrix_view(self.params[i], self.group_of[i]).matrix_shapes for i in self.muon_indices
+            self.matrix_view(self.params[i], self.group_of[i]).matrix_shapes
+            for i in self.muon_indices
         ]
         sizes = [self.params[i].numel() * self.params[i].element_size() for i in self.muon_indices]
         owners = assign_owners(shapes, self.world_size, sizes=sizes)
@@ -507,10 +513,14 @@ class DistributedMuon(Muon):
                     continue  # gathers launched below, after every stream's last wave
                 last = wave[-1]
                 ready = stream.layout.offsets[last] + stream.layout.numels[last]
-                launched, next_bucket = self.reduction.launch_stream_gathers(stream, next_bucket, ready)
+                launched, next_bucket = self.reduction.launch_stream_gathers(
+                    stream, next_bucket, ready
+                )
                 pending += launched
             if self.overlap_gather:
-                launched, _ = self.reduction.launch_stream_gathers(stream, next_bucket, stream.layout.length)
+                launched, _ = self.reduction.launch_stream_gathers(
+                    stream, next_bucket, stream.layout.length
+                )
                 pending += launched
         if not self.overlap_gather:
             for stream in self.reduction.streams:
@@ -549,18 +559,27 @@ class DistributedMuon(Muon):
             if not local:
                 continue
             states = [self.state[self.params[i]] for i in local]
-            segments = [self._segment_of(self.params[i], self.reduction.segments[i][1]) for i in local]
+            segments = [
+                self._segment_of(self.params[i], self.reduction.segments[i][1]) for i in local
+            ]
             # the tensors updated: main copies where kept, else the parameters' segments
             params = [s.get("main_param", seg) for s, seg in zip(states, segments)]
             grads = [self.reduction.reduced_shard_grad(i) for i in local]
             grads = [g if g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(grads, params)]
             beta1, beta2 = group["betas"]
             functional.adamw(
-                params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                [s["step"] for s in states], lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-                eps=group["eps"], weight_decay=group["weight_decay"],
+                params,
+                grads,
+                [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states],
+                [s["step"] for s in states],
+                lr=float(group["lr"]),
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
                 max_chunk_bytes=self.memory.update_chunk_bytes,
-            )  # fmt: skip
+            )
             for target, segment in zip(params, segments):
                 if target is not segment:
                     segment.copy_(target)  # rounded into the model's parameter

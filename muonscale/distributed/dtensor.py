@@ -208,9 +208,11 @@ class DTensorMuon(Muon):
         self._layouts: dict[int, MatrixLayout] = {}
         self._row_stats: dict[int, torch.Tensor] = {}  # [variants] NorMuon, this step's owners
         check_same_on_every_rank(
-            self.comm, self._routing_records(), who="DTensorMuon",
+            self.comm,
+            self._routing_records(),
+            who="DTensorMuon",
             fields="algorithm, shape, dtype, matrices, options",
-        )  # fmt: skip
+        )
         for group in self.param_groups:  # fail fast on unsupported placements / meshes
             for p in group["params"]:
                 self.matrix_layout(p)
@@ -324,12 +326,18 @@ class DTensorMuon(Muon):
         states = [self.init_state(p, group) for p in params]
         beta1, beta2 = group["betas"]
         functional.adamw(
-            [local_tensor(p) for p in params], [local_tensor(p.grad) for p in params],
-            [local_tensor(s["exp_avg"]) for s in states], [local_tensor(s["exp_avg_sq"]) for s in states],
-            [s["step"] for s in states], lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-            eps=group["eps"], weight_decay=group["weight_decay"],
+            [local_tensor(p) for p in params],
+            [local_tensor(p.grad) for p in params],
+            [local_tensor(s["exp_avg"]) for s in states],
+            [local_tensor(s["exp_avg_sq"]) for s in states],
+            [s["step"] for s in states],
+            lr=float(group["lr"]),
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
             max_chunk_bytes=self.memory.update_chunk_bytes,
-        )  # fmt: skip
+        )
 
     def _muon(self, entries: list[tuple[torch.Tensor, Mapping[str, Any]]]) -> None:
         # phase 1: momentum on local shards (elementwise), per group for its μ / Nesterov
@@ -493,10 +501,14 @@ class DTensorMuon(Muon):
                 out[id(p)] = (u, -1.0)
                 continue
             (o,) = functional.orthogonalize_matrices(
-                [u], ns_steps=group["ns_steps"], coefficients=group["coefficients"],
-                ns_dtype=group["ns_dtype"], eps=group["ns_eps"], method=group["ns_method"],
+                [u],
+                ns_steps=group["ns_steps"],
+                coefficients=group["coefficients"],
+                ns_dtype=group["ns_dtype"],
+                eps=group["ns_eps"],
+                method=group["ns_method"],
                 max_workspace_bytes=self.memory.ns_workspace_bytes,
                 preconditioner=group.get("preconditioner", "frobenius"),  # [variants]
-            )  # fmt: skip
+            )
             out[id(p)] = (o, -update_scale(group["scale"], p.shape[0], math.prod(p.shape[1:])))
         return out

@@ -42,7 +42,6 @@ def unwrap_ddp(params: Any) -> tuple[Any, bool]:
     return params, False
 
 
-
 def require_same_parameters(comm: Communicator, world_size: int, signature: list[tuple]) -> None:
     """Raise naming the first difference unless every rank holds the same parameter list
     (``signature``: one (name, shape, dtype, algorithm) per parameter)."""

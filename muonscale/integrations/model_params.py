@@ -43,7 +43,10 @@ def muon_for_model(model: nn.Module, *, build: Any = Muon, **muon_kwargs: Any) -
     if not named:
         raise ValueError(f"muon_for_model: {type(model).__name__} has no trainable parameters")
     groups = [
-        {"params": [(n, p) for n, p in named if decisions[n].algorithm == algorithm], "algorithm": algorithm}
+        {
+            "params": [(n, p) for n, p in named if decisions[n].algorithm == algorithm],
+            "algorithm": algorithm,
+        }
         for algorithm in ("muon", "adamw")
     ]
     muon_kwargs.setdefault("transposed", transposed_weights(model))
@@ -57,7 +60,9 @@ def muon_for_model(model: nn.Module, *, build: Any = Muon, **muon_kwargs: Any) -
 def rebind_parameters(optimizer: Muon, named_parameters: Iterable[tuple[str, torch.Tensor]]) -> int:
     """``optimizer.rebind_parameters(named_parameters)`` (see :meth:`muonscale.Muon.rebind_parameters`)."""
     if not isinstance(optimizer, Muon):
-        raise TypeError(f"re-binding by name supports muonscale optimizers, got {type(optimizer).__name__}")
+        raise TypeError(
+            f"re-binding by name supports muonscale optimizers, got {type(optimizer).__name__}"
+        )
     return optimizer.rebind_parameters(named_parameters)
 
 
@@ -88,13 +93,17 @@ def follow_model_parameters(optimizer: Muon, model: nn.Module) -> torch.utils.ho
     (DTensor) Muon parameters with a clear error instead of a wrong update; the distributed
     optimizers check the new parameters themselves."""
     if not isinstance(optimizer, Muon):
-        raise TypeError(f"follow_model_parameters supports muonscale optimizers, got {type(optimizer).__name__}")
+        raise TypeError(
+            f"follow_model_parameters supports muonscale optimizers, got {type(optimizer).__name__}"
+        )
     model = unwrap_model(model)
     seen: list[tuple[int, ...]] = [()]
 
     def before_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         named = list(model.named_parameters())
-        ids = tuple(id(p) for g in opt.param_groups for p in g["params"]) + tuple(id(p) for _, p in named)
+        ids = tuple(id(p) for g in opt.param_groups for p in g["params"]) + tuple(
+            id(p) for _, p in named
+        )
         if ids == seen[0]:
             return
         # Parameters changed (or first step): re-bind by name. Idempotent, and also needed when
@@ -102,6 +111,8 @@ def follow_model_parameters(optimizer: Muon, model: nn.Module) -> torch.utils.ho
         optimizer.rebind_parameters(named)
         if _is_plain_muon(optimizer):
             _reject_sharded(optimizer)
-        seen[0] = tuple(id(p) for g in opt.param_groups for p in g["params"]) + tuple(id(p) for _, p in named)
+        seen[0] = tuple(id(p) for g in opt.param_groups for p in g["params"]) + tuple(
+            id(p) for _, p in named
+        )
 
     return optimizer.register_step_pre_hook(before_step)

@@ -146,7 +146,9 @@ def build_muonscale(
     for group in param_groups:
         names = group.get("param_names")
         if names is None or len(names) != len(group["params"]):
-            raise ValueError(f"{OPTIMIZER_NAME}: each param group needs 'param_names', one per param")
+            raise ValueError(
+                f"{OPTIMIZER_NAME}: each param group needs 'param_names', one per param"
+            )
         named.extend(zip(names, group["params"]))
     params = [p for _, p in named]
     part = _owning_part(model_parts, params)
@@ -205,7 +207,9 @@ class MuonScaleOptimizersContainer(OptimizersContainer):
             return factory
         return OptimizersContainer._resolve_optimizer_factory(name)
 
-    def _log_optimizer(self, optimizer: torch.optim.Optimizer, part_idx: int, patterns: list[str]) -> None:
+    def _log_optimizer(
+        self, optimizer: torch.optim.Optimizer, part_idx: int, patterns: list[str]
+    ) -> None:
         if not isinstance(optimizer, Muon):
             return super()._log_optimizer(optimizer, part_idx, patterns)
         logger.info(
@@ -222,7 +226,9 @@ def muonscale_optimizers(
     ``factory_kwargs``: :func:`build_muonscale`'s (``process_group``, ``split_fused_qkv``)."""
     return MuonScaleOptimizersContainer.Config(
         param_groups=[
-            ParamGroupConfig(pattern=pattern, optimizer_name=OPTIMIZER_NAME, optimizer_kwargs=muon_kwargs)
+            ParamGroupConfig(
+                pattern=pattern, optimizer_name=OPTIMIZER_NAME, optimizer_kwargs=muon_kwargs
+            )
         ],
         implementation="for-loop",
         optimizer_factory_kwargs_by_name={OPTIMIZER_NAME: dict(factory_kwargs or {})},

@@ -217,9 +217,7 @@ def iterate_(
     return _plain_(X, schedule, ws, ops, inv_norm)
 
 
-def inverse_norms(
-    X: torch.Tensor, ws: NSWorkspace, margin: float, eps: float
-) -> torch.Tensor:
+def inverse_norms(X: torch.Tensor, ws: NSWorkspace, margin: float, eps: float) -> torch.Tensor:
     """1 / max(margin · ‖X_i‖_F, eps) per matrix, (k, 1, 1), the norm taken in X's dtype
     like the reference's."""
     norm = ws.get("norm", (X.shape[0], 1, 1))
@@ -264,9 +262,14 @@ def orthogonalize_stack_(
                 raise ValueError("backend='compile' supports method='plain' only")
             return _plain_compiled_(X, schedule)
         return iterate_(
-            X, schedule, workspace, method=method, use_triton=use_triton,
-            restart_every=restart_every, inv_norm=inv_norm,
-        )  # fmt: skip
+            X,
+            schedule,
+            workspace,
+            method=method,
+            use_triton=use_triton,
+            restart_every=restart_every,
+            inv_norm=inv_norm,
+        )
 
     if use == "triton" and backend == "auto" and reload is not None:
         try:
@@ -329,9 +332,13 @@ def newton_schulz_batched_(
             tuple(X.shape), X.dtype, X.device, method, max_cached_bytes=max_workspace_bytes
         )
     out = iterate_(
-        X, schedule, workspace, method=method, use_triton=backend == "triton",
+        X,
+        schedule,
+        workspace,
+        method=method,
+        use_triton=backend == "triton",
         restart_every=restart_every,
-    )  # fmt: skip
+    )
     if out is not X:
         X.copy_(out)
     return X
@@ -427,9 +434,16 @@ def newton_schulz_fast(
         g = src[start : start + kc]
         X.copy_(g)  # the cast, in G's orientation
         res = orthogonalize_stack_(
-            X, schedule, margin, eps, method=method, backend=backend,
-            restart_every=restart_every, workspace=ws, reload=lambda X=X, g=g: X.copy_(g),
-        )  # fmt: skip
+            X,
+            schedule,
+            margin,
+            eps,
+            method=method,
+            backend=backend,
+            restart_every=restart_every,
+            workspace=ws,
+            reload=lambda X=X, g=g: X.copy_(g),
+        )
         if dst is not None:
             dst[start : start + kc].copy_(res)
         else:

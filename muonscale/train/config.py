@@ -284,8 +284,10 @@ class TrainConfig:
     def gradient_accumulation_steps(self) -> int:
         """tokens_per_step / (micro_batch_size * context_length)."""
         per_micro = self.tokens_per_micro_batch
-        for name, value in (("tokens_per_step", self.tokens_per_step),
-                            ("micro_batch_size * context_length", per_micro)):  # fmt: skip
+        for name, value in (
+            ("tokens_per_step", self.tokens_per_step),
+            ("micro_batch_size * context_length", per_micro),
+        ):
             if value is not None and value > MAX_TOKENS_PER_STEP:
                 raise ValueError(
                     f"{name} = {value:,} exceeds the limit of {MAX_TOKENS_PER_STEP:,} tokens "

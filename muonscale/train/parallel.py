@@ -142,8 +142,10 @@ class Parallelism:
             return nullcontext()
         if reduce:
             return nullcontext()
-        return self.forward_model.no_sync() if self.forward_model is not self.model else (
-            self.optimizer.no_sync()
+        return (
+            self.forward_model.no_sync()
+            if self.forward_model is not self.model
+            else (self.optimizer.no_sync())
         )
 
     def clip_grad_norm_(self, max_norm: float) -> None:

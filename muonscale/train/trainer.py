@@ -64,6 +64,7 @@ class NonFiniteLossError(RuntimeError):
 class CheckpointExistsError(FileExistsError):
     """A new run (no ``resume``, no ``overwrite``) would replace an earlier run's checkpoint."""
 
+
 # Hyperparameters a resumed run may change; they are applied (the checkpoint's are replaced).
 RESUMABLE_CHANGES = ("lr", "adamw_lr", "weight_decay", "adamw_betas", "momentum", "ns_steps")
 
@@ -323,8 +324,7 @@ class TrainingRun:
             f"{len(self.dataset.val_tokens):,} val), optimizer {cfg.optimizer} lr={cfg.lr:g}, "
             f"{self.tokens_per_step:,} tokens/step ({self.accumulation_steps} x "
             f"{cfg.micro_batch_size} x {model.context_length}), {cfg.steps} steps on "
-            f"{self.device}{resumed}"
-            + (f", {self.parallel.describe()}" if self.parallel else "")
+            f"{self.device}{resumed}" + (f", {self.parallel.describe()}" if self.parallel else "")
         )
 
     # ------------------------------------------------------------------ checkpoints
@@ -428,9 +428,7 @@ class TrainingRun:
                 f"{self.config.parallel}"
             )
 
-    def _load_scheduler_state(
-        self, scheduler_state: dict[str, Any], base_lrs: list[float]
-    ) -> None:
+    def _load_scheduler_state(self, scheduler_state: dict[str, Any], base_lrs: list[float]) -> None:
         """Restore the scheduler's position but keep this run's schedule and peak lrs (so
         ``--steps`` and ``--lr`` can change on resume); the learning rates are recomputed
         exactly as LambdaLR does."""
@@ -494,8 +492,10 @@ class TrainingRun:
             self.load_checkpoint(resume_path)
             for name, (saved, now) in self.resume_changes.items():
                 if self.rank == 0:
-                    print(f"muonscale train: resuming with {name}={now} (the checkpoint had "
-                          f"{saved})", file=sys.stderr)  # fmt: skip
+                    print(
+                        f"muonscale train: resuming with {name}={now} (the checkpoint had {saved})",
+                        file=sys.stderr,
+                    )
         with StopSignals() as stop:
             self._signals = stop
             try:
@@ -581,7 +581,6 @@ class TrainingRun:
             signal=self._stop_signal(stop) or ("SIGINT" if interrupted else None),
             checkpoint=str(checkpoint_path) if checkpoint_path else None,
         )
-
 
     def _stop_signal(self, stop: StopSignals) -> str | None:
         """The signal that stops the run at this step boundary: this process's, or under

@@ -20,14 +20,20 @@ STEPS = 4
 
 def run(sub: str, seed: int = 0, resume: str | None = None, **overrides) -> dict:
     args = _args(
-        f"{tmp}/{sub}", per_device_train_batch_size=2, max_steps=STEPS, max_grad_norm=1.0,
-        ddp_backend="gloo", **overrides,
-    )  # fmt: skip
+        f"{tmp}/{sub}",
+        per_device_train_batch_size=2,
+        max_steps=STEPS,
+        max_grad_norm=1.0,
+        ddp_backend="gloo",
+        **overrides,
+    )
     trainer = SequentialTrainer(
-        model=tiny_model(kind, seed), args=args, train_dataset=TokenData(),
+        model=tiny_model(kind, seed),
+        args=args,
+        train_dataset=TokenData(),
         optimizer_cls_and_kwargs=(DistributedMuonFactory, dict(MUON_KWARGS)),
         callbacks=[DistributedCheckpointCallback()],
-    )  # fmt: skip
+    )
     trainer.train(resume_from_checkpoint=resume)
     opt = trainer.optimizer.optimizer  # inside accelerate's AcceleratedOptimizer
     assert isinstance(opt, DistributedMuon) and opt.reduction.options.reduce_at == "never"
@@ -39,7 +45,6 @@ def run(sub: str, seed: int = 0, resume: str | None = None, **overrides) -> dict
         "state": state["state"],
         "names": [opt.param_names[id(p)] for p in opt.params],
     }
-
 
 
 full = run("full")

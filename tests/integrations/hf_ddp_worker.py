@@ -14,9 +14,11 @@ args = _args(tmp, per_device_train_batch_size=2, max_steps=3, max_grad_norm=1.0,
 from test_hf import MUON_KWARGS  # noqa: E402
 
 trainer = SequentialTrainer(
-    model=tiny_model(kind), args=args, train_dataset=TokenData(),
+    model=tiny_model(kind),
+    args=args,
+    train_dataset=TokenData(),
     optimizer_cls_and_kwargs=(MuonFactory, dict(MUON_KWARGS)),
-)  # fmt: skip
+)
 trainer.train()
 assert isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
 assert torch.distributed.get_world_size() == 2

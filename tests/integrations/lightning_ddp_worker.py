@@ -17,9 +17,16 @@ sampler = torch.utils.data.DistributedSampler(
     TokenData(), num_replicas=2, rank=int(os.environ["RANK"]), shuffle=False
 )
 trainer = _fit(
-    module, tmp, batch=2, max_steps=3, gradient_clip_val=0.05, devices=2, strategy="ddp",
-    sampler=sampler, use_distributed_sampler=False,
-)  # fmt: skip
+    module,
+    tmp,
+    batch=2,
+    max_steps=3,
+    gradient_clip_val=0.05,
+    devices=2,
+    strategy="ddp",
+    sampler=sampler,
+    use_distributed_sampler=False,
+)
 assert isinstance(trainer.strategy, L.pytorch.strategies.DDPStrategy)
 assert dist.get_world_size() == 2 and dist.get_backend() == "gloo"
 if dist.get_rank() == 0:

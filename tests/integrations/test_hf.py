@@ -38,19 +38,30 @@ class SequentialTrainer(Trainer):
 
 def _args(tmp_path, **overrides) -> TrainingArguments:
     kwargs = dict(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3,
-        lr_scheduler_type="constant", warmup_steps=0, logging_steps=1, save_strategy="no",
-        report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=3,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     kwargs.update(overrides)
     return TrainingArguments(**kwargs)
 
 
 def _trainer(model, tmp_path, **overrides) -> SequentialTrainer:
     return SequentialTrainer(
-        model=model, args=_args(tmp_path, **overrides), train_dataset=TokenData(),
+        model=model,
+        args=_args(tmp_path, **overrides),
+        train_dataset=TokenData(),
         optimizer_cls_and_kwargs=(MuonFactory, dict(MUON_KWARGS)),
-    )  # fmt: skip
+    )
 
 
 def plain_loop(model, steps: int, batch: int, max_grad_norm: float | None):
@@ -92,9 +103,12 @@ def test_loss_falls(kind, tmp_path):
 def test_clipping_and_accumulation_match_plain_loop(kind, tmp_path):
     max_grad_norm = 0.05
     trainer = _trainer(
-        tiny_model(kind), tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        tiny_model(kind),
+        tmp_path,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
         max_grad_norm=max_grad_norm,
-    )  # fmt: skip
+    )
     trainer.train()
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     assert min(norms) > 2 * max_grad_norm, "clipping must be active for this test to mean anything"
@@ -111,7 +125,9 @@ def test_clipping_and_accumulation_match_plain_loop(kind, tmp_path):
 def test_resume_is_bit_exact(kind, tmp_path):
     full = _trainer(tiny_model(kind), tmp_path / "full", max_steps=6)
     full.train()
-    first = _trainer(tiny_model(kind), tmp_path / "resumed", max_steps=6, save_strategy="steps", save_steps=3)
+    first = _trainer(
+        tiny_model(kind), tmp_path / "resumed", max_steps=6, save_strategy="steps", save_steps=3
+    )
     first.train()
     resumed = _trainer(tiny_model(kind, seed=1), tmp_path / "resumed", max_steps=6)
     resumed.train(resume_from_checkpoint=str(tmp_path / "resumed" / "checkpoint-3"))
@@ -132,7 +148,9 @@ def _swap_parameters(model) -> dict[str, torch.nn.Parameter]:
     return new
 
 
-@pytest.mark.parametrize("swap_groups", [True, False], ids=["accelerate-swaps-groups", "model-only"])
+@pytest.mark.parametrize(
+    "swap_groups", [True, False], ids=["accelerate-swaps-groups", "model-only"]
+)
 def test_fsdp2_parameter_swap_rebinds_by_name(swap_groups):
     from accelerate.utils.fsdp_utils import fsdp2_switch_optimizer_parameters
 
@@ -184,7 +202,9 @@ def test_sharded_parameters_are_refused():
         opt = create_optimizer(model, **MUON_KWARGS)
         mesh = DeviceMesh("cpu", [0])
         layer = model.model.layers[0].mlp.up_proj
-        layer.weight = torch.nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, [Shard(0)]))
+        layer.weight = torch.nn.Parameter(
+            distribute_tensor(layer.weight.detach(), mesh, [Shard(0)])
+        )
         follow_model_parameters(opt, model)
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
@@ -200,9 +220,16 @@ def test_ddp_two_ranks_match_single_process(kind, tmp_path):
     """torchrun, 2 gloo ranks × batch 2 under Trainer's DDP = one process with batch 4."""
     out = tmp_path / "ddp.json"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-        os.path.join(HERE, "hf_ddp_worker.py"), kind, str(tmp_path), str(out),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        os.path.join(HERE, "hf_ddp_worker.py"),
+        kind,
+        str(tmp_path),
+        str(out),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -221,10 +248,16 @@ def test_distributed_muon_checkpoint_resume_two_ranks(tmp_path):
     tolerance."""
     out = tmp_path / "runs.pt"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        f"--master_port={free_port()}", os.path.join(HERE, "hf_checkpoint_worker.py"), "llama",
-        str(tmp_path), str(out),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        os.path.join(HERE, "hf_checkpoint_worker.py"),
+        "llama",
+        str(tmp_path),
+        str(out),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

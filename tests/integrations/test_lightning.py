@@ -38,8 +38,12 @@ class LM(L.LightningModule):
     def configure_optimizers(self):
         return ms_lightning.configure_optimizers(self, **MUON_KWARGS)
 
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-        ms_lightning.configure_gradient_clipping(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
+    def configure_gradient_clipping(
+        self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+    ):
+        ms_lightning.configure_gradient_clipping(
+            self, optimizer, gradient_clip_val, gradient_clip_algorithm
+        )
 
 
 def _fit(
@@ -50,10 +54,14 @@ def _fit(
     checkpointing = any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint) for c in callbacks)
     trainer_kwargs = {"accelerator": "cpu", "devices": 1, **trainer_kwargs}
     trainer = L.Trainer(
-        logger=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=str(tmp_path), callbacks=list(callbacks),
-        enable_checkpointing=checkpointing, **trainer_kwargs,
-    )  # fmt: skip
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=list(callbacks),
+        enable_checkpointing=checkpointing,
+        **trainer_kwargs,
+    )
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     return trainer
 
@@ -98,7 +106,9 @@ def test_clipping_and_accumulation_match_plain_loop(kind, tmp_path):
     for name, want in reference.named_parameters():
         torch.testing.assert_close(got[name].detach(), want.detach(), rtol=0, atol=PARAM_ATOL)
     far = max((got[n] - p).abs().max().item() for n, p in unclipped.named_parameters())
-    assert far > 10 * PARAM_ATOL, "clipping must change the result, or the comparison proves nothing"
+    assert far > 10 * PARAM_ATOL, (
+        "clipping must change the result, or the comparison proves nothing"
+    )
 
 
 class _ClipsByOwnNorm:
@@ -146,8 +156,14 @@ def test_resume_is_bit_exact(kind, tmp_path):
     _fit(LM(kind), tmp_path / "first", n=12, max_epochs=1, callbacks=[ckpt])
     (path,) = (tmp_path / "ck").glob("*.ckpt")
     resumed, seen_resumed = LM(kind, seed=1), _RecordsBatches()
-    _fit(resumed, tmp_path / "second", n=12, max_steps=6, ckpt_path=str(path),
-         callbacks=[ckpt, seen_resumed])  # fmt: skip
+    _fit(
+        resumed,
+        tmp_path / "second",
+        n=12,
+        max_steps=6,
+        ckpt_path=str(path),
+        callbacks=[ckpt, seen_resumed],
+    )
     assert seen_resumed.seen == seen_full.seen[3:], "data order after resume"
     want = dict(full.model.named_parameters())
     for name, p in resumed.model.named_parameters():
@@ -162,10 +178,16 @@ def test_ddp_two_ranks_match_single_process(kind, tmp_path):
     round-robin: the ranks' step-k batches together are samples 4k..4k+3)."""
     out = tmp_path / "ddp.pt"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        f"--master_port={free_port()}", os.path.join(HERE, "lightning_ddp_worker.py"), kind,
-        str(tmp_path), str(out),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        os.path.join(HERE, "lightning_ddp_worker.py"),
+        kind,
+        str(tmp_path),
+        str(out),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -175,4 +197,6 @@ def test_ddp_two_ranks_match_single_process(kind, tmp_path):
     for name, want in reference.named_parameters():
         torch.testing.assert_close(got["model." + name], want.detach(), rtol=0, atol=PARAM_ATOL)
     far = max((got["model." + n] - p).abs().max().item() for n, p in unclipped.named_parameters())
-    assert far > 10 * PARAM_ATOL, "clipping must change the result, or the comparison proves nothing"
+    assert far > 10 * PARAM_ATOL, (
+        "clipping must change the result, or the comparison proves nothing"
+    )

@@ -134,12 +134,17 @@ def test_mixed_with_torchtitan_adamw_and_unknown_names_rejected():
     model = tiny_model("llama3")
     config = MuonScaleOptimizersContainer.Config(
         param_groups=[
-            ParamGroupConfig(pattern=r"norm", optimizer_name="AdamW",
-                             optimizer_kwargs={"lr": 1e-3, "weight_decay": 0.0}),
-            ParamGroupConfig(pattern=".*", optimizer_name="MuonScale", optimizer_kwargs=MUON_KWARGS),
+            ParamGroupConfig(
+                pattern=r"norm",
+                optimizer_name="AdamW",
+                optimizer_kwargs={"lr": 1e-3, "weight_decay": 0.0},
+            ),
+            ParamGroupConfig(
+                pattern=".*", optimizer_name="MuonScale", optimizer_kwargs=MUON_KWARGS
+            ),
         ],
         implementation="for-loop",
-    )  # fmt: skip
+    )
     optimizers = config.build(model_parts=[model])
     kinds = sorted(type(o).__name__ for o in optimizers)
     assert kinds == ["AdamW", "Muon"]
@@ -153,12 +158,14 @@ def test_mixed_with_torchtitan_adamw_and_unknown_names_rejected():
     with pytest.raises(ValueError, match="same optimizer_kwargs"):
         MuonScaleOptimizersContainer.Config(
             param_groups=[
-                ParamGroupConfig(pattern="layers.0", optimizer_name="MuonScale",
-                                 optimizer_kwargs={"lr": 0.02}),
-                ParamGroupConfig(pattern=".*", optimizer_name="MuonScale",
-                                 optimizer_kwargs={"lr": 0.01}),
+                ParamGroupConfig(
+                    pattern="layers.0", optimizer_name="MuonScale", optimizer_kwargs={"lr": 0.02}
+                ),
+                ParamGroupConfig(
+                    pattern=".*", optimizer_name="MuonScale", optimizer_kwargs={"lr": 0.01}
+                ),
             ]
-        ).build(model_parts=[tiny_model("llama3")])  # fmt: skip
+        ).build(model_parts=[tiny_model("llama3")])
 
 
 @pytest.mark.parametrize("kind", ["llama3", "qwen3_moe"])
@@ -166,8 +173,10 @@ def test_dcp_resume_is_bit_exact(kind, tmp_path):
     model = tiny_model(kind)
     optimizers = build([model])
     train([model], optimizers, 0, 3)
-    dcp.save({"model": model.state_dict(), "optimizer": optimizers.state_dict()},
-             checkpoint_id=str(tmp_path))  # fmt: skip
+    dcp.save(
+        {"model": model.state_dict(), "optimizer": optimizers.state_dict()},
+        checkpoint_id=str(tmp_path),
+    )
     train([model], optimizers, 3, 3)
 
     resumed = tiny_model(kind, seed=1)  # other weights: everything must come from the checkpoint
@@ -235,10 +244,18 @@ def test_fsdp_two_ranks_and_dcp_onto_one_rank(tmp_path):
     ckpt, out = tmp_path / "ckpt", tmp_path / "out.pt"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), HERE]), OMP_NUM_THREADS="1")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        f"--master_port={_free_port()}", os.path.join(HERE, "titan_fsdp_worker.py"),
-        "llama3", str(ckpt), str(out), str(steps), str(more),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={_free_port()}",
+        os.path.join(HERE, "titan_fsdp_worker.py"),
+        "llama3",
+        str(ckpt),
+        str(out),
+        str(steps),
+        str(more),
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     fsdp = torch.load(out)
@@ -266,5 +283,6 @@ def test_fsdp_two_ranks_and_dcp_onto_one_rank(tmp_path):
     train([reference], reference_optimizers, steps, more)
     for name, p in reference.named_parameters():
         torch.testing.assert_close(fsdp["params"][name], p.detach(), rtol=0, atol=1e-4, msg=name)
-        torch.testing.assert_close(dict(resumed.named_parameters())[name].detach(), p.detach(),
-                                   rtol=0, atol=1e-4, msg=name)  # fmt: skip
+        torch.testing.assert_close(
+            dict(resumed.named_parameters())[name].detach(), p.detach(), rtol=0, atol=1e-4, msg=name
+        )

@@ -16,16 +16,27 @@ def tiny_model(kind: str, seed: int = 0):
     torch.manual_seed(seed)
     if kind == "gpt2":
         config = GPT2Config(
-            vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        )  # fmt: skip
+            vocab_size=VOCAB,
+            n_positions=SEQ,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
         return GPT2LMHeadModel(config)
     if kind == "llama":
         config = LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
             tie_word_embeddings=False,
-        )  # fmt: skip
+        )
         return LlamaForCausalLM(config)
     raise ValueError(kind)
 
@@ -55,7 +66,11 @@ EMBEDDING_AND_HEAD = {
 def algorithm_of(optimizer) -> dict[str, str]:
     """{name: "muon" | "adamw"} of a muonscale.Muon (or of one inside accelerate's wrapper)."""
     optimizer = getattr(optimizer, "optimizer", optimizer)
-    return {optimizer.param_names[id(p)]: g["algorithm"] for g in optimizer.param_groups for p in g["params"]}
+    return {
+        optimizer.param_names[id(p)]: g["algorithm"]
+        for g in optimizer.param_groups
+        for p in g["params"]
+    }
 
 
 def free_port() -> int:

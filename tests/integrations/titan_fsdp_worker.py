@@ -19,7 +19,13 @@ from torch.distributed.tensor import DTensor
 from muonscale.distributed import DTensorMuon
 from muonscale.integrations.torchtitan import muonscale_optimizers
 
-kind, ckpt, out, steps, more = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+kind, ckpt, out, steps, more = (
+    sys.argv[1],
+    sys.argv[2],
+    sys.argv[3],
+    int(sys.argv[4]),
+    int(sys.argv[5]),
+)
 MUON_KWARGS = {"lr": 0.02, "adamw_lr": 0.01}
 
 dist.init_process_group("gloo")

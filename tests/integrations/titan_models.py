@@ -29,7 +29,8 @@ def tiny_config(kind: str, *, n_layers: int = 2):
         import torchtitan.models.llama3 as llama3
 
         return llama3.Llama3Model.Config(
-            dim=DIM, vocab_size=VOCAB,
+            dim=DIM,
+            vocab_size=VOCAB,
             tok_embeddings=Embedding.Config(
                 num_embeddings=VOCAB, embedding_dim=DIM, param_init=llama3._EMBEDDING_INIT
             ),
@@ -37,21 +38,33 @@ def tiny_config(kind: str, *, n_layers: int = 2):
             lm_head=Linear.Config(
                 in_features=DIM, out_features=VOCAB, param_init=llama3._output_linear_init(DIM)
             ),
-            layers=_sdpa(llama3._build_llama3_layers(
-                n_layers=n_layers, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, hidden_dim=64,
-                rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=4 * SEQ, theta=500000,
-                                        scaling="llama"),
-                attn_backend="flex",
-            )),
-        )  # fmt: skip
+            layers=_sdpa(
+                llama3._build_llama3_layers(
+                    n_layers=n_layers,
+                    dim=DIM,
+                    n_heads=HEADS,
+                    n_kv_heads=KV_HEADS,
+                    hidden_dim=64,
+                    rope=ComplexRoPE.Config(
+                        dim=DIM // HEADS, max_seq_len=4 * SEQ, theta=500000, scaling="llama"
+                    ),
+                    attn_backend="flex",
+                )
+            ),
+        )
     import torchtitan.models.qwen3 as qwen3
 
     head_dim = 8
     rope = CosSinRoPE.Config(dim=head_dim, max_seq_len=4 * SEQ, theta=1000000.0)
     common = dict(
-        n_layers=n_layers, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, head_dim=head_dim,
-        attn_backend="flex", rope=rope,
-    )  # fmt: skip
+        n_layers=n_layers,
+        dim=DIM,
+        n_heads=HEADS,
+        n_kv_heads=KV_HEADS,
+        head_dim=head_dim,
+        attn_backend="flex",
+        rope=rope,
+    )
     if kind == "qwen3":
         layers = qwen3._build_qwen3_layers(hidden_dim=64, **common)
     elif kind == "qwen3_moe":
@@ -61,13 +74,16 @@ def tiny_config(kind: str, *, n_layers: int = 2):
     else:
         raise ValueError(kind)
     return qwen3.Qwen3Model.Config(
-        vocab_size=VOCAB, dim=DIM, norm=qwen3._qwen3_norm(DIM), enable_weight_tying=False,
+        vocab_size=VOCAB,
+        dim=DIM,
+        norm=qwen3._qwen3_norm(DIM),
+        enable_weight_tying=False,
         tok_embeddings=Embedding.Config(
             num_embeddings=VOCAB, embedding_dim=DIM, param_init=qwen3._EMBEDDING_INIT
         ),
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=qwen3._LINEAR_INIT),
         layers=_sdpa(layers),
-    )  # fmt: skip
+    )
 
 
 def tiny_model(kind: str, *, seed: int = 0, n_layers: int = 2) -> torch.nn.Module:

@@ -46,26 +46,35 @@ def build_stage(shape: dict, *, tied: bool):
 
     torch.manual_seed(0)
     config = TransformerConfig(
-        num_layers=shape["num_layers"], hidden_size=shape["hidden_size"],
-        num_attention_heads=shape["num_attention_heads"], num_query_groups=shape["num_query_groups"],
-        ffn_hidden_size=shape["ffn_hidden_size"], gated_linear_unit=shape["gated_linear_unit"],
-        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        num_layers=shape["num_layers"],
+        hidden_size=shape["hidden_size"],
+        num_attention_heads=shape["num_attention_heads"],
+        num_query_groups=shape["num_query_groups"],
+        ffn_hidden_size=shape["ffn_hidden_size"],
+        gated_linear_unit=shape["gated_linear_unit"],
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-    )  # fmt: skip
+    )
     # CPU shim: with PP > 1, LanguageModule syncs the tied embedding's two copies with
     # ``weight.data.cuda()`` + all-reduce (language_module.py L307); keep it on the CPU.
     cuda = torch.Tensor.cuda
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     try:
         model = GPTModel(
-            config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
-            vocab_size=shape["vocab_size"], max_sequence_length=shape["seq_len"],
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(),
+            vocab_size=shape["vocab_size"],
+            max_sequence_length=shape["seq_len"],
             position_embedding_type="learned_absolute",
             share_embeddings_and_output_weights=tied,
-            pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-        )  # fmt: skip
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
+        )
     finally:
         torch.Tensor.cuda = cuda
     W._EXPERTS.clear()
@@ -195,10 +204,15 @@ def _result(model, names, opt, norms) -> dict:
             mains = gather_model(model, names, {n: v for n, v in held.items() if v is not None})
     full = gather_model(model, names)
     return dict(
-        params=full, mains=mains, norms=norms, dp_mode=opt.dp_mode, summary=opt.summary(),
-        skipped=opt.skipped_steps, wire=opt.last_step_wire_breakdown,
+        params=full,
+        mains=mains,
+        norms=norms,
+        dp_mode=opt.dp_mode,
+        summary=opt.summary(),
+        skipped=opt.skipped_steps,
+        wire=opt.last_step_wire_breakdown,
         grads_reduced=getattr(opt, "grads_reduced", None),
-    )  # fmt: skip
+    )
 
 
 def run_layout(rank: int, world_size: int, spec: dict) -> dict | None:

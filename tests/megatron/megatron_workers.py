@@ -21,15 +21,27 @@ import torch
 import torch.distributed as dist
 
 TINY = dict(
-    num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
-    vocab_size=128, seq_len=16, gated_linear_unit=True,
-)  # fmt: skip
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=128,
+    vocab_size=128,
+    seq_len=16,
+    gated_linear_unit=True,
+)
 """GQA (2 query groups of 2 heads), SwiGLU-shaped fc1 (partition_stride 2 under TP)."""
 
 COST = dict(
-    num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=1024,
-    vocab_size=256, seq_len=16, gated_linear_unit=True,
-)  # fmt: skip
+    num_layers=4,
+    hidden_size=256,
+    num_attention_heads=8,
+    num_query_groups=4,
+    ffn_hidden_size=1024,
+    vocab_size=256,
+    seq_len=16,
+    gated_linear_unit=True,
+)
 """Larger shapes for the optimizer-step cost comparison (gradients injected, no forward)."""
 
 
@@ -57,17 +69,26 @@ def build_gpt(shape: dict, seed: int = 0, num_experts: int | None = None, **conf
 
     torch.manual_seed(seed)
     config = TransformerConfig(
-        num_layers=shape["num_layers"], hidden_size=shape["hidden_size"],
-        num_attention_heads=shape["num_attention_heads"], num_query_groups=shape["num_query_groups"],
-        ffn_hidden_size=shape["ffn_hidden_size"], gated_linear_unit=shape["gated_linear_unit"],
-        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=torch.float32, num_moe_experts=num_experts, **config_overrides,
-    )  # fmt: skip
+        num_layers=shape["num_layers"],
+        hidden_size=shape["hidden_size"],
+        num_attention_heads=shape["num_attention_heads"],
+        num_query_groups=shape["num_query_groups"],
+        ffn_hidden_size=shape["ffn_hidden_size"],
+        gated_linear_unit=shape["gated_linear_unit"],
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+        num_moe_experts=num_experts,
+        **config_overrides,
+    )
     model = GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=num_experts),
-        vocab_size=shape["vocab_size"], max_sequence_length=shape["seq_len"],
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=num_experts),
+        vocab_size=shape["vocab_size"],
+        max_sequence_length=shape["seq_len"],
         position_embedding_type="learned_absolute",
-    )  # fmt: skip
+    )
     _EXPERTS.clear()
     _EXPERTS.update(p for n, p in model.named_parameters() if "experts" in n and "shared" not in n)
     return model
@@ -190,16 +211,27 @@ def megatron_own_muon(
         params.append(p)
     q = cfg.num_attention_heads // cfg.num_query_groups * cfg.kv_channels
     pg = SimpleNamespace(
-        tp=ps.get_tensor_model_parallel_group(), expt_tp=ps.get_expert_tensor_parallel_group(),
-        gtp_remat=None, expt_gtp_remat=None,
-    )  # fmt: skip
+        tp=ps.get_tensor_model_parallel_group(),
+        expt_tp=ps.get_expert_tensor_parallel_group(),
+        gtp_remat=None,
+        expt_gtp_remat=None,
+    )
     opt = TensorParallelMuon(
-        params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-        split_qkv=True, is_qkv_fn=lambda p: getattr(p, "is_qkv", False),
-        qkv_split_shapes=[q, cfg.kv_channels, cfg.kv_channels], fp32_matmul_prec="highest",
-        coefficient_type=coefficient_type, num_ns_steps=steps, scale_mode="spectral",
-        pg_collection=pg, tp_mode=tp_mode,
-    )  # fmt: skip
+        params,
+        lr=lr,
+        momentum=momentum,
+        nesterov=nesterov,
+        weight_decay=weight_decay,
+        split_qkv=True,
+        is_qkv_fn=lambda p: getattr(p, "is_qkv", False),
+        qkv_split_shapes=[q, cfg.kv_channels, cfg.kv_channels],
+        fp32_matmul_prec="highest",
+        coefficient_type=coefficient_type,
+        num_ns_steps=steps,
+        scale_mode="spectral",
+        pg_collection=pg,
+        tp_mode=tp_mode,
+    )
     return opt, names
 
 

@@ -53,8 +53,17 @@ def test_smoke_defaults_yield_to_explicit_flags():
 
 def test_one_optimizer_config_carries_the_muon_flags():
     module = _script_module()
-    cfg = module.parse_config(["--no-muon-nesterov", "--muon-coefficient-type", "quintic",
-                               "--muon-num-ns-steps", "7", "--muon-momentum", "0.9"])  # fmt: skip
+    cfg = module.parse_config(
+        [
+            "--no-muon-nesterov",
+            "--muon-coefficient-type",
+            "quintic",
+            "--muon-num-ns-steps",
+            "7",
+            "--muon-momentum",
+            "0.9",
+        ]
+    )
     config = module.muon_optimizer_config(cfg)
     assert config.optimizer == "muon" and config.muon_nesterov is False
     assert (config.muon_coefficient_type, config.muon_num_ns_steps) == ("quintic", 7)
@@ -69,8 +78,12 @@ def test_cpu_smoke_runs_three_arms_and_writes_json(tmp_path):
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run(
         [sys.executable, SCRIPT, "--smoke", "--rounds", "1", "--out", str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=110,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert set(result["arms"]) == {"muonscale", "adamw_cpu_standin", "megatron_muon_unwrapped_cpu"}
@@ -89,8 +102,12 @@ def test_cpu_smoke_runs_three_arms_and_writes_json(tmp_path):
     assert result["sanity"]["same_initial_loss"] and result["sanity"]["same_first_grad_norm"]
     assert result["meta"]["muonscale_dp_mode"] == "replicated"
     assert result["phases_done"] == ["build+warmup", "one_micro", "accum", "loss"]
-    for key in ("throughput_ratio_one_micro", "throughput_ratio_accum_measured",
-                "throughput_ratio_vs_megatron_muon_one_micro", "optimizer_step_ratio_vs_megatron_muon"):  # fmt: skip
+    for key in (
+        "throughput_ratio_one_micro",
+        "throughput_ratio_accum_measured",
+        "throughput_ratio_vs_megatron_muon_one_micro",
+        "optimizer_step_ratio_vs_megatron_muon",
+    ):
         assert result[key] > 0
     assert "throughput_ratio_one_micro" in proc.stdout
     assert "throughput_ratio_vs_megatron_muon_one_micro" in proc.stdout

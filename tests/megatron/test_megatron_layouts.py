@@ -16,9 +16,13 @@ from muonscale import NonFiniteGradientError
 
 STEPS = 3
 BASE = dict(
-    lr=0.02, weight_decay=0.1, muon_momentum=0.9, scale="unit_rms", adam_lr=0.01,
+    lr=0.02,
+    weight_decay=0.1,
+    muon_momentum=0.9,
+    scale="unit_rms",
+    adam_lr=0.01,
     grads_reduced=True,
-)  # fmt: skip
+)
 """Gradients arrive reduced (in ``main_grad``, as Megatron's DDP + finalize_model_grads leave
 them), which is what pipeline parallelism needs."""
 CLIP = 40.0

@@ -23,11 +23,21 @@ from muonscale.integrations.megatron import megatron_coefficients
 
 STEPS = 3
 CONFIG = dict(
-    optimizer="muon", lr=0.02, weight_decay=0.1, muon_momentum=0.9, muon_nesterov=True,
-    muon_coefficient_type="quintic", muon_num_ns_steps=6, muon_scale_mode="spectral",
-    muon_extra_scale_factor=0.2, muon_fp32_matmul_prec="highest", muon_split_qkv=True,
-    muon_tp_mode="duplicated", adam_beta2=0.95, clip_grad=0.0,
-)  # fmt: skip
+    optimizer="muon",
+    lr=0.02,
+    weight_decay=0.1,
+    muon_momentum=0.9,
+    muon_nesterov=True,
+    muon_coefficient_type="quintic",
+    muon_num_ns_steps=6,
+    muon_scale_mode="spectral",
+    muon_extra_scale_factor=0.2,
+    muon_fp32_matmul_prec="highest",
+    muon_split_qkv=True,
+    muon_tp_mode="duplicated",
+    adam_beta2=0.95,
+    clip_grad=0.0,
+)
 """Away from both libraries' defaults (momentum, Nesterov, coefficients, steps, scale factor),
 so that a setting either side ignored would show. ``clip_grad=0``: Megatron clips in the wrapper
 ``get_megatron_optimizer`` puts around ``TensorParallelMuon`` (CUDA-only; stepped bare here),
@@ -44,11 +54,17 @@ def test_both_arms_read_one_optimizer_config_with_equal_settings(arms):
     theirs, ours = arms["settings"]["megatron"], arms["settings"]["muonscale"]
     assert theirs == ours
     expected = dict(
-        lr=CONFIG["lr"], momentum=CONFIG["muon_momentum"], nesterov=True,
-        weight_decay=CONFIG["weight_decay"], num_ns_steps=6,
-        coefficients=megatron_coefficients("quintic", 6), scale=("spectral", 0.2),
-        ns_dtype=str(torch.float32), split_qkv=True, tp_exact=True,
-    )  # fmt: skip
+        lr=CONFIG["lr"],
+        momentum=CONFIG["muon_momentum"],
+        nesterov=True,
+        weight_decay=CONFIG["weight_decay"],
+        num_ns_steps=6,
+        coefficients=megatron_coefficients("quintic", 6),
+        scale=("spectral", 0.2),
+        ns_dtype=str(torch.float32),
+        split_qkv=True,
+        tp_exact=True,
+    )
     assert ours == expected
 
 

@@ -80,9 +80,12 @@ class MegatronMuon(Muon):
             groups, config, counter=self.wire_counter, memory=self.memory
         )
         self.grad_norm = GlobalGradNorm(
-            self.plans, groups, counter=self.wire_counter, dp_replicated=True,
+            self.plans,
+            groups,
+            counter=self.wire_counter,
+            dp_replicated=True,
             nonfinite=config.nonfinite,
-        )  # fmt: skip
+        )
         has_main_grad = any(hasattr(p, "main_grad") for p in self.main_params.model_params)
         self.grads_reduced = has_main_grad if config.grads_reduced is None else config.grads_reduced
         if not self.grads_reduced:
@@ -133,10 +136,14 @@ class MegatronMuon(Muon):
             return super().update_group(group, params, grads)
         states = [self.init_state(p, group) for p in params]
         muon_update_(
-            params, grads, self._stacked_momentum(group, params, states),
+            params,
+            grads,
+            self._stacked_momentum(group, params, states),
             [self.matrix_view(p, group) for p in params],
-            [self._plan_by_id[id(p)] for p in params], group, self.orthogonalizer,
-        )  # fmt: skip
+            [self._plan_by_id[id(p)] for p in params],
+            group,
+            self.orthogonalizer,
+        )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -220,9 +227,12 @@ class MegatronDistributedMuon(DistributedMuon):
             groups, config, counter=self.wire_counter, memory=self.memory
         )
         self.grad_norm = GlobalGradNorm(
-            self.plans, groups, counter=self.wire_counter, dp_replicated=False,
+            self.plans,
+            groups,
+            counter=self.wire_counter,
+            dp_replicated=False,
             nonfinite=config.nonfinite,
-        )  # fmt: skip
+        )
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -238,11 +248,14 @@ class MegatronDistributedMuon(DistributedMuon):
             return super().update_group(group, params, grads)
         states = [self.init_state(p, group) for p in params]
         muon_update_(
-            params, grads, self._stacked_momentum(group, params, states),
+            params,
+            grads,
+            self._stacked_momentum(group, params, states),
             [self.matrix_view(p, group) for p in params],
-            [self._plan_by_id[id(self.model_param(p))] for p in params], group,
+            [self._plan_by_id[id(self.model_param(p))] for p in params],
+            group,
             self.orthogonalizer,
-        )  # fmt: skip
+        )
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -348,7 +361,5 @@ def megatron_muon(
             plans, groups, config, orthogonalizer=orthogonalizer, wire_counter=counter
         )
     counter = WireCounter()
-    orthogonalizer = TensorParallelOrthogonalizer(
-        groups, config, counter=counter, memory=memory
-    )
+    orthogonalizer = TensorParallelOrthogonalizer(groups, config, counter=counter, memory=memory)
     return MegatronMuon(plans, groups, config, orthogonalizer=orthogonalizer, wire_counter=counter)

@@ -233,7 +233,7 @@ def plan_parameters(
                     partition_dim,
                     layout,
                     pipeline_copy=bool(getattr(p, "shared", False)),
-                )  # fmt: skip
+                )
             )
     if not plans:
         raise ValueError("megatron_muon: the model chunks have no trainable parameters")

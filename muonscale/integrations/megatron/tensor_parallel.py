@@ -32,14 +32,22 @@ def muon_arguments(
     if adamw:
         param_groups.append({"params": adamw, "algorithm": "adamw"})
     options = dict(
-        lr=config.lr, momentum=config.muon_momentum, nesterov=config.muon_nesterov,
-        weight_decay=config.weight_decay, ns_steps=config.muon_num_ns_steps,
-        coefficients=config.coefficients, scale=config.scale, ns_dtype=config.ns_dtype,
-        adamw_lr=config.adam_lr, adamw_betas=(config.adam_beta1, config.adam_beta2),
-        adamw_eps=config.adam_eps, adamw_weight_decay=config.adam_weight_decay,
-        nonfinite=config.nonfinite, qkv_split=config.qkv_split,
+        lr=config.lr,
+        momentum=config.muon_momentum,
+        nesterov=config.muon_nesterov,
+        weight_decay=config.weight_decay,
+        ns_steps=config.muon_num_ns_steps,
+        coefficients=config.coefficients,
+        scale=config.scale,
+        ns_dtype=config.ns_dtype,
+        adamw_lr=config.adam_lr,
+        adamw_betas=(config.adam_beta1, config.adam_beta2),
+        adamw_eps=config.adam_eps,
+        adamw_weight_decay=config.adam_weight_decay,
+        nonfinite=config.nonfinite,
+        qkv_split=config.qkv_split,
         splits={pl.name: pl.qkv_layout for pl in plans if pl.qkv_layout is not None},
-    )  # fmt: skip
+    )
     return param_groups, options
 
 
@@ -172,6 +180,9 @@ def muon_update_(
     )
     updates = orthogonalize(directions, views, plans, group)
     functional.apply_updates_(
-        params, updates, [-1.0] * len(updates), lr=float(group["lr"]),
+        params,
+        updates,
+        [-1.0] * len(updates),
+        lr=float(group["lr"]),
         weight_decay=group["weight_decay"],
-    )  # fmt: skip
+    )
