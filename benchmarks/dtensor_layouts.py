@@ -184,10 +184,12 @@ def main() -> None:
         s[0] * s[1] for n, s in shapes.items() if len(s) == 2 and not n.startswith("wte")
     )
     print(
-        f"dim {args.dim}, {args.layers} layers, {args.steps} steps; Muon matrices S = {4 * muon_elems:,d} B (fp32)"
+        f"dim {args.dim}, {args.layers} layers, {args.steps} steps; "
+        f"Muon matrices S = {4 * muon_elems:,d} B (fp32)"
     )
     print(
-        f"{'layout':<32} {'N':>2} {'muon B/step/rank max':>21} {'mean':>10} {'duplicated':>11} {'ratio':>6} {'max|dW|':>9}"
+        f"{'layout':<32} {'N':>2} {'muon B/step/rank max':>21} {'mean':>10} "
+        f"{'duplicated':>11} {'ratio':>6} {'max|dW|':>9}"
     )
     for name, world_size, mesh_shape in LAYOUTS:
         res = run_layout(world_size, (name, mesh_shape, args.dim, args.layers, args.steps))
@@ -195,7 +197,8 @@ def main() -> None:
         dup = res[0]["duplicated"]
         ratio = max(muon) / dup if dup else float("nan")
         print(
-            f"{name:<32} {world_size:>2} {max(muon):>21,d} {sum(muon) / len(muon):>10,.0f} {dup:>11,d} "
+            f"{name:<32} {world_size:>2} {max(muon):>21,d} "
+            f"{sum(muon) / len(muon):>10,.0f} {dup:>11,d} "
             f"{ratio:>6.2f} {max(r['diff'] for r in res):>9.2g}"
         )
 

@@ -41,7 +41,8 @@ is recorded in the JSON and the rest still runs; a global time guard skips what 
                   torch.distributed.run --nproc-per-node 1``, PYTHONPATH=<repo>:<site>, wall
                   limit ``--megatron-timeout-s``, outside the time guard): Megatron's GPTModel
                   (GPT-2-medium shapes, bf16) under Megatron's DDP, tokens/s of muonscale vs
-                  ``get_megatron_optimizer`` Adam and Megatron-Core's own Muon. Its JSON is merged into this section (also
+                  ``get_megatron_optimizer`` Adam and Megatron-Core's own Muon. Its JSON is
+                  merged into this section (also
                   ``$OUT/megatron_gpu.json``, log ``$OUT/megatron_gpu.log``); ``megatron_leg``
                   says ``"measured"`` or ``"not measured: <reason>"`` (no megatron-core, import
                   failure, time-out). ``--smoke`` runs its CPU smoke when this Python can import

@@ -22,7 +22,8 @@ split, ``duplicated`` = exact TP). The JSON's ``muon_config`` records that confi
 ``TensorParallelMuon`` arguments Megatron derives from it, what ``from_megatron`` made of it, and
 the settings read back from both built optimizers (``same_settings``, checked in ``sanity``):
 
-* ``megatron_adam``: ``get_megatron_optimizer`` of that config with ``optimizer="adam"``: Megatron's ``Float16OptimizerWithFloat16Params`` (fp32 main parameters,
+* ``megatron_adam``: ``get_megatron_optimizer`` of that config with ``optimizer="adam"``:
+  Megatron's ``Float16OptimizerWithFloat16Params`` (fp32 main parameters,
   global gradient-norm clipping) around Adam (TE or apex ``FusedAdam`` when installed, else
   ``torch.optim.AdamW``; ``meta.adam_impl`` says which);
 * ``muonscale``: ``megatron_muon([model], MegatronMuonConfig.from_megatron(config, ...))``, which
@@ -68,7 +69,8 @@ on GPU); in place of ``megatron_muon``, ``megatron_muon_unwrapped_cpu`` = the sa
 ``Float16OptimizerWithFloat16Params`` and ``ChainedOptimizer`` replaced by pass-throughs (so
 Megatron's own parameter tagging, param groups and config → ``TensorParallelMuon`` arguments
 run), stepped by ``arms.MainParamsChain`` (fp32 main copies with Megatron's attributes, one
-clip, the two torch optimizers); and, in place of ``megatron_adam``, ``adamw_cpu_standin`` = ``torch.optim.AdamW`` with
+clip, the two torch optimizers); and, in place of ``megatron_adam``, ``adamw_cpu_standin`` =
+``torch.optim.AdamW`` with
 the same hyper-parameters directly on the bf16 parameters (no weight decay for 1-D tensors, as
 Megatron's default groups), DP mean and ``clip_grad_norm_`` by hand (exact at the smoke's TP 1).
 The JSON says ``"not measured: <reason>"`` for the Megatron arms (``not_measured``) and for
@@ -196,7 +198,8 @@ class BenchConfig:
     budget_s: float = _option(
         0.0,
         float,
-        "wall-clock budget in seconds: the accumulation point is measured only if it fits (0 = no limit)",
+        "wall-clock budget in seconds: the accumulation point is measured only if it fits "
+        "(0 = no limit)",
     )
     muon_momentum: float = _option(0.95, float, "OptimizerConfig.muon_momentum (both Muon arms)")
     muon_nesterov: bool = _option(True, bool, "OptimizerConfig.muon_nesterov (both Muon arms)")
@@ -217,7 +220,8 @@ class BenchConfig:
     muon_extra_scale_factor: float = _option(
         0.2,
         float,
-        "OptimizerConfig.muon_extra_scale_factor (spectral x 0.2 = muonscale's default match_rms_adamw)",
+        "OptimizerConfig.muon_extra_scale_factor "
+        "(spectral x 0.2 = muonscale's default match_rms_adamw)",
     )
     muon_fp32_matmul_prec: str = _option(
         "medium",
@@ -410,7 +414,10 @@ def main(argv: list[str] | None = None) -> int:
             "adam_impl": "torch.optim.AdamW"
             if megatron_optimizer.USING_PYTORCH_OPTIMIZER
             else "fused Adam (TE or apex)",
-            "peak_metric": "torch.cuda.max_memory_allocated during the arm's build and warm-up, minus memory allocated before"
+            "peak_metric": (
+                "torch.cuda.max_memory_allocated during the arm's build and warm-up, "
+                "minus memory allocated before"
+            )
             if device.cuda
             else "process peak RSS (CPU smoke: not per arm)",
             "config": asdict(cfg),
@@ -426,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     if rank0:
         print(
             f"megatron_gpu: {device.name()}, {world} processes, TP {cfg.tp}, "
-            f"megatron-core {result['meta']['megatron_core']} ({result['meta']['megatron_core_path']})",
+            f"megatron-core {result['meta']['megatron_core']} "
+            f"({result['meta']['megatron_core_path']})",
             flush=True,
         )
     try:

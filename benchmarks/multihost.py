@@ -112,8 +112,10 @@ def _rows(per_host: list[dict], hosts: int, procs: int, link: str) -> list[dict]
                 "n_params": first["n_params"],
                 "note": None
                 if procs == 1
-                else "ranks of one host talk over loopback: counted bytes include traffic that never "
-                "crosses the host's link",
+                else (
+                    "ranks of one host talk over loopback: counted bytes include traffic "
+                    "that never crosses the host's link"
+                ),
             }
         )
     by_name = {(r["optimizer"]): r for r in rows}

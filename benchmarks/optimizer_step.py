@@ -6,7 +6,8 @@ machine noise cancels. ``torch.optim.Muon`` always runs Newton–Schulz in bfloa
 comparison at equal dtype its iteration is also run with float32 (its own code path, with
 only the cast changed), marked ``torch-muon[fp32]``.
 
-    PYTHONPATH=. python3 benchmarks/optimizer_step.py                 # 1 layer of GPT-2-small shapes
+    # 1 layer of GPT-2-small shapes
+    PYTHONPATH=. python3 benchmarks/optimizer_step.py
     PYTHONPATH=. python3 benchmarks/optimizer_step.py --layers 12 --reps 3 --json out.json
 """
 
@@ -156,7 +157,9 @@ def main(argv=None) -> dict:
     flops = sum(newton_schulz_flops(m, n, 5) for m, n in matrices)
     result = {
         "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        "machine": (
+            f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+        ),
         "torch": torch.__version__,
         "layers": args.layers,
         "ns_flops_per_step": flops,

@@ -14,7 +14,8 @@ No activations are involved: this isolates what the optimizer adds. The end-to-e
 memory is measured on GPU (benchmarks/gpu.py); ``muonscale bench`` reports the CPU
 end-to-end peak for the tiny model.
 
-    PYTHONPATH=. python3 benchmarks/step_memory.py                      # 12 layers (GPT-2 small), ~2 min
+    # 12 layers (GPT-2 small), ~2 min
+    PYTHONPATH=. python3 benchmarks/step_memory.py
     PYTHONPATH=. python3 benchmarks/step_memory.py --layers 4 --json out.json
 """
 
@@ -128,15 +129,18 @@ def main(argv=None) -> dict:
     mib = 2**20
     params = next(iter(results.values()))["params"]
     print(
-        f"\nGPT-2-small shapes, {args.layers} layers: parameters {params / mib:.0f} MiB (+ as much in gradients)"
+        f"\nGPT-2-small shapes, {args.layers} layers: "
+        f"parameters {params / mib:.0f} MiB (+ as much in gradients)"
     )
     print(
-        f"{'contender':<26}{'peak MiB':>10}{'optimizer MiB':>15}{'state MiB':>11}{'peak vs adamw[foreach]':>24}"
+        f"{'contender':<26}{'peak MiB':>10}{'optimizer MiB':>15}{'state MiB':>11}"
+        f"{'peak vs adamw[foreach]':>24}"
     )
     base = results.get("adamw[foreach]", next(iter(results.values())))["peak"]
     for name, r in results.items():
         print(
-            f"{name:<26}{r['peak'] / mib:>10.0f}{r['optimizer'] / mib:>15.0f}{r['state'] / mib:>11.0f}"
+            f"{name:<26}{r['peak'] / mib:>10.0f}{r['optimizer'] / mib:>15.0f}"
+            f"{r['state'] / mib:>11.0f}"
             f"{r['peak'] / base:>24.3f}"
         )
     summary = {

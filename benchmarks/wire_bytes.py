@@ -1,9 +1,12 @@
 """Bytes on the wire per optimizer step per rank: DistributedMuon vs AdamW (DDP, ZeRO-1, torch's
 ZeroRedundancyOptimizer), all counted by ``muonscale.distributed.comm`` with the ring model.
 
-    PYTHONPATH=. python3 benchmarks/wire_bytes.py                      # GPT-2-small shapes, 4 gloo ranks
-    PYTHONPATH=. python3 benchmarks/wire_bytes.py --world-size 8 --simulate --rows muon,muon-bf16,zero1
-    PYTHONPATH=. python3 benchmarks/wire_bytes.py --preset bench-dp --world-size 4   # `muonscale bench`'s model
+    # GPT-2-small shapes, 4 gloo ranks
+    PYTHONPATH=. python3 benchmarks/wire_bytes.py
+    PYTHONPATH=. python3 benchmarks/wire_bytes.py --world-size 8 --simulate \\
+        --rows muon,muon-bf16,zero1
+    # `muonscale bench`'s model
+    PYTHONPATH=. python3 benchmarks/wire_bytes.py --preset bench-dp --world-size 4
     PYTHONPATH=. python3 benchmarks/wire_bytes.py --preset tiny --world-size 2 --json
 
 Launches N gloo processes itself (or runs under ``torchrun``). Presets: ``gpt2-small`` and
@@ -329,10 +332,12 @@ def _report(result: dict, as_json: bool) -> None:
         return
     n = result["world_size"]
     print(
-        f"bytes on the wire per optimizer step per rank, {result['preset']} ({result['params'] / 1e6:.1f}M params), {n} {result['ranks']}, ring model"
+        f"bytes on the wire per optimizer step per rank, {result['preset']} "
+        f"({result['params'] / 1e6:.1f}M params), {n} {result['ranks']}, ring model"
     )
     print(
-        f"{'optimizer':<56} {'mean bytes':>14} {'max bytes':>14} {'vs ZeRO-1':>10} {'vs DDP':>8} {'state MB/rank':>14}"
+        f"{'optimizer':<56} {'mean bytes':>14} {'max bytes':>14} {'vs ZeRO-1':>10} "
+        f"{'vs DDP':>8} {'state MB/rank':>14}"
     )
 
     def ratio(x):
@@ -341,7 +346,8 @@ def _report(result: dict, as_json: bool) -> None:
     for name, row in rows.items():
         print(
             f"{name:<56} {row['mean']:>14,.0f} {row['max']:>14,.0f} "
-            f"{ratio(row['vs_zero1_adamw']):>10} {ratio(row['vs_ddp_adamw']):>8} {row['state_bytes_max'] / 1e6:>14.3f}"
+            f"{ratio(row['vs_zero1_adamw']):>10} {ratio(row['vs_ddp_adamw']):>8} "
+            f"{row['state_bytes_max'] / 1e6:>14.3f}"
         )
     for name, row in rows.items():
         if "layout" in row and any(row["layout"]["ns_flops"]):
@@ -356,7 +362,9 @@ def _report(result: dict, as_json: bool) -> None:
     if ROWS["muon"] in rows:
         muon_state = rows[ROWS["muon"]]["state_bytes_max"]
         print(
-            f"optimizer state: single-process muonscale.Muon {single / 1e6:.1f} MB; DistributedMuon max per rank {muon_state / 1e6:.1f} MB ({muon_state / single:.3f}x)"
+            f"optimizer state: single-process muonscale.Muon {single / 1e6:.1f} MB; "
+            f"DistributedMuon max per rank {muon_state / 1e6:.1f} MB "
+            f"({muon_state / single:.3f}x)"
         )
 
 

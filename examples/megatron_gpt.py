@@ -3,7 +3,8 @@
 CPU (gloo), 2 processes, TP = 2 (needs the Python 3.12 env of ``.ci/megatron_env.sh``)::
 
     PYTHONPATH=. .venv-megatron/bin/torchrun --nproc-per-node 2 examples/megatron_gpt.py --tp 2
-    PYTHONPATH=. .venv-megatron/bin/torchrun --nproc-per-node 4 examples/megatron_gpt.py --tp 2  # TP 2 x DP 2
+    # TP 2 x DP 2
+    PYTHONPATH=. .venv-megatron/bin/torchrun --nproc-per-node 4 examples/megatron_gpt.py --tp 2
 
 With CUDA it uses NCCL and no shims. Throughput on GPU (tokens/s of muonscale vs Megatron's own
 Adam, both under Megatron's DDP with bf16 parameters) is measured by
@@ -138,7 +139,8 @@ def main() -> None:
         loss = train_step(model, optimizer, tokens, step, args, device)
         if rank0 and (step % 5 == 0 or step == args.steps - 1):
             print(
-                f"step {step:4d}  loss {loss:.4f}  optimizer wire bytes/rank {optimizer.last_step_wire_bytes}"
+                f"step {step:4d}  loss {loss:.4f}  "
+                f"optimizer wire bytes/rank {optimizer.last_step_wire_bytes}"
             )
     ps.destroy_model_parallel()
     dist.barrier()

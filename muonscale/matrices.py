@@ -54,7 +54,8 @@ class MatrixView:
             return MatrixView(shape, mode, transposed=bool(transposed))
         if mode == "batch" and len(shape) > 2:
             raise ValueError(
-                "a row partition (split) applies to 2-D or flattened parameters, not matrix_mode='batch'"
+                "a row partition (split) applies to 2-D or flattened parameters, "
+                "not matrix_mode='batch'"
             )
         parts = tuple(torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in row_partition)
         rows = shape[1] if transposed else shape[0]

@@ -30,7 +30,8 @@ DEFAULT_EPS = 1e-7
 class CoefficientPreset:
     """A named Newton–Schulz schedule: one (a, b, c) per step, with the normalization margin
     its authors use (X₀ = G / (margin · ‖G‖_F)). Past the end of the list ``tail`` repeats (the
-    last tuple when ``tail`` is None); with fewer steps than tuples, the first ``steps`` are used."""
+    last tuple when ``tail`` is None); with fewer steps than tuples, the first ``steps`` are
+    used."""
 
     steps: tuple[Coefficients, ...]
     normalization_margin: float
@@ -145,7 +146,8 @@ def resolve_schedule(
     else:
         raise ValueError(
             "coefficients must be a preset name "
-            f"{sorted(COEFFICIENT_PRESETS)}, one (a, b, c) tuple or a list of them; got {coefficients!r}"
+            f"{sorted(COEFFICIENT_PRESETS)}, one (a, b, c) tuple or a list of them; "
+            f"got {coefficients!r}"
         )
     if steps <= len(schedule):
         return schedule[:steps], margin
@@ -232,7 +234,8 @@ def newton_schulz(
     """
     if not isinstance(G, torch.Tensor) or G.ndim < 2:
         raise ValueError(
-            f"newton_schulz: G must be a tensor with >= 2 dims, got shape {getattr(G, 'shape', None)}"
+            "newton_schulz: G must be a tensor with >= 2 dims, "
+            f"got shape {getattr(G, 'shape', None)}"
         )
     if G.is_complex() or not G.is_floating_point():
         raise ValueError(f"newton_schulz: G must be real floating point, got {G.dtype}")

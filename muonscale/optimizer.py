@@ -320,11 +320,13 @@ class Muon(torch.optim.Optimizer):
             for p in params:
                 if p.is_complex():
                     raise ValueError(
-                        f"Muon cannot orthogonalize complex parameter '{self._name(p)}'; route it to AdamW"
+                        f"Muon cannot orthogonalize complex parameter '{self._name(p)}'; "
+                        "route it to AdamW"
                     )
                 if p.ndim < 2:
                     raise ValueError(
-                        f"Muon parameter '{self._name(p)}' has shape {tuple(p.shape)}; Muon needs >= 2 dims (route it to AdamW)"
+                        f"Muon parameter '{self._name(p)}' has shape {tuple(p.shape)}; "
+                        "Muon needs >= 2 dims (route it to AdamW)"
                     )
         else:
             for key, value in self._adamw_defaults.items():
@@ -558,7 +560,8 @@ class Muon(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise ValueError(
-                        f"parameter '{self._name(p)}' has a sparse gradient; muonscale.Muon needs dense gradients"
+                        f"parameter '{self._name(p)}' has a sparse gradient; "
+                        "muonscale.Muon needs dense gradients"
                     )
                 if p.grad.numel():  # an empty tensor has no max norm (and nothing to check)
                     grads.append(p.grad)

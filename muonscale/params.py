@@ -153,7 +153,8 @@ def route(
     for name, param in named:
         if not isinstance(name, str) or not isinstance(param, torch.Tensor):
             raise TypeError(
-                f"route: expected (name, tensor) pairs, got {(type(name).__name__, type(param).__name__)}"
+                "route: expected (name, tensor) pairs, "
+                f"got {(type(name).__name__, type(param).__name__)}"
             )
         out[name] = route_one(name, param, rules, embedding_ids)
     return out

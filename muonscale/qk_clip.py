@@ -209,7 +209,8 @@ class QKClip:
     def __call__(self, max_logits: Sequence[torch.Tensor]) -> torch.Tensor:
         """Rescale every target whose heads' maxima (this rank's, ``max_logits[i]`` of shape
         (heads of ``targets[i]``,)) exceed ``tau`` after the MAX over the data-parallel ranks.
-        Call after ``optimizer.step()``. Returns the reduced maxima, concatenated (float64, as gamma is computed)."""
+        Call after ``optimizer.step()``. Returns the reduced maxima, concatenated (float64, as
+        gamma is computed)."""
         if len(max_logits) != len(self.targets):
             raise ValueError(
                 f"max_logits: expected {len(self.targets)} tensors (one per target), "

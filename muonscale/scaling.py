@@ -4,13 +4,13 @@ An orthogonalized m×n update O has every singular value ≈ 1, so its RMS is �
 The rules below turn that into an update of a chosen size. m = rows = fan-out, n = columns =
 fan-in (``nn.Linear.weight`` is (out_features, in_features)).
 
-| muonscale          | s(m, n)              | elsewhere                                           |
-|--------------------|----------------------|-----------------------------------------------------|
-| ``shape``          | √max(1, m/n)         | Keller Jordan's Muon; torch.optim.Muon ``"original"`` |
-| ``match_rms_adamw``| 0.2 · √max(m, n)     | Moonlight; torch.optim.Muon ``"match_rms_adamw"``   |
-| ``unit_rms``       | √max(m, n)           | Megatron-Core ``muon_scale_mode="spectral"``        |
-| ``spectral``       | √(m/n)               | √(fan_out/fan_in); Megatron ``"unit_rms_norm"``     |
-| ``none``           | 1                    |                                                     |
+| muonscale          | s(m, n)            | elsewhere                                             |
+|--------------------|--------------------|-------------------------------------------------------|
+| ``shape``          | √max(1, m/n)       | Keller Jordan's Muon; torch.optim.Muon ``"original"`` |
+| ``match_rms_adamw``| 0.2 · √max(m, n)   | Moonlight; torch.optim.Muon ``"match_rms_adamw"``     |
+| ``unit_rms``       | √max(m, n)         | Megatron-Core ``muon_scale_mode="spectral"``          |
+| ``spectral``       | √(m/n)             | √(fan_out/fan_in); Megatron ``"unit_rms_norm"``       |
+| ``none``           | 1                  |                                                       |
 
 ``match_rms_adamw`` (the default) gives the update an RMS of ≈ 0.2, the typical RMS of an AdamW
 update, so the learning rate and weight decay tuned for AdamW carry over (Liu et al., 2025,

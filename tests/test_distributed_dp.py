@@ -124,7 +124,8 @@ def test_same_batch_matches_single_process(world_size):
     )
     diffs = [r[0] for r in results]
     print(
-        f"\nsame batch, {world_size} ranks: max |dW| = {max(diffs):.3g}, bitwise: {[r[1] for r in results]}"
+        f"\nsame batch, {world_size} ranks: max |dW| = {max(diffs):.3g}, "
+        f"bitwise: {[r[1] for r in results]}"
     )
     assert max(diffs) <= 1e-6
     if world_size == 4:

@@ -200,7 +200,8 @@ def injected4(pool4):
 @pytest.mark.parametrize("kind", ["fsdp", "tp0", "tp1", "fsdp_bf16"])
 def test_injected_2_ranks(injected2, kind):
     print(
-        f"\n2 ranks {kind}: max|dW| = {injected2[kind]['max_diff']:.3g}, bytes/step {injected2[kind]['wire']}"
+        f"\n2 ranks {kind}: max|dW| = {injected2[kind]['max_diff']:.3g}, "
+        f"bytes/step {injected2[kind]['wire']}"
     )
     assert injected2[kind]["max_diff"] <= TOL
 
@@ -208,7 +209,8 @@ def test_injected_2_ranks(injected2, kind):
 @pytest.mark.parametrize("kind", ["fsdp", "tp0", "tp1", "2d"])
 def test_injected_4_ranks(injected4, kind):
     print(
-        f"\n4 ranks {kind}: max|dW| = {injected4[kind]['max_diff']:.3g}, bytes/step {injected4[kind]['wire']}"
+        f"\n4 ranks {kind}: max|dW| = {injected4[kind]['max_diff']:.3g}, "
+        f"bytes/step {injected4[kind]['wire']}"
     )
     assert injected4[kind]["max_diff"] <= TOL
 

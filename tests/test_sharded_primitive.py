@@ -174,5 +174,6 @@ def test_cost_model_duplicated_vs_all_to_all():
     per_rank = all_to_all_wire_bytes(layouts, owners, 4, n)
     assert per_rank == [2 * 3 * S // 16] * n
     print(
-        f"\nN=4, S={S} B: all-to-all {per_rank[0]} B/rank, duplicated {duplicated_wire_bytes(layouts, 4, n)} B/rank"
+        f"\nN=4, S={S} B: all-to-all {per_rank[0]} B/rank, "
+        f"duplicated {duplicated_wire_bytes(layouts, 4, n)} B/rank"
     )

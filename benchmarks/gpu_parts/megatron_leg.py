@@ -34,7 +34,8 @@ def megatron_pythonpath(bench) -> tuple[str | None, str | None]:
     elif importlib.util.find_spec("megatron") is None:
         return (
             None,
-            "megatron-core is not installed and there is no .megatron-site/ (run bash .ci/megatron_site.sh here and carry .megatron-site)",
+            "megatron-core is not installed and there is no .megatron-site/ "
+            "(run bash .ci/megatron_site.sh here and carry .megatron-site)",
         )
     if os.environ.get("PYTHONPATH"):
         paths.append(os.environ["PYTHONPATH"])

@@ -134,7 +134,8 @@ def print_table(result: dict) -> None:
         print(f"Muon arms, same settings: {result['muon_config']['same_settings']}")
     if "accum_point" in result:
         print(
-            f"accumulation point ({result['accum_tokens_per_step']:,} tokens/step): {result['accum_point']}"
+            f"accumulation point ({result['accum_tokens_per_step']:,} tokens/step): "
+            f"{result['accum_point']}"
         )
     print(f"sanity: {result.get('sanity')}")
 

@@ -55,7 +55,8 @@ class ContenderRecord:
     optimizer_state_bytes: int = 0
     eval_seconds: float = 0.0
     diverged_at_step: int | None = None
-    """Step whose loss was not finite; the contender stopped there (its later evaluations are NaN)."""
+    """Step whose loss was not finite; the contender stopped there (its later evaluations are
+    NaN)."""
 
     @property
     def train_seconds(self) -> float:

@@ -39,7 +39,8 @@ def run_sweep(
     log: Callable[[str], None] | None = None,
     store: RunStore | None = None,
 ) -> dict:
-    """Return ``{"steps", "results": {contender: [{lr, final_val_loss}]}, "best": {contender: lr}}``.
+    """Return ``{"steps", "results": {contender: [{lr, final_val_loss}]},
+    "best": {contender: lr}}``.
 
     ``make_run(bench, contender, lr, steps=...)`` builds a run (``runner.make_run``); a diverged
     run (non-finite loss) ranks last.

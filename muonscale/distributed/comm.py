@@ -255,7 +255,8 @@ class Communicator:
         """``output`` (S/N) <- shard ``rank`` of the sum over ranks of ``input`` (S, contiguous)."""
         if input.numel() != output.numel() * self.world_size:
             raise ValueError(
-                f"reduce_scatter: input has {input.numel()} elements, expected {self.world_size} x {output.numel()}"
+                f"reduce_scatter: input has {input.numel()} elements, "
+                f"expected {self.world_size} x {output.numel()}"
             )
         self.counter.record("reduce_scatter", tensor_bytes(input), self.world_size, tag)
         if not self.active:
@@ -284,7 +285,8 @@ class Communicator:
         """``output`` (N*S) <- concatenation over ranks of ``input`` (S); equal sizes only."""
         if output.numel() != input.numel() * self.world_size:
             raise ValueError(
-                f"all_gather: output has {output.numel()} elements, expected {self.world_size} x {input.numel()}"
+                f"all_gather: output has {output.numel()} elements, "
+                f"expected {self.world_size} x {input.numel()}"
             )
         self.counter.record("all_gather", tensor_bytes(output), self.world_size, tag)
         if not self.active:

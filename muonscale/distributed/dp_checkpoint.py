@@ -120,7 +120,8 @@ def load_full_state(opt: DistributedMuon, state_dict: dict[str, Any]) -> None:
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(opt.param_groups):
         raise ValueError(
-            f"loaded state has {len(saved_groups)} param groups, the optimizer {len(opt.param_groups)}"
+            f"loaded state has {len(saved_groups)} param groups, "
+            f"the optimizer {len(opt.param_groups)}"
         )
     key_of: dict[int, Any] = {}
     for group, saved in zip(opt.param_groups, saved_groups):

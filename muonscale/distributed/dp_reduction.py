@@ -10,10 +10,11 @@ gather buffers keep the parameters' dtype (the Muon reduction: ``reduce_dtype``)
 When the reduction reads ``p.grad`` (``reduce_at``): ``"backward"`` launches each bucket from a
 gradient hook as soon as it is full, overlapping backward; a gradient changed after its bucket
 was launched (clipping, masking, zeroing, or another backward accumulating into it) is noticed
-at ``step()`` (by the tensor's identity and version counter; :meth:`BucketedReduction.grads_changed`)
-and every bucket is reduced again from ``p.grad``. ``"step"`` reduces everything at
-``step()``. ``"never"``: ``p.grad`` already holds the average over the group (a model wrapped
-in DDP), so nothing is reduced: each rank copies its own slices at ``step()``.
+at ``step()`` (by the tensor's identity and version counter;
+:meth:`BucketedReduction.grads_changed`) and every bucket is reduced again from ``p.grad``.
+``"step"`` reduces everything at ``step()``. ``"never"``: ``p.grad`` already holds the average
+over the group (a model wrapped in DDP), so nothing is reduced: each rank copies its own slices
+at ``step()``.
 """
 
 from __future__ import annotations

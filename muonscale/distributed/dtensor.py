@@ -257,7 +257,8 @@ class DTensorMuon(Muon):
                 raise ValueError(
                     f"DTensorMuon: parameter '{self._name(p)}': computed local shard "
                     f"{layout.piece_shape(self.comm.rank)} but the DTensor holds "
-                    f"{tuple(_as_2d(local_tensor(p)).shape)} (placements {getattr(p, 'placements', None)})"
+                    f"{tuple(_as_2d(local_tensor(p)).shape)} "
+                    f"(placements {getattr(p, 'placements', None)})"
                 )
             self._layouts[id(p)] = layout
         return layout

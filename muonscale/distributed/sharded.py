@@ -247,7 +247,8 @@ class ShardedMatrices:
         for i, lay in enumerate(self.layouts):
             if len(lay.pieces) != self.world_size:
                 raise ValueError(
-                    f"layout {i} has {len(lay.pieces)} pieces for a group of {self.world_size} ranks"
+                    f"layout {i} has {len(lay.pieces)} pieces "
+                    f"for a group of {self.world_size} ranks"
                 )
         self.owners = (
             list(owners) if owners is not None else default_owners(self.layouts, self.world_size)
@@ -341,7 +342,8 @@ class ShardedMatrices:
         for i, p in enumerate(pieces):
             if tuple(p.shape) != self.layouts[i].piece_shape(me):
                 raise ValueError(
-                    f"piece {i} has shape {tuple(p.shape)}, layout says {self.layouts[i].piece_shape(me)}"
+                    f"piece {i} has shape {tuple(p.shape)}, "
+                    f"layout says {self.layouts[i].piece_shape(me)}"
                 )
         dtypes = {p.dtype for p in pieces}
         if len(dtypes) > 1:
@@ -385,7 +387,8 @@ class ShardedMatrices:
         for i in order:
             if results[i].shape != whole[i].shape:
                 raise ValueError(
-                    f"fn returned shape {tuple(results[i].shape)} for matrix {i} of {tuple(whole[i].shape)}"
+                    f"fn returned shape {tuple(results[i].shape)} "
+                    f"for matrix {i} of {tuple(whole[i].shape)}"
                 )
             results[i] = results[i].to(out_dtype)
 

@@ -58,7 +58,8 @@ def muon_for_model(model: nn.Module, *, build: Any = Muon, **muon_kwargs: Any) -
 
 
 def rebind_parameters(optimizer: Muon, named_parameters: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """``optimizer.rebind_parameters(named_parameters)`` (see :meth:`muonscale.Muon.rebind_parameters`)."""
+    """``optimizer.rebind_parameters(named_parameters)``
+    (see :meth:`muonscale.Muon.rebind_parameters`)."""
     if not isinstance(optimizer, Muon):
         raise TypeError(
             f"re-binding by name supports muonscale optimizers, got {type(optimizer).__name__}"

@@ -401,7 +401,8 @@ def newton_schulz_fast(
     """
     if not isinstance(G, torch.Tensor) or G.ndim < 2:
         raise ValueError(
-            f"newton_schulz_fast: G must be a tensor with >= 2 dims, got {getattr(G, 'shape', None)}"
+            "newton_schulz_fast: G must be a tensor with >= 2 dims, "
+            f"got {getattr(G, 'shape', None)}"
         )
     if G.is_complex() or not G.is_floating_point():
         raise ValueError(f"newton_schulz_fast: G must be real floating point, got {G.dtype}")

@@ -55,7 +55,8 @@ class ModelConfig:
     mlp: Literal["gelu", "swiglu"] = "gelu"
     """MLP type: GELU (4x expansion) or SwiGLU (gated, ~8/3x expansion)."""
     mlp_hidden_dim: int | None = None
-    """Hidden width of the MLP; None: 4*d_model for gelu, 8/3*d_model rounded up to 64 for swiglu."""
+    """Hidden width of the MLP; None: 4*d_model for gelu, 8/3*d_model rounded up to 64 for
+    swiglu."""
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     """Normalization layer used before attention, before the MLP and before the head."""
     norm_eps: float = 1e-5
@@ -156,7 +157,8 @@ class TrainConfig:
     data: str | None = None
     """UTF-8 text file or folder of .txt files; default: the bundled Shakespeare corpus."""
     tokenizer: Literal["byte", "bpe"] = "byte"
-    """byte (UTF-8 bytes, vocab 256) or bpe (byte-level BPE trained on the corpus; needs tokenizers)."""
+    """byte (UTF-8 bytes, vocab 256) or bpe (byte-level BPE trained on the corpus; needs
+    tokenizers)."""
     bpe_vocab_size: int = 4096
     """Vocabulary size of the bpe tokenizer (the model's vocab grows to fit, rounded up to 64)."""
     val_fraction: float = 0.05
@@ -184,7 +186,8 @@ class TrainConfig:
     micro_batch_size: int = 16
     """Sequences per forward/backward pass."""
     tokens_per_step: int | None = None
-    """Tokens per optimizer step (a multiple of micro_batch_size * context); None: one micro-batch."""
+    """Tokens per optimizer step (a multiple of micro_batch_size * context); None: one
+    micro-batch."""
     warmup_steps: int = 10
     """Linear warm-up steps (the learning rate rises from peak/warmup_steps to the peak)."""
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
@@ -196,7 +199,8 @@ class TrainConfig:
     grad_clip: float | None = 1.0
     """Clip the global gradient norm to this value; None or 0 disables clipping."""
     qk_clip: float | None = None
-    """QK-clip threshold tau (MuonClip): after each step, shrink W_q/W_k of every head whose max attention logit exceeded tau; None: off."""
+    """QK-clip threshold tau (MuonClip): after each step, shrink W_q/W_k of every head whose max
+    attention logit exceeded tau; None: off."""
     eval_every: int = 50
     """Evaluate the validation loss every this many steps (and at the end); 0 disables."""
     eval_batches: int = 8
@@ -210,7 +214,8 @@ class TrainConfig:
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (0: only at the end and on Ctrl-C)."""
     out_dir: str | None = "runs/train"
-    """Folder for metrics.jsonl (appended) and checkpoint.pt (parallel: checkpoints/); none: no files."""
+    """Folder for metrics.jsonl (appended) and checkpoint.pt (parallel: checkpoints/); none: no
+    files."""
     resume: str | None = None
     """Checkpoint to resume from; 'auto': out_dir/checkpoint.pt when it exists."""
     overwrite: bool = False

@@ -44,7 +44,8 @@ class LRSchedule:
             raise ValueError(f"schedule must be one of {SCHEDULE_NAMES}, got {self.schedule!r}")
         if self.total_steps < 1 or self.warmup_steps < 0:
             raise ValueError(
-                f"need total_steps >= 1 and warmup_steps >= 0, got {self.total_steps}, {self.warmup_steps}"
+                "need total_steps >= 1 and warmup_steps >= 0, "
+                f"got {self.total_steps}, {self.warmup_steps}"
             )
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")

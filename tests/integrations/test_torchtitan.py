@@ -111,7 +111,8 @@ def test_loss_falls(kind):
 
 
 def test_flat_state_dict_round_trip_and_torchtitan_keys():
-    """torchtitan's flat FQN-keyed dict of the routed optimizer loads back (was KeyError 'betas')."""
+    """torchtitan's flat FQN-keyed dict of the routed optimizer loads back (was KeyError
+    'betas')."""
     model = tiny_model("qwen3")
     optimizers = build([model])
     train([model], optimizers, 0, 2)

@@ -32,7 +32,8 @@ def test_tp2_dp2_equals_tp1_dp4_with_identical_gradients(pool4, tp1_dp4, dp_mode
     mixed = _run(pool4, tp=2, grads="inject", options=dict(OPTIONS, dp_mode=dp_mode))
     delta = W.max_abs_diff(tp1_dp4["params"], mixed["params"])
     print(
-        f"\nTP1xDP4 vs TP2xDP2 ({dp_mode}), identical gradients: max|dW| = {delta:.3g}; {mixed['breakdown']}"
+        f"\nTP1xDP4 vs TP2xDP2 ({dp_mode}), identical gradients: max|dW| = {delta:.3g}; "
+        f"{mixed['breakdown']}"
     )
     assert delta <= 1e-6
     assert mixed["dp_mode"] == dp_mode
@@ -55,7 +56,8 @@ def test_tp2_dp2_batch_split_across_ranks(pool4, dp_mode):
     muon_delta = W.max_abs_diff(ref["params"], mixed["params"], ref["muon_names"])
     delta = W.max_abs_diff(ref["params"], mixed["params"])
     print(
-        f"\nTP1xDP4 vs TP2xDP2, batch split: Muon matrices max|dW| = {muon_delta:.3g}, all = {delta:.3g}"
+        f"\nTP1xDP4 vs TP2xDP2, batch split: Muon matrices max|dW| = {muon_delta:.3g}, "
+        f"all = {delta:.3g}"
     )
     assert muon_delta <= 1e-5
     assert delta <= 1e-3

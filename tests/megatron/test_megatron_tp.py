@@ -76,7 +76,8 @@ def test_blockwise_modes_differ_from_tp1(pool2, tp1, megatron_duplicated):
     megatron_delta = W.max_abs_diff(tp1["params"], theirs["params"], names)
     ours_delta = W.max_abs_diff(tp1["params"], ours["params"], names)
     print(
-        f"\nblockwise vs TP1: Megatron {megatron_delta:.3g}, muonscale approximate_blockwise {ours_delta:.3g}"
+        f"\nblockwise vs TP1: Megatron {megatron_delta:.3g}, "
+        f"muonscale approximate_blockwise {ours_delta:.3g}"
     )
     assert megatron_delta > 1e-2 and ours_delta > 1e-2
 
@@ -93,7 +94,8 @@ def test_end_to_end_same_batch(pool2):
     muon_delta = W.max_abs_diff(ref["params"], tp2["params"], ref["muon_names"])
     delta = W.max_abs_diff(ref["params"], tp2["params"])
     print(
-        f"\nend to end, same batch, TP1 vs TP2: Muon matrices max|dW| = {muon_delta:.3g}, all = {delta:.3g}"
+        f"\nend to end, same batch, TP1 vs TP2: Muon matrices max|dW| = {muon_delta:.3g}, "
+        f"all = {delta:.3g}"
     )
     assert ref["losses"][0] == pytest.approx(tp2["losses"][0], abs=1e-5)
     assert muon_delta <= 1e-5
@@ -122,7 +124,8 @@ def test_cost_against_megatron_duplicated(pool2):
     duplicated = duplicated_wire_bytes(layouts, 4, 2)
     print(
         f"\nTP2 optimizer step: muonscale exact {ours['step_seconds'] * 1e3:.1f} ms, "
-        f"{per_step} B/rank; Megatron duplicated {theirs['step_seconds'] * 1e3:.1f} ms, {duplicated} B/rank (ring model)"
+        f"{per_step} B/rank; Megatron duplicated {theirs['step_seconds'] * 1e3:.1f} ms, "
+        f"{duplicated} B/rank (ring model)"
     )
     assert per_step == duplicated  # equal at TP = 2 (2/T of duplicated in general)
     assert set(ours["breakdown"]) == {"muon_tp/all_to_all", "grad_norm/all_reduce"}

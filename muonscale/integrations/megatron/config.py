@@ -74,7 +74,8 @@ MEGATRON_FLAGS: dict[str, tuple[str, str]] = {
     "muon_extra_scale_factor": ("muon_extra_scale_factor", "same"),
     "muon_tp_mode": (
         "muon_tp_mode",
-        "duplicated/distributed → exact; blockwise → exact unless approximate_blockwise is asked by name",
+        "duplicated/distributed → exact; "
+        "blockwise → exact unless approximate_blockwise is asked by name",
     ),
     "muon_scale_mode": (
         "scale",
@@ -199,11 +200,15 @@ class MegatronMuonConfig:
         if self.scale not in SCALE_RULES:
             hint = ""
             if self.scale in MEGATRON_SCALE_MODES:
-                hint = f"; Megatron's {self.scale!r} is muonscale's {MEGATRON_SCALE_MODES[self.scale]!r}"
+                hint = (
+                    f"; Megatron's {self.scale!r} is muonscale's "
+                    f"{MEGATRON_SCALE_MODES[self.scale]!r}"
+                )
             raise ValueError(f"scale must be one of {SCALE_RULES}, got {self.scale!r}{hint}")
         if isinstance(self.coefficients, str) and self.coefficients not in COEFFICIENT_PRESETS:
             raise ValueError(
-                f"coefficients {self.coefficients!r} is not a muonscale preset {sorted(COEFFICIENT_PRESETS)}; "
+                f"coefficients {self.coefficients!r} is not a muonscale preset "
+                f"{sorted(COEFFICIENT_PRESETS)}; "
                 "for Megatron's --muon-coefficient-type use megatron_coefficients(name, steps)"
             )
 

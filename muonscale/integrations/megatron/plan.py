@@ -36,7 +36,8 @@ class MegatronGroups:
 
             if not ps.model_parallel_is_initialized():
                 raise RuntimeError(
-                    "call parallel_state.initialize_model_parallel(...) first, or pass pg_collection"
+                    "call parallel_state.initialize_model_parallel(...) first, "
+                    "or pass pg_collection"
                 )
             return MegatronGroups(
                 tp=ps.get_tensor_model_parallel_group(),
@@ -206,8 +207,8 @@ def plan_parameters(
                 )
             elif expert and raw_name.rsplit(".", 1)[-1] in ("weight1", "weight2"):
                 raise NotImplementedError(
-                    f"{name}: legacy GroupedMLP stores all experts in one matrix; use SequentialMLP "
-                    "or TEGroupedMLP (one weight per expert)"
+                    f"{name}: legacy GroupedMLP stores all experts in one matrix; "
+                    "use SequentialMLP or TEGroupedMLP (one weight per expert)"
                 )
             else:
                 algorithm = "muon"
