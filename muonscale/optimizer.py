@@ -210,7 +210,7 @@ class Muon(torch.optim.Optimizer):
         )
         if adamw_weight_decay is not None:
             check_range("adamw_weight_decay", adamw_weight_decay, 0.0, math.inf)
-        self._muon_defaults = dict(
+        self.muon_defaults = dict(
             lr=lr,
             momentum=momentum,
             nesterov=nesterov,
@@ -235,14 +235,14 @@ class Muon(torch.optim.Optimizer):
             cautious_weight_decay=cautious_weight_decay,
             preconditioner=preconditioner,
         )
-        validate_muon_group(self._muon_defaults)
-        self._adamw_defaults = dict(
+        validate_muon_group(self.muon_defaults)
+        self.adamw_defaults = dict(
             lr=adamw_lr if adamw_lr is not None else lr,
             betas=tuple(either("adamw_betas", adamw_betas, "betas", betas, (0.9, 0.95))),
             eps=adamw_eps,
             weight_decay=adamw_weight_decay,
         )
-        validate_adamw_group(dict(self._adamw_defaults, weight_decay=weight_decay))
+        validate_adamw_group(dict(self.adamw_defaults, weight_decay=weight_decay))
         if not isinstance(capturable, bool):
             raise ValueError(f"capturable must be a bool, got {capturable!r}")
         if capturable and self._CAPTURABLE_REFUSAL is not None:
@@ -258,15 +258,15 @@ class Muon(torch.optim.Optimizer):
         self.memory = MemoryBudget.from_environment()  # the environment is read here only
         self.param_names: dict[int, str] = {}
         self.routing: dict[str, RouteDecision] = {}
-        self._rules = list(rules or ())
-        self._views: dict[int, MatrixView] = {}
-        self._momentum_stacks = MomentumStacks()
-        self._unnamed_to_muon = 0
+        self.routing_rules = list(rules or ())
+        self.matrix_views: dict[int, MatrixView] = {}
+        self.momentum_stacks = MomentumStacks()
+        self.unnamed_to_muon = 0
         if isinstance(transposed, str):
             raise TypeError(
                 f"transposed must be a collection of parameter names, got {transposed!r}"
             )
-        self._transposed: set[str] = set(transposed or ())
+        self.transposed_names: set[str] = set(transposed or ())
         """Names of the weights stored (in, out) (see ``transposed``)."""
 
         groups = groups_from(self, params)
@@ -278,14 +278,14 @@ class Muon(torch.optim.Optimizer):
                     "makes Muon's update RMS match AdamW's (~0.2), so that one lr fits both "
                     f"halves. Parameters routed to AdamW: {adamw_params[:5]}"
                 )
-        defaults = dict(self._muon_defaults, algorithm="muon")
+        defaults = dict(self.muon_defaults, algorithm="muon")
         super().__init__(groups, defaults)
         warn_unnamed(self)
         self._check_transposed()
         by_name = {
             self.param_names.get(id(p)): (p, g) for g in self.param_groups for p in g["params"]
         }
-        self._split_rows = resolve_splits(splits or {}, qkv_split, by_name, self.is_transposed)
+        self.split_rows = resolve_splits(splits or {}, qkv_split, by_name, self.is_transposed)
 
     # ---------------------------------------------------------------- param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -314,7 +314,7 @@ class Muon(torch.optim.Optimizer):
                 f"param group 'algorithm' must be one of {ALGORITHMS}, got {algorithm!r}"
             )
         if algorithm == "muon":
-            for key, value in self._muon_defaults.items():
+            for key, value in self.muon_defaults.items():
                 param_group.setdefault(key, value)
             validate_muon_group(param_group)
             for p in params:
@@ -329,10 +329,10 @@ class Muon(torch.optim.Optimizer):
                         "Muon needs >= 2 dims (route it to AdamW)"
                     )
         else:
-            for key, value in self._adamw_defaults.items():
+            for key, value in self.adamw_defaults.items():
                 param_group.setdefault(key, value)
             if param_group["weight_decay"] is None:
-                param_group["weight_decay"] = self._muon_defaults["weight_decay"]
+                param_group["weight_decay"] = self.muon_defaults["weight_decay"]
             param_group = AdamWGroup.wrap(param_group)
             validate_adamw_group(param_group)
         lr = param_group["lr"]
@@ -353,10 +353,10 @@ class Muon(torch.optim.Optimizer):
         named by the model."""
         return rebind_parameters(self, named_parameters)
 
-    def _check_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def check_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Raise before anything changes if a subclass cannot follow ``slots`` (see below)."""
 
-    def _after_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def after_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Re-key what a subclass holds by parameter: ``slots`` are (bound before, bound now)
         in param-group order (the same object when nothing moved)."""
 
@@ -371,7 +371,7 @@ class Muon(torch.optim.Optimizer):
 
     def is_transposed(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is a 2-D weight stored (in, out) (its matrix is ``p.T``)."""
-        return bool(self._transposed) and self.param_names.get(id(p)) in self._transposed
+        return bool(self.transposed_names) and self.param_names.get(id(p)) in self.transposed_names
 
     def _check_transposed(self) -> None:
         muon = {
@@ -380,7 +380,7 @@ class Muon(torch.optim.Optimizer):
             if g["algorithm"] == "muon"
             for p in g["params"]
         }
-        for name in sorted(self._transposed & muon.keys()):
+        for name in sorted(self.transposed_names & muon.keys()):
             if muon[name].ndim != 2:
                 raise ValueError(
                     f"transposed: {name!r} has shape {tuple(muon[name].shape)}; only 2-D (in, out) "
@@ -389,15 +389,15 @@ class Muon(torch.optim.Optimizer):
 
     def matrix_view(self, p: torch.Tensor, group: Mapping[str, Any]) -> MatrixView:
         """How ``p`` is split into matrices (cached)."""
-        view = self._views.get(id(p))
+        view = self.matrix_views.get(id(p))
         if view is None or view.param_shape != tuple(p.shape):
             view = MatrixView.build(
                 p.shape,
                 mode=group["matrix_mode"],
-                row_partition=self._split_rows.get(id(p)),
+                row_partition=self.split_rows.get(id(p)),
                 transposed=self.is_transposed(p),
             )
-            self._views[id(p)] = view
+            self.matrix_views[id(p)] = view
         return view
 
     # ---------------------------------------------------------------- capturable
@@ -494,7 +494,7 @@ class Muon(torch.optim.Optimizer):
     ) -> list[torch.Tensor]:
         """The momentum buffers of ``states``, as views into their stacks (see
         :class:`~muonscale.optimizer_state.MomentumStacks`)."""
-        return self._momentum_stacks.buffers(group, params, states, self.state)
+        return self.momentum_stacks.buffers(group, params, states, self.state)
 
     def init_all_state(self) -> None:
         """Create every parameter's state now (instead of at its first step)."""
@@ -538,7 +538,7 @@ class Muon(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         check_loadable(state_dict, self.param_groups)
-        state_dict = with_group_defaults(state_dict, self._muon_defaults)
+        state_dict = with_group_defaults(state_dict, self.muon_defaults)
         lrs = [g["lr"] for g in self.param_groups] if self.capturable else []
         super().load_state_dict(state_dict)
         restore_loaded(self, lrs)

@@ -36,9 +36,9 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 def groups_from(opt: Muon, params: Any) -> list[dict[str, Any]]:
     """Normalize every accepted ``params`` form into groups with an ``algorithm`` each."""
     if isinstance(params, nn.Module):
-        decisions = route(params, opt._rules)
+        decisions = route(params, opt.routing_rules)
         named = dict(params.named_parameters())
-        opt._transposed |= transposed_weights(params)
+        opt.transposed_names |= transposed_weights(params)
         opt.routing.update(decisions)
         group = {"params": [(n, named[n]) for n in decisions]}
         return split_by_algorithm(opt, group, decisions, named=True)
@@ -109,10 +109,10 @@ def expand_user_group(opt: Muon, group: dict[str, Any]) -> list[dict[str, Any]]:
             )
         decisions = {n: RouteDecision(algorithm, "param group") for n, _ in named}
     else:
-        decisions = {n: route_one(n, p, opt._rules) for n, p in named}
+        decisions = {n: route_one(n, p, opt.routing_rules) for n, p in named}
         if not has_names:
             by_rank = [n for n, _ in named if not decisions[n].reason.startswith("user")]
-            opt._unnamed_to_muon += sum(decisions[n].algorithm == "muon" for n in by_rank)
+            opt.unnamed_to_muon += sum(decisions[n].algorithm == "muon" for n in by_rank)
     for name, decision in decisions.items():
         opt.routing.setdefault(name, decision)
     return split_by_algorithm(opt, dict(group, params=named), decisions, named=has_names)
@@ -136,10 +136,10 @@ def split_by_algorithm(
     adamw = [(n, p) for n, p in pairs if decisions[n].algorithm == "adamw"]
     out = [make(muon, "muon")] if muon else []
     if adamw:
-        if "weight_decay" in rest or opt._adamw_defaults["weight_decay"] is not None:
+        if "weight_decay" in rest or opt.adamw_defaults["weight_decay"] is not None:
             out.append(make(adamw, "adamw"))
         else:
-            wd = opt._muon_defaults["weight_decay"]
+            wd = opt.muon_defaults["weight_decay"]
             matrices = [(n, p) for n, p in adamw if p.ndim >= 2]
             vectors = [(n, p) for n, p in adamw if p.ndim < 2]
             if matrices:
@@ -150,10 +150,10 @@ def split_by_algorithm(
 
 
 def warn_unnamed(opt: Muon) -> None:
-    if opt._unnamed_to_muon:
-        message = FALLBACK_WARNING.format(n=opt._unnamed_to_muon)
+    if opt.unnamed_to_muon:
+        message = FALLBACK_WARNING.format(n=opt.unnamed_to_muon)
         warnings.warn(message, UserWarning, stacklevel=3)
-        opt._unnamed_to_muon = 0
+        opt.unnamed_to_muon = 0
 
 
 def rebind_parameters(opt: Muon, named_parameters: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -161,7 +161,7 @@ def rebind_parameters(opt: Muon, named_parameters: Iterable[tuple[str, torch.Ten
     current = dict(named_parameters)
     model_name = {id(p): n for n, p in current.items()}
     old_names = dict(opt.param_names)
-    split_by_name = {old_names[i]: rows for i, rows in opt._split_rows.items() if i in old_names}
+    split_by_name = {old_names[i]: rows for i, rows in opt.split_rows.items() if i in old_names}
     slots: list[tuple[torch.Tensor, torch.Tensor, str]] = []  # (bound now, new, name)
     for group in opt.param_groups:
         for p in group["params"]:
@@ -180,7 +180,7 @@ def rebind_parameters(opt: Muon, named_parameters: Iterable[tuple[str, torch.Ten
                     f"{tuple(new.shape)}"
                 )
             slots.append((p, new, name))
-    opt._check_rebind([(old, new) for old, new, _ in slots])
+    opt.check_rebind([(old, new) for old, new, _ in slots])
     new_of_name = {name: new for _, new, name in slots}
     for key in list(opt.state):  # state keys are alive, so their ids name them exactly
         name = old_names.get(id(key))
@@ -191,10 +191,10 @@ def rebind_parameters(opt: Muon, named_parameters: Iterable[tuple[str, torch.Ten
         group["params"] = [next(flat)[1] for _ in group["params"]]
     opt.param_names.clear()
     opt.param_names.update({id(new): name for _, new, name in slots})
-    opt._split_rows = {
+    opt.split_rows = {
         id(new): split_by_name[name] for _, new, name in slots if name in split_by_name
     }
-    opt._views.clear()
+    opt.matrix_views.clear()
     moved = [(old, new) for old, new, _ in slots if old is not new]
-    opt._after_rebind([(old, new) for old, new, _ in slots])
+    opt.after_rebind([(old, new) for old, new, _ in slots])
     return len(moved)

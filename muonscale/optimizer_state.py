@@ -89,11 +89,11 @@ def pickled_extras(opt: Muon) -> dict[str, Any]:
         skipped_steps=opt.skipped_steps,
         routing=opt.routing,
         capturable=opt.capturable,
-        muon_defaults=opt._muon_defaults,
-        adamw_defaults=opt._adamw_defaults,
+        muon_defaults=opt.muon_defaults,
+        adamw_defaults=opt.adamw_defaults,
         names=[[opt.param_names.get(id(p)) for p in g["params"]] for g in opt.param_groups],
-        split_rows=[[opt._split_rows.get(id(p)) for p in g["params"]] for g in opt.param_groups],
-        transposed=sorted(opt._transposed),
+        split_rows=[[opt.split_rows.get(id(p)) for p in g["params"]] for g in opt.param_groups],
+        transposed=sorted(opt.transposed_names),
     )
 
 
@@ -104,8 +104,8 @@ def restore_unpickled(opt: Muon, extra: dict[str, Any] | None) -> None:
     opt.__dict__.setdefault("capturable", False)
     opt.__dict__.setdefault("_guard", None)
     opt.__dict__.setdefault("_step_ok", None)
-    opt.__dict__.setdefault("_transposed", set())
-    opt._momentum_stacks = MomentumStacks()  # new state tensors: stacks rebuilt at the next step
+    opt.__dict__.setdefault("transposed_names", set())
+    opt.momentum_stacks = MomentumStacks()  # new state tensors: stacks rebuilt at the next step
     # Options added after a checkpoint was written get their defaults here.
     for i, group in enumerate(opt.param_groups):
         group.setdefault("algorithm", "muon")
@@ -124,16 +124,16 @@ def restore_unpickled(opt: Muon, extra: dict[str, Any] | None) -> None:
     opt.nonfinite, opt.skipped_steps = extra["nonfinite"], extra["skipped_steps"]
     opt.capturable = extra.get("capturable", False)
     opt.routing = extra["routing"]
-    opt._muon_defaults, opt._adamw_defaults = extra["muon_defaults"], extra["adamw_defaults"]
-    opt._rules, opt._views, opt._unnamed_to_muon = [], {}, 0
-    opt.param_names, opt._split_rows = {}, {}
-    opt._transposed = set(extra.get("transposed", ()))
+    opt.muon_defaults, opt.adamw_defaults = extra["muon_defaults"], extra["adamw_defaults"]
+    opt.routing_rules, opt.matrix_views, opt.unnamed_to_muon = [], {}, 0
+    opt.param_names, opt.split_rows = {}, {}
+    opt.transposed_names = set(extra.get("transposed", ()))
     for group, names, rows in zip(opt.param_groups, extra["names"], extra["split_rows"]):
         for p, name, parts in zip(group["params"], names, rows):
             if name is not None:
                 opt.param_names[id(p)] = name
             if parts is not None:
-                opt._split_rows[id(p)] = parts
+                opt.split_rows[id(p)] = parts
 
 
 def check_loadable(state_dict: Mapping[str, Any], param_groups: list[Mapping[str, Any]]) -> None:

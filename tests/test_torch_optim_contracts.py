@@ -316,7 +316,7 @@ def test_copies_step_identically(how):
         model2, opt2 = torch.load(buf, weights_only=False)
     assert opt2.nonfinite == "skip" and opt2.routing == opt.routing
     w2 = model2[0].weight
-    assert opt2._split_rows[id(w2)][0].tolist() == opt._split_rows[id(model[0].weight)][0].tolist()
+    assert opt2.split_rows[id(w2)][0].tolist() == opt.split_rows[id(model[0].weight)][0].tolist()
     for _ in range(2):
         step(model, opt)
         step(model2, opt2)
@@ -419,7 +419,7 @@ def test_torch_keyword_names_mean_ours():
     )
     g = a.param_groups[0]
     assert (g["scale"], g["coefficients"], g["ns_eps"]) == ("shape", (3.4, -4.7, 2.0), 1e-6)
-    assert a._adamw_defaults["betas"] == (0.8, 0.9)
+    assert a.adamw_defaults["betas"] == (0.8, 0.9)
     assert Muon(p, adjust_lr_fn="match_rms_adamw").param_groups[0]["scale"] == "match_rms_adamw"
 
 
@@ -507,4 +507,4 @@ def test_splits_survive_qkv_layout_copy():
     w = nn.Parameter(torch.randn(layout.rows, 8))
     opt = copy.deepcopy(Muon([("attn.qkv.weight", w)], splits={"attn.qkv.weight": layout}))
     (w2,) = opt.param_groups[0]["params"]
-    assert len(opt._split_rows[id(w2)]) == 3
+    assert len(opt.split_rows[id(w2)]) == 3

@@ -227,7 +227,7 @@ class DistributedMuon(Muon):
         sizes = [self.params[i].numel() * self.params[i].element_size() for i in self.muon_indices]
         owners = assign_owners(shapes, self.world_size, sizes=sizes)
         self.owner_rank: dict[int, int] = dict(zip(self.muon_indices, owners))
-        self._matrix_shapes = dict(zip(self.muon_indices, shapes))
+        self.matrix_shapes_by_index = dict(zip(self.muon_indices, shapes))
 
     @torch.no_grad()
     def _init_local_state(self) -> None:
@@ -276,7 +276,7 @@ class DistributedMuon(Muon):
             )
         super().add_param_group(param_group)
 
-    def _check_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def check_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for old, (_, new) in zip(self.params, slots):  # self.params: bound at construction
             if new is old:
                 continue
@@ -294,7 +294,7 @@ class DistributedMuon(Muon):
                     "buffers were planned for the old one: build a new optimizer"
                 )
 
-    def _after_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def after_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Follow new parameter objects: indices, main copies' model parameters, the
         reduction's parameters and its gradient hooks."""
         new_of = {id(old): new for old, (_, new) in zip(self.params, slots)}
@@ -394,7 +394,7 @@ class DistributedMuon(Muon):
     def ownership_table(self) -> str:
         """Which rank owns which Muon parameter, with NS FLOPs and elements per rank."""
         names = [self._name(self.params[i]) for i in self.muon_indices]
-        shapes = [self._matrix_shapes[i] for i in self.muon_indices]
+        shapes = [self.matrix_shapes_by_index[i] for i in self.muon_indices]
         owners = [self.owner_rank[i] for i in self.muon_indices]
         numels = [self.params[i].numel() for i in self.muon_indices]
         table = format_ownership_table(names, shapes, owners, self.world_size, numels=numels)
@@ -409,7 +409,7 @@ class DistributedMuon(Muon):
         parameters), and over every owner stream: ``stream_elements`` (T per rank),
         ``fill_elements`` (AdamW elements riding in the streams) and ``padding_elements``
         (zeros on the wire, Σ over ranks)."""
-        shapes = [self._matrix_shapes[i] for i in self.muon_indices]
+        shapes = [self.matrix_shapes_by_index[i] for i in self.muon_indices]
         owners = [self.owner_rank[i] for i in self.muon_indices]
         elements = [0] * self.world_size
         for i in self.muon_indices:

@@ -52,7 +52,7 @@ def gather_full_state(opt: DistributedMuon) -> dict[int, dict[str, torch.Tensor]
         shapes = {}
         if group.get("normalize") == "row":  # [variants] NorMuon's row second moment
             dtypes["row_second_moment"] = torch.float32
-            shapes["row_second_moment"] = row_moment_shape(opt._matrix_shapes[i])
+            shapes["row_second_moment"] = row_moment_shape(opt.matrix_shapes_by_index[i])
         full[i] = {}
         for name, dtype in dtypes.items():
             if owner == opt.rank:

@@ -274,7 +274,7 @@ class DTensorMuon(Muon):
             )
         return self._plans[key]
 
-    def _after_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def after_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """New parameter objects: lay them out again (and fail fast on unsupported ones)."""
         self._layouts.clear()
         self._plans.clear()

@@ -182,7 +182,7 @@ def test_fsdp2_parameter_swap_rebinds_by_name(swap_groups):
         assert p is new[name]
         assert torch.equal(p, want[name]), name
     assert opts[0].param_names[id(new[q_proj])] == q_proj
-    assert id(new[q_proj]) in opts[0]._split_rows
+    assert id(new[q_proj]) in opts[0].split_rows
     assert len(opts[0].state) == len(new)
 
 

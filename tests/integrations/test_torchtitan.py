@@ -98,7 +98,7 @@ def test_fused_qkv_layout_matches_torchtitan_split(kind):
         for rows, want in zip(layout.row_partition("qkv"), (xq, xk, xv)):
             got = (x @ weight[rows].T).unflatten(-1, (-1, module.head_dim))
             torch.testing.assert_close(got, want, rtol=0, atol=0)
-        rows = optimizer._split_rows[id(named[f"{module_name}.wqkv.weight"])]
+        rows = optimizer.split_rows[id(named[f"{module_name}.wqkv.weight"])]
         assert [r.tolist() for r in rows] == [r.tolist() for r in layout.row_partition("qkv")]
 
 
