@@ -82,20 +82,7 @@ def build_variant_optimizer(model, config, options: Mapping[str, Any]):
     """``muonscale.Muon`` exactly as ``muonscale.train`` builds it for ``config`` (a
     ``TrainConfig`` with ``optimizer="muon"``), with ``options`` added."""
     from muonscale import Muon
-    from muonscale.train.optimizers import DTYPES
+    from muonscale.train.optimizers import muon_options
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    # Mirrors muonscale.train.optimizers.build_optimizer("muon", ...); tests/test_bench_variants
-    # checks that a variant without options takes the same steps as the muon contender.
-    base = dict(
-        lr=config.lr,
-        momentum=config.momentum,
-        weight_decay=config.weight_decay,
-        ns_steps=config.ns_steps,
-        ns_dtype=DTYPES[config.ns_dtype] if config.ns_dtype else None,
-        momentum_dtype=DTYPES[config.momentum_dtype] if config.momentum_dtype else None,
-        adamw_lr=config.adamw_lr,
-        adamw_betas=tuple(config.adamw_betas),
-        splits={qkv: model.qkv_layout for qkv in model.qkv_param_names()},
-    )
-    return Muon(named, **{**base, **to_muon_kwargs(options)})
+    return Muon(named, **{**muon_options(model, config), **to_muon_kwargs(options)})
