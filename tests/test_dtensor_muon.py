@@ -266,6 +266,58 @@ def test_tp_only_mesh_under_data_parallel_error(pool4):
     assert "mlp.weight" in msg and "Data parallelism" in msg
 
 
+MISPLACED = {  # name: (shape, parameter placement, gradient placement), tensor parallel only
+    "blocks.0.mlp.w1.weight": ((12, 10), Replicate(), Partial()),  # Muon
+    "blocks.0.mlp.w1.bias": ((12,), Replicate(), Partial()),  # AdamW
+    "tok_embeddings.weight": ((11, 6), Shard(0), Replicate()),  # AdamW
+    "blocks.0.attn.wo.weight": ((10, 12), Shard(1), Replicate()),  # Muon
+}
+
+
+def misplaced_grad_worker(rank, world_size):
+    """Gradients placed unlike their parameters (TP without FSDP): a Partial gradient holds a
+    different random part of the sum on each rank, so an unreduced one would be caught."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    shapes = {n: shape for n, (shape, _, _) in MISPLACED.items()}
+    init = _full_tensors(shapes, 0)
+    ref = _reference(init, shapes, None)
+    named = [
+        (n, nn.Parameter(distribute_tensor(init[n].clone(), mesh, [placed])))
+        for n, (_, placed, _) in MISPLACED.items()
+    ]
+    opt = DTensorMuon(named, **OPTIONS)
+    for k in range(STEPS):
+        grads = _grads(shapes, k)
+        for n, p in named:
+            if isinstance(MISPLACED[n][2], Partial):
+                parts = [torch.randn(p.shape) for _ in range(world_size - 1)]  # same on all ranks
+                parts.append(grads[n] - sum(parts))
+                p.grad = DTensor.from_local(parts[rank], mesh, [Partial()])
+            else:
+                p.grad = distribute_tensor(grads[n], mesh, [Replicate()])
+        opt.step()
+    full = {n: p.full_tensor().detach() for n, p in named}
+    local = {n: p.to_local().detach().clone() for n, p in named}
+    breakdown = opt.last_step_wire_breakdown
+    del opt, named
+    gc.collect()
+    return {"max_diff": _max_diff(full, ref), "local": local, "wire": breakdown}
+
+
+def test_gradients_placed_unlike_parameters_are_redistributed(pool2):
+    """Partial gradient on Replicate parameters, Replicate gradient on Shard(0) / Shard(1)
+    parameters, Muon and AdamW: the same update as one process on the summed gradient. TOL as
+    above: the split sum g = (g − r) + r rounds at float32 eps (~6e-8 relative), well below it."""
+    res = pool2.run(misplaced_grad_worker)
+    print(f"\nmisplaced gradients, 2 ranks: max|dW| = {res[0]['max_diff']:.3g}; {res[0]['wire']}")
+    for r in res:
+        assert r["max_diff"] <= TOL
+    for n, (_, placed, _) in MISPLACED.items():
+        if isinstance(placed, Replicate):  # replicas stay bitwise identical
+            assert torch.equal(res[0]["local"][n], res[1]["local"][n]), n
+    assert res[0]["wire"].get("gradients/all_reduce", 0) > 0
+
+
 def test_single_process_equals_muon():
     """World size 1 (no process group): DTensorMuon on plain tensors is muonscale.Muon."""
     init = _full_tensors(SHAPES, 0)

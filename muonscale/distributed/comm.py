@@ -340,6 +340,33 @@ class Communicator:
             "broadcast", dist.broadcast, tensor, group=self.group, group_src=src, async_op=async_op
         )
 
+    def redistribute_like(self, tensor: torch.Tensor, param: torch.Tensor, *, tag: str):
+        """``tensor`` (a DTensor gradient) redistributed to ``param``'s placements by DTensor's
+        own collectives over ``param``'s mesh, counted per mesh axis with the ring model
+        (Partial → Replicate: all-reduce; Partial → Shard: reduce-scatter; Shard → Replicate:
+        all-gather; Shard → Shard: all-to-all; Replicate → anything: a local slice). Anything
+        that is not a DTensor pair, or already placed alike, comes back as it is."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        if not (isinstance(tensor, DTensor) and isinstance(param, DTensor)):
+            return tensor
+        if tensor.placements == param.placements:
+            return tensor
+        mesh, local = param.device_mesh, tensor.to_local()
+        for axis, (src, dst) in enumerate(zip(tensor.placements, param.placements)):
+            if src == dst or isinstance(src, Replicate):
+                continue
+            if src.is_partial():
+                op = "all_reduce" if isinstance(dst, Replicate) else "reduce_scatter"
+            else:
+                op = "all_gather" if isinstance(dst, Replicate) else "all_to_all"
+            n = mesh.size(axis)
+            full = tensor_bytes(local) * (n if op == "all_gather" else 1)
+            self.counter.record(op, full, n, tag)
+        return self._call(
+            "redistribute", tensor.redistribute, param.device_mesh, param.placements
+        )
+
     def all_gather_object(self, obj: object, *, tag: str = "setup") -> list[object]:
         """Pickled objects from every rank (setup-time checks only; bytes are approximate)."""
         if not self.active:

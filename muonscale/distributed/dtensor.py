@@ -20,7 +20,10 @@ Momentum and AdamW state are DTensors with the parameter's placements, so
 ``torch.distributed.checkpoint`` saves them sharded and loads them onto another mesh.
 
 Gradient reduction is the framework's job: FSDP2 reduce-scatters (and all-reduces across an
-HSDP replicate axis), TP gradients come out of autograd complete. Nothing is reduced again
+HSDP replicate axis), TP gradients come out of autograd complete. A gradient placed unlike its
+parameter (TP without FSDP: a ``Partial`` gradient on a ``Replicate`` parameter, a ``Replicate``
+one on a ``Shard`` parameter) is redistributed to the parameter's placements once at the start
+of the step, as DTensor dispatch does for torch's optimizers; nothing else is reduced again
 here. Every mesh must therefore span the optimizer's whole process group; a TP-only mesh under
 data parallelism outside the mesh is refused (put data parallelism on a mesh axis:
 ``fully_shard`` on a 2-D mesh). Plain (non-DTensor) parameters — e.g. the embedding and norms
@@ -207,6 +210,7 @@ class DTensorMuon(Muon):
         self._plans: dict[tuple, ShardedMatrices] = {}
         self._layouts: dict[int, MatrixLayout] = {}
         self._row_stats: dict[int, torch.Tensor] = {}  # [variants] NorMuon, this step's owners
+        self._step_grads: dict[int, torch.Tensor] = {}  # this step's gradients, placed like p
         check_same_on_every_rank(
             self.comm,
             self._routing_records(),
@@ -292,6 +296,24 @@ class DTensorMuon(Muon):
             if isinstance(v, torch.Tensor)
         )
 
+    def _validated_gradients(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The base class's, each DTensor gradient first redistributed to its parameter's
+        placements (a TP ``Partial`` gradient reduced, a ``Replicate`` one on a sharded
+        parameter sliced), as torch's optimizers get from DTensor dispatch. The one place this
+        step's gradients are gathered: the update phases read ``_step_grads``."""
+        _, owners = super()._validated_gradients()  # refuses sparse gradients first
+        self._step_grads = {
+            id(p): self.comm.redistribute_like(p.grad, p, tag="gradients")
+            for group in self.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        }
+        return [self._step_grads[id(p)] for p in owners], owners
+
+    def _handle_nonfinite(self, bad: str) -> None:
+        self._step_grads = {}  # a skipped step does not hold redistributed copies
+        super()._handle_nonfinite(bad)
+
     def _first_nonfinite(self, grads: list[torch.Tensor], owners: list[torch.Tensor]) -> str | None:
         """Non-finite check on local shards; one all-reduce (max) of per-parameter flags so that
         every rank takes the same decision."""
@@ -310,25 +332,28 @@ class DTensorMuon(Muon):
     def _apply_updates(self) -> None:
         """The update phases of :meth:`step` (see the class docstring); ``Muon.step`` runs the
         closure and the collective non-finite check first."""
+        grads, self._step_grads = self._step_grads, {}
         muon_entries: list[tuple[torch.Tensor, Mapping[str, Any]]] = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if group["algorithm"] == "muon":
                 muon_entries.extend((p, group) for p in params)
             else:
-                self._adamw_on_shards(group, params)
+                self._adamw_on_shards(group, params, grads)
         if muon_entries:
-            self._muon(muon_entries)
+            self._muon(muon_entries, grads)
         self.last_step_wire_bytes, self.last_step_wire_breakdown = self.wire_counter.take()
 
-    def _adamw_on_shards(self, group: Mapping[str, Any], params: list[torch.Tensor]) -> None:
+    def _adamw_on_shards(
+        self, group: Mapping[str, Any], params: list[torch.Tensor], grads: Mapping[int, Any]
+    ) -> None:
         if not params:
             return
         states = [self.init_state(p, group) for p in params]
         beta1, beta2 = group["betas"]
         functional.adamw(
             [local_tensor(p) for p in params],
-            [local_tensor(p.grad) for p in params],
+            [local_tensor(grads[id(p)]) for p in params],
             [local_tensor(s["exp_avg"]) for s in states],
             [local_tensor(s["exp_avg_sq"]) for s in states],
             [s["step"] for s in states],
@@ -340,15 +365,17 @@ class DTensorMuon(Muon):
             max_chunk_bytes=self.memory.update_chunk_bytes,
         )
 
-    def _muon(self, entries: list[tuple[torch.Tensor, Mapping[str, Any]]]) -> None:
+    def _muon(
+        self, entries: list[tuple[torch.Tensor, Mapping[str, Any]]], grads: Mapping[int, Any]
+    ) -> None:
         # phase 1: momentum on local shards (elementwise), per group for its μ / Nesterov
         directions: dict[int, torch.Tensor] = {}
         for group in {id(g): g for _, g in entries}.values():
             params = [p for p, g in entries if g is group]
             bufs = [local_tensor(self.init_state(p, group)["momentum_buffer"]) for p in params]
-            grads = [local_tensor(p.grad) for p in params]
             dirs = functional.momentum_directions_(
-                grads, bufs, momentum=group["momentum"], nesterov=group["nesterov"]
+                [local_tensor(grads[id(p)]) for p in params],
+                bufs, momentum=group["momentum"], nesterov=group["nesterov"]
             )
             directions.update({id(p): d for p, d in zip(params, dirs)})
 
