@@ -159,6 +159,9 @@ class Muon(torch.optim.Optimizer):
     _CAPTURABLE_REFUSAL: str | None = None
     """Why a subclass refuses ``capturable=True`` (None: it supports it)."""
 
+    _ACCEPTS_DTENSOR = False
+    """Whether the class updates DTensor parameters (the DTensor optimizer does)."""
+
     def __init__(
         self,
         params: Any,
@@ -280,12 +283,28 @@ class Muon(torch.optim.Optimizer):
                 )
         defaults = dict(self.muon_defaults, algorithm="muon")
         super().__init__(groups, defaults)
+        if not self._ACCEPTS_DTENSOR:
+            self._refuse_dtensors()
         warn_unnamed(self)
         self._check_transposed()
         by_name = {
             self.param_names.get(id(p)): (p, g) for g in self.param_groups for p in g["params"]
         }
         self.split_rows = resolve_splits(splits or {}, qkv_split, by_name, self.is_transposed)
+
+    def _refuse_dtensors(self) -> None:
+        """DTensor (FSDP2 / tensor-parallel) parameters need the DTensor optimizer."""
+        from torch.distributed.tensor import DTensor
+
+        for group in self.param_groups:
+            for p in group["params"]:
+                if isinstance(p, DTensor):
+                    name = self.param_names.get(id(p), f"a {tuple(p.shape)} parameter")
+                    raise ValueError(
+                        f"{type(self).__name__} got DTensor parameter {name!r} (FSDP2 or tensor "
+                        "parallel); build the optimizer with muonscale.distributed_muon(...), "
+                        "which returns the DTensor optimizer for such parameters"
+                    )
 
     # ---------------------------------------------------------------- param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -1,5 +1,5 @@
 """``muonscale.distributed_muon`` picks DTensorMuon for DTensor parameters and DistributedMuon for
-plain tensors; DistributedMuon itself refuses DTensors (one process, world 1)."""
+plain tensors; DistributedMuon and Muon themselves refuse DTensors (one process, world 1)."""
 
 import gc
 
@@ -28,6 +28,10 @@ def test_distributed_muon_factory_picks_the_class_by_parameter_kind(tmp_path):
             muonscale.distributed_muon([weight], lr=1e-3, reduce_dtype=torch.bfloat16)
         with pytest.raises(ValueError, match=r"muonscale\.distributed_muon"):
             muonscale.DistributedMuon([("blocks.0.fc.weight", weight)], lr=1e-3)
+        with pytest.raises(
+            ValueError, match=r"'blocks\.0\.fc\.weight'.*muonscale\.distributed_muon"
+        ):
+            muonscale.Muon([("blocks.0.fc.weight", weight)], lr=1e-3)  # would shard-orthogonalize
         plain = torch.nn.Parameter(torch.randn(8, 4))
         dp = muonscale.distributed_muon((pair for pair in [("w", plain)]), lr=1e-3)
         assert type(dp) is muonscale.DistributedMuon and dp.param_groups[0]["params"][0] is plain

@@ -172,6 +172,7 @@ class DTensorMuon(Muon):
     that every rank routed and configured every parameter alike (:mod:`.agreement`).
     """
 
+    _ACCEPTS_DTENSOR = True
     _CAPTURABLE_REFUSAL = (
         "its all-to-all exchange sizes and the non-finite decision are read on the host every "
         "step; use muonscale.Muon(capturable=True) on one GPU"
@@ -375,7 +376,9 @@ class DTensorMuon(Muon):
             bufs = [local_tensor(self.init_state(p, group)["momentum_buffer"]) for p in params]
             dirs = functional.momentum_directions_(
                 [local_tensor(grads[id(p)]) for p in params],
-                bufs, momentum=group["momentum"], nesterov=group["nesterov"]
+                bufs,
+                momentum=group["momentum"],
+                nesterov=group["nesterov"],
             )
             directions.update({id(p): d for p, d in zip(params, dirs)})
 
