@@ -363,9 +363,7 @@ class Communicator:
             n = mesh.size(axis)
             full = tensor_bytes(local) * (n if op == "all_gather" else 1)
             self.counter.record(op, full, n, tag)
-        return self._call(
-            "redistribute", tensor.redistribute, param.device_mesh, param.placements
-        )
+        return self._call("redistribute", tensor.redistribute, param.device_mesh, param.placements)
 
     def all_gather_object(self, obj: object, *, tag: str = "setup") -> list[object]:
         """Pickled objects from every rank (setup-time checks only; bytes are approximate)."""
