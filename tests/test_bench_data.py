@@ -7,33 +7,11 @@ import json
 import math
 
 import pytest
+from bench_tiny import BENCH_TINY
 
 from muonscale.bench.config import BenchConfig
 from muonscale.bench.runner import train_config_for
 from muonscale.cli import main
-
-BENCH_TINY = [
-    "--n-layer",
-    "1",
-    "--d-model",
-    "32",
-    "--n-head",
-    "2",
-    "--steps",
-    "2",
-    "--tokens-per-step",
-    "256",
-    "--eval-batches",
-    "1",
-    "--lr-warmup-steps",
-    "1",
-    "--memory-probe-steps",
-    "0",
-    "--timing-warmup-steps",
-    "0",
-    "--no-progress",
-    "--no-plots",
-]
 
 
 def test_bench_data_reaches_every_contenders_train_config(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bench_tiny import BENCH_TINY
 
 from muonscale.bench.config import BenchConfig, parse_variant
 from muonscale.bench.runner import make_run, train_config_for
@@ -13,28 +14,6 @@ from muonscale.cli import main
 TINY = dict(
     n_layer=1, d_model=32, n_head=2, tokens_per_step=256, eval_batches=1, lr_warmup_steps=1, steps=3
 )
-BENCH_TINY = [
-    "--n-layer",
-    "1",
-    "--d-model",
-    "32",
-    "--n-head",
-    "2",
-    "--steps",
-    "2",
-    "--tokens-per-step",
-    "256",
-    "--eval-batches",
-    "1",
-    "--lr-warmup-steps",
-    "1",
-    "--memory-probe-steps",
-    "0",
-    "--timing-warmup-steps",
-    "0",
-    "--no-progress",
-    "--no-plots",
-]
 
 
 def test_parse_variant_values():

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bench_tiny import BENCH_TINY
 
 import muonscale.train.checkpoint as checkpoint_module
 from muonscale.cli import main
@@ -287,28 +288,6 @@ def test_cli_refuses_invalid_values_with_exit_2(argv, message, capsys):
 
 
 # ------------------------------------------------------------------ bench --out
-BENCH_TINY = [
-    "--n-layer",
-    "1",
-    "--d-model",
-    "32",
-    "--n-head",
-    "2",
-    "--steps",
-    "2",
-    "--tokens-per-step",
-    "256",
-    "--eval-batches",
-    "1",
-    "--lr-warmup-steps",
-    "1",
-    "--memory-probe-steps",
-    "0",
-    "--timing-warmup-steps",
-    "0",
-    "--no-progress",
-    "--no-plots",
-]
 
 
 def test_bench_out_is_checked_before_any_training(tmp_path, monkeypatch, capsys):
