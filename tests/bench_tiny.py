@@ -1,7 +1,32 @@
-"""The smallest `muonscale bench` command line the bench tests share: one layer, d 32, two steps
-of 256 tokens, no probes, plots or progress bars (a few seconds on 2 cores)."""
+"""What the bench tests share: the smallest `muonscale bench` command line (one layer, d 32, two
+steps of 256 tokens, no probes, plots or progress bars) and a fake training run whose loss falls
+linearly, for tests of the bench's bookkeeping without training."""
 
 BENCH_TINY = (
     "--n-layer 1 --d-model 32 --n-head 2 --steps 2 --tokens-per-step 256 --eval-batches 1 "
     "--lr-warmup-steps 1 --memory-probe-steps 0 --timing-warmup-steps 0 --no-progress --no-plots"
 ).split()
+
+
+class FakeStep:
+    """One step's record as the bench reads it."""
+
+    def __init__(self, loss):
+        self.loss, self.tokens, self.step_seconds, self.optimizer_seconds = loss, 256, 0.01, 0.001
+
+
+class LinearRun:
+    """A run whose training and validation loss is 5 − rate · steps."""
+
+    def __init__(self, rate):
+        self.rate, self.steps = rate, 0
+
+    def step(self):
+        self.steps += 1
+        return FakeStep(5.0 - self.rate * self.steps)
+
+    def evaluate(self):
+        return 5.0 - self.rate * self.steps
+
+    def optimizer_state_bytes(self):
+        return 100

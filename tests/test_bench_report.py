@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+from bench_tiny import LinearRun
 
 from muonscale.bench import run_bench
 from muonscale.bench.config import BenchConfig
@@ -104,29 +105,9 @@ def test_report_files_are_strict_json_with_nan_as_null(tmp_path):
     assert "| muon |" in (tmp_path / "report.md").read_text()
 
 
-class FakeStep:
-    def __init__(self, loss):
-        self.loss, self.tokens, self.step_seconds, self.optimizer_seconds = loss, 256, 0.01, 0.001
-
-
-class FakeRun:
-    def __init__(self, rate):
-        self.rate, self.steps = rate, 0
-
-    def step(self):
-        self.steps += 1
-        return FakeStep(5.0 - self.rate * self.steps)
-
-    def evaluate(self):
-        return 5.0 - self.rate * self.steps
-
-    def optimizer_state_bytes(self):
-        return 100
-
-
 def test_run_bench_with_fake_runs_writes_report_and_plots(tmp_path, capsys):
     def make_run(config, contender, lr, steps=None):
-        return FakeRun({"adamw": 0.05, "muon": 0.15}[contender] * lr / config.lr_for(contender))
+        return LinearRun({"adamw": 0.05, "muon": 0.15}[contender] * lr / config.lr_for(contender))
 
     config = BenchConfig(
         steps=40, tokens_per_step=256, memory_probe_steps=0, progress=False, out=str(tmp_path)
@@ -147,7 +128,7 @@ def test_run_bench_with_fake_runs_writes_report_and_plots(tmp_path, capsys):
 
 def test_run_bench_sweep_picks_the_best_lr(tmp_path):
     def make_run(config, contender, lr, steps=None):
-        return FakeRun(0.1 * (1 - abs(math.log2(lr / 2e-3))))  # best at 2e-3
+        return LinearRun(0.1 * (1 - abs(math.log2(lr / 2e-3))))  # best at 2e-3
 
     config = BenchConfig(
         steps=20,

@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+from bench_tiny import LinearRun
 
 from muonscale.bench import run_bench
 from muonscale.bench.config import BenchConfig
@@ -118,26 +119,6 @@ def test_real_tiny_run_over_two_seeds(tmp_path):
     ]
     assert seeds["contenders"]["muon"]["steps_to_adamw_final_loss"]["values"] == reached
     assert "Across seeds 0, 1" in (tmp_path / "report.md").read_text()
-
-
-class FakeStep:
-    def __init__(self, loss):
-        self.loss, self.tokens, self.step_seconds, self.optimizer_seconds = loss, 256, 0.01, 0.001
-
-
-class LinearRun:
-    def __init__(self, rate):
-        self.rate, self.steps = rate, 0
-
-    def step(self):
-        self.steps += 1
-        return FakeStep(5.0 - self.rate * self.steps)
-
-    def evaluate(self):
-        return 5.0 - self.rate * self.steps
-
-    def optimizer_state_bytes(self):
-        return 100
 
 
 def test_a_1000_step_budget_runs_through_the_pipeline(tmp_path):

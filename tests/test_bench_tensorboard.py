@@ -5,29 +5,10 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+from bench_tiny import LinearRun
 
 from muonscale.bench import run_bench
 from muonscale.bench.config import BenchConfig
-
-
-class FakeStep:
-    def __init__(self, loss):
-        self.loss, self.tokens, self.step_seconds, self.optimizer_seconds = loss, 256, 0.01, 0.001
-
-
-class LinearRun:
-    def __init__(self, rate):
-        self.rate, self.steps = rate, 0
-
-    def step(self):
-        self.steps += 1
-        return FakeStep(5.0 - self.rate * self.steps)
-
-    def evaluate(self):
-        return 5.0 - self.rate * self.steps
-
-    def optimizer_state_bytes(self):
-        return 100
 
 
 def test_event_files_hold_the_curves(tmp_path):
