@@ -21,7 +21,12 @@ from .kernels.newton_schulz_fast import (
     newton_schulz_fast,
     orthogonalize_stack_,
 )
-from .kernels.process_state import get_workspace, workspace_bytes
+from .kernels.process_state import (
+    disable_triton_elementwise,
+    elementwise_kernels,
+    get_workspace,
+    workspace_bytes,
+)
 from .matrices import MatrixView
 from .memory import (
     DEFAULT_NS_WORKSPACE_BYTES,
@@ -235,8 +240,10 @@ def muon(
     and the directions, written straight into the Newton–Schulz input stacks (one per matrix
     shape and chunk, in the parameter's orientation, cast on the way); the normalization is
     folded into the first Newton–Schulz step; (b) weight decay and update
-    (:func:`apply_updates_`) from the stack the iteration ends in. Parameters are processed in
-    chunks of at most ``max_chunk_bytes`` of transient memory (a number of bytes,
+    (:func:`apply_updates_`) from the stack the iteration ends in. On CUDA each pass is one
+    Triton kernel per stack when triton loads (:func:`~muonscale.kernels.elementwise_kernels`;
+    the same formulas; a tensor ``lr`` and the variants keep the foreach passes). Parameters
+    are processed in chunks of at most ``max_chunk_bytes`` of transient memory (a number of bytes,
     :data:`~muonscale.memory.PER_DEVICE` or :data:`~muonscale.memory.UNCHUNKED`), so the
     step's peak memory does not grow with the model; ``max_workspace_bytes`` bounds the
     Newton–Schulz scratch. Every parameter's update is independent of the others, so chunking
@@ -270,7 +277,6 @@ def muon(
                 max_workspace_bytes=max_workspace_bytes,
             )
         return
-    update_momentum_(grads, momentum_buffers, momentum=momentum)
     schedule, margin = resolve_schedule(coefficients, ns_steps)
     direction = dict(momentum=momentum, nesterov=nesterov)
     stacks: dict[tuple, list[int]] = defaultdict(list)
@@ -282,7 +288,20 @@ def muon(
             stacks[(view.matrix_shapes[0], p.device, dtype)].append(i)
         else:
             split.append(i)
-    for ((rows, cols), device, dtype), indices in stacks.items():
+    # Stacks whose two passes run as Triton kernels (one launch each per stack); the rest,
+    # and every layout the kernels do not take, use the foreach passes.
+    kernels = None if isinstance(lr, torch.Tensor) else elementwise_kernels(params[0].device)
+    fused = set()
+    if kernels is not None:
+        for key, indices in stacks.items():
+            if _kernels_take(kernels, [params, grads, momentum_buffers], indices):
+                fused.add(key)
+    rest = [i for key, indices in stacks.items() if key not in fused for i in indices] + split
+    update_momentum_(
+        [grads[i] for i in rest], [momentum_buffers[i] for i in rest], momentum=momentum
+    )
+    for key, indices in stacks.items():
+        (rows, cols), device, dtype = key
         method = ns_method_for(rows, cols, dtype, ns_method, coefficients, ns_steps)
         alpha = -update_scale(scale, rows, cols)
         per_matrix = workspace_bytes(1, rows, cols, torch.finfo(dtype).bits // 8, method)
@@ -303,7 +322,17 @@ def muon(
             def write(g_part=g_part, b_part=b_part, slots=slots) -> None:
                 write_directions_(g_part, b_part, slots, **direction)
 
-            write()
+            if key not in fused:
+                write()
+            elif kernels is not None:
+                try:
+                    kernels.momentum_and_ns_input_(g_part, b_part, X, **direction)
+                except Exception as exc:  # fails to compile: before anything is written
+                    disable_triton_elementwise(exc)
+                    kernels = None
+            if key in fused and kernels is None:  # the kernels failed on this or a former part
+                update_momentum_(g_part, b_part, momentum=momentum)
+                write()
             result = orthogonalize_stack_(
                 X,
                 schedule,
@@ -315,8 +344,18 @@ def muon(
                 workspace=ws,
                 reload=write,
             )
+            p_part = [params[i] for i in members]
+            if key in fused and kernels is not None:
+                try:
+                    kernels.apply_update_(
+                        p_part, result, lr=lr, weight_decay=weight_decay, alpha=alpha
+                    )
+                    continue
+                except Exception as exc:  # fails to compile: before anything is written
+                    disable_triton_elementwise(exc)
+                    kernels = None
             apply_updates_(
-                [params[i] for i in members],
+                p_part,
                 list(result.unbind(0)),
                 [alpha] * len(members),
                 lr=lr,
@@ -354,6 +393,16 @@ def muon(
             elif weight_decay != 0:
                 param.mul_(1 - lr * weight_decay)
             _add_scaled_(param, update, -lr)
+
+
+def _kernels_take(kernels, tensor_lists: Sequence[Sequence[torch.Tensor]], indices) -> bool:
+    """Whether the Triton elementwise kernels take a stack: every member's tensors
+    contiguous, and one dtype per list (parameters, gradients, momentum buffers)."""
+    for tensors in tensor_lists:
+        members = [tensors[i] for i in indices]
+        if not kernels.supports(members) or len({t.dtype for t in members}) != 1:
+            return False
+    return True
 
 
 def _add_scaled_(param: torch.Tensor, update: torch.Tensor, alpha: float | torch.Tensor) -> None:

@@ -18,6 +18,7 @@ rounds twice (see ``docs/newton_schulz.md``).
 from __future__ import annotations
 
 import functools
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -123,6 +124,12 @@ def _apply_update_kernel(
     tl.store(p_ptr + offs, tl.fma(o, step, p).to(P_DTYPE), mask=mask)
 
 
+def _float32(x: float) -> float:
+    """``x`` rounded to float32 (as torch rounds a Python scalar for a float32 opmath): the
+    GPU kernel gets float32 scalars anyway; the interpreter would keep a float64."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 @functools.cache
 def _interpreted(kernel):
     """An interpreter twin of ``kernel``, for CPU tensors (tests)."""
@@ -224,8 +231,8 @@ def momentum_and_ns_input_(
         out.stride(0),
         out.stride(1),
         out.stride(2),
-        float(beta_weight),
-        float(nesterov_weight),
+        _float32(beta_weight),
+        _float32(nesterov_weight),
         G_DTYPE=_TL_DTYPES[g_dtype],
         B_DTYPE=_TL_DTYPES[b_dtype],
         NESTEROV=bool(nesterov),
@@ -270,8 +277,8 @@ def apply_update_(
         updates.stride(0),
         updates.stride(1),
         updates.stride(2),
-        float(1 - lr * weight_decay),
-        float(lr * alpha),
+        _float32(1 - lr * weight_decay),
+        _float32(lr * alpha),
         P_DTYPE=_TL_DTYPES[p_dtype],
         HAS_DECAY=weight_decay != 0,
         O_CONTIGUOUS=updates[0].is_contiguous(),
