@@ -33,6 +33,11 @@ def test_gpu_bench_smoke_new_sections(tmp_path):
     graph = sections["graph"]["rows"][0]
     assert graph["eager_ms"] > 0 and graph["eager_capturable_ms"] > 0
     assert all(r["launches"] > 0 for r in sections["profile"]["rows"])
+    # the foreach-vs-Triton timing of the elementwise passes runs on the card only
+    assert sections["profile"]["elementwise_passes"] == {
+        "status": "skipped",
+        "reason": "needs CUDA",
+    }
     projection = sections["projection"]
     assert projection["kind"].startswith("model")
     assert {r["ranks"] for r in projection["owner_load"]} == {2, 4}
