@@ -216,9 +216,7 @@ def momentum_and_ns_input_(
     device = out.device
     _check_stack("momentum_and_ns_input_: out", out, k, n, device)
     g_dtype, b_dtype = grads[0].dtype, momentum_buffers[0].dtype
-    if any(g.dtype != g_dtype for g in grads) or any(
-        b.dtype != b_dtype for b in momentum_buffers
-    ):
+    if any(g.dtype != g_dtype for g in grads) or any(b.dtype != b_dtype for b in momentum_buffers):
         raise ValueError("momentum_and_ns_input_: members of a stack share their dtypes")
     beta_weight, nesterov_weight = 1 - momentum, momentum
     grid = (triton.cdiv(n, BLOCK), k)
