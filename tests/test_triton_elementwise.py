@@ -158,7 +158,10 @@ def test_kernels_reject_mismatched_members():
 
 def test_selection(monkeypatch):
     monkeypatch.delenv(ELEMENTWISE_ENV, raising=False)
-    assert elementwise_kernels(torch.device("cpu")) is None  # CPU default: foreach
+    assert elementwise_kernels(torch.device("cpu")) is None  # default: foreach
+    assert elementwise_kernels(torch.device("cuda")) is None  # until timed on a GPU
+    monkeypatch.setenv(ELEMENTWISE_ENV, "auto")
+    assert elementwise_kernels(torch.device("cpu")) is None  # auto: CUDA tensors only
     monkeypatch.setenv(ELEMENTWISE_ENV, "foreach")
     assert elementwise_kernels(torch.device("cuda")) is None
     monkeypatch.setenv(ELEMENTWISE_ENV, "fast")
@@ -169,7 +172,7 @@ def test_selection(monkeypatch):
         assert elementwise_kernels(torch.device("cpu")) is not None
 
 
-def _muon_run(*, momentum, lr, scale, nesterov, env, monkeypatch, calls=None):
+def _muon_run(*, momentum, lr, scale, nesterov, env, monkeypatch, calls=None, device="cpu"):
     """Three Muon steps on stacks of every orientation plus a parameter of the per-matrix
     path, one parameter without a gradient at step 2; returns parameters and momenta."""
     import muonscale
@@ -181,8 +184,12 @@ def _muon_run(*, momentum, lr, scale, nesterov, env, monkeypatch, calls=None):
     g = torch.Generator().manual_seed(0)
     shapes = [(24, 40)] * 3 + [(40, 24)] * 2 + [(8, 4, 3, 3)]
     # dyadic values with few bits (k/64): with μ = 1/2 every momentum lerp is exact
-    params = [torch.nn.Parameter(torch.randint(-64, 64, s, generator=g) / 64) for s in shapes]
-    grads = [[torch.randint(-64, 64, s, generator=g) / 64 for s in shapes] for _ in range(3)]
+    params = [
+        torch.nn.Parameter((torch.randint(-64, 64, s, generator=g) / 64).to(device)) for s in shapes
+    ]
+    grads = [
+        [(torch.randint(-64, 64, s, generator=g) / 64).to(device) for s in shapes] for _ in range(3)
+    ]
     opt = muonscale.Muon(
         params,
         lr=lr,
@@ -196,8 +203,8 @@ def _muon_run(*, momentum, lr, scale, nesterov, env, monkeypatch, calls=None):
         for i, p in enumerate(params):
             p.grad = None if (t == 1 and i == 1) else grads[t][i]
         opt.step()
-    return [p.detach().clone() for p in params], [
-        opt.state[p]["momentum_buffer"].clone() for p in params
+    return [p.detach().cpu() for p in params], [
+        opt.state[p]["momentum_buffer"].cpu() for p in params
     ]
 
 
@@ -231,7 +238,20 @@ def test_muon_step_triton_forced_equals_foreach_bitwise(monkeypatch, nesterov):
 
 
 @needs_triton
-def test_muon_step_triton_forced_close_to_foreach(monkeypatch):
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ],
+)
+def test_muon_step_triton_forced_close_to_foreach(monkeypatch, device):
     """Default settings (μ = 0.95, Nesterov, scale "shape"): the kernels' rounding differs
     from foreach by at most the bound above per pass (a few float32 ulps of U); Newton–Schulz
     amplifies a relative input perturbation by at most a⁵ ≈ 488 (a = 3.4445 = max |p′(σ)|,
@@ -239,8 +259,8 @@ def test_muon_step_triton_forced_close_to_foreach(monkeypatch):
     ≤ 3 · lr · s · 488 · 16u · ‖O‖ (16u: the relative perturbation of U, whose norm is ~1/8
     of the gradient's with μ = 0.95) plus 3 float32 roundings of W."""
     kw = dict(momentum=0.95, lr=0.02, scale="shape", nesterov=True)
-    p_tri, _ = _muon_run(env="triton", monkeypatch=monkeypatch, **kw)
-    p_ref, _ = _muon_run(env=None, monkeypatch=monkeypatch, **kw)
+    p_tri, _ = _muon_run(env="triton", monkeypatch=monkeypatch, device=device, **kw)
+    p_ref, _ = _muon_run(env=None, monkeypatch=monkeypatch, device=device, **kw)
     for a, b in zip(p_tri, p_ref):
         rows, cols = b.shape[0], b[0].numel()
         s = max(1.0, rows / cols) ** 0.5
@@ -269,7 +289,7 @@ def test_auto_falls_back_to_foreach_when_a_kernel_fails(monkeypatch):
     )
     kw = dict(momentum=0.95, lr=0.02, scale="shape", nesterov=True)
     with pytest.warns(RuntimeWarning, match="simulated compile failure"):
-        p_auto, m_auto = _muon_run(env=None, monkeypatch=monkeypatch, **kw)
+        p_auto, m_auto = _muon_run(env="auto", monkeypatch=monkeypatch, **kw)
     assert process_state._triton_elementwise["ok"] is False
     monkeypatch.setattr(functional, "elementwise_kernels", lambda device: None)
     p_ref, m_ref = _muon_run(env=None, monkeypatch=monkeypatch, **kw)

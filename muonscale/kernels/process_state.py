@@ -159,12 +159,13 @@ def disable_triton(exc: BaseException) -> None:
 
 
 ElementwiseBackend = Literal["auto", "foreach", "triton"]
-"""How Muon's two elementwise passes run: ``"auto"`` (Triton kernels for CUDA tensors when
-triton loads, else ``torch._foreach_*``), or forced either way (``"triton"`` on CPU tensors runs
-the Triton interpreter: tests)."""
+"""How Muon's two elementwise passes run: ``"foreach"`` (``torch._foreach_*``, the default
+until the kernels are timed on a GPU), ``"auto"`` (Triton kernels for CUDA tensors when triton
+loads, else foreach), or ``"triton"`` forced (on CPU tensors it runs the Triton interpreter:
+tests)."""
 
 ELEMENTWISE_ENV = "MUONSCALE_ELEMENTWISE"
-"""Environment variable naming the :data:`ElementwiseBackend` (unset: ``"auto"``)."""
+"""Environment variable naming the :data:`ElementwiseBackend` (unset: ``"foreach"``)."""
 
 _triton_elementwise: dict[str, object] = {}
 
@@ -173,7 +174,7 @@ def elementwise_kernels(device: torch.device):
     """:mod:`muonscale.kernels.triton_elementwise` when Muon's elementwise passes on ``device``
     should use it (see :data:`ElementwiseBackend`, read from :data:`ELEMENTWISE_ENV`), else
     None (the foreach path). Forcing ``"triton"`` without triton raises."""
-    choice = os.environ.get(ELEMENTWISE_ENV, "auto")
+    choice = os.environ.get(ELEMENTWISE_ENV, "foreach")
     if choice not in ("auto", "foreach", "triton"):
         raise ValueError(f"{ELEMENTWISE_ENV} must be 'auto', 'foreach' or 'triton', got {choice!r}")
     if choice == "foreach" or (choice == "auto" and device.type != "cuda"):
