@@ -110,9 +110,7 @@ class BackwardOrthogonalizer:
             for p in group["params"]:
                 if p.numel() == 0:
                     continue
-                key = functional.stack_key(
-                    p, opt.matrix_view(p, group), group["ns_dtype"], options
-                )
+                key = functional.stack_key(p, opt.matrix_view(p, group), group["ns_dtype"], options)
                 if key is None:  # split/transposed views and variants: updated in step()
                     continue
                 shape, device, dtype = key

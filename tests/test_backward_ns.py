@@ -57,9 +57,7 @@ def train(
 ):
     torch.manual_seed(0)
     model = Net()
-    opt = muonscale.Muon(
-        model, **{**OPTIONS, **options}, orthogonalize_in_backward=in_backward
-    )
+    opt = muonscale.Muon(model, **{**OPTIONS, **options}, orthogonalize_in_backward=in_backward)
     gen = torch.Generator().manual_seed(1)
     used_hooks = []
     for step in range(steps):
