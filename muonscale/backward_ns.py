@@ -108,7 +108,7 @@ class BackwardOrthogonalizer:
             options = VariantOptions.from_group(group)
             open_bucket: dict[tuple, Bucket] = {}
             for p in group["params"]:
-                if p.numel() == 0:
+                if p.numel() == 0 or not p.requires_grad:  # frozen: no hook, step() as usual
                     continue
                 key = functional.stack_key(p, opt.matrix_view(p, group), group["ns_dtype"], options)
                 if key is None:  # split/transposed views and variants: updated in step()

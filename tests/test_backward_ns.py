@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import muonscale
-from muonscale.distributed import DistributedMuon
+from muonscale.distributed import DistributedMuon, DTensorMuon
 
 STEPS = 4
 OPTIONS = dict(lr=0.05, weight_decay=0.1, momentum=0.9)
@@ -244,10 +244,12 @@ def test_refused_with_capturable_and_bad_values():
         muonscale.Muon(model, orthogonalize_in_backward="yes")
 
 
-def test_refused_by_distributed_muon():
+@pytest.mark.parametrize("cls", [DistributedMuon, DTensorMuon])
+def test_refused_by_the_distributed_optimizers(cls):
     model = Net()
-    with pytest.raises(ValueError, match="DistributedMuon does not support orthogonalize_in"):
-        DistributedMuon(model, orthogonalize_in_backward=True)
+    match = f"{cls.__name__} does not support orthogonalize_in_backward=True"
+    with pytest.raises(ValueError, match=match):
+        cls(model, orthogonalize_in_backward=True)
 
 
 def test_pickled_copy_keeps_the_option():
@@ -257,3 +259,19 @@ def test_pickled_copy_keeps_the_option():
     clone = copy.deepcopy(opt)
     assert clone.orthogonalize_in_backward and clone._backward_ns.buckets
     assert clone._backward_ns.buckets[0].params[0] is not opt._backward_ns.buckets[0].params[0]
+
+
+def test_frozen_parameter_is_updated_in_step_only():
+    """A Muon parameter frozen at construction gets no hook; one given a gradient by hand is
+    updated in step() as usual, the rest from the hooks: equal to the normal path."""
+    results = []
+    for flag in (False, True):
+        torch.manual_seed(0)
+        model = Net()
+        model.b.weight.requires_grad_(False)
+        opt = muonscale.Muon(model, **OPTIONS, orthogonalize_in_backward=flag)
+        model(torch.randint(0, 11, (3, 7)), True).sum().backward()
+        model.b.weight.grad = torch.ones_like(model.b.weight)
+        opt.step()
+        results.append(model)
+    assert_same(*results)
