@@ -22,6 +22,7 @@ from .kernels.newton_schulz_fast import (
     orthogonalize_stack_,
 )
 from .kernels.process_state import (
+    NSWorkspace,
     disable_triton_elementwise,
     elementwise_kernels,
     get_workspace,
@@ -41,14 +42,23 @@ from .scaling import update_scale
 
 
 def update_momentum_(
-    grads: Sequence[torch.Tensor], momentum_buffers: Sequence[torch.Tensor], *, momentum: float
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor],
+    *,
+    momentum: float,
+    out: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """B ← B + (1 − μ)(G − B) (``B.lerp_(G, 1 − μ)``, torch.optim.Muon's form), one foreach
-    over every buffer (views into stacked momentum are fine)."""
+    over every buffer (views into stacked momentum are fine). With ``out``, the new momentum
+    is written there (the same lerp, out of place) and ``momentum_buffers`` keep their values."""
     if not momentum_buffers:
         return
     grads = [g if g.dtype == b.dtype else g.to(b.dtype) for g, b in zip(grads, momentum_buffers)]
-    torch._foreach_lerp_(list(momentum_buffers), grads, 1 - momentum)
+    if out is None:
+        torch._foreach_lerp_(list(momentum_buffers), grads, 1 - momentum)
+        return
+    for buf, grad, dst in zip(momentum_buffers, grads, out):
+        torch.lerp(buf, grad, 1 - momentum, out=dst)
 
 
 def write_directions_(
@@ -208,6 +218,59 @@ def _single_matrix(view: MatrixView) -> bool:
     return len(view.matrix_shapes) == 1 and view.row_partition is None and not view.transposed
 
 
+def stack_key(
+    param: torch.Tensor,
+    view: MatrixView,
+    ns_dtype: torch.dtype | None,
+    options: variants.VariantOptions = variants.PLAIN_MUON,
+) -> tuple | None:
+    """(matrix shape, device, Newton–Schulz dtype) of the stack :func:`muon` puts ``param`` in,
+    or None when it takes the per-matrix path (split or transposed views, variants)."""
+    if options != variants.PLAIN_MUON or not _single_matrix(view):
+        return None
+    dtype = ns_dtype if ns_dtype is not None else default_ns_dtype(param.device)
+    return (view.matrix_shapes[0], param.device, dtype)
+
+
+def orthogonalize_directions_(
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor],
+    workspace: NSWorkspace,
+    *,
+    momentum: float,
+    nesterov: bool,
+    schedule: Sequence[tuple[float, float, float]],
+    margin: float,
+    eps: float,
+    method: str,
+    input_written: bool = False,
+) -> torch.Tensor:
+    """The directions of ``grads`` (their momentum already updated) written into the
+    workspace's iterate (one (rows, cols) slot each, cast on the way; ``input_written``: a
+    kernel already wrote them), then Newton–Schulz of that stack; returns the tensor holding
+    the (k, rows, cols) result (in the workspace)."""
+    k, rows, cols = workspace.shape
+    X = workspace.get("x", (k, rows, cols))
+    slots = [X[j].view(g.shape) for j, g in enumerate(grads)]
+
+    def write() -> None:
+        write_directions_(grads, momentum_buffers, slots, momentum=momentum, nesterov=nesterov)
+
+    if not input_written:
+        write()
+    return orthogonalize_stack_(
+        X,
+        schedule,
+        margin,
+        eps,
+        method=method,
+        backend="auto",
+        restart_every=GRAM_POLICY["restart_every"],
+        workspace=workspace,
+        reload=write,
+    )
+
+
 def muon(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -281,11 +344,10 @@ def muon(
     direction = dict(momentum=momentum, nesterov=nesterov)
     stacks: dict[tuple, list[int]] = defaultdict(list)
     split: list[int] = []
-    plain = options == variants.PLAIN_MUON  # variants take the per-matrix path below
     for i, (p, view) in enumerate(zip(params, views)):
-        if plain and _single_matrix(view):
-            dtype = ns_dtype if ns_dtype is not None else default_ns_dtype(p.device)
-            stacks[(view.matrix_shapes[0], p.device, dtype)].append(i)
+        key = stack_key(p, view, ns_dtype, options)  # variants take the per-matrix path below
+        if key is not None:
+            stacks[key].append(i)
         else:
             split.append(i)
     # Stacks whose two passes run as Triton kernels (one launch each per stack); the rest,
@@ -314,35 +376,29 @@ def muon(
                 method,
                 max_cached_bytes=max_workspace_bytes,
             )
-            X = ws.get("x", (len(members), rows, cols))
-            slots = [X[j].view(params[i].shape) for j, i in enumerate(members)]
             g_part = [grads[i] for i in members]
             b_part = [momentum_buffers[i] for i in members]
-
-            def write(g_part=g_part, b_part=b_part, slots=slots) -> None:
-                write_directions_(g_part, b_part, slots, **direction)
-
-            if key not in fused:
-                write()
-            elif kernels is not None:
+            written = False
+            if key in fused and kernels is not None:
+                X = ws.get("x", (len(members), rows, cols))
                 try:
                     kernels.momentum_and_ns_input_(g_part, b_part, X, **direction)
+                    written = True
                 except Exception as exc:  # fails to compile: before anything is written
                     disable_triton_elementwise(exc)
                     kernels = None
-            if key in fused and kernels is None:  # the kernels failed on this or a former part
+            if key in fused and not written:  # the kernels failed on this or a former part
                 update_momentum_(g_part, b_part, momentum=momentum)
-                write()
-            result = orthogonalize_stack_(
-                X,
-                schedule,
-                margin,
-                eps,
+            result = orthogonalize_directions_(
+                g_part,
+                b_part,
+                ws,
+                schedule=schedule,
+                margin=margin,
+                eps=eps,
+                input_written=written,
                 method=method,
-                backend="auto",
-                restart_every=GRAM_POLICY["restart_every"],
-                workspace=ws,
-                reload=write,
+                **direction,
             )
             p_part = [params[i] for i in members]
             if key in fused and kernels is not None:

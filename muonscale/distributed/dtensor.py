@@ -177,6 +177,10 @@ class DTensorMuon(Muon):
         "its all-to-all exchange sizes and the non-finite decision are read on the host every "
         "step; use muonscale.Muon(capturable=True) on one GPU"
     )
+    _BACKWARD_NS_REFUSAL = (
+        "its gradients are redistributed and its matrices gathered in step(); use "
+        "muonscale.Muon(orthogonalize_in_backward=True) in one process"
+    )
 
     def __init__(
         self,
