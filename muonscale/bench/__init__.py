@@ -147,9 +147,9 @@ def _run_bench(config: BenchConfig, make_run: Callable | None, stream: TextIO) -
     print(format_table(report), file=stream, flush=True)  # before any file can fail
     plot_files = []
     if config.plots:
-        from muonscale.bench.plots import plot_report
+        from muonscale.bench.plots import plot_max_logits, plot_report
 
-        plot_files = plot_report(report, out_dir)
+        plot_files = plot_report(report, out_dir) + plot_max_logits(report, out_dir)
     if config.tensorboard is not None:
         from muonscale.bench.tensorboard_log import write_tensorboard
 

@@ -90,6 +90,10 @@ class BenchConfig:
     of muonscale.Muon (e.g. pe=coefficients:polar_express normuon=normalize:row); lr:VALUE sets
     the variant's starting learning rate (default: --lr-muon); qk_clip:TAU trains it with
     QK-clip at threshold TAU (as muonscale train --qk-clip; e.g. clip=qk_clip:100)."""
+    track_max_logit: bool = False
+    """Also measure the exact maximum attention logit of contenders without QK-clip (one extra
+    QK^T per layer per forward, no rescale) and report it beside the clipped ones'. A
+    qk_clip contender always measures it."""
     seeds: int = 1
     """Seeds per contender (--seed, --seed + 1, ...); > 1 adds the mean and spread of final loss
     and of steps to AdamW's final loss (each seed against AdamW's run of that seed)."""
@@ -226,6 +230,11 @@ class BenchConfig:
             if name == contender and options.get("qk_clip") is not None:
                 return float(options["qk_clip"])
         return None
+
+    def tracks_max_logit(self, contender: str) -> bool:
+        """Whether a contender's runs measure the maximum attention logit (QK-clip on, or
+        --track-max-logit)."""
+        return self.track_max_logit or self.qk_clip_for(contender) is not None
 
     def lr_for(self, contender: str) -> float:
         """The starting (unswept) peak learning rate of a contender."""

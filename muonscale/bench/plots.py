@@ -157,6 +157,46 @@ def plot_report(report: Mapping, out_dir: Path, *, train_loss: bool = True) -> l
     return written
 
 
+def plot_max_logits(report: Mapping, out_dir: Path) -> list[str]:
+    """Write ``max_logit.png`` (each measured contender's maximum attention logit per step,
+    QK-clip's tau dashed in the contender's color); ``[]`` when no contender measured it."""
+    contenders = {
+        n: c for n, c in report["contenders"].items() if c["curves"].get("max_attention_logit")
+    }
+    if not contenders:
+        return []
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for name, c in contenders.items():
+        logits = [float("nan") if x is None else x for x in c["curves"]["max_attention_logit"]]
+        ax.plot(
+            range(1, len(logits) + 1),
+            logits,
+            label=_label(name, c),
+            color=_color(name),
+            linewidth=1.5,
+        )
+        if c.get("qk_clip_tau") is not None:
+            ax.axhline(c["qk_clip_tau"], color=_color(name), linestyle="--", linewidth=1)
+            ax.annotate(
+                f"tau {c['qk_clip_tau']:.4g} ({c['qk_clip_steps']} steps clipped)",
+                (1, c["qk_clip_tau"]),
+                textcoords="offset points",
+                xytext=(2, 4),
+                color=_color(name),
+            )
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("max attention logit (any head, before the update)")
+    ax.set_title("maximum attention logit")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_dir / "max_logit.png", dpi=110)
+    plt.close(fig)
+    return ["max_logit.png"]
+
+
 def _smooth(values: list[float], beta: float = 0.9) -> list[float]:
     """Bias-corrected exponential moving average, as training-loss plots usually show."""
     out, avg = [], 0.0

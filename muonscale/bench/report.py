@@ -9,6 +9,9 @@
     figures: [{name, value, note, published}]   this run's headline figures; ``published``
                                       is {value, source} of a figure reported elsewhere for
                                       the same quantity (context, not a pass mark), or null
+    contenders.*: max_attention_logit, final_max_attention_logit, qk_clip_tau, qk_clip_steps,
+        max_logit_ms, max_logit_step_fraction    the measured maximum attention logit (QK-clip
+                                      contenders, or all with --track-max-logit), else null
     seeds                             --seeds > 1: per contender, mean/std/min/max over seeds of
                                       final_val_loss and steps_to_adamw_final_loss(_ratio)
     config, machine, sweep, wall_seconds
@@ -108,13 +111,43 @@ def contender_summary(
                 reference.eval_steps, reference.val_losses, record.eval_steps, record.val_losses
             )
         )
+    summary.update(max_logit_summary(record, config))
     summary["curves"] = {
         "eval_steps": record.eval_steps,
         "val_loss": [_finite(x) for x in record.val_losses],
         "eval_train_seconds": record.eval_train_seconds,
         "train_loss": [_finite(x) for x in record.train_losses],
+        "max_attention_logit": [_finite(x) for x in record.max_attention_logits],
     }
     return summary
+
+
+def max_logit_summary(record: ContenderRecord, config: BenchConfig) -> dict:
+    """A contender's maximum attention logit (all ``None`` when its run did not measure it):
+    the largest over the run and at the last step, QK-clip's tau and the number of steps where
+    the clip acted (some head's maximum above tau), and the measurement's cost per step (median
+    after warm-up, in ms and as a fraction of the step's time)."""
+    tau = config.qk_clip_for(record.name)
+    logits = record.max_attention_logits
+    if not logits:
+        return {
+            "qk_clip_tau": tau,
+            "max_attention_logit": None,
+            "final_max_attention_logit": None,
+            "qk_clip_steps": None,
+            "max_logit_ms": None,
+            "max_logit_step_fraction": None,
+        }
+    warmup = config.timing_warmup_steps
+    fractions = [p / s for p, s in zip(record.max_logit_seconds, record.step_seconds) if s > 0]
+    return {
+        "qk_clip_tau": tau,
+        "max_attention_logit": _finite(max(logits)),
+        "final_max_attention_logit": _finite(logits[-1]),
+        "qk_clip_steps": None if tau is None else sum(x > tau for x in logits),
+        "max_logit_ms": median_after_warmup(record.max_logit_seconds, warmup) * 1e3,
+        "max_logit_step_fraction": median_after_warmup(fractions, warmup) if fractions else None,
+    }
 
 
 def build_report(
@@ -272,10 +305,37 @@ def format_table(report: Mapping) -> str:
         if f["published"]:
             line += f"; published: {f['published']['value']} ({f['published']['source']})"
         lines.append(line)
+    max_logit_table = format_max_logit_table(report)
+    if max_logit_table:
+        lines += ["", max_logit_table]
     if report.get("seeds"):
         from muonscale.bench.seeds import format_seed_table
 
         lines += ["", format_seed_table(report["seeds"])]
+    return "\n".join(lines)
+
+
+def format_max_logit_table(report: Mapping) -> str:
+    """The maximum attention logit of the contenders that measured it ("" when none did)."""
+    contenders = report["contenders"]
+    rows = [(n, c) for n, c in contenders.items() if c.get("max_attention_logit") is not None]
+    if not rows:
+        return ""
+    header = (
+        "| contender | QK-clip tau | max attention logit | final | steps clipped "
+        "| measuring it ms/step (% of step) |"
+    )
+    lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
+    for name, c in rows:
+        fraction = c["max_logit_step_fraction"]
+        clipped = "-" if c["qk_clip_steps"] is None else f"{c['qk_clip_steps']} of {c['steps']}"
+        cost = f"{_fmt(c['max_logit_ms'], '.2f')} ({_fmt(fraction and 100 * fraction, '.1f')}%)"
+        lines.append(
+            f"| {name} | {_fmt(c['qk_clip_tau'], '.4g', 'off')} | "
+            f"{_fmt(c['max_attention_logit'], '.2f')} | "
+            f"{_fmt(c['final_max_attention_logit'], '.2f')} | "
+            f"{clipped} | {cost} |"
+        )
     return "\n".join(lines)
 
 

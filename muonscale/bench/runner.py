@@ -100,6 +100,7 @@ def make_run(bench: BenchConfig, contender: str, lr: float, *, steps: int | None
     config = train_config_for(bench, contender, lr, steps=steps)
     text = bundled_corpus_text(bench.corpus) if bench.corpus is not None else None
     run = TrainingRun(config, text=text)
+    run.probe_max_logits = bench.tracks_max_logit(contender)
     options = bench.variant_options(contender)
     if options is not None:
         from muonscale.bench.variants import build_variant_optimizer

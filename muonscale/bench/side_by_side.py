@@ -57,6 +57,11 @@ class ContenderRecord:
     diverged_at_step: int | None = None
     """Step whose loss was not finite; the contender stopped there (its later evaluations are
     NaN)."""
+    max_attention_logits: list[float] = field(default_factory=list)
+    """Per step, the largest attention logit of any head in its forwards (before the update
+    and QK-clip's rescale), when the run measured it; empty otherwise."""
+    max_logit_seconds: list[float] = field(default_factory=list)
+    """Per step, the time the max-logit measurement took (part of ``step_seconds``)."""
 
     @property
     def train_seconds(self) -> float:
@@ -133,6 +138,10 @@ def run_side_by_side(
                 record.step_seconds.append(float(result.step_seconds))
                 record.optimizer_seconds.append(float(result.optimizer_seconds))
                 record.tokens.append(int(result.tokens))
+                max_logit = getattr(result, "max_attention_logit", None)
+                if max_logit is not None:
+                    record.max_attention_logits.append(float(max_logit))
+                    record.max_logit_seconds.append(float(result.max_logit_seconds))
         if bar is not None:
             bar.update(1)
         if name == last_name and step in wanted:

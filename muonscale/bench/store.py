@@ -6,7 +6,7 @@ SHA-256 of that configuration, so a run is reused only when everything that defi
 equal: the ``TrainConfig`` it trains with (model, data, tokenizer, lr, seed, steps, schedule,
 dtypes, device, QK-clip's tau (a variant's ``qk_clip:TAU``), ...), the contender, its variant
 options, torch-muon's Newton-Schulz precision, the corpus, the evaluation steps and the torch
-thread count. Presentation flags (plots, progress, TensorBoard, memory probes) are not part
+thread count, and ``--track-max-logit`` for a contender without QK-clip. Presentation flags (plots, progress, TensorBoard, memory probes) are not part
 of it.
 """
 
@@ -31,7 +31,7 @@ def run_key(
     """Everything that defines one run, as a JSON-able dict."""
     from muonscale.bench.runner import newton_schulz_precision, train_config_for
 
-    return {
+    key = {
         "format": FORMAT_VERSION,
         "kind": kind,
         "contender": contender,
@@ -42,6 +42,10 @@ def run_key(
         "eval_steps": None if eval_steps is None else list(eval_steps),
         "threads": bench.threads,
     }
+    if bench.track_max_logit and bench.qk_clip_for(contender) is None:
+        # training is unchanged, but only such a run's record holds the maximum logits
+        key["max_logit"] = True
+    return key
 
 
 class RunStore:

@@ -2,7 +2,9 @@
 
 One run folder per contender and seed, ``DIR/<contender>/seed<S>``, so TensorBoard overlays
 the contenders. Scalars: ``val_loss`` (x: optimizer step), ``val_loss_vs_train_ms`` (x:
-training milliseconds, evaluation excluded) and ``train_loss`` (x: optimizer step).
+training milliseconds, evaluation excluded), ``train_loss`` (x: optimizer step) and, for a
+contender that measured it (QK-clip, ``--track-max-logit``), ``max_attention_logit`` (x:
+optimizer step).
 A run folder's older event files are replaced (a resumed bench writes the same curves again,
 and TensorBoard would otherwise show them twice).
 """
@@ -38,6 +40,8 @@ def write_tensorboard(
                         writer.add_scalar("val_loss_vs_train_ms", loss, round(seconds * 1e3))
                 for step, loss in enumerate(record.train_losses, 1):
                     writer.add_scalar("train_loss", loss, step)
+                for step, logit in enumerate(record.max_attention_logits, 1):
+                    writer.add_scalar("max_attention_logit", logit, step)
             finally:
                 writer.close()
             written.append(run_dir)

@@ -16,7 +16,9 @@ shard holds whole heads::
 QK-clip (:mod:`muonscale.qk_clip`): ``model(idx, targets, probe_max_logits=True)`` also computes
 every head's exact maximum attention logit (in chunks, outside the autograd graph; off by
 default, since ``scaled_dot_product_attention`` never exposes logits), folded into a running
-maximum over forwards (micro-batches) until :meth:`GPT.pop_max_attention_logits`::
+maximum over forwards (micro-batches) until :meth:`GPT.pop_max_attention_logits`; the time the
+probe took is summed until :meth:`GPT.pop_probe_seconds` (wall time on CPU, CUDA events on a GPU,
+so the forward is never synchronized for it)::
 
     clip = QKClip(model.qk_clip_targets(), tau=100.0)
     loss = model(x, y, probe_max_logits=True)[1]; loss.backward(); optimizer.step()
@@ -29,6 +31,8 @@ positions), ``lm_head`` (output head), ``*norm*`` (norm weights).
 from __future__ import annotations
 
 import math
+import time
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +80,38 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
+class ProbeClock:
+    """Time spent in the max-logit probe, summed over forwards until :meth:`pop_seconds`: wall
+    time on CPU; on CUDA a pair of events per probe, read at the pop (no synchronization
+    inside the forward)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextmanager
+    def timing(self, device: torch.device):
+        if device.type == "cuda":
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            yield
+            end.record()
+            self.events.append((start, end))
+            return
+        begin = time.perf_counter()
+        yield
+        self.seconds += time.perf_counter() - begin
+
+    def pop_seconds(self) -> float:
+        """Seconds summed since the last pop (waits for the recorded CUDA events), and reset."""
+        total = self.seconds
+        for start, end in self.events:
+            end.synchronize()
+            total += start.elapsed_time(end) / 1e3
+        self.seconds, self.events = 0.0, []
+        return total
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head (or grouped-query) causal self-attention with one fused QKV projection."""
 
@@ -91,6 +127,7 @@ class CausalSelfAttention(nn.Module):
         self.proj.is_residual_projection = True
         self.max_logits: torch.Tensor | None = None
         """(n_head,) running maximum logit of each head over probed forwards, or None."""
+        self.probe_clock = ProbeClock()
 
     def forward(
         self,
@@ -106,7 +143,8 @@ class CausalSelfAttention(nn.Module):
             cos, sin = (table[:seq] for table in rotary)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if probe_max_logits:  # the logits SDPA computes below (its default scale 1/sqrt(hd))
-            probed = max_attention_logits(q, k, causal=True)
+            with self.probe_clock.timing(q.device):
+                probed = max_attention_logits(q, k, causal=True)
             previous = self.max_logits
             self.max_logits = probed if previous is None else torch.maximum(previous, probed)
         if self.layout.q_per_group > 1:
@@ -211,6 +249,10 @@ class GPT(nn.Module):
         for block in self.blocks:
             block.attn.max_logits = None
         return maxima
+
+    def pop_probe_seconds(self) -> float:
+        """Seconds the max-logit probe took in all blocks since the last call, and reset."""
+        return math.fsum(block.attn.probe_clock.pop_seconds() for block in self.blocks)
 
     def forward(
         self,

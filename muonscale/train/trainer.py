@@ -84,7 +84,11 @@ class StepResult:
     """Wall time of ``optimizer.step()`` alone (device-synchronized)."""
     max_attention_logit: float | None = None
     """With qk_clip: the largest attention logit of any head in this step's forwards (MAX over
-    the ranks), measured before the update and the clip; None without qk_clip."""
+    the ranks), measured before the update and the clip; also without qk_clip when
+    ``TrainingRun.probe_max_logits`` is set (this rank's); None otherwise."""
+    max_logit_seconds: float | None = None
+    """Time the max-logit probe took in this step's forwards (part of ``step_seconds``); None
+    when not probed."""
 
 
 @dataclass(kw_only=True)
@@ -186,6 +190,9 @@ class TrainingRun:
         )
         self.scheduler = build_scheduler(self.optimizer, self.schedule)
         self.qk_clip = self._build_qk_clip() if config.qk_clip is not None else None
+        self.probe_max_logits = self.qk_clip is not None
+        """Measure every head's exact maximum logit in each step's forwards: on with qk_clip;
+        a caller may turn it on without (the bench's --track-max-logit) to record it."""
         self.step_count = 0
         self.last_checkpoint: tuple[str, int] | None = None  # (path, step) of the last good save
         # hyperparameters that differ from the loaded checkpoint's: name -> (saved, now)
@@ -234,7 +241,7 @@ class TrainingRun:
             with self._accumulating(reduce=last):
                 with self._autocast():
                     _, loss = self.forward_model(
-                        inputs, targets, probe_max_logits=self.qk_clip is not None
+                        inputs, targets, probe_max_logits=self.probe_max_logits
                     )
                 (loss / self.accumulation_steps).backward()
             loss_sum += loss.detach()
@@ -258,9 +265,13 @@ class TrainingRun:
         self.optimizer.step()
         self._synchronize()
         optimizer_seconds = time.perf_counter() - optimizer_start
-        max_logit = None
+        max_logit = probe_seconds = None
         if self.qk_clip is not None:  # the same rescale on every rank (maxima MAX-reduced)
             max_logit = self.qk_clip(self.model.pop_max_attention_logits()).max().item()
+        elif self.probe_max_logits:  # recorded only: this rank's maxima, nothing rescaled
+            max_logit = max(m.max().item() for m in self.model.pop_max_attention_logits())
+        if self.probe_max_logits:
+            probe_seconds = self.model.pop_probe_seconds()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
@@ -272,6 +283,7 @@ class TrainingRun:
             step_seconds=time.perf_counter() - start,
             optimizer_seconds=optimizer_seconds,
             max_attention_logit=max_logit,
+            max_logit_seconds=probe_seconds,
         )
 
     def _accumulating(self, *, reduce: bool):
