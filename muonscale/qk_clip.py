@@ -19,7 +19,9 @@ tensor-parallel row shard holding whole groups, or a DTensor such as FSDP2's, wh
 rows are rescaled by their global heads' factors) or :class:`SeparateQK` targets, and the per-head
 maxima its attention measured (:func:`max_attention_logits` computes them exactly, in chunks).
 :class:`QKClip` all-reduces the maxima (MAX) over the data-parallel group, so every rank applies
-the same rescale.
+the same rescale. A tensor-parallel DTensor rank measures its own heads only:
+:func:`full_head_maxima` places them among ``-inf`` for the others, and the MAX over a group
+spanning the tensor-parallel ranks fills those in.
 """
 
 from __future__ import annotations
@@ -190,13 +192,55 @@ class SeparateQK:
 QKTarget = FusedQKV | SeparateQK
 
 
+def local_heads(target: QKTarget) -> torch.Tensor:
+    """Global indices of the query heads whose rows this rank holds, in order: all heads for
+    plain tensors; for a tensor-parallel DTensor (e.g. ``ColwiseParallel``'s ``Shard(0)``) the
+    heads of its local rows, which must be whole key/value groups (fused) or whole heads."""
+    weight = target.weight if isinstance(target, FusedQKV) else target.q_weight
+    if not is_dtensor(weight):
+        return torch.arange(target.n_heads)
+    from .distributed.dtensor import local_indices
+
+    rows = local_indices(weight, 0)
+    if isinstance(target, FusedQKV):
+        block, per_block = target.layout.rows_per_group, target.q_per_group
+    else:
+        block, per_block = target.head_dim, 1
+    first = rows[::block]
+    whole = torch.equal(rows, (first.unsqueeze(1) + torch.arange(block)).flatten())
+    if not (rows.numel() % block == 0 and bool((first % block == 0).all()) and whole):
+        raise ValueError(
+            f"local_heads: this rank holds rows {rows.tolist()[:8]}... of the projection, not "
+            f"whole blocks of {block} rows (a key/value group or a head); shard by whole heads"
+        )
+    return ((first // block).unsqueeze(1) * per_block + torch.arange(per_block)).flatten()
+
+
+def full_head_maxima(target: QKTarget, local_maxima: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel rank's (target.n_heads,) maxima for :class:`QKClip`: its own heads'
+    ``local_maxima`` (in :func:`local_heads` order, as its attention measured them) in place
+    and ``-inf`` for the heads of the other ranks, which the MAX all-reduce over a group that
+    spans the tensor-parallel ranks fills in."""
+    heads = local_heads(target)
+    if local_maxima.numel() != heads.numel():
+        raise ValueError(
+            f"local_maxima has {local_maxima.numel()} values, this rank holds {heads.numel()} "
+            "heads of the target"
+        )
+    full = torch.full((target.n_heads,), -math.inf, dtype=local_maxima.dtype)
+    full[heads] = local_maxima.detach().reshape(-1).cpu()
+    return full
+
+
 class QKClip:
     """QK-clip over a fixed list of attention projections (see the module docstring).
 
     ``process_group``: the data-parallel group whose ranks see different batches of the same
     heads; the maxima are MAX-reduced over it in one all-reduce (counted by
     :class:`~muonscale.distributed.comm.Communicator` under tag ``"qk_clip"``). Tensor-parallel
-    ranks hold different heads and are not reduced over.
+    ranks hold different heads: with plain local row shards as targets they are not reduced
+    over; with DTensor targets, ``process_group`` spans them too (e.g. the whole (dp, tp) mesh)
+    and each passes :func:`full_head_maxima`.
     """
 
     def __init__(

@@ -285,6 +285,84 @@ def test_fsdp2_shards_equal_the_full_rescale(layout):
         assert torch.equal(bias, reference.bias.data)
 
 
+# ---- tensor parallel with DTensor weights: ColwiseParallel shards whole heads ----------------
+TP_LAYOUTS = [
+    QKVLayout(n_query_groups=4, q_per_group=1, head_dim=4),  # MHA: 2 heads per rank
+    QKVLayout(n_query_groups=4, q_per_group=2, head_dim=4),  # GQA: 2 groups (4 heads) per rank
+]
+
+
+def _projection_maxima(linear_rows: tuple[torch.Tensor, torch.Tensor], layout, x):
+    """Per-head maxima of a (row block of a) fused projection with ``layout``'s head counts."""
+    q, k, _ = layout.split_activations(torch.nn.functional.linear(x, *linear_rows))
+    return max_attention_logits(q.transpose(1, 2), k.transpose(1, 2))
+
+
+def _tp_input() -> torch.Tensor:
+    return 3 * torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(5))
+
+
+def _tp_dtensor_worker(rank, world_size, layout, tau):
+    import dataclasses
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from muonscale.qk_clip import full_head_maxima, local_heads
+
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(16, layout.rows))  # same init on every rank
+    parallelize_module(model, init_device_mesh("cpu", (world_size,)), {"0": ColwiseParallel()})
+    linear = model[0]
+    local_layout = dataclasses.replace(layout, n_query_groups=layout.n_query_groups // world_size)
+    # this rank's heads only, from its rows of the projection (as a TP attention computes them)
+    local = _projection_maxima(
+        (linear.weight.to_local(), linear.bias.to_local()), local_layout, _tp_input()
+    )
+    target = FusedQKV(linear.weight.data, layout, linear.bias.data)
+    reduced = QKClip([target], tau=tau)([full_head_maxima(target, local)])  # MAX over TP ranks
+    return linear.weight.full_tensor(), linear.bias.full_tensor(), reduced, local_heads(target)
+
+
+@pytest.mark.parametrize("layout", TP_LAYOUTS, ids=["mha", "gqa"])
+def test_tensor_parallel_dtensor_shards_equal_the_full_rescale(layout):
+    """ColwiseParallel over 2 gloo ranks: W_qkv and its bias are Shard(0) DTensors, each rank
+    holding whole key/value groups. Each rank measures only its heads' maxima; the MAX over the
+    TP ranks fills in the others', and the gathered weights equal the single-process rescale
+    with all heads' maxima, bitwise (the same factor multiplies each element)."""
+    torch.manual_seed(3)
+    reference = torch.nn.Linear(16, layout.rows)
+    with torch.no_grad():
+        start = (reference.weight.clone(), reference.bias.clone())
+        maxima = _projection_maxima(start, layout, _tp_input())
+    tau = maxima.median().item()  # about half the heads clip
+    results = shared_pool(2).run(_tp_dtensor_worker, layout, tau)
+    heads_per_rank = layout.n_heads // 2
+    for rank, (_, _, _, heads) in enumerate(results):
+        assert torch.equal(heads, torch.arange(rank * heads_per_rank, (rank + 1) * heads_per_rank))
+    # each rank's maxima came from its own row block; the reduced vector holds both ranks' in
+    # their global places: equal to the full projection's up to float32 rounding of sums of
+    # d_model = 16 and head_dim = 4 products (x4 margin)
+    reduced = results[0][2]
+    torch.testing.assert_close(reduced, maxima.double(), rtol=4 * (16 + 4) * EPS32, atol=0)
+    QKClip([FusedQKV(reference.weight.data, layout, reference.bias.data)], tau=tau)([reduced])
+    assert not torch.equal(reference.weight, start[0])  # the rescale did something
+    for weight, bias, reduced_here, _ in results:
+        assert torch.equal(reduced_here, reduced)  # every rank sees every head's maximum
+        assert torch.equal(weight, reference.weight.data)
+        assert torch.equal(bias, reference.bias.data)
+
+
+def test_full_head_maxima_of_a_plain_tensor_is_every_head_and_checks_the_count():
+    from muonscale.qk_clip import full_head_maxima
+
+    target = FusedQKV(torch.zeros(LAYOUT.rows, 16), LAYOUT)
+    maxima = torch.arange(LAYOUT.n_heads, dtype=torch.float32)
+    assert torch.equal(full_head_maxima(target, maxima), maxima)
+    with pytest.raises(ValueError, match="local_maxima has 3 values, this rank holds 8 heads"):
+        full_head_maxima(target, maxima[:3])
+
+
 # ---- training: plain Muon's max logit grows, QK-clip holds it ------------------------------------
 def _train(tau: float | None, *, steps: int = 50, lr: float = 0.1, seed: int = 0):
     """One-layer GPT without QK-norm, Muon at a high lr. Every step the maxima are measured on a

@@ -6,8 +6,8 @@ SHA-256 of that configuration, so a run is reused only when everything that defi
 equal: the ``TrainConfig`` it trains with (model, data, tokenizer, lr, seed, steps, schedule,
 dtypes, device, QK-clip's tau (a variant's ``qk_clip:TAU``), ...), the contender, its variant
 options, torch-muon's Newton-Schulz precision, the corpus, the evaluation steps and the torch
-thread count, and ``--track-max-logit`` for a contender without QK-clip. Presentation flags (plots, progress, TensorBoard, memory probes) are not part
-of it.
+thread count, and ``--track-max-logit`` for a contender without QK-clip. Presentation flags
+(plots, progress, TensorBoard, memory probes) are not part of it.
 """
 
 from __future__ import annotations
