@@ -3,7 +3,8 @@ llama3 and qwen3 (dense and MoE) models built from their model args.
 
 Oracles: torchtitan's own module layout (routing, FusedQKVLinear's q/k/v split), muonscale's
 matrix views, an uninterrupted run (DCP resume, bit-exact), the same model unsplit (pipeline
-stages) and single-process muonscale.Muon (FSDP2 at 2 gloo ranks, DCP onto 1 rank)."""
+stages) and single-process muonscale.Muon (FSDP2 at 2 gloo ranks, torchtitan's llama3 TP plan at
+dp × tp = 1 × 2 and 2 × 2, pp=2 × dp=2 pipeline stages, DCP onto 1 rank)."""
 
 from __future__ import annotations
 
@@ -332,3 +333,18 @@ def test_tensor_parallel_plan_matches_single_process(dp, tp, tmp_path):
     assert max((want[n] - initial[n]).abs().max().item() for n in want) > 100 * DISTRIBUTED_ATOL
     for name, p in want.items():
         torch.testing.assert_close(got[name], p, rtol=0, atol=DISTRIBUTED_ATOL, msg=name)
+
+
+@pytest.mark.timeout(400)
+def test_pipeline_stages_on_their_process_groups(tmp_path):
+    """pp=2 × dp=2 at 4 gloo ranks: torch.distributed.pipelining (GPipe, 2 microbatches) over
+    FSDP2-sharded stages; each stage's DTensorMuon runs on that stage's dp group (the worker
+    asserts it). Together the stages' weights are single-process Muon's on the whole model."""
+    steps, out = 3, tmp_path / "out.pt"
+    _torchrun(4, "titan_pipeline_worker.py", steps, out)
+    got = {**torch.load(f"{out}.stage0"), **torch.load(f"{out}.stage1")}
+    reference = tiny_model("llama3", n_layers=4)
+    train([reference], build([reference]), 0, steps)
+    assert sorted(got) == sorted(n for n, _ in reference.named_parameters())
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=DISTRIBUTED_ATOL, msg=name)
