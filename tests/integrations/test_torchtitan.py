@@ -348,3 +348,19 @@ def test_pipeline_stages_on_their_process_groups(tmp_path):
     assert sorted(got) == sorted(n for n, _ in reference.named_parameters())
     for name, p in reference.named_parameters():
         torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=DISTRIBUTED_ATOL, msg=name)
+
+
+def test_spmd_types_local_shards_refused():
+    """torchtitan's spmd_backend="spmd_types" keeps TP parameters as plain local shards with a
+    PartitionSpec attribute (as measured: wqkv (32, 32) of (64, 32) at tp=2); orthogonalizing a
+    shard would silently not be Muon, so the factory refuses it by name."""
+    from spmd_types import PartitionSpec
+    from spmd_types.runtime import _set_partition_spec
+
+    model = tiny_model("llama3")
+    wqkv = model.layers["0"].attention.qkv_linear.wqkv.weight
+    _set_partition_spec(wqkv, PartitionSpec("tp", None))
+    with pytest.raises(ValueError, match="layers.0.attention.qkv_linear.wqkv.weight.*spmd_backend"):
+        build([model])
+    _set_partition_spec(wqkv, PartitionSpec(None, None))  # a replicated spec is a whole tensor
+    build([model])
