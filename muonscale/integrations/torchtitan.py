@@ -134,7 +134,7 @@ def _refuse_local_shards(named: list[tuple[str, torch.Tensor]]) -> None:
             raise ValueError(
                 f"{OPTIMIZER_NAME}: parameter {name!r} is a plain tensor holding a local shard "
                 f"(spmd_types PartitionSpec {spec!r}); muonscale needs the sharding as DTensors: "
-                "set parallelism.spmd_backend='partial_dtensor' (or 'full_dtensor')"
+                "set parallelism.spmd_backend='partial_dtensor', which makes them DTensors"
             )
 
 
