@@ -11,6 +11,8 @@ Lightning's gradient clipping wired to the optimizer. In your ``LightningModule`
 
 Accumulation (``accumulate_grad_batches``) and DDP (``strategy="ddp"``) need nothing more:
 Lightning sums or averages ``p.grad`` before ``step()``, where ``muonscale.Muon`` reads it.
+Under FSDP2 / tensor parallelism (``ModelParallelStrategy``, parameters made DTensors in
+``configure_model``) the same call builds :class:`muonscale.distributed.DTensorMuon`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Any
 
 from torch import nn
 
+from ..distributed import distributed_muon
+from ..distributed.data_parallel import is_dtensor
 from ..optimizer import Muon
 from .model_params import muon_for_model
 
@@ -27,7 +31,10 @@ __all__ = ["configure_gradient_clipping", "configure_optimizers"]
 
 def configure_optimizers(module: nn.Module, **muon_kwargs: Any) -> Muon:
     """``muonscale.Muon`` over ``module``'s trainable parameters, routed by name and module type
-    (embeddings and the output head to AdamW)."""
+    (embeddings and the output head to AdamW); :func:`muonscale.distributed_muon` (the DTensor
+    optimizer, on the world group) when ``configure_model`` made them DTensors."""
+    if "build" not in muon_kwargs and any(is_dtensor(p) for p in module.parameters()):
+        muon_kwargs["build"] = distributed_muon
     return muon_for_model(module, **muon_kwargs)
 
 

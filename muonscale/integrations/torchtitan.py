@@ -124,6 +124,20 @@ def _mesh_process_group(params: list[torch.Tensor]) -> dist.ProcessGroup | None:
     )
 
 
+def _refuse_local_shards(named: list[tuple[str, torch.Tensor]]) -> None:
+    """torchtitan's ``spmd_backend="spmd_types"`` keeps tensor-parallel parameters as plain
+    tensors holding the local shard (the sharding is a ``PartitionSpec`` attribute): Newton–Schulz
+    on such a shard is not Muon's update, so refuse them rather than orthogonalize shards."""
+    for name, p in named:
+        spec = getattr(p, "_partition_spec", None)  # spmd_types.runtime.get_partition_spec
+        if spec is not None and any(entry is not None for entry in spec):
+            raise ValueError(
+                f"{OPTIMIZER_NAME}: parameter {name!r} is a plain tensor holding a local shard "
+                f"(spmd_types PartitionSpec {spec!r}); muonscale needs the sharding as DTensors: "
+                "set parallelism.spmd_backend='partial_dtensor', which makes them DTensors"
+            )
+
+
 def build_muonscale(
     param_groups: Sequence[dict[str, Any]],
     *,
@@ -150,6 +164,7 @@ def build_muonscale(
                 f"{OPTIMIZER_NAME}: each param group needs 'param_names', one per param"
             )
         named.extend(zip(names, group["params"]))
+    _refuse_local_shards(named)
     params = [p for _, p in named]
     part = _owning_part(model_parts, params)
 

@@ -200,3 +200,36 @@ def test_ddp_two_ranks_match_single_process(kind, tmp_path):
     assert far > 10 * PARAM_ATOL, (
         "clipping must change the result, or the comparison proves nothing"
     )
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_two_ranks_match_single_process(tmp_path):
+    """Lightning's FSDP2 path on CPU: torchrun, 2 gloo ranks, ModelParallelStrategy with
+    fully_shard in configure_model; configure_optimizers builds DTensorMuon (whole matrices
+    gathered to owners for Newton–Schulz). Batch 2 per rank with clipping = one process with
+    batch 4 and plain muonscale.Muon. FSDP2 averages the ranks' gradients (reduce-scatter), as
+    DDP does, so PARAM_ATOL's derivation (two summation orders, float32, 3 steps) holds."""
+    out = tmp_path / "fsdp.pt"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        os.path.join(HERE, "lightning_fsdp_worker.py"),
+        "llama",
+        str(tmp_path),
+        str(out),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    got = torch.load(out, weights_only=True)
+    reference = plain_loop("llama", steps=3, batch=4, max_grad_norm=0.05)
+    unclipped = plain_loop("llama", steps=3, batch=4, max_grad_norm=None)
+    for name, want in reference.named_parameters():
+        torch.testing.assert_close(got["model." + name], want.detach(), rtol=0, atol=PARAM_ATOL)
+    far = max((got["model." + n] - p).abs().max().item() for n, p in unclipped.named_parameters())
+    assert far > 10 * PARAM_ATOL, (
+        "clipping must change the result, or the comparison proves nothing"
+    )
