@@ -369,11 +369,13 @@ class DTensorMuon(Muon):
     def _muon(
         self, entries: list[tuple[torch.Tensor, Mapping[str, Any]]], grads: Mapping[int, Any]
     ) -> None:
-        # phase 1: momentum on local shards (elementwise), per group for its μ / Nesterov
+        # phase 1: momentum on local shards (elementwise), per group for its μ / Nesterov; the
+        # shards' momentum lives in stacks per local shape (views: one foreach, no stacking)
         directions: dict[int, torch.Tensor] = {}
         for group in {id(g): g for _, g in entries}.values():
             params = [p for p, g in entries if g is group]
-            bufs = [local_tensor(self.init_state(p, group)["momentum_buffer"]) for p in params]
+            states = [self.init_state(p, group) for p in params]
+            bufs = [local_tensor(b) for b in self._stacked_momentum(group, params, states)]
             dirs = functional.momentum_directions_(
                 [local_tensor(grads[id(p)]) for p in params],
                 bufs,
