@@ -28,7 +28,7 @@ class MomentumStacks:
     """Muon momentum buffers as views into one ``(k, *shape)`` stack per (param group, shape,
     dtype, device); owned by the optimizer, rebuilt whenever a buffer was replaced. A DTensor
     buffer (:class:`~muonscale.distributed.DTensorMuon`) is stacked by its local shard's shape:
-    it stays a DTensor with its placements, its local tensor the view into the stack."""
+    it stays a DTensor with its placements, its local tensor over its slot of the stack."""
 
     def __init__(self) -> None:
         self.views: dict[int, torch.Tensor] = {}  # id(state) -> its view in a stack
@@ -94,21 +94,35 @@ def _stack_key(buf: torch.Tensor) -> tuple:
 
 
 def _like(old: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
-    """``view`` (a slot of a stack) standing in for ``old``: a DTensor with ``old``'s mesh,
-    placements, global shape and stride whose local tensor is ``view`` (no copy), else
-    ``view``."""
+    """``view`` (a slot of a stack) standing in for ``old``: for a DTensor, a DTensor with
+    ``old``'s mesh, placements, global shape and stride over the slot's memory (no copy),
+    else ``view``."""
     if not _is_dtensor(old):
         return view
     from torch.distributed.tensor import DTensor
 
     return DTensor.from_local(
-        view,
+        _at_offset_zero(view),
         old.device_mesh,
         old.placements,
         run_check=False,
         shape=old.shape,
         stride=old.stride(),
     )
+
+
+def _at_offset_zero(view: torch.Tensor) -> torch.Tensor:
+    """A tensor over the memory of ``view`` (contiguous) that starts at storage offset 0: its
+    storage is a slice of the stack's, which it keeps alive. A DTensor takes its local
+    tensor's storage offset, and one with an offset cannot be deep-copied or ``torch.save``-d
+    (both then read the storage a DTensor does not have), so DTensor state must not be a
+    plain view into a stack."""
+    if view.numel() == 0:
+        return torch.empty(view.shape, dtype=view.dtype, device=view.device)
+    start = view.storage_offset() * view.element_size()
+    memory = view.untyped_storage()[start : start + view.numel() * view.element_size()]
+    out = torch.empty(0, dtype=view.dtype, device=view.device)
+    return out.set_(memory, 0, view.shape, view.stride())
 
 
 def pickled_extras(opt: Muon) -> dict[str, Any]:
