@@ -4,6 +4,7 @@ muonscale under Megatron-Core vs Megatron's Adam.
     PYTHONPATH=. python3 benchmarks/gpu.py                 # one H200, < 6 minutes
     PYTHONPATH=. python3 benchmarks/gpu.py --smoke         # tiny shapes, CPU, < 60 s
     PYTHONPATH=. python3 benchmarks/gpu.py --only ns --only optimizer --out runs/gpu
+    PYTHONPATH=. python3 benchmarks/gpu.py --only backward_ns --out $OUT   # ~1 min
 
 On the lent H200 (Python 3.12, CUDA torch, no megatron-core, no network)::
 
@@ -37,6 +38,9 @@ is recorded in the JSON and the rest still runs; a global time guard skips what 
 * ``projection``  a MODEL of DistributedMuon vs ZeRO-1 AdamW tokens/s at 8/64/256 ranks
                   (GPT-2-XL, 7B-class; owned matrices timed here, collectives and
                   forward+backward modelled, assumptions printed), beside NVIDIA's 97.9%.
+* ``backward_ns`` ``Muon(orthogonalize_in_backward=True)`` vs the default: GPT-2-medium train
+                  step at 16K tokens, tokens/s of each (fused AdamW beside), each arm on its
+                  own model copy; CUDA only (``--smoke``: tiny, on CPU).
 * ``megatron``    ``benchmarks/megatron_gpu.py`` in a subprocess (``python3 -m
                   torch.distributed.run --nproc-per-node 1``, PYTHONPATH=<repo>:<site>, wall
                   limit ``--megatron-timeout-s``, outside the time guard): Megatron's GPTModel
@@ -65,6 +69,7 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks.gpu_parts.backward_ns import section_backward_ns
 from benchmarks.gpu_parts.correctness import section_correctness
 from benchmarks.gpu_parts.e2e import section_e2e
 from benchmarks.gpu_parts.graph import section_graph
@@ -170,6 +175,7 @@ SECTIONS = (
     "graph",
     "profile",
     "projection",
+    "backward_ns",
     "megatron",
 )
 MIN_SECONDS = {
@@ -178,6 +184,7 @@ MIN_SECONDS = {
     "ns": 40,
     "optimizer": 30,
     "e2e": 40,
+    "backward_ns": 30,
     "memory": 30,
     "graph": 25,
     "profile": 15,
@@ -238,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         ("graph", section_graph),
         ("profile", section_profile),
         ("projection", section_projection),
+        ("backward_ns", section_backward_ns),
     ):
         bench.run(name, section, MIN_SECONDS[name])
     bench.run("megatron", section_megatron, 0, guarded=False)

@@ -21,7 +21,13 @@ from .kernels.newton_schulz_fast import (
     newton_schulz_fast,
     orthogonalize_stack_,
 )
-from .kernels.process_state import get_workspace, workspace_bytes
+from .kernels.process_state import (
+    NSWorkspace,
+    disable_triton_elementwise,
+    elementwise_kernels,
+    get_workspace,
+    workspace_bytes,
+)
 from .matrices import MatrixView
 from .memory import (
     DEFAULT_NS_WORKSPACE_BYTES,
@@ -36,14 +42,23 @@ from .scaling import update_scale
 
 
 def update_momentum_(
-    grads: Sequence[torch.Tensor], momentum_buffers: Sequence[torch.Tensor], *, momentum: float
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor],
+    *,
+    momentum: float,
+    out: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """B ← B + (1 − μ)(G − B) (``B.lerp_(G, 1 − μ)``, torch.optim.Muon's form), one foreach
-    over every buffer (views into stacked momentum are fine)."""
+    over every buffer (views into stacked momentum are fine). With ``out``, the new momentum
+    is written there (the same lerp, out of place) and ``momentum_buffers`` keep their values."""
     if not momentum_buffers:
         return
     grads = [g if g.dtype == b.dtype else g.to(b.dtype) for g, b in zip(grads, momentum_buffers)]
-    torch._foreach_lerp_(list(momentum_buffers), grads, 1 - momentum)
+    if out is None:
+        torch._foreach_lerp_(list(momentum_buffers), grads, 1 - momentum)
+        return
+    for buf, grad, dst in zip(momentum_buffers, grads, out):
+        torch.lerp(buf, grad, 1 - momentum, out=dst)
 
 
 def write_directions_(
@@ -203,6 +218,59 @@ def _single_matrix(view: MatrixView) -> bool:
     return len(view.matrix_shapes) == 1 and view.row_partition is None and not view.transposed
 
 
+def stack_key(
+    param: torch.Tensor,
+    view: MatrixView,
+    ns_dtype: torch.dtype | None,
+    options: variants.VariantOptions = variants.PLAIN_MUON,
+) -> tuple | None:
+    """(matrix shape, device, Newton–Schulz dtype) of the stack :func:`muon` puts ``param`` in,
+    or None when it takes the per-matrix path (split or transposed views, variants)."""
+    if options != variants.PLAIN_MUON or not _single_matrix(view):
+        return None
+    dtype = ns_dtype if ns_dtype is not None else default_ns_dtype(param.device)
+    return (view.matrix_shapes[0], param.device, dtype)
+
+
+def orthogonalize_directions_(
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor],
+    workspace: NSWorkspace,
+    *,
+    momentum: float,
+    nesterov: bool,
+    schedule: Sequence[tuple[float, float, float]],
+    margin: float,
+    eps: float,
+    method: str,
+    input_written: bool = False,
+) -> torch.Tensor:
+    """The directions of ``grads`` (their momentum already updated) written into the
+    workspace's iterate (one (rows, cols) slot each, cast on the way; ``input_written``: a
+    kernel already wrote them), then Newton–Schulz of that stack; returns the tensor holding
+    the (k, rows, cols) result (in the workspace)."""
+    k, rows, cols = workspace.shape
+    X = workspace.get("x", (k, rows, cols))
+    slots = [X[j].view(g.shape) for j, g in enumerate(grads)]
+
+    def write() -> None:
+        write_directions_(grads, momentum_buffers, slots, momentum=momentum, nesterov=nesterov)
+
+    if not input_written:
+        write()
+    return orthogonalize_stack_(
+        X,
+        schedule,
+        margin,
+        eps,
+        method=method,
+        backend="auto",
+        restart_every=GRAM_POLICY["restart_every"],
+        workspace=workspace,
+        reload=write,
+    )
+
+
 def muon(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -235,8 +303,10 @@ def muon(
     and the directions, written straight into the Newton–Schulz input stacks (one per matrix
     shape and chunk, in the parameter's orientation, cast on the way); the normalization is
     folded into the first Newton–Schulz step; (b) weight decay and update
-    (:func:`apply_updates_`) from the stack the iteration ends in. Parameters are processed in
-    chunks of at most ``max_chunk_bytes`` of transient memory (a number of bytes,
+    (:func:`apply_updates_`) from the stack the iteration ends in. On CUDA each pass is one
+    Triton kernel per stack when triton loads (:func:`~muonscale.kernels.elementwise_kernels`;
+    the same formulas; a tensor ``lr`` and the variants keep the foreach passes). Parameters
+    are processed in chunks of at most ``max_chunk_bytes`` of transient memory (a number of bytes,
     :data:`~muonscale.memory.PER_DEVICE` or :data:`~muonscale.memory.UNCHUNKED`), so the
     step's peak memory does not grow with the model; ``max_workspace_bytes`` bounds the
     Newton–Schulz scratch. Every parameter's update is independent of the others, so chunking
@@ -270,19 +340,30 @@ def muon(
                 max_workspace_bytes=max_workspace_bytes,
             )
         return
-    update_momentum_(grads, momentum_buffers, momentum=momentum)
     schedule, margin = resolve_schedule(coefficients, ns_steps)
     direction = dict(momentum=momentum, nesterov=nesterov)
     stacks: dict[tuple, list[int]] = defaultdict(list)
     split: list[int] = []
-    plain = options == variants.PLAIN_MUON  # variants take the per-matrix path below
     for i, (p, view) in enumerate(zip(params, views)):
-        if plain and _single_matrix(view):
-            dtype = ns_dtype if ns_dtype is not None else default_ns_dtype(p.device)
-            stacks[(view.matrix_shapes[0], p.device, dtype)].append(i)
+        key = stack_key(p, view, ns_dtype, options)  # variants take the per-matrix path below
+        if key is not None:
+            stacks[key].append(i)
         else:
             split.append(i)
-    for ((rows, cols), device, dtype), indices in stacks.items():
+    # Stacks whose two passes run as Triton kernels (one launch each per stack); the rest,
+    # and every layout the kernels do not take, use the foreach passes.
+    kernels = None if isinstance(lr, torch.Tensor) else elementwise_kernels(params[0].device)
+    fused = set()
+    if kernels is not None:
+        for key, indices in stacks.items():
+            if _kernels_take(kernels, [params, grads, momentum_buffers], indices):
+                fused.add(key)
+    rest = [i for key, indices in stacks.items() if key not in fused for i in indices] + split
+    update_momentum_(
+        [grads[i] for i in rest], [momentum_buffers[i] for i in rest], momentum=momentum
+    )
+    for key, indices in stacks.items():
+        (rows, cols), device, dtype = key
         method = ns_method_for(rows, cols, dtype, ns_method, coefficients, ns_steps)
         alpha = -update_scale(scale, rows, cols)
         per_matrix = workspace_bytes(1, rows, cols, torch.finfo(dtype).bits // 8, method)
@@ -295,28 +376,42 @@ def muon(
                 method,
                 max_cached_bytes=max_workspace_bytes,
             )
-            X = ws.get("x", (len(members), rows, cols))
-            slots = [X[j].view(params[i].shape) for j, i in enumerate(members)]
             g_part = [grads[i] for i in members]
             b_part = [momentum_buffers[i] for i in members]
-
-            def write(g_part=g_part, b_part=b_part, slots=slots) -> None:
-                write_directions_(g_part, b_part, slots, **direction)
-
-            write()
-            result = orthogonalize_stack_(
-                X,
-                schedule,
-                margin,
-                eps,
+            written = False
+            if key in fused and kernels is not None:
+                X = ws.get("x", (len(members), rows, cols))
+                try:
+                    kernels.momentum_and_ns_input_(g_part, b_part, X, **direction)
+                    written = True
+                except Exception as exc:  # fails to compile: before anything is written
+                    disable_triton_elementwise(exc)
+                    kernels = None
+            if key in fused and not written:  # the kernels failed on this or a former part
+                update_momentum_(g_part, b_part, momentum=momentum)
+            result = orthogonalize_directions_(
+                g_part,
+                b_part,
+                ws,
+                schedule=schedule,
+                margin=margin,
+                eps=eps,
+                input_written=written,
                 method=method,
-                backend="auto",
-                restart_every=GRAM_POLICY["restart_every"],
-                workspace=ws,
-                reload=write,
+                **direction,
             )
+            p_part = [params[i] for i in members]
+            if key in fused and kernels is not None:
+                try:
+                    kernels.apply_update_(
+                        p_part, result, lr=lr, weight_decay=weight_decay, alpha=alpha
+                    )
+                    continue
+                except Exception as exc:  # fails to compile: before anything is written
+                    disable_triton_elementwise(exc)
+                    kernels = None
             apply_updates_(
-                [params[i] for i in members],
+                p_part,
                 list(result.unbind(0)),
                 [alpha] * len(members),
                 lr=lr,
@@ -354,6 +449,16 @@ def muon(
             elif weight_decay != 0:
                 param.mul_(1 - lr * weight_decay)
             _add_scaled_(param, update, -lr)
+
+
+def _kernels_take(kernels, tensor_lists: Sequence[Sequence[torch.Tensor]], indices) -> bool:
+    """Whether the Triton elementwise kernels take a stack: every member's tensors
+    contiguous, and one dtype per list (parameters, gradients, momentum buffers)."""
+    for tensors in tensor_lists:
+        members = [tensors[i] for i in indices]
+        if not kernels.supports(members) or len({t.dtype for t in members}) != 1:
+            return False
+    return True
 
 
 def _add_scaled_(param: torch.Tensor, update: torch.Tensor, alpha: float | torch.Tensor) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from . import functional
+from .backward_ns import BackwardOrthogonalizer
 from .capturable import DeviceNonFiniteGuard
 from .kernels import clear_workspaces
 from .matrices import MatrixView
@@ -31,6 +32,7 @@ from .optimizer_options import (  # noqa: F401 (NONFINITE_POLICIES, NS_METHODS: 
     NONFINITE_POLICIES,
     NS_METHODS,
     AdamWGroup,
+    check_flag,
     check_range,
     either,
     resolve_splits,
@@ -154,6 +156,14 @@ class Muon(torch.optim.Optimizer):
         preconditioner: ``"frobenius"`` (X / ‖X‖_F) or ``"aol"`` (Turbo-Muon: AOL scaling from
             the first Gram product; defaults to its four-step ``"turbo_muon"`` coefficients,
             ``ns_steps=4``). The equations and sources are in ``docs/variants.md``.
+        orthogonalize_in_backward: compute each stackable Muon matrix's momentum and
+            Newton–Schulz during backward, as soon as the gradients of its bucket are final
+            (post-accumulate-grad hooks; a side stream on CUDA), so that ``step()`` only
+            applies the updates; the same arithmetic, bitwise on CPU. For one backward per
+            step in one process: when a gradient changed after its hook (clipping, a second
+            backward), ``step()`` discards that work and computes every update as usual,
+            warning once. Not with ``capturable``. Costs a second momentum buffer and the
+            Newton–Schulz workspaces, held between steps. See ``docs/DESIGN_NOTES.md``.
     """
 
     _CAPTURABLE_REFUSAL: str | None = None
@@ -161,6 +171,9 @@ class Muon(torch.optim.Optimizer):
 
     _ACCEPTS_DTENSOR = False
     """Whether the class updates DTensor parameters (the DTensor optimizer does)."""
+
+    _BACKWARD_NS_REFUSAL: str | None = None
+    """Why a subclass refuses ``orthogonalize_in_backward=True`` (None: it supports it)."""
 
     def __init__(
         self,
@@ -196,6 +209,7 @@ class Muon(torch.optim.Optimizer):
         preconditioner: Preconditioner = "frobenius",
         capturable: bool = False,
         transposed: Iterable[str] | None = None,
+        orthogonalize_in_backward: bool = False,
     ) -> None:
         if isinstance(params, torch.Tensor):
             raise TypeError(f"{PARAMS_TYPE_ERROR}, but got {torch.typename(params)}")
@@ -253,6 +267,19 @@ class Muon(torch.optim.Optimizer):
                 f"{type(self).__name__} does not support capturable=True: "
                 f"{self._CAPTURABLE_REFUSAL}"
             )
+        check_flag("orthogonalize_in_backward", orthogonalize_in_backward)
+        if orthogonalize_in_backward and self._BACKWARD_NS_REFUSAL is not None:
+            raise ValueError(
+                f"{type(self).__name__} does not support orthogonalize_in_backward=True: "
+                f"{self._BACKWARD_NS_REFUSAL}"
+            )
+        if orthogonalize_in_backward and capturable:
+            raise ValueError(
+                "orthogonalize_in_backward=True cannot be combined with capturable=True: the "
+                "Newton–Schulz work would run in backward hooks, outside the captured step"
+            )
+        self._backward_ns: BackwardOrthogonalizer | None = None
+        self._from_backward: list = []  # buckets a step applies (orthogonalize_in_backward)
         self.nonfinite = nonfinite
         self.capturable = capturable
         self._guard: DeviceNonFiniteGuard | None = None
@@ -291,6 +318,13 @@ class Muon(torch.optim.Optimizer):
             self.param_names.get(id(p)): (p, g) for g in self.param_groups for p in g["params"]
         }
         self.split_rows = resolve_splits(splits or {}, qkv_split, by_name, self.is_transposed)
+        if orthogonalize_in_backward:
+            self._backward_ns = BackwardOrthogonalizer(self)
+
+    @property
+    def orthogonalize_in_backward(self) -> bool:
+        """Whether Newton–Schulz runs during backward (see the class docstring)."""
+        return self.__dict__.get("_backward_ns") is not None
 
     def _refuse_dtensors(self) -> None:
         """DTensor (FSDP2 / tensor-parallel) parameters need the DTensor optimizer."""
@@ -360,6 +394,8 @@ class Muon(torch.optim.Optimizer):
         super().add_param_group(param_group)
         if self.capturable:
             self._device_lr(self.param_groups[-1])
+        if self.__dict__.get("_backward_ns") is not None:
+            self._backward_ns.rebuild()
 
     def rebind_parameters(self, named_parameters: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Point the optimizer at the parameters now named in ``named_parameters``, by the names
@@ -370,7 +406,10 @@ class Muon(torch.optim.Optimizer):
         (accelerate's FSDP2 preparation; a model re-created from a checkpoint). A group slot
         that already holds one of the model's parameters (the framework swapped the group) is
         named by the model."""
-        return rebind_parameters(self, named_parameters)
+        moved = rebind_parameters(self, named_parameters)
+        if self._backward_ns is not None:
+            self._backward_ns.rebuild()
+        return moved
 
     def check_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Raise before anything changes if a subclass cannot follow ``slots`` (see below)."""
@@ -561,6 +600,13 @@ class Muon(torch.optim.Optimizer):
         lrs = [g["lr"] for g in self.param_groups] if self.capturable else []
         super().load_state_dict(state_dict)
         restore_loaded(self, lrs)
+        if self._backward_ns is not None:
+            self._backward_ns.reset()  # work done from the replaced state is void
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if self.__dict__.get("_backward_ns") is not None:
+            self._backward_ns.reset()  # the next backward starts the step afresh
 
     # ---------------------------------------------------------------- step
     def _check_gradients(self) -> str | None:
@@ -612,13 +658,18 @@ class Muon(torch.optim.Optimizer):
         if self.capturable:
             self._capturable_step()
             return loss
-        bad = self._check_gradients()
-        if bad is not None:
-            self._handle_nonfinite(bad)
-            return loss
+        engine = self._backward_ns
+        self._from_backward = [] if engine is None else engine.collect()
         try:
+            bad = self._check_gradients()
+            if bad is not None:
+                self._handle_nonfinite(bad)
+                return loss
             self._apply_updates()
         finally:
+            self._from_backward = []
+            if engine is not None:
+                engine.reset()
             clear_workspaces()  # NS scratch is not held through the next forward/backward
         return loss
 
@@ -646,6 +697,8 @@ class Muon(torch.optim.Optimizer):
         lay parameters out differently override this, not ``step``)."""
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
+            if self._from_backward:  # orthogonalize_in_backward: buckets done in backward
+                params = self._backward_ns.apply(group, self._from_backward, params)
             self.update_group(group, params, [p.grad for p in params])
 
     def update_group(

@@ -28,6 +28,11 @@ def check_range(name: str, value: Any, low: float, high: float, *, high_open: bo
         raise ValueError(f"{name} must be a number in [{low}, {high}{bracket}, got {value!r}")
 
 
+def check_flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
 def check_dtype(name: str, value: Any) -> None:
     if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
         raise ValueError(f"{name} must be None or a floating torch.dtype, got {value!r}")

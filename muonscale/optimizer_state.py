@@ -138,6 +138,7 @@ def pickled_extras(opt: Muon) -> dict[str, Any]:
         names=[[opt.param_names.get(id(p)) for p in g["params"]] for g in opt.param_groups],
         split_rows=[[opt.split_rows.get(id(p)) for p in g["params"]] for g in opt.param_groups],
         transposed=sorted(opt.transposed_names),
+        orthogonalize_in_backward=opt.orthogonalize_in_backward,
     )
 
 
@@ -149,6 +150,8 @@ def restore_unpickled(opt: Muon, extra: dict[str, Any] | None) -> None:
     opt.__dict__.setdefault("_guard", None)
     opt.__dict__.setdefault("_step_ok", None)
     opt.__dict__.setdefault("transposed_names", set())
+    opt.__dict__.setdefault("_backward_ns", None)
+    opt.__dict__.setdefault("_from_backward", [])
     opt.momentum_stacks = MomentumStacks()  # new state tensors: stacks rebuilt at the next step
     # Options added after a checkpoint was written get their defaults here.
     for i, group in enumerate(opt.param_groups):
@@ -178,6 +181,10 @@ def restore_unpickled(opt: Muon, extra: dict[str, Any] | None) -> None:
                 opt.param_names[id(p)] = name
             if parts is not None:
                 opt.split_rows[id(p)] = parts
+    if extra.get("orthogonalize_in_backward"):  # hooks on the copied parameters
+        from .backward_ns import BackwardOrthogonalizer
+
+        opt._backward_ns = BackwardOrthogonalizer(opt)
 
 
 def check_loadable(state_dict: Mapping[str, Any], param_groups: list[Mapping[str, Any]]) -> None:

@@ -14,8 +14,9 @@ is left alone so that clipping one head never changes another head's logits. Eit
 logits of head h scale by exactly gamma_h. Biases of the clipped rows scale with them.
 
 Model-agnostic: a model hands over its projection weights as :class:`FusedQKV` (rows
-interleaved by key/value group, :class:`~muonscale.qkv.QKVLayout`; the full matrix or a
-tensor-parallel row shard holding whole groups) or :class:`SeparateQK` targets, and the per-head
+interleaved by key/value group, :class:`~muonscale.qkv.QKVLayout`; the full matrix, a
+tensor-parallel row shard holding whole groups, or a DTensor such as FSDP2's, whose local
+rows are rescaled by their global heads' factors) or :class:`SeparateQK` targets, and the per-head
 maxima its attention measured (:func:`max_attention_logits` computes them exactly, in chunks).
 :class:`QKClip` all-reduces the maxima (MAX) over the data-parallel group, so every rank applies
 the same rescale.
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed.comm import Communicator
+from .distributed.setup_checks import is_dtensor
 from .qkv import QKVLayout
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
@@ -96,12 +98,21 @@ def clip_factors(
 
 
 def _scale_rows_(tensor: torch.Tensor | None, factors: torch.Tensor) -> None:
-    """``tensor`` (blocks * rows_per_block, ...) *= factors (blocks,) block by block."""
+    """``tensor`` (blocks * rows_per_block, ...) *= factors (blocks,) block by block, in place.
+    A DTensor (FSDP2, TP) scales the rows of its local shard by their global rows' factors: a
+    block may straddle shards, and no rank communicates."""
     if tensor is None:
         return
-    blocks = tensor.unflatten(0, (factors.numel(), -1))
-    shape = (factors.numel(),) + (1,) * (blocks.dim() - 1)
-    blocks.mul_(factors.to(device=tensor.device, dtype=tensor.dtype).view(shape))
+    rows = factors.to(device=tensor.device, dtype=tensor.dtype).repeat_interleave(
+        tensor.shape[0] // factors.numel()
+    )  # (global rows,)
+    if is_dtensor(tensor):
+        from .distributed.dtensor import local_indices, local_tensor
+
+        local = local_tensor(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor)
+        rows = rows[local_indices(tensor, 0).to(rows.device)]
+        tensor = local
+    tensor.mul_(rows.view((-1,) + (1,) * (tensor.dim() - 1)))
 
 
 @dataclass(frozen=True)

@@ -114,3 +114,61 @@ def test_variant_options_reach_the_optimizer():
         for a, b in zip(_params_after_steps(run, 2), _params_after_steps(plain, 2))
     ]
     assert any(differ)
+
+
+# ---- qk_clip:TAU, a training option of a variant ------------------------------------------------
+def test_qk_clip_option_reaches_the_train_config_not_muon():
+    bench = BenchConfig(**TINY, variants=["clip=qk_clip:100", "nclip=normalize:row,qk_clip:50"])
+    assert bench.variant_options("clip") == {}  # nothing for muonscale.Muon
+    assert bench.variant_options("nclip") == {"normalize": "row"}
+    assert train_config_for(bench, "clip", 0.02).qk_clip == 100.0
+    assert train_config_for(bench, "nclip", 0.02).qk_clip == 50.0
+    assert train_config_for(bench, "muon", 0.02).qk_clip is None
+
+
+@pytest.mark.parametrize("tau", ["-1", "0", "inf", "true", "big"])
+def test_bad_qk_clip_is_refused_by_name(tau):
+    with pytest.raises(ValueError, match="qk_clip must be a finite number > 0"):
+        BenchConfig(variants=[f"clip=qk_clip:{tau}"])
+
+
+def test_qk_clip_is_part_of_the_run_key():
+    """Runs with and without QK-clip, or with another tau, never share a saved result."""
+    from muonscale.bench.store import RunStore, run_key
+
+    def key(spec):
+        return run_key(BenchConfig(**TINY, variants=[spec]), "v", 0.02, kind="run", steps=3)
+
+    with_clip, other_tau, without = key("v=qk_clip:100"), key("v=qk_clip:50"), key("v=ns_steps:5")
+    assert with_clip["train"]["qk_clip"] == 100.0 and without["train"]["qk_clip"] is None
+    store = RunStore("unused")
+    assert len({store.path(k) for k in (with_clip, other_tau, without)}) == 3
+
+
+def test_qk_clip_variant_clips_every_step_below_its_logits():
+    """tau far below the tiny model's initial logits: every step measures a maximum above tau
+    and rescales W_q/W_k, so the variant's parameters leave muon's (same seed and batches)."""
+    tau = 1e-3
+    bench = BenchConfig(**TINY, variants=[f"clip=qk_clip:{tau}"])
+    clip, plain = make_run(bench, "clip", 0.02), make_run(bench, "muon", 0.02)
+    records = [clip.step() for _ in range(2)]
+    assert all(r.max_attention_logit is not None and r.max_attention_logit > tau for r in records)
+    assert all(plain.step().max_attention_logit is None for _ in range(2))
+    qkv = "blocks.0.attn.qkv.weight"
+    ours = dict(clip.model.named_parameters())[qkv]
+    theirs = dict(plain.model.named_parameters())[qkv]
+    assert not torch.equal(ours, theirs)
+
+
+def test_cli_compares_with_and_without_qk_clip(tmp_path):
+    """``muonscale bench --variants clip=qk_clip:TAU``: the clipped contender beside muon in
+    the report, its saved run keyed with its tau."""
+    import json
+
+    out = tmp_path / "bench"
+    assert main(["bench", *BENCH_TINY, "--variants", "clip=qk_clip:0.001", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert {"muon", "clip"} <= set(report["contenders"])
+    keys = [json.loads(f.read_text())["key"] for f in (out / "runs").glob("run-*.json")]
+    taus = {k["contender"]: k["train"]["qk_clip"] for k in keys}
+    assert taus["clip"] == 0.001 and taus["muon"] is None

@@ -240,6 +240,51 @@ def test_tensor_parallel_shards_equal_the_full_rescale():
     assert torch.equal(torch.cat(shards), expected)
 
 
+# ---- FSDP2: DTensor weights, row shards that cut through a head ----------------------------
+FSDP_LAYOUTS = [
+    QKVLayout(n_query_groups=3, q_per_group=1, head_dim=4),  # MHA: 36 rows, shards of 18
+    QKVLayout(n_query_groups=1, q_per_group=3, head_dim=4),  # GQA (one key): 20 rows, 10
+]
+
+
+def _fsdp_worker(rank, world_size, layout):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(3)
+    linear = torch.nn.Linear(16, layout.rows)  # same full weight and bias on every rank
+    fully_shard(linear, mesh=init_device_mesh("cpu", (world_size,)))
+    maxima = torch.full((layout.n_heads,), 5.0)
+    maxima[rank % layout.n_heads] = 40.0 + rank  # each head over tau on one rank at most
+    clip = QKClip([FusedQKV(linear.weight.data, layout, linear.bias.data)], tau=TAU)
+    reduced = clip([maxima])
+    return linear.weight.full_tensor(), linear.bias.full_tensor(), reduced
+
+
+@pytest.mark.parametrize("layout", FSDP_LAYOUTS, ids=["mha", "gqa"])
+def test_fsdp2_shards_equal_the_full_rescale(layout):
+    """fully_shard over 2 gloo ranks splits the rows at R/2, inside a head's block (the
+    rescale of a head spans both shards): the gathered result equals the single-process rescale
+    with the MAX of both ranks' maxima, bitwise (each element is multiplied by the same
+    factor)."""
+    assert (layout.rows // 2) % layout.head_dim != 0  # the shard boundary cuts a head
+    results = shared_pool(2).run(_fsdp_worker, layout)
+    torch.manual_seed(3)
+    reference = torch.nn.Linear(16, layout.rows)
+    maxima = [torch.full((layout.n_heads,), 5.0) for _ in range(2)]
+    for rank in range(2):
+        maxima[rank][rank % layout.n_heads] = 40.0 + rank
+    expected_max = torch.maximum(*maxima)
+    with torch.no_grad():
+        start = (reference.weight.clone(), reference.bias.clone())
+    QKClip([FusedQKV(reference.weight.data, layout, reference.bias.data)], tau=TAU)([expected_max])
+    assert not torch.equal(reference.weight, start[0])  # the rescale did something
+    for weight, bias, reduced in results:
+        assert torch.equal(reduced, expected_max.double())
+        assert torch.equal(weight, reference.weight.data)
+        assert torch.equal(bias, reference.bias.data)
+
+
 # ---- training: plain Muon's max logit grows, QK-clip holds it ------------------------------------
 def _train(tau: float | None, *, steps: int = 50, lr: float = 0.1, seed: int = 0):
     """One-layer GPT without QK-norm, Muon at a high lr. Every step the maxima are measured on a

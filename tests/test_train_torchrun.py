@@ -230,11 +230,13 @@ def _max_logits(out_dir: Path) -> dict[int, float]:
     return {r["step"]: r["max_attention_logit"] for r in records if r["event"] == "train"}
 
 
-def test_qk_clip_at_two_ranks_follows_one(tmp_path):
-    """--qk-clip under --parallel dp: each rank probes its half of the batch, the maxima are
-    MAX-reduced, so the logged maxima and the clipped training follow the 1-rank run (within
-    the 1-vs-2 float32 tolerance). tau is below the initial logits: every step clips."""
-    args = ("--parallel", "dp", "--steps", str(STEPS), "--qk-clip", "0.05")
+@pytest.mark.parametrize("parallel", ["dp", "fsdp"])
+def test_qk_clip_at_two_ranks_follows_one(tmp_path, parallel):
+    """--qk-clip under --parallel dp or fsdp (the QKV weights row-sharded DTensors, each rank
+    rescaling its rows): each rank probes its half of the batch, the maxima are MAX-reduced,
+    so the logged maxima and the clipped training follow the 1-rank run (within the 1-vs-2
+    float32 tolerance). tau is below the initial logits: every step clips."""
+    args = ("--parallel", parallel, "--steps", str(STEPS), "--qk-clip", "0.05")
     _torchrun(1, tmp_path / "one", *args)
     _torchrun(2, tmp_path / "two", *args)
     one, two = _max_logits(tmp_path / "one"), _max_logits(tmp_path / "two")

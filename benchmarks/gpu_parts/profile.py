@@ -4,7 +4,12 @@ capturable step): kernel launches per step, copy time, elementwise time, matmul 
 Kernel classes are by name (CUDA kernels on the card; on CPU, ``--smoke``, aten operators
 stand in for kernels and the figures only test the code): copy = ``copy_``/``Memcpy``/``cat``/
 ``stack``; elementwise = ``elementwise``/``foreach``/``lerp``/``add``/``mul``/``div``/``sqrt``/
-``where``/``fill``; matmul = ``gemm``/``bmm``/``mm``/``matmul``/``sym``/Triton/cutlass."""
+``where``/``fill``/the Triton elementwise kernels; matmul = ``gemm``/``bmm``/``mm``/``matmul``/
+``sym``/Triton/cutlass.
+
+Then (CUDA only) the step's two elementwise passes on the GPT-2-medium stacks, foreach vs the
+Triton kernels: (a) momentum + Newton–Schulz input, (b) weight decay + update; milliseconds
+per step and the ratio foreach ÷ Triton."""
 
 from __future__ import annotations
 
@@ -13,8 +18,11 @@ import re
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from muonscale import functional
+from muonscale.kernels import triton_available
+
 from .graph import make_muon
-from .models import CONTEXT, VOCAB, param_set
+from .models import CONTEXT, GPT2, VOCAB, gpt2_shapes, param_set
 from .timing import print_table
 
 _CLASSES = {
@@ -22,7 +30,7 @@ _CLASSES = {
     "matmul": re.compile(r"gemm|bmm|\bmm\b|matmul|addmm|_sym_|triton|cutlass|sm90", re.I),
     "elementwise": re.compile(
         r"elementwise|foreach|lerp|\badd|\bmul|\bdiv|sqrt|where|fill|"
-        r"reduce|norm",
+        r"reduce|norm|momentum_ns_input|apply_update",
         re.I,
     ),
 }
@@ -84,4 +92,83 @@ def section_profile(bench) -> dict:
         rows, ["model", "step", "launches", "copy_ms", "elementwise_ms", "matmul_ms", "other_ms"]
     )
     unit = "CUDA kernels and memcpys, device ms" if cuda else "aten ops, self CPU ms (smoke)"
-    return {"rows": rows, "per_step": unit, "classes": {k: p.pattern for k, p in _CLASSES.items()}}
+    return {
+        "rows": rows,
+        "per_step": unit,
+        "classes": {k: p.pattern for k, p in _CLASSES.items()},
+        "elementwise_passes": elementwise_passes(bench),
+    }
+
+
+def elementwise_passes(bench, model: str = "gpt2-medium") -> dict:
+    """The two elementwise passes of a Muon step over ``model``'s matrices (fp32 parameters,
+    gradients and momentum, bfloat16 Newton–Schulz stacks), foreach vs Triton, interleaved
+    medians of a whole step's worth (every stack). CUDA only."""
+    dev = bench.device
+    if dev.type != "cuda":
+        return {"status": "skipped", "reason": "needs CUDA"}
+    if not triton_available():
+        return {"status": "skipped", "reason": "triton not installed"}
+    from muonscale.kernels import triton_elementwise as kernels  # timed whatever the default
+
+    n_layer, d, _ = GPT2[model]
+    stacks = []
+    for count, rows, cols in gpt2_shapes(n_layer, d):
+        momentum = torch.zeros(count, rows, cols, device=dev)
+        stacks.append(
+            {
+                "params": [torch.randn(rows, cols, device=dev) for _ in range(count)],
+                "grads": [torch.randn(rows, cols, device=dev) for _ in range(count)],
+                "momentum": list(momentum.unbind(0)),
+                "x": torch.empty(count, rows, cols, device=dev, dtype=torch.bfloat16),
+                "o": torch.randn(count, rows, cols, device=dev).to(torch.bfloat16),
+            }
+        )
+    mu, lr, wd, alpha = 0.95, 0.02, 0.1, -1.0
+
+    def a_foreach():
+        for s in stacks:
+            functional.update_momentum_(s["grads"], s["momentum"], momentum=mu)
+            slots = list(s["x"].unbind(0))
+            functional.write_directions_(
+                s["grads"], s["momentum"], slots, momentum=mu, nesterov=True
+            )
+
+    def a_triton():
+        for s in stacks:
+            kernels.momentum_and_ns_input_(
+                s["grads"], s["momentum"], s["x"], momentum=mu, nesterov=True
+            )
+
+    def b_foreach():
+        for s in stacks:
+            k = len(s["params"])
+            functional.apply_updates_(
+                s["params"], list(s["o"].unbind(0)), [alpha] * k, lr=lr, weight_decay=wd
+            )
+
+    def b_triton():
+        for s in stacks:
+            kernels.apply_update_(s["params"], s["o"], lr=lr, weight_decay=wd, alpha=alpha)
+
+    fns = {
+        "a_foreach": a_foreach,
+        "a_triton": a_triton,
+        "b_foreach": b_foreach,
+        "b_triton": b_triton,
+    }
+    t = bench.clock.interleaved(fns, warmup=3, reps=20, budget_s=min(10.0, bench.guard.left()))
+    rows = [
+        {
+            "pass": name,
+            "foreach_ms": 1e3 * t[f"{key}_foreach"],
+            "triton_ms": 1e3 * t[f"{key}_triton"],
+            "foreach_over_triton": t[f"{key}_foreach"] / t[f"{key}_triton"],
+        }
+        for key, name in (("a", "momentum + NS input"), ("b", "decay + update"))
+    ]
+    print(f"\nelementwise passes, {model} stacks (bf16 NS input/output, fp32 state):")
+    print_table(rows, ["pass", "foreach_ms", "triton_ms", "foreach_over_triton"])
+    stacks = fns = None
+    bench.cleanup()
+    return {"status": "ok", "model": model, "rows": rows}

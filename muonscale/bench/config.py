@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -87,7 +88,8 @@ class BenchConfig:
     variants: list[str] = field(default_factory=list)
     """Extra muonscale Muon contenders, each NAME=OPTION:VALUE[,OPTION:VALUE...] with options
     of muonscale.Muon (e.g. pe=coefficients:polar_express normuon=normalize:row); lr:VALUE sets
-    the variant's starting learning rate (default: --lr-muon)."""
+    the variant's starting learning rate (default: --lr-muon); qk_clip:TAU trains it with
+    QK-clip at threshold TAU (as muonscale train --qk-clip; e.g. clip=qk_clip:100)."""
     seeds: int = 1
     """Seeds per contender (--seed, --seed + 1, ...); > 1 adds the mean and spread of final loss
     and of steps to AdamW's final loss (each seed against AdamW's run of that seed)."""
@@ -209,11 +211,20 @@ class BenchConfig:
         return [*CONTENDERS, *self.baselines, *(parse_variant(s)[0] for s in self.variants)]
 
     def variant_options(self, contender: str) -> dict[str, Any] | None:
-        """The muonscale.Muon options of a --variants contender (without lr); None otherwise."""
+        """The muonscale.Muon options of a --variants contender (without the bench's own
+        :data:`TRAINING_OPTIONS`); None otherwise."""
         for spec in self.variants:
             name, options = parse_variant(spec)
             if name == contender:
-                return {k: v for k, v in options.items() if k != "lr"}
+                return {k: v for k, v in options.items() if k not in TRAINING_OPTIONS}
+        return None
+
+    def qk_clip_for(self, contender: str) -> float | None:
+        """The QK-clip threshold tau of a contender (``qk_clip:TAU`` of a variant); None: off."""
+        for spec in self.variants:
+            name, options = parse_variant(spec)
+            if name == contender and options.get("qk_clip") is not None:
+                return float(options["qk_clip"])
         return None
 
     def lr_for(self, contender: str) -> float:
@@ -240,6 +251,13 @@ class BenchConfig:
     @classmethod
     def from_json(cls, text: str) -> BenchConfig:
         return cls(**json.loads(text))
+
+
+TRAINING_OPTIONS = {
+    "lr": "the variant's starting learning rate (swept by --sweep)",
+    "qk_clip": "QK-clip threshold tau (TrainConfig.qk_clip)",
+}
+"""Variant options that configure training rather than ``muonscale.Muon``."""
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
@@ -272,6 +290,13 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
         and options["lr"] > 0
     ):
         raise ValueError(f"--variants {spec!r}: lr must be a number > 0, got {options['lr']!r}")
+    tau = options.get("qk_clip")
+    if "qk_clip" in options and tau is not None and not (
+        isinstance(tau, int | float) and not isinstance(tau, bool) and 0 < tau < math.inf
+    ):
+        raise ValueError(
+            f"--variants {spec!r}: qk_clip must be a finite number > 0 (tau) or none, got {tau!r}"
+        )
     return name, options
 
 

@@ -64,6 +64,7 @@ def train_config_for(
         schedule=bench.schedule,
         eval_every=0,  # the bench evaluates every contender at the same steps itself
         eval_batches=bench.eval_batches,
+        qk_clip=bench.qk_clip_for(contender),
         seed=bench.seed,
         device=bench.device,
         out_dir=None,

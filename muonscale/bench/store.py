@@ -4,9 +4,10 @@ Each run (one contender, one learning rate, one seed, one budget; a sweep run or
 is a JSON file holding its full configuration and its result. The file name ends in the
 SHA-256 of that configuration, so a run is reused only when everything that defines it is
 equal: the ``TrainConfig`` it trains with (model, data, tokenizer, lr, seed, steps, schedule,
-dtypes, device, ...), the contender, its variant options, torch-muon's Newton-Schulz precision,
-the corpus, the evaluation steps and the torch thread count. Presentation flags (plots,
-progress, TensorBoard, memory probes) are not part of it.
+dtypes, device, QK-clip's tau (a variant's ``qk_clip:TAU``), ...), the contender, its variant
+options, torch-muon's Newton-Schulz precision, the corpus, the evaluation steps and the torch
+thread count. Presentation flags (plots, progress, TensorBoard, memory probes) are not part
+of it.
 """
 
 from __future__ import annotations

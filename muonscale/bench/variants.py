@@ -4,7 +4,10 @@ A variant is written ``NAME=OPTION:VALUE[,OPTION:VALUE...]`` (parsed by
 :func:`muonscale.bench.config.parse_variant`) and trains exactly like the ``muon`` contender
 (same parameters, routing, splits, learning rate schedule) with its options added to the
 ``muonscale.Muon(...)`` call. Option names are checked against ``muonscale.Muon``'s signature
-at run time, and values by building a ``Muon`` on a small matrix, before any training.
+at run time, and values by building a ``Muon`` on a small matrix, before any training. Two
+options configure the training instead (:data:`muonscale.bench.config.TRAINING_OPTIONS`):
+``lr:VALUE`` (the starting learning rate) and ``qk_clip:TAU`` (QK-clip, passed as
+``TrainConfig.qk_clip``, so it is part of the run's key in the run store).
 """
 
 from __future__ import annotations

@@ -139,6 +139,11 @@ class DistributedMuon(Muon):
         "(one all-reduce read back), and its bucket plan is chosen per step; use "
         "muonscale.Muon(capturable=True) on one GPU"
     )
+    _BACKWARD_NS_REFUSAL = (
+        "a rank's gradients are final only after its reduce-scatter or all-reduce, and each "
+        "matrix is orthogonalized by its owner rank after the exchange; use "
+        "muonscale.Muon(orthogonalize_in_backward=True) in one process"
+    )
 
     def __init__(
         self,

@@ -68,7 +68,7 @@ try:  # FSDP2 on a TP-sharded dim: right-to-left sharding
 except ImportError:  # pragma: no cover - older torch
     _StridedShard = None
 
-__all__ = ["DTensorMuon", "dtensor_layout", "local_tensor"]
+__all__ = ["DTensorMuon", "dtensor_layout", "local_indices", "local_tensor"]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -86,6 +86,25 @@ def _strided_select(idx: torch.Tensor, chunks: int, index: int, split_factor: in
         c0, cl = chunk_bounds(sub.numel(), chunks, index)
         parts.append(sub[c0 : c0 + cl])
     return torch.cat(parts)
+
+
+def local_indices(t: DTensor, dim: int = 0) -> torch.Tensor:
+    """Global indices along ``dim`` of the elements this rank's shard of ``t`` holds, in
+    order (Shard / FSDP2's _StridedShard on ``dim`` select; Replicate and other dims keep all).
+    Raises ``ValueError`` for a Partial placement (unreduced values)."""
+    idx = torch.arange(t.shape[dim])
+    coord = t.device_mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(t.placements):
+        _check_placement("local_indices", placement, t.ndim)
+        if isinstance(placement, Replicate) or placement.dim != dim:
+            continue
+        chunks, index = t.device_mesh.size(mesh_dim), coord[mesh_dim]
+        if _StridedShard is not None and isinstance(placement, _StridedShard):
+            idx = _strided_select(idx, chunks, index, int(placement.split_factor))
+        else:
+            start, length = chunk_bounds(idx.numel(), chunks, index)
+            idx = idx[start : start + length]
+    return idx
 
 
 def _check_placement(name: str, placement: Any, ndim: int) -> None:
@@ -176,6 +195,10 @@ class DTensorMuon(Muon):
     _CAPTURABLE_REFUSAL = (
         "its all-to-all exchange sizes and the non-finite decision are read on the host every "
         "step; use muonscale.Muon(capturable=True) on one GPU"
+    )
+    _BACKWARD_NS_REFUSAL = (
+        "its gradients are redistributed and its matrices gathered in step(); use "
+        "muonscale.Muon(orthogonalize_in_backward=True) in one process"
     )
 
     def __init__(

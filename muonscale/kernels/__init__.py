@@ -7,6 +7,8 @@
   :func:`clear_workspaces`, the one way to release the cached scratch.
 * :mod:`muonscale.kernels.triton_symmetric` — the Triton kernels (imported lazily: the library
   imports and runs without ``triton``).
+* :mod:`muonscale.kernels.triton_elementwise` — Muon's two elementwise passes as one Triton
+  kernel per stack each; :func:`elementwise_kernels` says when they run (lazy import too).
 """
 
 from muonscale.kernels.newton_schulz_fast import (
@@ -18,13 +20,18 @@ from muonscale.kernels.newton_schulz_fast import (
     newton_schulz_fast,
 )
 from muonscale.kernels.process_state import (
+    ELEMENTWISE_ENV,
+    ElementwiseBackend,
     NSWorkspace,
     cached_workspace_bytes,
     clear_workspaces,
+    elementwise_kernels,
     triton_available,
 )
 
 __all__ = [
+    "ELEMENTWISE_ENV",
+    "ElementwiseBackend",
     "GRAM_POLICY",
     "NSBackend",
     "NSMethodChoice",
@@ -32,6 +39,7 @@ __all__ = [
     "cached_workspace_bytes",
     "choose_method",
     "clear_workspaces",
+    "elementwise_kernels",
     "newton_schulz_batched_",
     "newton_schulz_fast",
     "triton_available",

@@ -11,6 +11,7 @@ backward. Not thread-safe, and not for concurrent use on several CUDA streams.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -23,12 +24,16 @@ NSMethod = Literal["plain", "gram"]
 """A Newton–Schulz formulation: the reference iteration or the Gram-matrix form."""
 
 __all__ = [
+    "ELEMENTWISE_ENV",
+    "ElementwiseBackend",
     "NSMethod",
     "NSWorkspace",
     "cached_workspace_bytes",
     "clear_workspaces",
     "compiled",
     "disable_triton",
+    "disable_triton_elementwise",
+    "elementwise_kernels",
     "get_workspace",
     "triton_available",
     "triton_module",
@@ -148,6 +153,61 @@ def disable_triton(exc: BaseException) -> None:
     _triton["error"] = repr(exc)
     warnings.warn(
         f"muonscale: Triton Newton–Schulz kernels failed ({exc!r}); using torch.bmm from now on",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+ElementwiseBackend = Literal["auto", "foreach", "triton"]
+"""How Muon's two elementwise passes run: ``"foreach"`` (``torch._foreach_*``, the default
+until the kernels are timed on a GPU), ``"auto"`` (Triton kernels for CUDA tensors when triton
+loads, else foreach), or ``"triton"`` forced (on CPU tensors it runs the Triton interpreter:
+tests)."""
+
+ELEMENTWISE_ENV = "MUONSCALE_ELEMENTWISE"
+"""Environment variable naming the :data:`ElementwiseBackend` (unset: ``"foreach"``)."""
+
+_triton_elementwise: dict[str, object] = {}
+
+
+def elementwise_kernels(device: torch.device):
+    """:mod:`muonscale.kernels.triton_elementwise` when Muon's elementwise passes on ``device``
+    should use it (see :data:`ElementwiseBackend`, read from :data:`ELEMENTWISE_ENV`), else
+    None (the foreach path). Forcing ``"triton"`` without triton raises."""
+    choice = os.environ.get(ELEMENTWISE_ENV, "foreach")
+    if choice not in ("auto", "foreach", "triton"):
+        raise ValueError(f"{ELEMENTWISE_ENV} must be 'auto', 'foreach' or 'triton', got {choice!r}")
+    if choice == "foreach" or (choice == "auto" and device.type != "cuda"):
+        return None
+    if "ok" not in _triton_elementwise:
+        try:
+            from muonscale.kernels import triton_elementwise
+
+            _triton_elementwise["module"] = triton_elementwise
+            _triton_elementwise["ok"] = True
+        except Exception as exc:  # ImportError, or a broken triton install
+            _triton_elementwise["ok"] = False
+            _triton_elementwise["error"] = repr(exc)
+    if not _triton_elementwise["ok"]:
+        if choice == "triton":
+            raise RuntimeError(
+                f"{ELEMENTWISE_ENV}=triton: kernels unavailable: {_triton_elementwise['error']}"
+            )
+        return None
+    return _triton_elementwise["module"]
+
+
+def disable_triton_elementwise(exc: BaseException) -> None:
+    """Under ``"auto"``, the elementwise passes fall back to foreach for the rest of the
+    process, once, loudly (a kernel that does not compile on this GPU fails before writing
+    anything); when ``"triton"`` was forced, ``exc`` is raised instead."""
+    if os.environ.get(ELEMENTWISE_ENV) == "triton":
+        raise exc
+    _triton_elementwise["ok"] = False
+    _triton_elementwise["error"] = repr(exc)
+    warnings.warn(
+        f"muonscale: Triton elementwise kernels failed ({exc!r}); "
+        "using torch._foreach_* from now on",
         RuntimeWarning,
         stacklevel=3,
     )

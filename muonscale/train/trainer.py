@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from muonscale.distributed.data_parallel import is_dtensor
 from muonscale.qk_clip import QKClip
 from muonscale.train.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from muonscale.train.checkpoint import read_checkpoint, write_checkpoint
@@ -196,14 +195,9 @@ class TrainingRun:
         self.agreed_signal: str | None = None
 
     def _build_qk_clip(self) -> QKClip:
-        """QK-clip over the unwrapped model's fused QKV weights, maxima MAX-reduced over the
-        data-parallel ranks (the default group under --parallel)."""
-        weight = self.model.blocks[0].attn.qkv.weight
-        if is_dtensor(weight):
-            raise ValueError(
-                "--qk-clip needs the whole QKV weights on every rank, but --parallel fsdp shards "
-                "them (DTensor); use --parallel dp or none with --qk-clip"
-            )
+        """QK-clip over the unwrapped model's fused QKV weights (whole, or FSDP2's row-sharded
+        DTensors), maxima MAX-reduced over the data-parallel ranks (the default group under
+        --parallel)."""
         return QKClip(self.model.qk_clip_targets(), tau=self.config.qk_clip)
 
     # ------------------------------------------------------------------ one step

@@ -72,11 +72,25 @@ def test_from_megatron_reads_optimizer_config():
         (dict(scale="unit_rms_norm"), "muonscale's 'spectral'"),
         (dict(coefficients="quintic"), "megatron_coefficients"),
         (dict(qkv_split="group"), "qkv_split"),
+        (dict(normalize="column"), "normalize"),
+        (dict(row_beta2=1.0), "row_beta2"),
+        (dict(cautious_weight_decay="yes"), "cautious_weight_decay"),
+        (dict(preconditioner="spectral"), "preconditioner"),
     ],
 )
 def test_config_errors_name_the_option(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MegatronMuonConfig(**kwargs)
+
+
+def test_schedule_defaults_follow_the_preconditioner_as_muon():
+    """None → muonscale.Muon's defaults: Keller's 5 steps, or Turbo-Muon's 4 with AOL;
+    explicit values are kept."""
+    plain, aol = MegatronMuonConfig(), MegatronMuonConfig(preconditioner="aol")
+    assert (plain.muon_num_ns_steps, plain.coefficients) == (5, "keller")
+    assert (aol.muon_num_ns_steps, aol.coefficients) == (4, "turbo_muon")
+    mine = MegatronMuonConfig(preconditioner="aol", muon_num_ns_steps=6, coefficients="keller")
+    assert (mine.muon_num_ns_steps, mine.coefficients) == (6, "keller")
 
 
 class _Chunk(nn.Module):

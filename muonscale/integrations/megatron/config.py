@@ -11,6 +11,7 @@ import torch
 from muonscale.newton_schulz import COEFFICIENT_PRESETS, Coefficients
 from muonscale.qkv import QKV_SPLIT_MODES
 from muonscale.scaling import SCALE_RULES
+from muonscale.variants import NORMUON_BETA2, Normalize, Preconditioner, validate_variant_options
 
 TP_MODES = ("exact", "approximate_blockwise")
 """``"exact"``: every TP-sharded matrix is orthogonalized whole (at one owner rank).
@@ -143,10 +144,11 @@ class MegatronMuonConfig:
     """Update scale rule (:mod:`muonscale.scaling`); Megatron's "spectral" is ``"unit_rms"``."""
     muon_extra_scale_factor: float = 1.0
     """Extra factor on every Muon update, as Megatron's."""
-    muon_num_ns_steps: int = 5
-    """Newton–Schulz steps."""
-    coefficients: str | Coefficients | Sequence[Coefficients] = "keller"
-    """muonscale preset or tuples; :func:`megatron_coefficients` translates Megatron's names."""
+    muon_num_ns_steps: int | None = None
+    """Newton–Schulz steps; None → 5, or 4 with ``preconditioner="aol"`` (as muonscale.Muon)."""
+    coefficients: str | Coefficients | Sequence[Coefficients] | None = None
+    """muonscale preset or tuples; :func:`megatron_coefficients` translates Megatron's names.
+    None → ``"keller"``, or ``"turbo_muon"`` with ``preconditioner="aol"``."""
     ns_dtype: torch.dtype | None = None
     """dtype of the iteration; None → bfloat16 on CUDA, float32 on CPU."""
     muon_tp_mode: str = "exact"
@@ -174,12 +176,35 @@ class MegatronMuonConfig:
     after each step. None: update the parameters in place, in their own dtype."""
     nonfinite: str = "raise"
     """``"raise"`` / ``"skip"`` / ``"ignore"`` a step with a NaN/inf gradient (see Muon)."""
+    normalize: Normalize = "none"
+    """``"row"``: NorMuon's row normalisation after Newton–Schulz (docs/variants.md); row
+    statistics of TP-sharded matrices are summed over the TP group (one all-reduce a step)."""
+    row_beta2: float = NORMUON_BETA2
+    """β₂ of NorMuon's row second moment."""
+    cautious_weight_decay: bool = False
+    """Decay only where the update and the weight agree in sign (elementwise, per shard)."""
+    preconditioner: Preconditioner = "frobenius"
+    """Newton–Schulz input scaling: ``"frobenius"`` or Turbo-Muon's ``"aol"`` (whole matrices,
+    at the owner rank in ``"exact"`` mode)."""
     dp_mode: str = "auto"
     """``"zero1"``: :class:`muonscale.DistributedMuon` over Megatron's DP group (reduce-scatter
     to owners, ZeRO-1); ``"replicated"``: every DP replica runs the step; ``"auto"``: zero1
     unless Megatron's DDP reduces the gradients, or expert / pipeline parallelism is used."""
 
     def __post_init__(self) -> None:
+        validate_variant_options(
+            dict(
+                normalize=self.normalize,
+                row_beta2=self.row_beta2,
+                cautious_weight_decay=self.cautious_weight_decay,
+                preconditioner=self.preconditioner,
+            )
+        )
+        aol = self.preconditioner == "aol"  # muonscale.Muon's defaults for each preconditioner
+        if self.muon_num_ns_steps is None:
+            object.__setattr__(self, "muon_num_ns_steps", 4 if aol else 5)
+        if self.coefficients is None:
+            object.__setattr__(self, "coefficients", "turbo_muon" if aol else "keller")
         if self.muon_tp_mode not in TP_MODES:
             hint = ""
             if self.muon_tp_mode in ("duplicated", "distributed"):

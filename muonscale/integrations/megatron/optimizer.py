@@ -143,6 +143,7 @@ class MegatronMuon(Muon):
             [self._plan_by_id[id(p)] for p in params],
             group,
             self.orthogonalizer,
+            [s.get("row_second_moment") for s in states],  # [variants] NorMuon
         )
 
     @torch.no_grad()
@@ -255,6 +256,7 @@ class MegatronDistributedMuon(DistributedMuon):
             [self._plan_by_id[id(self.model_param(p))] for p in params],
             group,
             self.orthogonalizer,
+            [s.get("row_second_moment") for s in states],  # [variants] NorMuon
         )
 
     @torch.no_grad()

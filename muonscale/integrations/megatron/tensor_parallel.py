@@ -3,14 +3,14 @@ of its TP group (one all-to-all there, one back), never per shard unless asked b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from muonscale import functional
-from muonscale.distributed.comm import WireCounter
+from muonscale import functional, variants
+from muonscale.distributed.comm import Communicator, WireCounter
 from muonscale.distributed.sharded import MatrixLayout, ShardedMatrices
 from muonscale.matrices import MatrixView
 from muonscale.memory import MemoryBudget
@@ -47,6 +47,10 @@ def muon_arguments(
         nonfinite=config.nonfinite,
         qkv_split=config.qkv_split,
         splits={pl.name: pl.qkv_layout for pl in plans if pl.qkv_layout is not None},
+        normalize=config.normalize,
+        row_beta2=config.row_beta2,
+        cautious_weight_decay=config.cautious_weight_decay,
+        preconditioner=config.preconditioner,
     )
     return param_groups, options
 
@@ -60,6 +64,14 @@ class TensorParallelOrthogonalizer:
     parameter i), their :class:`~muonscale.MatrixView`, their :class:`ParamPlan` and the group;
     it returns the scaled updates ``s(m, n) O``, parameter-shaped. Collective over each TP group
     (every rank of it calls with the same matrices); bytes are counted in ``counter``.
+
+    Variants: ``preconditioner="aol"`` runs at the owner on the whole matrix. NorMuon
+    (``normalize="row"``, ``row_moments`` given: each parameter's row second moment over the
+    rows of its local matrices) normalises each rank's piece of the whole O after the exchange:
+    a piece split by columns all-reduces its row sums of squares (then every rank holds the
+    matrix's row statistics and updates the same moment), a piece split by rows all-reduces
+    the two sums of :func:`~muonscale.variants.row_factor_sums`; one flat all-reduce per TP
+    group and step (tag ``"normuon"``). ``approximate_blockwise`` normalises each piece alone.
     """
 
     def __init__(
@@ -83,12 +95,14 @@ class TensorParallelOrthogonalizer:
         views: Sequence[MatrixView],
         plans: Sequence[ParamPlan],
         group: Mapping[str, Any],
+        row_moments: Sequence[torch.Tensor | None] | None = None,  # NorMuon state per parameter
     ) -> list[torch.Tensor]:
         exact = self.config.muon_tp_mode == "exact"
         # Every matrix joins the exchange of its TP group (dense or expert): a TP piece with its
         # global layout, or a matrix this rank holds whole (replicated layout: computed here).
         batches: dict[bool, list[tuple[torch.Tensor, MatrixView]]] = {False: [], True: []}
         slots: list[list[tuple[bool, int, tuple[int, int]]]] = []
+        split_dims: dict[bool, list[int | None]] = {False: [], True: []}  # per matrix: TP dim
         for direction, view, plan in zip(directions, views, plans):
             kind = plan.expert
             group_size = MegatronGroups.size(self._tp_group(kind))
@@ -111,6 +125,7 @@ class TensorParallelOrthogonalizer:
                     layout = MatrixLayout.replicated((m, n), group_size)
                 entries.append((kind, len(batches[kind]), full))
                 batches[kind].append((mat.contiguous(), layout))
+                split_dims[kind].append(plan.partition_dim if sharded and exact else None)
             slots.append(entries)
 
         ns = dict(
@@ -120,6 +135,7 @@ class TensorParallelOrthogonalizer:
             eps=group["ns_eps"],
             method=group["ns_method"],
             max_workspace_bytes=self.memory.ns_workspace_bytes,
+            preconditioner=group.get("preconditioner", "frobenius"),
         )
 
         def orthogonalize(_indices: list[int], matrices: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -142,6 +158,21 @@ class TensorParallelOrthogonalizer:
                 self._exchanges[key] = exchange
             results[kind] = exchange.apply([mat for mat, _ in items], orthogonalize)
 
+        if group.get("normalize", "none") == "row":
+            if row_moments is None or any(v is None for v in row_moments):
+                raise ValueError("normalize='row' needs each parameter's row second moment")
+            moments: dict[bool, list[torch.Tensor]] = {False: [], True: []}  # per matrix
+            for v, entries in zip(row_moments, slots):
+                offset = 0
+                for kind, slot, _full in entries:
+                    rows = results[kind][slot].shape[0]
+                    moments[kind].append(v[offset : offset + rows])
+                    offset += rows
+            for kind in results:
+                self._row_normalize_(
+                    results[kind], moments[kind], split_dims[kind], kind, group["row_beta2"]
+                )
+
         # s(m, n) from the matrix's *global* shape
         extra = self.config.muon_extra_scale_factor
         updates = []
@@ -155,11 +186,58 @@ class TensorParallelOrthogonalizer:
         return updates
 
 
-Orthogonalizer = Callable[
-    [Sequence[torch.Tensor], Sequence[MatrixView], Sequence[ParamPlan], Mapping[str, Any]],
-    list[torch.Tensor],
-]
-"""What the Megatron optimizers call to turn momentum directions into scaled updates."""
+    def _row_normalize_(
+        self,
+        pieces: list[torch.Tensor],  # this rank's piece of each whole O, replaced in the list
+        moments: list[torch.Tensor],  # (rows of the piece,) each, updated in place
+        split_dims: list[int | None],  # None: whole here; 0: rows split; 1: columns split
+        expert: bool,
+        beta2: float,
+    ) -> None:
+        """NorMuon on TP pieces (see the class docstring): every quantity that sums over a split
+        dimension goes into one flat float32 all-reduce over the TP group."""
+        partial: list[torch.Tensor] = []  # per split matrix: row sums (dim 1) or two sums (dim 0)
+        scales: dict[int, torch.Tensor] = {}
+        for i, (piece, v, dim) in enumerate(zip(pieces, moments, split_dims)):
+            if dim == 1:
+                partial.append((piece.float() * piece.float()).sum(dim=-1))
+            elif dim == 0:
+                stats = variants.row_statistics(piece)
+                variants.update_row_moments_(v, stats, beta2)
+                scales[i] = variants.row_scales(v)
+                partial.append(variants.row_factor_sums(stats, scales[i]))
+        flat = torch.cat(partial) if partial else None
+        if flat is not None:
+            Communicator(self._tp_group(expert), counter=self.counter).all_reduce(
+                flat, tag="normuon"
+            )
+        offset = 0
+        for i, (piece, v, dim) in enumerate(zip(pieces, moments, split_dims)):
+            if dim is None:  # whole on this rank (or an approximate_blockwise piece)
+                pieces[i] = variants.row_normalize_(piece.clone(), v, beta2=beta2)
+                continue
+            width = piece.shape[0] if dim == 1 else 2
+            part, offset = flat[offset : offset + width], offset + width
+            if dim == 1:  # every rank: the whole matrix's row statistics, the same moment
+                stats = part / (piece.shape[1] * MegatronGroups.size(self._tp_group(expert)))
+                variants.update_row_moments_(v, stats, beta2)
+                factors = variants.row_factors(v, stats)
+            else:
+                factors = variants.row_factors_from_sums(scales[i], part)
+            pieces[i] = piece * factors.to(piece.dtype)[:, None]
+
+
+class Orthogonalizer(Protocol):
+    """What the Megatron optimizers call to turn momentum directions into scaled updates."""
+
+    def __call__(
+        self,
+        directions: Sequence[torch.Tensor],
+        views: Sequence[MatrixView],
+        plans: Sequence[ParamPlan],
+        group: Mapping[str, Any],
+        row_moments: Sequence[torch.Tensor | None] | None = None,
+    ) -> list[torch.Tensor]: ...
 
 
 @torch.no_grad()
@@ -171,14 +249,22 @@ def muon_update_(
     plans: Sequence[ParamPlan],
     group: Mapping[str, Any],
     orthogonalize: Orthogonalizer,
+    row_moments: Sequence[torch.Tensor | None] | None = None,  # NorMuon state per parameter
 ) -> None:
     """Muon's step with an injected orthogonalizer: B ← B.lerp(G, 1 − μ), U = G.lerp(B, μ) or
     B; W ← W (1 − η λ) − η · ``orthogonalize(U)`` (the functions of :mod:`muonscale.functional`
-    that every layout uses)."""
+    that every layout uses; cautious weight decay, elementwise, on each rank's shard)."""
     directions = functional.momentum_directions_(
         list(grads), list(momentum_buffers), momentum=group["momentum"], nesterov=group["nesterov"]
     )
-    updates = orthogonalize(directions, views, plans, group)
+    updates = orthogonalize(directions, views, plans, group, row_moments)
+    lr, decay = float(group["lr"]), group["weight_decay"]
+    if decay != 0 and group.get("cautious_weight_decay", False):
+        for param, update in zip(params, updates):
+            update = update.view(param.shape)
+            variants.cautious_weight_decay_(param, update, lr=lr, weight_decay=decay)
+            param.add_(update, alpha=-lr)
+        return
     functional.apply_updates_(
         params,
         updates,
