@@ -377,9 +377,7 @@ class ShardedMatrices:
             offset = 0
             for i in (i for d in range(n_ranks) for i in self.send[d]):
                 if pieces[i].data_ptr() != send_buf[offset:].data_ptr():
-                    raise ValueError(
-                        f"piece {i} is not where piece_buffer() put it in packed="
-                    )
+                    raise ValueError(f"piece {i} is not where piece_buffer() put it in packed=")
                 offset += self._numel(i, me)
         else:
             send_buf = torch.cat(
