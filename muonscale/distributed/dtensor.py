@@ -53,7 +53,6 @@ from ..newton_schulz import default_ns_dtype
 from ..optimizer import Muon
 from ..scaling import update_scale
 from ..variants import (  # [variants]
-    cautious_weight_decay_,
     row_factors,
     row_statistics,
     update_row_moments_,
@@ -439,13 +438,14 @@ class DTensorMuon(Muon):
             shards = [local_tensor(p) for p in params]
             ups = [updates[id(p)][0].reshape(x.shape) for p, x in zip(params, shards)]
             alphas = [updates[id(p)][1] for p in params]
-            lr, decay = float(group["lr"]), group["weight_decay"]
-            if decay != 0 and group.get("cautious_weight_decay"):  # [variants]
-                for shard, update, alpha in zip(shards, ups, alphas):
-                    cautious_weight_decay_(shard, update, lr=lr, weight_decay=decay)
-                    shard.add_(update, alpha=alpha * lr)
-            else:
-                functional.apply_updates_(shards, ups, alphas, lr=lr, weight_decay=decay)
+            functional.apply_updates_(
+                shards,
+                ups,
+                alphas,
+                lr=float(group["lr"]),
+                weight_decay=group["weight_decay"],
+                cautious=bool(group.get("cautious_weight_decay")),  # [variants]
+            )
 
     @staticmethod
     def _write_directions(entries, grads, momenta, out: Mapping[int, torch.Tensor]) -> None:
