@@ -17,7 +17,11 @@ a shard gives the same numbers as on the full tensor, and Newton–Schulz always
 matrix (split into Q/K/V blocks or heads on the owner, when ``splits=`` says so).
 
 Momentum and AdamW state are DTensors with the parameter's placements, so
-``torch.distributed.checkpoint`` saves them sharded and loads them onto another mesh.
+``torch.distributed.checkpoint`` saves them sharded and loads them onto another mesh. The
+momentum's local shards live in one stack per (param group, local shard shape, dtype) as in
+:class:`muonscale.Muon` (:class:`~muonscale.optimizer_state.MomentumStacks`, rebuilt after a
+load): the momentum pass is one foreach per group, and the directions are written straight
+into the all-to-all's send buffer.
 
 Gradient reduction is the framework's job: FSDP2 reduce-scatters (and all-reduces across an
 HSDP replicate axis), TP gradients come out of autograd complete. A gradient placed unlike its
