@@ -102,8 +102,10 @@ def stacks_worker(rank, world_size):
     # the next step: which ops touch the memory of the (10, 12) matrices' stack
     stack = min(memory[n][0] for n in "abc"), max(memory[n][1] for n in "abc")
     counter = _OpsOnMemory(stack)
+    e_before = bufs["e"].to_local().clone()
     with counter:
         _step(bag, opt, 1)
+    e_kept = torch.equal(opt.state[params["e"]]["momentum_buffer"].to_local(), e_before)
     same = all(_memory(opt.state[params[n]]["momentum_buffer"]) == memory[n] for n in bufs)
     saved = io.BytesIO()  # the state saves and loads as before: one DTensor per parameter
     torch.save(opt.state_dict(), saved)
@@ -128,6 +130,7 @@ def stacks_worker(rank, world_size):
         "ops": counter.ops,
         "same": same,
         "round_trip": round_trip,
+        "e_kept": e_kept,
     }
 
 
@@ -148,6 +151,7 @@ def test_momentum_shards_live_in_stacks_and_a_step_copies_none():
             assert mem[n][1] <= stack[0] or mem[n][0] >= stack[1], (rank, n, mem)
         assert res["same"], rank  # a step keeps the buffers where they are
         assert res["round_trip"], rank
+        assert res["e_kept"], rank  # no gradient at that step: its momentum is untouched
         # the momentum pass of the step: one foreach over the buffers (B.lerp_(G, 1 − μ)), then
         # each direction read from its slot (G.lerp(B, μ), Nesterov): no copy_, stack, cat or
         # clone of the momentum, and nothing else touches it
