@@ -101,16 +101,22 @@ def apply_updates_(
     *,
     lr: float | torch.Tensor,
     weight_decay: float,
+    cautious: bool = False,  # [variants]
 ) -> None:
     """W ← W · (1 − lr · λ) + lr · αᵢ · Oᵢ (decoupled weight decay with the unadjusted lr;
     αᵢ = −s(m, n) for an unscaled update, −1 for one scaled already). Foreach kernels, one
     per distinct α; the same arithmetic as ``W.mul_(1 − lr λ); W.add_(O, alpha=lr α)``. A
-    tensor ``lr`` (capturable step) stays on the device."""
+    tensor ``lr`` (capturable step) stays on the device. ``cautious``: the decay only where
+    the update and the weight agree in sign (:func:`~muonscale.variants.cautious_weight_decay_`,
+    per tensor)."""
     if not params:
         return
     params = list(params)
     updates = [u if u.shape == p.shape else u.view(p.shape) for p, u in zip(params, updates)]
-    if weight_decay != 0:
+    if weight_decay != 0 and cautious:  # [variants]
+        for param, update in zip(params, updates):
+            variants.cautious_weight_decay_(param, update, lr=lr, weight_decay=weight_decay)
+    elif weight_decay != 0:
         torch._foreach_mul_(params, 1 - lr * weight_decay)
     by_alpha: dict[float, list[int]] = defaultdict(list)
     for i, alpha in enumerate(alphas):

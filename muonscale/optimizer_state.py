@@ -10,6 +10,7 @@ import torch
 
 from .memory import MemoryBudget
 from .newton_schulz import DEFAULT_EPS
+from .optimizer_groups import _is_dtensor
 from .optimizer_options import AdamWGroup
 from .variants import VARIANT_DEFAULTS  # [variants]
 
@@ -25,7 +26,9 @@ STATE_KEYS = {
 
 class MomentumStacks:
     """Muon momentum buffers as views into one ``(k, *shape)`` stack per (param group, shape,
-    dtype, device); owned by the optimizer, rebuilt whenever a buffer was replaced."""
+    dtype, device); owned by the optimizer, rebuilt whenever a buffer was replaced. A DTensor
+    buffer (:class:`~muonscale.distributed.DTensorMuon`) is stacked by its local shard's shape:
+    it stays a DTensor with its placements, its local tensor over its slot of the stack."""
 
     def __init__(self) -> None:
         self.views: dict[int, torch.Tensor] = {}  # id(state) -> its view in a stack
@@ -43,8 +46,8 @@ class MomentumStacks:
         (parameters without a gradient keep their values), so the ``state_dict`` format is
         unchanged. ``all_state`` is the optimizer's ``state``."""
         stale = {
-            (tuple(p.shape), s["momentum_buffer"].dtype, s["momentum_buffer"].device)
-            for p, s in zip(params, states)
+            _stack_key(s["momentum_buffer"])
+            for s in states
             if self.views.get(id(s)) is not s["momentum_buffer"]
         }
         for key in stale:
@@ -67,18 +70,59 @@ class MomentumStacks:
         candidates = [all_state.get(q) for q in group["params"]] + states
         for s in candidates:
             buf = s.get("momentum_buffer") if s else None
-            if (
-                isinstance(buf, torch.Tensor)
-                and id(s) not in seen
-                and (tuple(buf.shape), buf.dtype, buf.device) == key
-            ):
+            if isinstance(buf, torch.Tensor) and id(s) not in seen and _stack_key(buf) == key:
                 members.append(s)
                 seen.add(id(s))
         stack = torch.empty((len(members), *shape), dtype=dtype, device=device)
-        torch._foreach_copy_(list(stack.unbind(0)), [s["momentum_buffer"] for s in members])
+        sources = [_local_tensor(s["momentum_buffer"]) for s in members]
+        torch._foreach_copy_(list(stack.unbind(0)), sources)
         for s, view in zip(members, stack.unbind(0)):
-            s["momentum_buffer"] = view
-            self.views[id(s)] = view
+            s["momentum_buffer"] = _like(s["momentum_buffer"], view)
+            self.views[id(s)] = s["momentum_buffer"]
+
+
+def _local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (in-place ops on it update the DTensor), else ``t``."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _stack_key(buf: torch.Tensor) -> tuple:
+    """(shape, dtype, device) of the stack ``buf`` belongs in: its local shard's, for a
+    DTensor."""
+    local = _local_tensor(buf)
+    return tuple(local.shape), local.dtype, local.device
+
+
+def _like(old: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    """``view`` (a slot of a stack) standing in for ``old``: for a DTensor, a DTensor with
+    ``old``'s mesh, placements, global shape and stride over the slot's memory (no copy),
+    else ``view``."""
+    if not _is_dtensor(old):
+        return view
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        _at_offset_zero(view),
+        old.device_mesh,
+        old.placements,
+        run_check=False,
+        shape=old.shape,
+        stride=old.stride(),
+    )
+
+
+def _at_offset_zero(view: torch.Tensor) -> torch.Tensor:
+    """A tensor over the memory of ``view`` (contiguous) that starts at storage offset 0: its
+    storage is a slice of the stack's, which it keeps alive. A DTensor takes its local
+    tensor's storage offset, and one with an offset cannot be deep-copied or ``torch.save``-d
+    (both then read the storage a DTensor does not have), so DTensor state must not be a
+    plain view into a stack."""
+    if view.numel() == 0:
+        return torch.empty(view.shape, dtype=view.dtype, device=view.device)
+    start = view.storage_offset() * view.element_size()
+    memory = view.untyped_storage()[start : start + view.numel() * view.element_size()]
+    out = torch.empty(0, dtype=view.dtype, device=view.device)
+    return out.set_(memory, 0, view.shape, view.stride())
 
 
 def pickled_extras(opt: Muon) -> dict[str, Any]:

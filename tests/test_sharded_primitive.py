@@ -95,10 +95,25 @@ def sharded_worker(rank, world_size):
     }
     shapes_ok = all(tuple(o.shape) == lay.piece_shape(rank) for o, lay in zip(out, layouts))
     to_owners, back = plan.wire_elements()
+    sent_bytes = counter.total
+    # the same pieces written into piece_buffer()'s slots and sent from there: the same results
+    packed, slots = plan.piece_buffer(torch.float32, torch.device("cpu"))
+    for slot, piece in zip(slots, pieces):
+        slot.copy_(piece)
+    out_packed = plan.apply(slots, whole_matrix_fn, packed=packed)
+    packed_equal = all(torch.equal(a, b) for a, b in zip(out, out_packed))
+    misplaced = [slot.clone() for slot in slots]  # same values, not in the buffer
+    try:
+        plan.apply(misplaced, whole_matrix_fn, packed=packed)
+        refused = not any(plan.send)  # nothing sent from here: nothing to check
+    except ValueError:
+        refused = True
     return {
+        "packed_equal": packed_equal,
+        "misplaced_refused": refused,
         "errors": errors,
         "shapes_ok": shapes_ok,
-        "bytes": counter.total,
+        "bytes": sent_bytes,
         "expected_bytes": 4 * (to_owners + back),
         "to_owners": to_owners,
         "owners": plan.owners,
@@ -115,6 +130,7 @@ def test_sharded_equals_whole_matrix_fn(results):
     world_size, per_rank = results
     for rank, res in enumerate(per_rank):
         assert res["shapes_ok"], rank
+        assert res["packed_equal"] and res["misplaced_refused"], rank
         for name, err in res["errors"].items():
             assert err == 0.0, f"{world_size} ranks, rank {rank}, {name}: max error {err}"
 

@@ -17,7 +17,11 @@ a shard gives the same numbers as on the full tensor, and Newton–Schulz always
 matrix (split into Q/K/V blocks or heads on the owner, when ``splits=`` says so).
 
 Momentum and AdamW state are DTensors with the parameter's placements, so
-``torch.distributed.checkpoint`` saves them sharded and loads them onto another mesh.
+``torch.distributed.checkpoint`` saves them sharded and loads them onto another mesh. The
+momentum's local shards live in one stack per (param group, local shard shape, dtype) as in
+:class:`muonscale.Muon` (:class:`~muonscale.optimizer_state.MomentumStacks`, rebuilt after a
+load): the momentum pass is one foreach per group, and the directions are written straight
+into the all-to-all's send buffer.
 
 Gradient reduction is the framework's job: FSDP2 reduce-scatters (and all-reduces across an
 HSDP replicate axis), TP gradients come out of autograd complete. A gradient placed unlike its
@@ -53,7 +57,6 @@ from ..newton_schulz import default_ns_dtype
 from ..optimizer import Muon
 from ..scaling import update_scale
 from ..variants import (  # [variants]
-    cautious_weight_decay_,
     row_factors,
     row_statistics,
     update_row_moments_,
@@ -392,51 +395,75 @@ class DTensorMuon(Muon):
     def _muon(
         self, entries: list[tuple[torch.Tensor, Mapping[str, Any]]], grads: Mapping[int, Any]
     ) -> None:
-        # phase 1: momentum on local shards (elementwise), per group for its μ / Nesterov
-        directions: dict[int, torch.Tensor] = {}
-        for group in {id(g): g for _, g in entries}.values():
+        # phase 1: momentum on local shards (elementwise: one foreach per group, for its μ);
+        # it lives in stacks per local shard shape, so nothing is stacked per step
+        groups = list({id(g): g for _, g in entries}.values())
+        local_grads = {id(p): local_tensor(grads[id(p)]) for p, _ in entries}
+        momenta: dict[int, torch.Tensor] = {}
+        for group in groups:
             params = [p for p, g in entries if g is group]
-            bufs = [local_tensor(self.init_state(p, group)["momentum_buffer"]) for p in params]
-            dirs = functional.momentum_directions_(
-                [local_tensor(grads[id(p)]) for p in params],
-                bufs,
-                momentum=group["momentum"],
-                nesterov=group["nesterov"],
+            states = [self.init_state(p, group) for p in params]
+            bufs = [local_tensor(b) for b in self._stacked_momentum(group, params, states)]
+            functional.update_momentum_(
+                [local_grads[id(p)] for p in params], bufs, momentum=group["momentum"]
             )
-            directions.update({id(p): d for p, d in zip(params, dirs)})
+            momenta.update((id(p), b) for p, b in zip(params, bufs))
 
-        # phase 2: whole matrices at owners → Newton–Schulz → update pieces back
+        # phase 2: directions U → whole matrices at owners → Newton–Schulz → update pieces back
         if self.approximate_per_shard:
+            directions = {id(p): torch.empty_like(local_grads[id(p)]) for p, _ in entries}
+            self._write_directions(entries, local_grads, momenta, directions)
             updates = self._per_shard_updates(entries, directions)
         else:
             updates, whole_here = {}, set()
-            for dtype in sorted({directions[id(p)].dtype for p, _ in entries}, key=str):
-                part = [(p, g) for p, g in entries if directions[id(p)].dtype == dtype]
+            for dtype in sorted({local_grads[id(p)].dtype for p, _ in entries}, key=str):
+                part = [(p, g) for p, g in entries if local_grads[id(p)].dtype == dtype]
                 plan = self._plan(part, dtype)
                 result_dtype = self._result_dtype(part, dtype)
-                pieces = [_as_2d(directions[id(p)]) for p, _ in part]
+                # U written straight where the all-to-all sends it from (no packing copy)
+                device = local_grads[id(part[0][0])].device
+                packed, pieces = plan.piece_buffer(dtype, device)
+                self._write_directions(
+                    part, local_grads, momenta, {id(p): x for (p, _), x in zip(part, pieces)}
+                )
                 out = plan.apply(
                     pieces,
                     lambda idx, mats, part=part: self._orthogonalize(part, idx, mats),
                     result_dtype=result_dtype,
+                    packed=packed,
                 )
                 updates.update({id(p): (o, self._alpha(p, g)) for (p, g), o in zip(part, out)})
                 whole_here.update(id(part[i][0]) for i in plan.local)
             self._share_row_statistics(entries, whole_here)  # [variants] NorMuon
 
         # phase 3: weight decay and update on local shards, per group for its lr / λ
-        for group in {id(g): g for _, g in entries}.values():
+        for group in groups:
             params = [p for p, g in entries if g is group]
             shards = [local_tensor(p) for p in params]
             ups = [updates[id(p)][0].reshape(x.shape) for p, x in zip(params, shards)]
             alphas = [updates[id(p)][1] for p in params]
-            lr, decay = float(group["lr"]), group["weight_decay"]
-            if decay != 0 and group.get("cautious_weight_decay"):  # [variants]
-                for shard, update, alpha in zip(shards, ups, alphas):
-                    cautious_weight_decay_(shard, update, lr=lr, weight_decay=decay)
-                    shard.add_(update, alpha=alpha * lr)
-            else:
-                functional.apply_updates_(shards, ups, alphas, lr=lr, weight_decay=decay)
+            functional.apply_updates_(
+                shards,
+                ups,
+                alphas,
+                lr=float(group["lr"]),
+                weight_decay=group["weight_decay"],
+                cautious=bool(group.get("cautious_weight_decay")),  # [variants]
+            )
+
+    @staticmethod
+    def _write_directions(entries, grads, momenta, out: Mapping[int, torch.Tensor]) -> None:
+        """U = G.lerp(B, μ) (Nesterov) or B of every entry, per group for its μ / Nesterov,
+        into ``out[id(p)]`` (any shape holding the local shard's elements, contiguous)."""
+        for group in {id(g): g for _, g in entries}.values():
+            params = [p for p, g in entries if g is group]
+            functional.write_directions_(
+                [grads[id(p)] for p in params],
+                [momenta[id(p)] for p in params],
+                [out[id(p)].view(grads[id(p)].shape) for p in params],
+                momentum=group["momentum"],
+                nesterov=group["nesterov"],
+            )
 
     def _share_row_statistics(self, entries, whole_here: set[int]) -> None:
         """[variants] NorMuon: every rank's replica of a matrix's row second moment takes the

@@ -323,17 +323,36 @@ class ShardedMatrices:
         back = sum(self._numel(i, r) for r in range(self.world_size) for i in self.result_send[r])
         return to_owners, back
 
+    def piece_buffer(
+        self, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One flat buffer for this rank's pieces, laid out as :meth:`apply` sends them (the
+        pieces for owner 0, 1, … first, then those that stay here), and the pieces as views
+        into it. Pieces written there and passed with ``packed=`` the buffer are sent from it
+        as they are: :meth:`apply` skips packing them into a send buffer."""
+        me = self.rank
+        sent = [i for d in range(self.world_size) for i in self.send[d]]
+        order = sent + sorted(set(range(len(self.layouts))) - set(sent))
+        numels = [self._numel(i, me) for i in order]
+        buffer = torch.empty(sum(numels), dtype=dtype, device=device)
+        pieces: list[torch.Tensor | None] = [None] * len(self.layouts)
+        for i, flat in zip(order, buffer.split(numels)):
+            pieces[i] = flat.view(self.layouts[i].piece_shape(me))
+        return buffer, pieces  # type: ignore[return-value]
+
     def apply(
         self,
         pieces: Sequence[torch.Tensor],
         fn: WholeMatrixFn,
         *,
         result_dtype: torch.dtype | None = None,
+        packed: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """``pieces[i]``: this rank's piece of matrix i (shape ``layouts[i].piece_shape(rank)``,
         one dtype for all). Returns this rank's pieces of ``fn``'s results (new tensors, or for
         whole-everywhere matrices ``fn``'s own output), in ``result_dtype`` (default: the
-        pieces' dtype; every rank must pass the same, as it sizes the receive buffer)."""
+        pieces' dtype; every rank must pass the same, as it sizes the receive buffer).
+        ``packed``: the buffer of :meth:`piece_buffer` that ``pieces`` are views into."""
         if self.comm is None:
             raise RuntimeError("a plan_only() plan cannot apply(); build ShardedMatrices(...)")
         me, n_ranks = self.rank, self.world_size
@@ -353,10 +372,18 @@ class ShardedMatrices:
         # phase 1: pieces → owners (one all-to-all)
         send_sizes = [sum(self._numel(i, me) for i in self.send[d]) for d in range(n_ranks)]
         recv_sizes = [sum(self._numel(i, r) for i, r in self.recv[s]) for s in range(n_ranks)]
-        send_buf = torch.cat(
-            [pieces[i].reshape(-1) for d in range(n_ranks) for i in self.send[d]]
-            + [ref.new_empty(0)]
-        )
+        if packed is not None:
+            send_buf = packed[: sum(send_sizes)]
+            offset = 0
+            for i in (i for d in range(n_ranks) for i in self.send[d]):
+                if pieces[i].data_ptr() != send_buf[offset:].data_ptr():
+                    raise ValueError(f"piece {i} is not where piece_buffer() put it in packed=")
+                offset += self._numel(i, me)
+        else:
+            send_buf = torch.cat(
+                [pieces[i].reshape(-1) for d in range(n_ranks) for i in self.send[d]]
+                + [ref.new_empty(0)]
+            )
         recv_buf = ref.new_empty(sum(recv_sizes))
         if n_ranks > 1 and self._any_traffic:
             _all_to_all(
