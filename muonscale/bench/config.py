@@ -300,8 +300,10 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
     ):
         raise ValueError(f"--variants {spec!r}: lr must be a number > 0, got {options['lr']!r}")
     tau = options.get("qk_clip")
-    if "qk_clip" in options and tau is not None and not (
-        isinstance(tau, int | float) and not isinstance(tau, bool) and 0 < tau < math.inf
+    if (
+        "qk_clip" in options
+        and tau is not None
+        and not (isinstance(tau, int | float) and not isinstance(tau, bool) and 0 < tau < math.inf)
     ):
         raise ValueError(
             f"--variants {spec!r}: qk_clip must be a finite number > 0 (tau) or none, got {tau!r}"

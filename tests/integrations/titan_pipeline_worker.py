@@ -46,9 +46,7 @@ def loss_fn(logits, targets):
     )
 
 
-stage = PipelineStage(
-    module, stage_index, PP, torch.device("cpu"), group=mesh["pp"].get_group()
-)
+stage = PipelineStage(module, stage_index, PP, torch.device("cpu"), group=mesh["pp"].get_group())
 # GPipe averages the microbatches' gradients (scale_grads); FSDP2 averages the dp ranks'
 schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=loss_fn)
 for step in range(steps):

@@ -185,7 +185,6 @@ class TensorParallelOrthogonalizer:
             updates.append(view.from_matrices(scaled).reshape(direction.shape))
         return updates
 
-
     def _row_normalize_(
         self,
         pieces: list[torch.Tensor],  # this rank's piece of each whole O, replaced in the list
