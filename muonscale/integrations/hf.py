@@ -15,9 +15,12 @@ What the Trainer does for you, and what this module adds (see docs/integrations.
   ``step()``; ``muonscale.Muon`` reads ``p.grad`` at ``step()``, so both apply as with AdamW.
 * **DDP** (``torchrun``/``accelerate launch``): the Trainer wraps the model in DDP, which
   averages gradients before ``step()``; every rank then computes the same Muon update.
-* **FSDP2**: accelerate swaps the parameter objects after the optimizer is built; the optimizer
-  re-binds them by name before its next step (:func:`follow_model_parameters`) and refuses
-  sharded Muon parameters, which need ``muonscale.DTensorMuon``.
+* **FSDP2**: the Trainer builds the optimizer before accelerate shards the model and swaps the
+  DTensor shards into its groups. The factories read accelerate's FSDP plugin
+  (:func:`accelerate_fsdp_version`) and build a ``DTensorMuon``, which re-binds the shards by
+  name before its first step (:func:`follow_model_parameters`) and orthogonalizes whole
+  matrices. FSDP1 (flat shards) is refused; a plain ``muonscale.Muon`` refuses sharded Muon
+  parameters at ``step()``.
 
 ``DistributedMuon`` (sharded state, one owner per matrix) under the Trainer::
 
@@ -125,7 +128,8 @@ class DistributedMuonFactory:
 
     With several processes the Trainer wraps the model in DDP after this runs, so the optimizer
     is built with ``reduce_at="never"`` (DDP's average is used, not reduced again); with one,
-    ``reduce_at="step"``. Pass ``reduce_at`` in ``kwargs`` to choose yourself."""
+    ``reduce_at="step"``. Pass ``reduce_at`` in ``kwargs`` to choose yourself. Under
+    accelerate's FSDP2: a ``DTensorMuon``, as :class:`MuonFactory` builds."""
 
     def __call__(self, model: nn.Module, **kwargs: Any) -> Muon:
         from ..distributed import distributed_muon
