@@ -15,9 +15,12 @@ What the Trainer does for you, and what this module adds (see docs/integrations.
   ``step()``; ``muonscale.Muon`` reads ``p.grad`` at ``step()``, so both apply as with AdamW.
 * **DDP** (``torchrun``/``accelerate launch``): the Trainer wraps the model in DDP, which
   averages gradients before ``step()``; every rank then computes the same Muon update.
-* **FSDP2**: accelerate swaps the parameter objects after the optimizer is built; the optimizer
-  re-binds them by name before its next step (:func:`follow_model_parameters`) and refuses
-  sharded Muon parameters, which need ``muonscale.DTensorMuon``.
+* **FSDP2**: the Trainer builds the optimizer before accelerate shards the model and swaps the
+  DTensor shards into its groups. The factories read accelerate's FSDP plugin
+  (:func:`accelerate_fsdp_version`) and build a ``DTensorMuon``, which re-binds the shards by
+  name before its first step (:func:`follow_model_parameters`) and orthogonalizes whole
+  matrices. FSDP1 (flat shards) is refused; a plain ``muonscale.Muon`` refuses sharded Muon
+  parameters at ``step()``.
 
 ``DistributedMuon`` (sharded state, one owner per matrix) under the Trainer::
 
@@ -40,7 +43,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from ..distributed.data_parallel import check_process_group
+from ..distributed.data_parallel import check_process_group, is_dtensor
 from ..optimizer import Muon
 from .model_params import follow_model_parameters, muon_for_model, rebind_parameters, unwrap_model
 
@@ -48,6 +51,7 @@ __all__ = [
     "DistributedCheckpointCallback",
     "DistributedMuonFactory",
     "MuonFactory",
+    "accelerate_fsdp_version",
     "create_optimizer",
     "follow_model_parameters",
     "rebind_parameters",
@@ -58,11 +62,51 @@ def _check_process_group() -> None:
     check_process_group(None, "muonscale.integrations.hf")
 
 
+def accelerate_fsdp_version() -> int | None:
+    """The FSDP version (1 or 2) accelerate will shard the model with: its plugin in the
+    ``AcceleratorState`` the Trainer set up; ``None`` without FSDP or without accelerate.
+
+    Read from the shared state, not ``AcceleratorState()``: a new instance re-copies the
+    process state's ``distributed_type`` over ``FSDP``. accelerate keeps the plugin only where it
+    will shard (not on CPU, where it silently runs DDP instead)."""
+    try:
+        from accelerate.state import AcceleratorState
+    except ImportError:  # pragma: no cover - the Trainer always brings accelerate
+        return None
+    plugin = AcceleratorState._shared_state.get("fsdp_plugin")
+    return None if plugin is None else int(plugin.fsdp_version)
+
+
+def _sharded_build(model: nn.Module) -> Any:
+    """``DTensorMuon`` when the parameters are, or will be, FSDP2 shards; else ``None``."""
+    version = accelerate_fsdp_version()
+    if version == 1:
+        raise ValueError(
+            "muonscale.integrations.hf: accelerate is set up for FSDP version 1, which flattens "
+            "the parameters into 1-D shards, so Muon cannot see the matrices. Use FSDP2: "
+            "TrainingArguments(fsdp=True, fsdp_config={'version': 2, ...})"
+        )
+    if version == 2 or any(is_dtensor(p) for p in model.parameters()):
+        from ..distributed import DTensorMuon
+
+        return DTensorMuon
+    return None
+
+
 def create_optimizer(model: nn.Module, **muon_kwargs: Any) -> Muon:
     """``muonscale.Muon`` over ``model``'s trainable parameters, routed by name and module type
-    (for ``Trainer(optimizers=(create_optimizer(model, lr=...), None))``, any transformers)."""
+    (for ``Trainer(optimizers=(create_optimizer(model, lr=...), None))``, any transformers).
+
+    Under accelerate's FSDP2 (the Trainer builds the optimizer before sharding, then swaps in
+    DTensor shards) or on DTensor parameters: a :class:`muonscale.distributed.DTensorMuon`
+    (on the world group), which re-binds the shards by name before its first step."""
     _check_process_group()
-    return muon_for_model(unwrap_model(model), **muon_kwargs)
+    model = unwrap_model(model)
+    if "build" not in muon_kwargs:
+        sharded = _sharded_build(model)
+        if sharded is not None:
+            muon_kwargs["build"] = sharded
+    return muon_for_model(model, **muon_kwargs)
 
 
 class MuonFactory:
@@ -84,15 +128,25 @@ class DistributedMuonFactory:
 
     With several processes the Trainer wraps the model in DDP after this runs, so the optimizer
     is built with ``reduce_at="never"`` (DDP's average is used, not reduced again); with one,
-    ``reduce_at="step"``. Pass ``reduce_at`` in ``kwargs`` to choose yourself."""
+    ``reduce_at="step"``. Pass ``reduce_at`` in ``kwargs`` to choose yourself. Under
+    accelerate's FSDP2: a ``DTensorMuon``, as :class:`MuonFactory` builds."""
 
     def __call__(self, model: nn.Module, **kwargs: Any) -> Muon:
         from ..distributed import distributed_muon
 
         _check_process_group()
+        model = unwrap_model(model)
+        sharded = _sharded_build(model)
+        if sharded is not None:  # FSDP2 reduces the gradients: DTensorMuon, as MuonFactory
+            if "reduce_at" in kwargs:
+                raise ValueError(
+                    "DistributedMuonFactory: reduce_at does not apply under FSDP2 (FSDP2 "
+                    "reduce-scatters the gradients; the optimizer is a DTensorMuon)"
+                )
+            return muon_for_model(model, build=sharded, **kwargs)
         wrapped_later = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         kwargs.setdefault("reduce_at", "never" if wrapped_later else "step")
-        return muon_for_model(unwrap_model(model), build=distributed_muon, **kwargs)
+        return muon_for_model(model, build=distributed_muon, **kwargs)
 
 
 def _collective_state_dict(optimizer: Any) -> bool:

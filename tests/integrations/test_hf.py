@@ -1,7 +1,7 @@
 """muonscale.integrations.hf under a real Hugging Face Trainer, on tiny GPT-2 and Llama models.
 
-Oracles: a plain torch loop with the same muonscale.Muon (clipping, accumulation, DDP), an
-uninterrupted Trainer run (resume), and the same optimizer without the parameter swap (FSDP2
+Oracles: a plain torch loop with the same muonscale.Muon (clipping, accumulation, DDP, FSDP2),
+an uninterrupted Trainer run (resume), and the same optimizer without the parameter swap (FSDP2
 swap emulation)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from tiny_models import EMBEDDING_AND_HEAD, TokenData, algorithm_of, free_port, tiny_model
 from transformers import Trainer, TrainingArguments
 
-from muonscale.integrations.hf import MuonFactory, create_optimizer
+from muonscale.integrations.hf import DistributedMuonFactory, MuonFactory, create_optimizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -214,6 +214,30 @@ def test_sharded_parameters_are_refused():
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("factory", [MuonFactory, DistributedMuonFactory])
+def test_factories_follow_accelerate_fsdp_plan(factory, monkeypatch):
+    """The Trainer builds the optimizer before accelerate shards the model: the factories read
+    accelerate's FSDP plugin. FSDP2: a DTensorMuon (it re-binds the shards by name; the 2-rank
+    test below runs it). FSDP1 flattens the parameters: refused, naming the fix."""
+    from types import SimpleNamespace
+
+    from accelerate.state import AcceleratorState
+
+    from muonscale.distributed import DTensorMuon
+
+    plugin = SimpleNamespace(fsdp_version=2)  # accelerate's plugin, as the factories read it
+    monkeypatch.setitem(AcceleratorState._shared_state, "fsdp_plugin", plugin)
+    optimizer = factory()(tiny_model("llama"), **MUON_KWARGS)
+    assert type(optimizer) is DTensorMuon
+    assert algorithm_of(optimizer)["lm_head.weight"] == "adamw"
+    if factory is DistributedMuonFactory:
+        with pytest.raises(ValueError, match="reduce_at does not apply under FSDP2"):
+            factory()(tiny_model("llama"), reduce_at="step", **MUON_KWARGS)
+    plugin.fsdp_version = 1
+    with pytest.raises(ValueError, match="'version': 2"):
+        factory()(tiny_model("llama"), **MUON_KWARGS)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["llama"])
 def test_ddp_two_ranks_match_single_process(kind, tmp_path):
@@ -279,3 +303,41 @@ def test_distributed_muon_checkpoint_resume_two_ranks(tmp_path):
     for name, want in reference.named_parameters():
         got = full["params"][name]
         torch.testing.assert_close(got, want.detach(), rtol=0, atol=PARAM_ATOL * 4 / 3)
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_two_ranks_match_single_process(tmp_path):
+    """The Trainer's FSDP2 path (accelerate's fully_shard per decoder layer and at the root,
+    after MuonFactory built the optimizer, then the swap of DTensor shards into its groups):
+    MuonFactory builds a DTensorMuon that follows the swap by name; torchrun, 2 gloo ranks x
+    batch 1 x 2 accumulated micro-batches, clipping active = one process with batch 4 and
+    plain muonscale.Muon. On CPU the worker lifts accelerate's GPU-only FSDP gate (see
+    hf_fsdp_worker.py). FSDP2 averages the ranks' gradients (reduce-scatter), as DDP does, and
+    the clipping norm is a sum of per-shard sums: PARAM_ATOL's derivation (two summation
+    orders, float32, 3 steps) holds."""
+    max_grad_norm = 0.05
+    out = tmp_path / "fsdp.pt"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        os.path.join(HERE, "hf_fsdp_worker.py"),
+        "llama",
+        str(tmp_path),
+        str(out),
+        str(max_grad_norm),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = torch.load(out, weights_only=True)
+    got = run["params"]
+    assert min(run["grad_norms"]) > 2 * max_grad_norm, "clipping must be active"
+    reference = plain_loop(tiny_model("llama"), steps=3, batch=4, max_grad_norm=max_grad_norm)
+    for name, want in reference.named_parameters():
+        torch.testing.assert_close(got[name], want.detach(), rtol=0, atol=PARAM_ATOL, msg=name)
+    unclipped = plain_loop(tiny_model("llama"), steps=3, batch=4, max_grad_norm=None)
+    far = max((got[n] - p).abs().max().item() for n, p in unclipped.named_parameters())
+    assert far > 10 * PARAM_ATOL, "the unclipped run must differ, or the comparison proves nothing"
