@@ -448,13 +448,15 @@ def muon(
         per_param: dict[int, list[torch.Tensor]] = defaultdict(list)
         for i, mat in zip(owner, orthogonal):
             per_param[i].append(mat * update_scale(scale, *mat.shape))
-        for i in split:
-            param, update = params[i], views[i].from_matrices(per_param[i])
-            if weight_decay != 0 and options.cautious_weight_decay:  # [variants]
-                variants.cautious_weight_decay_(param, update, lr=lr, weight_decay=weight_decay)
-            elif weight_decay != 0:
-                param.mul_(1 - lr * weight_decay)
-            _add_scaled_(param, update, -lr)
+        for i in split:  # one at a time: a single split update alive at once
+            apply_updates_(
+                [params[i]],
+                [views[i].from_matrices(per_param[i])],
+                [-1.0],  # scaled above, per matrix
+                lr=lr,
+                weight_decay=weight_decay,
+                cautious=options.cautious_weight_decay,  # [variants]
+            )
 
 
 def _kernels_take(kernels, tensor_lists: Sequence[Sequence[torch.Tensor]], indices) -> bool:
