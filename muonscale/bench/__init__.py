@@ -175,10 +175,10 @@ def _side_by_side_resumable(config, names, lrs, eval_steps, make_run, store, log
     }
     records = {}
     for name in names:
-        saved = store.load(keys[name])
-        if saved is not None:
+        found = store.find(keys[name])
+        if found is not None:
+            where, saved = found
             records[name] = record_from_dict(saved)
-            where = store.path(keys[name])
             log(f"seed {config.seed}: {name} lr={lrs[name]:.3g}: saved run {where}")
     todo = [name for name in names if name not in records]
     if todo:
