@@ -151,11 +151,15 @@ def test_run_bench_sweep_picks_the_best_lr(tmp_path):
 TINY_PROBE = dict(n_layer=1, d_model=32, n_head=2, tokens_per_step=256, eval_batches=1)
 
 
-def test_memory_probes_run_one_per_cpu_at_one_thread_and_one_on_cuda():
+def test_memory_probes_run_one_per_cpu_at_one_thread_and_one_on_cuda(monkeypatch):
     import os
 
+    from muonscale.bench import memory_probe
     from muonscale.bench.memory_probe import parallel_probes
 
+    monkeypatch.setattr(memory_probe, "_memory_slots", lambda: 1)  # memory for one child
+    assert parallel_probes(BenchConfig(**TINY_PROBE, threads=1)) == 1
+    monkeypatch.setattr(memory_probe, "_memory_slots", lambda: 1 << 20)  # memory for many
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert parallel_probes(BenchConfig(**TINY_PROBE, threads=1)) == cpus
     assert parallel_probes(BenchConfig(**TINY_PROBE, threads=2)) == max(1, cpus // 2)

@@ -81,8 +81,9 @@ def probe_all(bench: BenchConfig, lrs: dict[str, float], steps: int) -> dict[str
 
 
 def parallel_probes(bench: BenchConfig) -> int:
-    """Children to run at once: CPUs // threads on CPU (1 with torch's default threads), 1
-    on CUDA."""
+    """Children to run at once: on CPU, CPUs // threads (1 with torch's default threads), and
+    no more than the available memory holds at this process's peak each (it held every
+    contender, so it bounds one child); on CUDA 1."""
     from muonscale.bench.runner import device_type
 
     if device_type(bench.device) != "cpu" or bench.threads is None:
@@ -91,7 +92,23 @@ def parallel_probes(bench: BenchConfig) -> int:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cpus = os.cpu_count() or 1
-    return max(1, cpus // bench.threads)
+    return max(1, min(cpus // bench.threads, _memory_slots()))
+
+
+def _memory_slots() -> int:
+    """MemAvailable // this process's peak resident set (a large number when unknown)."""
+    peak = _vmhwm_bytes()
+    available = None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if not peak or available is None:
+        return 1 << 30
+    return available // peak
 
 
 def _child_env() -> dict:
