@@ -146,3 +146,43 @@ def test_run_bench_sweep_picks_the_best_lr(tmp_path):
     assert report["sweep"]["best"] == {"adamw": 2e-3, "muon": 2e-3}
     assert report["sweep"]["steps"] == 5
     assert report["contenders"]["muon"]["lr"] == 2e-3
+
+
+TINY_PROBE = dict(n_layer=1, d_model=32, n_head=2, tokens_per_step=256, eval_batches=1)
+
+
+def test_memory_probes_run_one_per_cpu_at_one_thread_and_one_on_cuda(monkeypatch):
+    import os
+
+    from muonscale.bench import memory_probe
+    from muonscale.bench.memory_probe import parallel_probes
+
+    monkeypatch.setattr(memory_probe, "_memory_slots", lambda: 1)  # memory for one child
+    assert parallel_probes(BenchConfig(**TINY_PROBE, threads=1)) == 1
+    monkeypatch.setattr(memory_probe, "_memory_slots", lambda: 1 << 20)  # memory for many
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert parallel_probes(BenchConfig(**TINY_PROBE, threads=1)) == cpus
+    assert parallel_probes(BenchConfig(**TINY_PROBE, threads=2)) == max(1, cpus // 2)
+    assert parallel_probes(BenchConfig(**TINY_PROBE, threads=None)) == 1
+    assert parallel_probes(BenchConfig(**TINY_PROBE, device="cuda")) == 1
+
+
+@pytest.mark.slow  # two child processes, each importing torch
+def test_memory_probes_side_by_side_each_report_their_own_child(monkeypatch):
+    from muonscale.bench import memory_probe
+    from muonscale.bench.runner import make_run
+
+    config = BenchConfig(**TINY_PROBE, threads=1)
+    monkeypatch.setattr(memory_probe, "parallel_probes", lambda bench: 2)  # even on 1 CPU
+    lrs = {"adamw": 2e-3, "muon": 1.6e-2}
+    results = memory_probe.probe_all(config, lrs, steps=1)
+    assert list(results) == list(lrs)
+    for name, result in results.items():
+        assert result["contender"] == name and result["steps"] == 1
+        run = make_run(config, name, lrs[name])  # the same run in this process: same state
+        run.step()
+        assert result["optimizer_state_bytes"] == run.optimizer_state_bytes()
+        if result["vmhwm_bytes"] is not None:  # Linux
+            assert result["peak_memory_bytes"] == result["vmhwm_bytes"] > 0
+    states = [r["optimizer_state_bytes"] for r in results.values()]
+    assert states[0] != states[1]  # AdamW keeps two moments, Muon one: not swapped

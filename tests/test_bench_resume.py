@@ -113,3 +113,85 @@ def test_real_tiny_run_resumes(tmp_path):
 
     report2 = run_bench(BenchConfig(**tiny), make_run=no_training)
     assert figures(report2) == figures(report1)
+
+
+def _old_format(store, path, drop_train=(), drop_top=()):
+    """Rewrite a saved run as an older version wrote it: its key without ``drop_*`` entries,
+    under that key's file name; return the new path."""
+    saved = json.loads(path.read_text())
+    key = saved["key"]
+    for name in drop_train:
+        del key["train"][name]
+    for name in drop_top:
+        del key[name]
+    path.unlink()
+    store.save(key, saved["result"])
+    return store.path(key)
+
+
+def test_runs_saved_before_an_option_existed_are_reused(tmp_path):
+    from muonscale.bench.store import RunStore
+
+    report1 = run_bench(bench(tmp_path), make_run=CountingMakeRun())
+    store = RunStore(tmp_path / "runs")
+    files = sorted((tmp_path / "runs").glob("*.json"))
+    renamed = {_old_format(store, f, drop_train=["qk_clip"]) for f in files}
+    assert renamed.isdisjoint(files)  # every file now has another name: no exact match
+    second = CountingMakeRun()
+    report2 = run_bench(bench(tmp_path), make_run=second)
+    assert second.calls == []
+    assert figures(report2) == figures(report1)
+    assert report2["sweep"] == report1["sweep"]
+
+
+def _keys(spec, **changes):
+    from muonscale.bench.store import run_key
+
+    config = BenchConfig(steps=3, tokens_per_step=256, variants=[spec], **changes)
+    return run_key(config, "clip", 0.02, kind="run", steps=3, eval_steps=[0, 3])
+
+
+def test_an_old_key_is_reused_only_while_the_new_option_is_at_its_default(tmp_path):
+    from muonscale.bench.store import RunStore
+
+    store = RunStore(tmp_path)
+    off, on = _keys("clip=qk_clip:none"), _keys("clip=qk_clip:100")
+    assert off["train"]["qk_clip"] is None and on["train"]["qk_clip"] == 100
+    old = {**off, "train": {k: v for k, v in off["train"].items() if k != "qk_clip"}}
+    store.save(old, {"final_val_loss": 1.5})
+    assert store.find(off) == (store.path(old), {"final_val_loss": 1.5})
+    assert store.load(on) is None  # QK-clip on is not the old behaviour
+    # a top-level entry: a missing corpus is the default (None), not another corpus
+    no_corpus = {k: v for k, v in off.items() if k != "corpus"}
+    store = RunStore(tmp_path / "corpus")
+    store.save(no_corpus, {"final_val_loss": 2.5})
+    assert store.load(off) == {"final_val_loss": 2.5}
+    assert store.load(_keys("clip=qk_clip:none", corpus="web")) is None
+    # an entry without a known old-behaviour value (threads) is never assumed
+    store = RunStore(tmp_path / "threads")
+    store.save({k: v for k, v in off.items() if k != "threads"}, {"final_val_loss": 3.5})
+    assert store.load(off) is None
+
+
+def test_edited_or_colliding_files_are_not_reused(tmp_path):
+    from muonscale.bench.store import RunStore
+
+    store = RunStore(tmp_path)
+    off = _keys("clip=qk_clip:none")
+    # an old-format key with another value in a field both versions have
+    edited = {**off, "train": {k: v for k, v in off["train"].items() if k != "qk_clip"}}
+    edited["train"]["weight_decay"] = 0.05
+    store.save(edited, {"final_val_loss": 1.0})
+    # a key with a field the current configuration does not have (or no longer has)
+    extra = {**off, "train": {**off["train"], "removed_option": None}}
+    store.save(extra, {"final_val_loss": 2.0})
+    assert store.load(off) is None
+    # the exact file name holding another key (a hash collision or a hand-edited file)
+    store.path(off).write_text(json.dumps({"key": edited, "result": {"final_val_loss": 3.0}}))
+    assert store.load(off) is None
+    # a file of another contender whose name happens to start like this one's
+    other = {**off, "contender": "clip-seed0"}
+    store.save({**other, "train": {**off["train"]}}, {"final_val_loss": 4.0})
+    assert store.load(off) is None
+    store.save(off, {"final_val_loss": 5.0})
+    assert store.load(off) == {"final_val_loss": 5.0}

@@ -95,7 +95,7 @@ its float32 twin torch-muon carries the comparison across seeds)."""
 
 
 def _run_bench(config: BenchConfig, make_run: Callable | None, stream: TextIO) -> dict:
-    from muonscale.bench.memory_probe import probe
+    from muonscale.bench.memory_probe import parallel_probes, probe_all
     from muonscale.bench.report import build_report, format_table, write_report
     from muonscale.bench.seeds import seed_summary
     from muonscale.bench.side_by_side import eval_steps_for
@@ -131,9 +131,13 @@ def _run_bench(config: BenchConfig, make_run: Callable | None, stream: TextIO) -
 
     peak_memory = {}
     if config.memory_probe_steps > 0:
-        for name in config.contenders:
-            log(f"memory probe: {name} alone for {config.memory_probe_steps} steps")
-            peak_memory[name] = probe(config, name, lrs[name], config.memory_probe_steps)
+        probed = {name: lrs[name] for name in config.contenders}
+        at_once = min(len(probed), parallel_probes(config))
+        log(
+            f"memory probes: {', '.join(probed)}, each alone in a child process for "
+            f"{config.memory_probe_steps} steps ({at_once} at a time)"
+        )
+        peak_memory = probe_all(config, probed, config.memory_probe_steps)
 
     report = build_report(
         records,
@@ -175,10 +179,10 @@ def _side_by_side_resumable(config, names, lrs, eval_steps, make_run, store, log
     }
     records = {}
     for name in names:
-        saved = store.load(keys[name])
-        if saved is not None:
+        found = store.find(keys[name])
+        if found is not None:
+            where, saved = found
             records[name] = record_from_dict(saved)
-            where = store.path(keys[name])
             log(f"seed {config.seed}: {name} lr={lrs[name]:.3g}: saved run {where}")
     todo = [name for name in names if name not in records]
     if todo:

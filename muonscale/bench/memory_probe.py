@@ -12,6 +12,10 @@ same training run, takes a few steps and exits. Peak memory is
 
 The CPU figure includes the Python interpreter and torch's libraries (a few hundred MiB that
 every contender pays alike), so differences between contenders are what it shows.
+
+On CPU, :func:`probe_all` runs the children side by side, as many at a time as the CPUs hold
+at the bench's thread count (each child's peak is its own, whoever runs beside it); on CUDA,
+where they would share the device's memory, one after the other.
 """
 
 from __future__ import annotations
@@ -61,6 +65,50 @@ def probe(bench: BenchConfig, contender: str, lr: float, steps: int) -> dict:
         result["peak_memory_bytes"] = result["vmhwm_bytes"]
         result["source"] = "peak RSS (VmHWM) of a child process running this contender alone"
     return result
+
+
+def probe_all(bench: BenchConfig, lrs: dict[str, float], steps: int) -> dict[str, dict]:
+    """:func:`probe` for every contender in ``lrs``, at most :func:`parallel_probes` at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = list(lrs)
+    workers = min(len(names), parallel_probes(bench))
+    if workers <= 1:
+        return {name: probe(bench, name, lrs[name], steps) for name in names}
+    with ThreadPoolExecutor(max_workers=workers) as pool:  # each thread waits on a child
+        futures = {name: pool.submit(probe, bench, name, lrs[name], steps) for name in names}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def parallel_probes(bench: BenchConfig) -> int:
+    """Children to run at once: on CPU, CPUs // threads (1 with torch's default threads), and
+    no more than the available memory holds at this process's peak each (it held every
+    contender, so it bounds one child); on CUDA 1."""
+    from muonscale.bench.runner import device_type
+
+    if device_type(bench.device) != "cpu" or bench.threads is None:
+        return 1
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus // bench.threads, _memory_slots()))
+
+
+def _memory_slots() -> int:
+    """MemAvailable // this process's peak resident set (a large number when unknown)."""
+    peak = _vmhwm_bytes()
+    available = None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if not peak or available is None:
+        return 1 << 30
+    return available // peak
 
 
 def _child_env() -> dict:

@@ -82,11 +82,12 @@ def newton_schulz_precision(bench: BenchConfig, contender: str) -> str | None:
     if contender == "torch-muon-bf16":
         return "bfloat16"
     if contender == "torch-muon":
-        return "float32" if _device_type(bench.device) == "cpu" else "bfloat16"
+        return "float32" if device_type(bench.device) == "cpu" else "bfloat16"
     return None
 
 
-def _device_type(device: str) -> str:
+def device_type(device: str) -> str:
+    """``cpu`` or ``cuda`` (``auto`` resolved)."""
     from muonscale.train.trainer import resolve_device
 
     return resolve_device(device).type
