@@ -1,10 +1,12 @@
 """What the bench tests share: the smallest `muonscale bench` command line (one layer, d 32, two
-steps of 256 tokens, no probes, plots or progress bars) and a fake training run whose loss falls
-linearly, for tests of the bench's bookkeeping without training."""
+steps of 256 tokens, no probes, plots or progress bars, contenders interleaved in one process;
+tests/test_bench_lockstep.py checks the worker processes against that) and a fake training run
+whose loss falls linearly, for tests of the bench's bookkeeping without training."""
 
 BENCH_TINY = (
     "--n-layer 1 --d-model 32 --n-head 2 --steps 2 --tokens-per-step 256 --eval-batches 1 "
-    "--lr-warmup-steps 1 --memory-probe-steps 0 --timing-warmup-steps 0 --no-progress --no-plots"
+    "--lr-warmup-steps 1 --memory-probe-steps 0 --timing-warmup-steps 0 --no-progress --no-plots "
+    "--workers 1"
 ).split()
 
 

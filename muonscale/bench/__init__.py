@@ -3,7 +3,8 @@
 Pipeline of :func:`run_bench`::
 
     [--sweep: short runs per contender and lr]  ->  one training run per contender and seed
-    -> steps interleaved A B A B ..., all evaluated at the same steps  (side_by_side.py)
+    -> steps interleaved A B A B ..., all evaluated at the same steps  (side_by_side.py);
+       on CPU one worker process per core, steps in lockstep              (lockstep.py)
     -> every finished run saved under --out/runs/, reused by the same command  (store.py)
     -> [--seeds N: mean and spread over seeds (seeds.py)]
     -> each contender alone in a child process for peak memory         (memory_probe.py)
@@ -104,6 +105,7 @@ def _run_bench(config: BenchConfig, make_run: Callable | None, stream: TextIO) -
 
     start = time.perf_counter()
     out_dir = Path(config.out) if config.out else default_out_dir()
+    lockstep = make_run is None  # the workers build their runs with runner.make_run
     if make_run is None:
         from muonscale.bench.runner import make_run
 
@@ -114,7 +116,12 @@ def _run_bench(config: BenchConfig, make_run: Callable | None, stream: TextIO) -
     lrs = {name: config.lr_for(name) for name in config.contenders}
     sweep = None
     if config.sweep:
-        sweep = run_sweep(config, make_run, log=log, store=store)
+        from muonscale.bench.lockstep import default_workers
+
+        workers = default_workers(config, len(config.contenders) * len(config.sweep_factors))
+        sweep = run_sweep(
+            config, make_run, log=log, store=store, workers=workers if lockstep else 1
+        )
         lrs = dict(sweep["best"])
         log("sweep picked " + ", ".join(f"{n} lr={lr:.3g}" for n, lr in lrs.items()))
 
@@ -124,7 +131,14 @@ def _run_bench(config: BenchConfig, make_run: Callable | None, stream: TextIO) -
     for index, seed in enumerate(seeds):
         names = [n for n in config.contenders if index == 0 or n not in ONCE_ONLY]
         per_seed[seed] = _side_by_side_resumable(
-            dataclasses.replace(config, seed=seed), names, lrs, eval_steps, make_run, store, log
+            dataclasses.replace(config, seed=seed),
+            names,
+            lrs,
+            eval_steps,
+            make_run,
+            store,
+            log,
+            lockstep=lockstep,
         )
     records = per_seed[seeds[0]]
     resolved = _resolved_config(config, lrs, eval_steps, records)
@@ -164,9 +178,13 @@ def _run_bench(config: BenchConfig, make_run: Callable | None, stream: TextIO) -
     return report
 
 
-def _side_by_side_resumable(config, names, lrs, eval_steps, make_run, store, log) -> dict:
+def _side_by_side_resumable(
+    config, names, lrs, eval_steps, make_run, store, log, *, lockstep: bool = False
+) -> dict:
     """Records of ``names`` for ``config.seed``: saved runs are loaded, the others trained
-    side by side (steps interleaved) and saved as soon as they finish."""
+    side by side (steps interleaved; with ``lockstep`` and more than one worker, in worker
+    processes, steps in lockstep) and saved as soon as they finish."""
+    from muonscale.bench.lockstep import default_workers, run_in_lockstep
     from muonscale.bench.side_by_side import run_side_by_side
     from muonscale.bench.store import record_from_dict, record_to_dict, run_key
     from muonscale.train.trainer import NonFiniteLossError
@@ -185,7 +203,20 @@ def _side_by_side_resumable(config, names, lrs, eval_steps, make_run, store, log
             records[name] = record_from_dict(saved)
             log(f"seed {config.seed}: {name} lr={lrs[name]:.3g}: saved run {where}")
     todo = [name for name in names if name not in records]
-    if todo:
+    workers = default_workers(config, len(todo)) if lockstep else 1
+    desc = "bench" if config.seeds == 1 else f"bench seed {config.seed}"
+    if todo and workers > 1:
+        log(
+            f"seed {config.seed}: {', '.join(todo)} in {workers} worker processes, "
+            f"steps in lockstep (--workers 1: one process, steps interleaved)"
+        )
+        trained = run_in_lockstep(
+            config, todo, {name: lrs[name] for name in todo}, eval_steps, workers=workers, desc=desc
+        )
+        for name, record in trained.items():
+            store.save(keys[name], record_to_dict(record))
+        records.update(trained)
+    elif todo:
         runs = {name: make_run(config, name, lrs[name]) for name in todo}
         trained = run_side_by_side(
             runs,
@@ -193,7 +224,7 @@ def _side_by_side_resumable(config, names, lrs, eval_steps, make_run, store, log
             config.steps,
             eval_steps,
             progress=config.progress,
-            desc="bench" if config.seeds == 1 else f"bench seed {config.seed}",
+            desc=desc,
             divergence_errors=(NonFiniteLossError,),
         )
         del runs  # free the training runs before the next seed or the memory probes

@@ -120,6 +120,10 @@ class BenchConfig:
     threads: int | None = 1
     """torch CPU threads; None: torch's default. 1 keeps CPU timings clean: on 2 shared cores
     two threads ran 4x slower than one whenever another process was busy."""
+    workers: int | None = None
+    """Processes that train the contenders at once, steps in lockstep (muonscale.bench.lockstep;
+    same losses, less wall time); None: on CPU as many as the cores hold at --threads each, at
+    most one per contender; on CUDA 1. 1: every contender in this process, steps interleaved."""
     eval_interval: float = 0.025
     """Evaluate at least every this fraction of the steps (0.025: >= 40 evaluations)."""
     eval_batches: int = 3
@@ -153,7 +157,7 @@ class BenchConfig:
         for name in ("lr_adamw", "lr_muon", "lr_torch_muon"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{_flag(name)} must be > 0, got {getattr(self, name)}")
-        for name in ("micro_batch_size", "threads"):
+        for name in ("micro_batch_size", "threads", "workers"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{_flag(name)} must be >= 1, got {value}")

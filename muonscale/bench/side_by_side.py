@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -114,16 +114,19 @@ def run_side_by_side(
     progress: bool = True,
     desc: str = "bench",
     divergence_errors: tuple[type[BaseException], ...] = (),
+    after_step: Callable[[int, Mapping[str, ContenderRecord]], None] | None = None,
 ) -> dict[str, ContenderRecord]:
     """Train every run for ``steps`` steps, interleaved, evaluating all at ``eval_steps``.
 
     A run whose ``step()`` raises one of ``divergence_errors`` (a NaN/inf loss) stops there;
-    the others go on, and the report shows where it diverged.
+    the others go on, and the report shows where it diverged. ``after_step(step, records)``
+    is called once every run took step ``step`` (and was evaluated, at an evaluation step);
+    the lockstep bench waits for its other workers there.
     """
     records = {name: ContenderRecord(name=name, lr=lrs[name]) for name in runs}
     wanted = set(eval_steps)
     last_name = list(runs)[-1]
-    bar = _progress_bar(steps * len(runs), desc) if progress else None
+    bar = progress_bar(steps * len(runs), desc) if progress else None
     if 0 in wanted:
         _evaluate_all(runs, records, 0)
     for step, name in interleaved_order(list(runs), steps):
@@ -151,6 +154,8 @@ def run_side_by_side(
                     " ".join(f"{n}={r.val_losses[-1]:.3f}" for n, r in records.items()),
                     refresh=True,
                 )
+        if name == last_name and after_step is not None:
+            after_step(step, records)
     if bar is not None:
         bar.close()
     for name, run in runs.items():
@@ -158,7 +163,8 @@ def run_side_by_side(
     return records
 
 
-def _progress_bar(total: int, desc: str):
+def progress_bar(total: int, desc: str):
+    """A tqdm bar on stderr (a plain line per evaluation without tqdm)."""
     try:
         from tqdm.auto import tqdm
     except ImportError:  # tqdm is an optional ("bench") dependency
