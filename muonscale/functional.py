@@ -22,6 +22,8 @@ from .kernels.newton_schulz_fast import (
     orthogonalize_stack_,
 )
 from .kernels.process_state import (
+    DEFAULT_ELEMENTWISE_BACKEND,
+    ElementwiseBackend,
     NSWorkspace,
     disable_triton_elementwise,
     elementwise_kernels,
@@ -295,6 +297,7 @@ def muon(
     ns_method: NSMethodChoice = "auto",
     max_chunk_bytes: ChunkBytes = PER_DEVICE,
     max_workspace_bytes: int = DEFAULT_NS_WORKSPACE_BYTES,
+    elementwise_backend: ElementwiseBackend = DEFAULT_ELEMENTWISE_BACKEND,
     options: variants.VariantOptions = variants.PLAIN_MUON,  # [variants]
     row_moments: Sequence[torch.Tensor] | None = None,  # [variants] NorMuon state, (rows,) each
 ) -> None:
@@ -309,9 +312,12 @@ def muon(
     and the directions, written straight into the Newton–Schulz input stacks (one per matrix
     shape and chunk, in the parameter's orientation, cast on the way); the normalization is
     folded into the first Newton–Schulz step; (b) weight decay and update
-    (:func:`apply_updates_`) from the stack the iteration ends in. On CUDA each pass is one
-    Triton kernel per stack when triton loads (:func:`~muonscale.kernels.elementwise_kernels`;
-    the same formulas; a tensor ``lr`` and the variants keep the foreach passes). Parameters
+    (:func:`apply_updates_`) from the stack the iteration ends in. ``elementwise_backend``
+    (:data:`~muonscale.kernels.ElementwiseBackend`) says whether each pass is one Triton kernel
+    per stack instead (:func:`~muonscale.kernels.elementwise_kernels`; the same formulas; a
+    tensor ``lr`` and the variants keep the foreach passes); the optimizers pass the value
+    they read from ``MUONSCALE_ELEMENTWISE`` when they were built, and this function never
+    reads the environment. Parameters
     are processed in chunks of at most ``max_chunk_bytes`` of transient memory (a number of bytes,
     :data:`~muonscale.memory.PER_DEVICE` or :data:`~muonscale.memory.UNCHUNKED`), so the
     step's peak memory does not grow with the model; ``max_workspace_bytes`` bounds the
@@ -344,6 +350,7 @@ def muon(
                 ns_method=ns_method,
                 max_chunk_bytes=None,
                 max_workspace_bytes=max_workspace_bytes,
+                elementwise_backend=elementwise_backend,
             )
         return
     schedule, margin = resolve_schedule(coefficients, ns_steps)
@@ -358,7 +365,11 @@ def muon(
             split.append(i)
     # Stacks whose two passes run as Triton kernels (one launch each per stack); the rest,
     # and every layout the kernels do not take, use the foreach passes.
-    kernels = None if isinstance(lr, torch.Tensor) else elementwise_kernels(params[0].device)
+    kernels = (
+        None
+        if isinstance(lr, torch.Tensor)
+        else elementwise_kernels(params[0].device, elementwise_backend)
+    )
     fused = set()
     if kernels is not None:
         for key, indices in stacks.items():
@@ -391,7 +402,7 @@ def muon(
                     kernels.momentum_and_ns_input_(g_part, b_part, X, **direction)
                     written = True
                 except Exception as exc:  # fails to compile: before anything is written
-                    disable_triton_elementwise(exc)
+                    disable_triton_elementwise(exc, elementwise_backend)
                     kernels = None
             if key in fused and not written:  # the kernels failed on this or a former part
                 update_momentum_(g_part, b_part, momentum=momentum)
@@ -414,7 +425,7 @@ def muon(
                     )
                     continue
                 except Exception as exc:  # fails to compile: before anything is written
-                    disable_triton_elementwise(exc)
+                    disable_triton_elementwise(exc, elementwise_backend)
                     kernels = None
             apply_updates_(
                 p_part,

@@ -16,7 +16,7 @@ import torch
 from . import functional
 from .backward_ns import BackwardOrthogonalizer
 from .capturable import DeviceNonFiniteGuard
-from .kernels import clear_workspaces
+from .kernels import ElementwiseBackend, clear_workspaces, elementwise_backend_from_environment
 from .matrices import MatrixView
 from .memory import MemoryBudget
 from .newton_schulz import DEFAULT_EPS, Coefficients
@@ -285,7 +285,9 @@ class Muon(torch.optim.Optimizer):
         self._guard: DeviceNonFiniteGuard | None = None
         self._step_ok: torch.Tensor | None = None
         self.skipped_steps = 0
-        self.memory = MemoryBudget.from_environment()  # the environment is read here only
+        # The environment is read here only; every step passes these on.
+        self.memory = MemoryBudget.from_environment()
+        self.elementwise_backend: ElementwiseBackend = elementwise_backend_from_environment()
         self.param_names: dict[int, str] = {}
         self.routing: dict[str, RouteDecision] = {}
         self.routing_rules = list(rules or ())
@@ -742,6 +744,7 @@ class Muon(torch.optim.Optimizer):
                 ns_method=group["ns_method"],
                 max_chunk_bytes=self.memory.update_chunk_bytes,
                 max_workspace_bytes=self.memory.ns_workspace_bytes,
+                elementwise_backend=self.elementwise_backend,
             )
         else:
             beta1, beta2 = group["betas"]

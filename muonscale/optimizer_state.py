@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .kernels.process_state import elementwise_backend_from_environment
 from .memory import MemoryBudget
 from .newton_schulz import DEFAULT_EPS
 from .optimizer_groups import _is_dtensor
@@ -146,6 +147,8 @@ def restore_unpickled(opt: Muon, extra: dict[str, Any] | None) -> None:
     """Complete ``opt`` after torch's ``__setstate__``: defaults for options added after a
     checkpoint was written, and (from a pickle) ``extra`` re-keyed to the new parameters."""
     opt.__dict__.setdefault("memory", MemoryBudget.from_environment())
+    if "elementwise_backend" not in opt.__dict__:  # not pickled, as memory: read here once
+        opt.elementwise_backend = elementwise_backend_from_environment()
     opt.__dict__.setdefault("capturable", False)
     opt.__dict__.setdefault("_guard", None)
     opt.__dict__.setdefault("_step_ok", None)

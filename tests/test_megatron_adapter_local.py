@@ -174,3 +174,32 @@ def test_bad_configuration_names_the_option():
         megatron_muon(_model(torch.float16), MegatronMuonConfig())
     with pytest.raises(ValueError, match="approximate_blockwise"):
         MegatronMuonConfig(muon_tp_mode="blockwise")
+
+
+def test_elementwise_backend_is_read_when_the_optimizer_is_built(monkeypatch):
+    """``MUONSCALE_ELEMENTWISE`` is read by ``megatron_muon`` (through ``Muon``'s constructor):
+    a bad value raises there, not at a step. The adapter's Muon update runs its elementwise
+    passes with foreach around the injected orthogonalizer (``muon_update_``, not
+    ``functional.muon``), so no step asks for the Triton kernels, whatever the choice."""
+    from muonscale import functional
+    from muonscale.kernels import ELEMENTWISE_ENV
+
+    monkeypatch.setenv(ELEMENTWISE_ENV, "fast")
+    with pytest.raises(ValueError, match=ELEMENTWISE_ENV):
+        megatron_muon(_model(torch.float32), MegatronMuonConfig(**OPTIONS))
+    monkeypatch.setenv(ELEMENTWISE_ENV, "auto")
+    model = _model(torch.float32)
+    opt = megatron_muon(model, MegatronMuonConfig(**OPTIONS))
+    assert opt.elementwise_backend == "auto"
+    seen = []
+    real = functional.elementwise_kernels
+    monkeypatch.setattr(
+        functional,
+        "elementwise_kernels",
+        lambda device, backend: seen.append(backend) or real(device, backend),
+    )
+    monkeypatch.setenv(ELEMENTWISE_ENV, "fast")  # after construction: not read
+    for p, g in zip(model.parameters(), _gradients(model, 0)):
+        p.grad = g
+    opt.step()
+    assert seen == []

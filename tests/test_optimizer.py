@@ -204,6 +204,29 @@ def test_memory_budget_is_read_from_the_environment_at_construction(monkeypatch)
         Muon([p])
 
 
+def test_elementwise_backend_is_read_at_construction_and_restored_like_memory(monkeypatch):
+    """``MUONSCALE_ELEMENTWISE`` is read once, at construction, like the memory budget. A
+    pickle carries neither, so an unpickled optimizer (or one from before the attribute
+    existed) reads the environment once more; ``load_state_dict`` keeps the built choice."""
+    import pickle
+
+    from muonscale.kernels import ELEMENTWISE_ENV
+
+    p = nn.Parameter(torch.randn(8, 12))
+    monkeypatch.setenv(ELEMENTWISE_ENV, "auto")
+    opt = Muon([("w", p)])
+    assert opt.elementwise_backend == "auto"
+    monkeypatch.setenv(ELEMENTWISE_ENV, "foreach")
+    assert pickle.loads(pickle.dumps(opt)).elementwise_backend == "foreach"
+    monkeypatch.setenv(ELEMENTWISE_ENV, "fast")  # not read by load_state_dict
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert opt.elementwise_backend == "auto"
+    with pytest.raises(ValueError, match=ELEMENTWISE_ENV):
+        pickle.loads(pickle.dumps(opt))
+    monkeypatch.delenv(ELEMENTWISE_ENV)
+    assert copy.deepcopy(opt).elementwise_backend == "foreach"  # the default
+
+
 @pytest.mark.parametrize("budget", [4, 100, 1000, 5000])
 def test_chunked_adamw_equals_one_chunk(budget):
     """AdamW's denominators built in flat segments of bounded bytes: the same bits as all at

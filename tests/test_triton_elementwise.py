@@ -19,6 +19,7 @@ bound, and the two paths then differ by at most twice it.
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -27,7 +28,12 @@ import pytest
 import torch
 
 from muonscale import functional
-from muonscale.kernels import ELEMENTWISE_ENV, elementwise_kernels, triton_available
+from muonscale.kernels import (
+    ELEMENTWISE_ENV,
+    elementwise_backend_from_environment,
+    elementwise_kernels,
+    triton_available,
+)
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed")
 U32 = torch.finfo(torch.float32).eps / 2
@@ -156,20 +162,179 @@ def test_kernels_reject_mismatched_members():
         apply_update_(b, torch.empty(2, 4, 6), lr=torch.tensor(0.1), weight_decay=0.0, alpha=-1)
 
 
-def test_selection(monkeypatch):
-    monkeypatch.delenv(ELEMENTWISE_ENV, raising=False)
-    assert elementwise_kernels(torch.device("cpu")) is None  # default: foreach
-    assert elementwise_kernels(torch.device("cuda")) is None  # until timed on a GPU
-    monkeypatch.setenv(ELEMENTWISE_ENV, "auto")
-    assert elementwise_kernels(torch.device("cpu")) is None  # auto: CUDA tensors only
-    monkeypatch.setenv(ELEMENTWISE_ENV, "foreach")
-    assert elementwise_kernels(torch.device("cuda")) is None
-    monkeypatch.setenv(ELEMENTWISE_ENV, "fast")
-    with pytest.raises(ValueError, match=ELEMENTWISE_ENV):
-        elementwise_kernels(torch.device("cpu"))
+def test_selection():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert elementwise_kernels(cpu, "foreach") is None
+    assert elementwise_kernels(cuda, "foreach") is None  # the default, until timed on a GPU
+    assert elementwise_kernels(cpu, "auto") is None  # auto: CUDA tensors only
+    with pytest.raises(ValueError, match="elementwise_backend.*'auto', 'foreach' or 'triton'"):
+        elementwise_kernels(cpu, "fast")
     if triton_available():
-        monkeypatch.setenv(ELEMENTWISE_ENV, "triton")
-        assert elementwise_kernels(torch.device("cpu")) is not None
+        assert elementwise_kernels(cpu, "triton") is not None
+
+
+def test_backend_from_environment(monkeypatch):
+    monkeypatch.delenv(ELEMENTWISE_ENV, raising=False)
+    assert elementwise_backend_from_environment() == "foreach"  # default
+    for value in ("auto", "foreach", "triton"):
+        assert elementwise_backend_from_environment({ELEMENTWISE_ENV: value}) == value
+        monkeypatch.setenv(ELEMENTWISE_ENV, value)
+        assert elementwise_backend_from_environment() == value
+    with pytest.raises(ValueError, match=f"{ELEMENTWISE_ENV}.*'auto', 'foreach' or 'triton'"):
+        elementwise_backend_from_environment({ELEMENTWISE_ENV: "fast"})
+
+
+def _record_backends(monkeypatch) -> list[str]:
+    """The backend of every ``elementwise_kernels`` call ``functional.muon`` makes."""
+    seen: list[str] = []
+
+    def recording(device, backend):
+        seen.append(backend)
+        return elementwise_kernels(device, backend)
+
+    monkeypatch.setattr(functional, "elementwise_kernels", recording)
+    return seen
+
+
+def _named(params) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(f"blocks.{i}.weight", p) for i, p in enumerate(params)]
+
+
+def _one_step(opt, params) -> None:
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+
+
+def test_bad_value_raises_at_construction(monkeypatch):
+    import muonscale
+
+    monkeypatch.setenv(ELEMENTWISE_ENV, "fast")
+    with pytest.raises(ValueError, match=f"{ELEMENTWISE_ENV}.*'auto', 'foreach' or 'triton'"):
+        muonscale.Muon(_named([torch.nn.Parameter(torch.randn(8, 12))]))
+
+
+def test_choice_is_read_at_construction_only(monkeypatch):
+    """Changing the variable after construction changes nothing: the step neither reads it
+    (a bad value no longer raises) nor uses it (the backend passed down is the one read when
+    the optimizer was built)."""
+    import muonscale
+
+    seen = _record_backends(monkeypatch)
+    for built_with, later in [(None, "triton"), ("auto", "foreach"), ("foreach", "fast")]:
+        if built_with is None:
+            monkeypatch.delenv(ELEMENTWISE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(ELEMENTWISE_ENV, built_with)
+        params = [torch.nn.Parameter(torch.randn(8, 12))]
+        opt = muonscale.Muon(_named(params))
+        assert opt.elementwise_backend == (built_with or "foreach")
+        monkeypatch.setenv(ELEMENTWISE_ENV, later)
+        seen.clear()
+        _one_step(opt, params)
+        assert seen == [built_with or "foreach"]
+
+
+def test_functional_muon_defaults_to_foreach(monkeypatch):
+    """Direct callers of ``functional.muon`` get the documented default, whatever the
+    environment says."""
+    from muonscale.matrices import MatrixView
+
+    seen = _record_backends(monkeypatch)
+    monkeypatch.setenv(ELEMENTWISE_ENV, "fast")
+    p, g, b = torch.randn(8, 12), torch.randn(8, 12), torch.zeros(8, 12)
+    kw = dict(views=[MatrixView.build(p.shape)], lr=0.02, weight_decay=0.0)
+    kw.update(momentum=0.95, nesterov=True, ns_steps=5, coefficients="keller")
+    functional.muon([p], [g], [b], ns_dtype=None, scale="shape", **kw)
+    assert seen == ["foreach"]
+    with pytest.raises(ValueError, match="elementwise_backend"):
+        functional.muon([p], [g], [b], ns_dtype=None, scale="shape", elementwise_backend="x", **kw)
+
+
+def _count_kernel_launches(monkeypatch) -> list[int]:
+    """Members of every ``momentum_and_ns_input_`` launch."""
+    from muonscale.kernels import triton_elementwise
+
+    calls: list[int] = []
+    real = triton_elementwise.momentum_and_ns_input_
+
+    def counting(*args, **kw):
+        calls.append(len(args[0]))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(triton_elementwise, "momentum_and_ns_input_", counting)
+    return calls
+
+
+@needs_triton
+def test_built_with_triton_takes_the_triton_path(monkeypatch):
+    """Built with ``triton`` (CPU tensors: the interpreter twins, no TRITON_INTERPRET needed),
+    the step launches the kernels even after the variable is unset; built with the default,
+    it does not even when the variable says ``triton`` by then."""
+    import muonscale
+
+    calls = _count_kernel_launches(monkeypatch)
+    monkeypatch.setenv(ELEMENTWISE_ENV, "triton")
+    params = [torch.nn.Parameter(torch.randn(8, 12)) for _ in range(2)]
+    opt = muonscale.Muon(_named(params))
+    monkeypatch.delenv(ELEMENTWISE_ENV)
+    _one_step(opt, params)
+    assert calls == [2]  # one stack of two members
+    default = muonscale.Muon(_named(params))
+    monkeypatch.setenv(ELEMENTWISE_ENV, "triton")
+    _one_step(default, params)
+    assert calls == [2]
+
+
+@pytest.mark.timeout(120)
+def test_choice_reaches_distributed_layouts(monkeypatch, tmp_path):
+    """``DistributedMuon`` and ``DTensorMuon`` (world size 1: a one-rank gloo group in this
+    process, for the DTensor mesh) read the variable at construction as ``Muon`` does: a bad
+    value raises there, and ``DistributedMuon``'s owner update (``functional.muon``) gets the
+    choice made at construction. ``DTensorMuon`` runs its elementwise passes on local shards
+    with foreach (outside ``functional.muon``); it keeps the choice all the same."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from muonscale import DistributedMuon, DTensorMuon
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    seen = _record_backends(monkeypatch)
+    calls = _count_kernel_launches(monkeypatch) if triton_available() else []
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for build, make in [
+            (DistributedMuon, lambda: torch.nn.Parameter(torch.randn(8, 12))),
+            (
+                DTensorMuon,
+                lambda: torch.nn.Parameter(distribute_tensor(torch.randn(8, 12), mesh, [Shard(0)])),
+            ),
+        ]:
+            monkeypatch.setenv(ELEMENTWISE_ENV, "fast")
+            with pytest.raises(ValueError, match=ELEMENTWISE_ENV):
+                build(_named([make()]), lr=0.02)
+            chosen = "triton" if triton_available() else "auto"
+            monkeypatch.setenv(ELEMENTWISE_ENV, chosen)
+            params = [make(), make()]
+            opt = build(_named(params), lr=0.02)
+            assert opt.elementwise_backend == chosen
+            monkeypatch.setenv(ELEMENTWISE_ENV, "fast")  # after construction: not read
+            seen.clear()
+            calls.clear()
+            _one_step(opt, params)
+            if build is DistributedMuon:
+                assert seen == [chosen]
+                if triton_available():
+                    assert calls == [2]  # the Triton path ran on the owner's stack
+                opt.remove_hooks()
+            else:
+                assert seen == [] and calls == []
+            del opt, params
+            gc.collect()
+    finally:
+        dist.destroy_process_group()
 
 
 def _muon_run(*, momentum, lr, scale, nesterov, env, monkeypatch, calls=None, device="cpu"):
@@ -285,13 +450,13 @@ def test_auto_falls_back_to_foreach_when_a_kernel_fails(monkeypatch):
     monkeypatch.setattr(
         functional,
         "elementwise_kernels",
-        lambda device: process_state.elementwise_kernels(torch.device("cuda")),
+        lambda device, backend: process_state.elementwise_kernels(torch.device("cuda"), backend),
     )
     kw = dict(momentum=0.95, lr=0.02, scale="shape", nesterov=True)
     with pytest.warns(RuntimeWarning, match="simulated compile failure"):
         p_auto, m_auto = _muon_run(env="auto", monkeypatch=monkeypatch, **kw)
     assert process_state._triton_elementwise["ok"] is False
-    monkeypatch.setattr(functional, "elementwise_kernels", lambda device: None)
+    monkeypatch.setattr(functional, "elementwise_kernels", lambda device, backend: None)
     p_ref, m_ref = _muon_run(env=None, monkeypatch=monkeypatch, **kw)
     for a, b in zip(p_auto + m_auto, p_ref + m_ref):
         assert torch.equal(a, b)

@@ -8,7 +8,9 @@
 * :mod:`muonscale.kernels.triton_symmetric` — the Triton kernels (imported lazily: the library
   imports and runs without ``triton``).
 * :mod:`muonscale.kernels.triton_elementwise` — Muon's two elementwise passes as one Triton
-  kernel per stack each; :func:`elementwise_kernels` says when they run (lazy import too).
+  kernel per stack each; :func:`elementwise_kernels` says when they run (lazy import too),
+  for the :data:`ElementwiseBackend` an optimizer read from :data:`ELEMENTWISE_ENV` when built
+  (:func:`elementwise_backend_from_environment`).
 """
 
 from muonscale.kernels.newton_schulz_fast import (
@@ -25,6 +27,7 @@ from muonscale.kernels.process_state import (
     NSWorkspace,
     cached_workspace_bytes,
     clear_workspaces,
+    elementwise_backend_from_environment,
     elementwise_kernels,
     triton_available,
 )
@@ -39,6 +42,7 @@ __all__ = [
     "cached_workspace_bytes",
     "choose_method",
     "clear_workspaces",
+    "elementwise_backend_from_environment",
     "elementwise_kernels",
     "newton_schulz_batched_",
     "newton_schulz_fast",

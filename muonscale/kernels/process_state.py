@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -24,15 +24,19 @@ NSMethod = Literal["plain", "gram"]
 """A Newton–Schulz formulation: the reference iteration or the Gram-matrix form."""
 
 __all__ = [
+    "DEFAULT_ELEMENTWISE_BACKEND",
+    "ELEMENTWISE_BACKENDS",
     "ELEMENTWISE_ENV",
     "ElementwiseBackend",
     "NSMethod",
     "NSWorkspace",
     "cached_workspace_bytes",
+    "check_elementwise_backend",
     "clear_workspaces",
     "compiled",
     "disable_triton",
     "disable_triton_elementwise",
+    "elementwise_backend_from_environment",
     "elementwise_kernels",
     "get_workspace",
     "triton_available",
@@ -164,20 +168,49 @@ until the kernels are timed on a GPU), ``"auto"`` (Triton kernels for CUDA tenso
 loads, else foreach), or ``"triton"`` forced (on CPU tensors it runs the Triton interpreter:
 tests)."""
 
+ELEMENTWISE_BACKENDS: tuple[ElementwiseBackend, ...] = ("auto", "foreach", "triton")
+"""Every :data:`ElementwiseBackend`."""
+
+DEFAULT_ELEMENTWISE_BACKEND: ElementwiseBackend = "foreach"
+"""The :data:`ElementwiseBackend` when :data:`ELEMENTWISE_ENV` is unset."""
+
 ELEMENTWISE_ENV = "MUONSCALE_ELEMENTWISE"
-"""Environment variable naming the :data:`ElementwiseBackend` (unset: ``"foreach"``)."""
+"""Environment variable naming the :data:`ElementwiseBackend` (unset: ``"foreach"``); read
+once, by :func:`elementwise_backend_from_environment` when an optimizer is built."""
+
+
+def check_elementwise_backend(
+    backend: object, name: str = "elementwise_backend"
+) -> ElementwiseBackend:
+    """``backend`` when it is an :data:`ElementwiseBackend`; else ValueError naming ``name``
+    (the argument or environment variable it came from) and the allowed values."""
+    if not isinstance(backend, str) or backend not in ELEMENTWISE_BACKENDS:
+        raise ValueError(f"{name} must be 'auto', 'foreach' or 'triton', got {backend!r}")
+    return backend
+
+
+def elementwise_backend_from_environment(
+    environ: Mapping[str, str] | None = None,
+) -> ElementwiseBackend:
+    """The :data:`ElementwiseBackend` named by :data:`ELEMENTWISE_ENV` (unset:
+    :data:`DEFAULT_ELEMENTWISE_BACKEND`), validated; ``environ`` defaults to ``os.environ``.
+    The optimizers call this once, at construction, and pass the result to every step."""
+    environ = os.environ if environ is None else environ
+    return check_elementwise_backend(
+        environ.get(ELEMENTWISE_ENV, DEFAULT_ELEMENTWISE_BACKEND), ELEMENTWISE_ENV
+    )
+
 
 _triton_elementwise: dict[str, object] = {}
 
 
-def elementwise_kernels(device: torch.device):
+def elementwise_kernels(device: torch.device, backend: ElementwiseBackend):
     """:mod:`muonscale.kernels.triton_elementwise` when Muon's elementwise passes on ``device``
-    should use it (see :data:`ElementwiseBackend`, read from :data:`ELEMENTWISE_ENV`), else
-    None (the foreach path). Forcing ``"triton"`` without triton raises."""
-    choice = os.environ.get(ELEMENTWISE_ENV, "foreach")
-    if choice not in ("auto", "foreach", "triton"):
-        raise ValueError(f"{ELEMENTWISE_ENV} must be 'auto', 'foreach' or 'triton', got {choice!r}")
-    if choice == "foreach" or (choice == "auto" and device.type != "cuda"):
+    should use it under ``backend`` (see :data:`ElementwiseBackend`), else None (the foreach
+    path). Triton is imported on the first call that may use it. Forcing ``"triton"`` without
+    triton raises."""
+    check_elementwise_backend(backend)
+    if backend == "foreach" or (backend == "auto" and device.type != "cuda"):
         return None
     if "ok" not in _triton_elementwise:
         try:
@@ -189,19 +222,20 @@ def elementwise_kernels(device: torch.device):
             _triton_elementwise["ok"] = False
             _triton_elementwise["error"] = repr(exc)
     if not _triton_elementwise["ok"]:
-        if choice == "triton":
+        if backend == "triton":
             raise RuntimeError(
-                f"{ELEMENTWISE_ENV}=triton: kernels unavailable: {_triton_elementwise['error']}"
+                f"elementwise backend 'triton' ({ELEMENTWISE_ENV}=triton when an optimizer was "
+                f"built): kernels unavailable: {_triton_elementwise['error']}"
             )
         return None
     return _triton_elementwise["module"]
 
 
-def disable_triton_elementwise(exc: BaseException) -> None:
+def disable_triton_elementwise(exc: BaseException, backend: ElementwiseBackend) -> None:
     """Under ``"auto"``, the elementwise passes fall back to foreach for the rest of the
     process, once, loudly (a kernel that does not compile on this GPU fails before writing
-    anything); when ``"triton"`` was forced, ``exc`` is raised instead."""
-    if os.environ.get(ELEMENTWISE_ENV) == "triton":
+    anything); when ``backend`` is ``"triton"`` (forced), ``exc`` is raised instead."""
+    if backend == "triton":
         raise exc
     _triton_elementwise["ok"] = False
     _triton_elementwise["error"] = repr(exc)
