@@ -7,7 +7,8 @@ the SHA-256 of that key, so a run is reused only when everything that defines it
 device, QK-clip's tau (a variant's ``qk_clip:TAU``), ...), the contender, its variant options,
 torch-muon's Newton-Schulz precision, the corpus, the evaluation steps and the torch thread
 count, and ``--track-max-logit`` for a contender without QK-clip. Presentation flags (plots,
-progress, TensorBoard, memory probes) are not part of it.
+progress, TensorBoard, memory probes) and ``--workers`` (same losses bitwise) are not part of
+it.
 
 Compatibility rule (options added later): a ``TrainConfig`` field (or a key entry listed in
 :data:`KEY_DEFAULTS`) that an older version did not have, left at its default, is that
