@@ -11,7 +11,13 @@ import pytest
 
 from muonscale.bench import run_bench
 from muonscale.bench.config import BenchConfig
-from muonscale.bench.lockstep import BenchWorkerError, deal, default_workers, run_in_lockstep
+from muonscale.bench.lockstep import (
+    BenchWorkerError,
+    deal,
+    run_in_lockstep,
+    sweep_workers,
+    training_workers,
+)
 
 
 def tiny(tmp_path, **overrides) -> BenchConfig:
@@ -46,9 +52,10 @@ def test_deal_is_round_robin_and_never_makes_empty_workers():
 def test_workers_flag_is_validated_and_bounds_the_default(tmp_path):
     with pytest.raises(ValueError, match="--workers must be >= 1"):
         tiny(tmp_path, workers=0)
-    assert default_workers(tiny(tmp_path, workers=8), 2) == 2
-    assert default_workers(tiny(tmp_path, workers=1), 2) == 1
-    assert default_workers(tiny(tmp_path, threads=None), 3) == 1  # torch's threads: all cores
+    assert training_workers(tiny(tmp_path, workers=8), 2) == 2
+    assert training_workers(tiny(tmp_path), 2) == 1  # timed runs: one process unless asked
+    assert sweep_workers(tiny(tmp_path, workers=1), 8) == 1
+    assert sweep_workers(tiny(tmp_path, threads=None), 8) == 1  # torch's threads: all cores
 
 
 def curves(report: dict) -> dict:

@@ -4,7 +4,7 @@ Pipeline of :func:`run_bench`::
 
     [--sweep: short runs per contender and lr]  ->  one training run per contender and seed
     -> steps interleaved A B A B ..., all evaluated at the same steps  (side_by_side.py);
-       on CPU one worker process per core, steps in lockstep              (lockstep.py)
+       --workers W: W worker processes, steps in lockstep                 (lockstep.py)
     -> every finished run saved under --out/runs/, reused by the same command  (store.py)
     -> [--seeds N: mean and spread over seeds (seeds.py)]
     -> each contender alone in a child process for peak memory         (memory_probe.py)
@@ -116,9 +116,9 @@ def _run_bench(config: BenchConfig, make_run: Callable | None, stream: TextIO) -
     lrs = {name: config.lr_for(name) for name in config.contenders}
     sweep = None
     if config.sweep:
-        from muonscale.bench.lockstep import default_workers
+        from muonscale.bench.lockstep import sweep_workers
 
-        workers = default_workers(config, len(config.contenders) * len(config.sweep_factors))
+        workers = sweep_workers(config, len(config.contenders) * len(config.sweep_factors))
         sweep = run_sweep(
             config, make_run, log=log, store=store, workers=workers if lockstep else 1
         )
@@ -184,7 +184,7 @@ def _side_by_side_resumable(
     """Records of ``names`` for ``config.seed``: saved runs are loaded, the others trained
     side by side (steps interleaved; with ``lockstep`` and more than one worker, in worker
     processes, steps in lockstep) and saved as soon as they finish."""
-    from muonscale.bench.lockstep import default_workers, run_in_lockstep
+    from muonscale.bench.lockstep import run_in_lockstep, training_workers
     from muonscale.bench.side_by_side import run_side_by_side
     from muonscale.bench.store import record_from_dict, record_to_dict, run_key
     from muonscale.train.trainer import NonFiniteLossError
@@ -203,12 +203,12 @@ def _side_by_side_resumable(
             records[name] = record_from_dict(saved)
             log(f"seed {config.seed}: {name} lr={lrs[name]:.3g}: saved run {where}")
     todo = [name for name in names if name not in records]
-    workers = default_workers(config, len(todo)) if lockstep else 1
+    workers = training_workers(config, len(todo)) if lockstep else 1
     desc = "bench" if config.seeds == 1 else f"bench seed {config.seed}"
     if todo and workers > 1:
         log(
             f"seed {config.seed}: {', '.join(todo)} in {workers} worker processes, "
-            f"steps in lockstep (--workers 1: one process, steps interleaved)"
+            "steps in lockstep (same losses; timings taken while the other workers compute)"
         )
         trained = run_in_lockstep(
             config, todo, {name: lrs[name] for name in todo}, eval_steps, workers=workers, desc=desc
@@ -252,7 +252,11 @@ def _resolved_config(config, lrs, eval_steps, records) -> dict:
     """What the run actually used, beyond the BenchConfig flags."""
     from muonscale.bench.runner import newton_schulz_precision, train_config_for
 
+    from muonscale.bench.lockstep import training_workers
+
     resolved: dict = {"lrs": dict(lrs), "eval_steps": list(eval_steps)}
+    # > 1: trained in lockstep worker processes, so the timings were taken under contention
+    resolved["training_workers"] = training_workers(config, len(lrs))
     initial = {name: r.val_losses[0] for name, r in records.items() if r.eval_steps[:1] == [0]}
     # Same init and same validation set => bitwise-equal losses before the first step.
     resolved["same_initial_val_loss"] = len(set(initial.values())) <= 1

@@ -121,9 +121,10 @@ class BenchConfig:
     """torch CPU threads; None: torch's default. 1 keeps CPU timings clean: on 2 shared cores
     two threads ran 4x slower than one whenever another process was busy."""
     workers: int | None = None
-    """Processes that train the contenders at once, steps in lockstep (muonscale.bench.lockstep;
-    same losses, less wall time); None: on CPU as many as the cores hold at --threads each, at
-    most one per contender; on CUDA 1. 1: every contender in this process, steps interleaved."""
+    """Processes that train the contenders at once, steps in lockstep (muonscale.bench.lockstep):
+    the same losses bitwise in less wall time, but timings taken while the other workers compute
+    (for evidence runs over seeds and variants). None: 1 (steps interleaved in one process) for
+    the training runs; the sweep's runs, which are not timed, as many at once as the cores hold."""
     eval_interval: float = 0.025
     """Evaluate at least every this fraction of the steps (0.025: >= 40 evaluations)."""
     eval_batches: int = 3
