@@ -250,9 +250,8 @@ def torch_threads(threads: int | None):
 
 def _resolved_config(config, lrs, eval_steps, records) -> dict:
     """What the run actually used, beyond the BenchConfig flags."""
-    from muonscale.bench.runner import newton_schulz_precision, train_config_for
-
     from muonscale.bench.lockstep import training_workers
+    from muonscale.bench.runner import newton_schulz_precision, train_config_for
 
     resolved: dict = {"lrs": dict(lrs), "eval_steps": list(eval_steps)}
     # > 1: trained in lockstep worker processes, so the timings were taken under contention
