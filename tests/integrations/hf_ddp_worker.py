@@ -27,3 +27,7 @@ assert algorithms["lm_head.weight"] == "adamw"
 if torch.distributed.get_rank() == 0:
     with open(out, "w") as f:
         json.dump({n: p.detach().tolist() for n, p in trainer.model.named_parameters()}, f)
+# Both ranks leave together and shut the group down (a rank exiting with gloo threads alive
+# can abort at exit).
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()

@@ -67,3 +67,7 @@ full = {n: p.detach().full_tensor() for n, p in params.items()}
 norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
 if dist.get_rank() == 0:
     torch.save({"params": full, "grad_norms": norms}, out)
+# Both ranks leave together and shut the group down (a rank exiting with gloo threads alive
+# can abort at exit).
+dist.barrier()
+dist.destroy_process_group()
