@@ -32,3 +32,18 @@ class LinearRun:
 
     def optimizer_state_bytes(self):
         return 100
+
+
+TINY_CONFIG = dict(
+    n_layer=1,
+    d_model=32,
+    n_head=2,
+    tokens_per_step=256,
+    eval_batches=1,
+    lr_warmup_steps=1,
+    memory_probe_steps=0,
+    timing_warmup_steps=0,
+    progress=False,
+    plots=False,
+)
+"""``BenchConfig`` keyword arguments of the same tiny bench as :data:`BENCH_TINY` (no steps)."""

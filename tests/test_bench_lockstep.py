@@ -8,6 +8,7 @@ import dataclasses
 import multiprocessing
 
 import pytest
+from bench_tiny import TINY_CONFIG
 
 from muonscale.bench import run_bench
 from muonscale.bench.config import BenchConfig
@@ -21,21 +22,7 @@ from muonscale.bench.lockstep import (
 
 
 def tiny(tmp_path, **overrides) -> BenchConfig:
-    options = dict(
-        n_layer=1,
-        d_model=32,
-        n_head=2,
-        tokens_per_step=256,
-        eval_batches=1,
-        lr_warmup_steps=1,
-        memory_probe_steps=0,
-        timing_warmup_steps=0,
-        progress=False,
-        plots=False,
-        steps=4,
-        eval_interval=0.5,
-        out=str(tmp_path),
-    )
+    options = dict(TINY_CONFIG, steps=4, eval_interval=0.5, out=str(tmp_path))
     options.update(overrides)
     return BenchConfig(**options)
 

@@ -7,7 +7,7 @@ import json
 import math
 
 import pytest
-from bench_tiny import LinearRun
+from bench_tiny import TINY_CONFIG, LinearRun
 
 from muonscale.bench import run_bench
 from muonscale.bench.config import BenchConfig
@@ -75,18 +75,7 @@ def test_seed_summary_with_a_contender_run_for_the_first_seed_only():
     assert bf16["seeds"] == [0] and bf16["final_val_loss"]["n"] == 1
 
 
-TINY = dict(
-    n_layer=1,
-    d_model=32,
-    n_head=2,
-    tokens_per_step=256,
-    eval_batches=1,
-    lr_warmup_steps=1,
-    memory_probe_steps=0,
-    timing_warmup_steps=0,
-    progress=False,
-    plots=False,
-)
+TINY = TINY_CONFIG
 
 
 def test_real_tiny_run_over_two_seeds(tmp_path):
