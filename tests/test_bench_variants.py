@@ -116,6 +116,29 @@ def test_variant_options_reach_the_optimizer():
     assert any(differ)
 
 
+def test_bench_momentum_reaches_every_muon_contender_and_a_variant_overrides_it():
+    bench = BenchConfig(
+        **TINY,
+        momentum=0.9,
+        baselines=["torch-muon"],
+        variants=["n=normalize:row", "m=momentum:0.8"],
+    )
+
+    def muon_momenta(contender):
+        optimizer = make_run(bench, contender, 0.02).optimizer
+        if contender == "torch-muon":
+            optimizer = optimizer.optimizers["muon"]
+            return {g["momentum"] for g in optimizer.param_groups}
+        return {g["momentum"] for g in optimizer.param_groups if g["algorithm"] == "muon"}
+
+    assert muon_momenta("muon") == {0.9}
+    assert muon_momenta("torch-muon") == {0.9}
+    assert muon_momenta("n") == {0.9}
+    assert muon_momenta("m") == {0.8}
+    # the default is the optimizers' own 0.95, so runs saved before the option stay valid
+    assert train_config_for(BenchConfig(**TINY), "muon", 0.02).momentum == 0.95
+
+
 # ---- qk_clip:TAU, a training option of a variant ------------------------------------------------
 def test_qk_clip_option_reaches_the_train_config_not_muon():
     bench = BenchConfig(**TINY, variants=["clip=qk_clip:100", "nclip=normalize:row,qk_clip:50"])

@@ -94,6 +94,10 @@ def test_bench_flags_parse_into_benchconfig():
         (["--steps", "many"], "invalid int value"),
         (["--no-such-flag"], "unrecognized arguments"),
         (["--model", "gpt5"], "unknown model preset"),
+        (["--momentum", "1"], "--momentum must be in [0, 1)"),
+        (["--nproc", "2", "--momentum", "0.9"], "--momentum is not used by the distributed"),
+        (["--nproc", "2", "--weight-decay", "0"], "--weight-decay is not used by the distrib"),
+        (["--nproc", "2", "--schedule", "wsd"], "--schedule is not used by the distributed"),
     ],
 )
 def test_bad_bench_flags_exit_2_with_a_clear_message(argv, message, capsys):

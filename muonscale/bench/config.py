@@ -103,6 +103,9 @@ class BenchConfig:
     """Linear learning-rate warm-up steps, shared by every contender."""
     weight_decay: float = 0.1
     """Decoupled weight decay, shared by every contender."""
+    momentum: float = 0.95
+    """Muon momentum, shared by muon, torch-muon and the variants (a variant's momentum:VALUE
+    overrides it); AdamW's betas are unchanged."""
     sweep: bool = False
     """First sweep learning rates per contender on a shorter budget; run with the best of each."""
     sweep_factors: list[float] = field(default_factory=lambda: [0.5, 1.0, 2.0, 4.0])
@@ -190,6 +193,8 @@ class BenchConfig:
             raise ValueError("--sweep needs at least one --sweep-factors value")
         if any(f <= 0 for f in self.sweep_factors):
             raise ValueError(f"--sweep-factors must be > 0, got {self.sweep_factors}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"--momentum must be in [0, 1), got {self.momentum}")
         for name in ("lr_warmup_steps", "timing_warmup_steps", "memory_probe_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
@@ -211,6 +216,17 @@ class BenchConfig:
             )
         if self.nproc > 1 and (self.variants or self.seeds > 1 or self.tensorboard):
             raise ValueError("--variants, --seeds and --tensorboard need --nproc 1")
+        if self.nproc > 1:
+            defaults = {f.name: f for f in dataclasses.fields(BenchConfig)}
+            for name in UNUSED_WITH_NPROC:
+                f = defaults[name]
+                default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"--{_flag(name)} is not used by the distributed bench (--nproc > 1), "
+                        f"which runs its own model and schedule (muonscale.bench.distributed): "
+                        f"leave it at its default ({default!r}) or use --nproc 1"
+                    )
         if self.nproc == 1 and self.parallel != "dp":
             raise ValueError(f"--parallel {self.parallel} needs --nproc >= 2")
 
@@ -265,6 +281,28 @@ class BenchConfig:
     @classmethod
     def from_json(cls, text: str) -> BenchConfig:
         return cls(**json.loads(text))
+
+
+UNUSED_WITH_NPROC = (
+    "model",
+    "tokens_per_step",
+    "micro_batch_size",
+    "lr_torch_muon",
+    "baselines",
+    "track_max_logit",
+    "schedule",
+    "lr_warmup_steps",
+    "weight_decay",
+    "momentum",
+    "sweep",
+    "ns_dtype",
+    "momentum_dtype",
+    "device",
+    "workers",
+    "eval_interval",
+    "eval_batches",
+)
+"""Options the distributed bench (``--nproc > 1``) does not read: refused unless at default."""
 
 
 TRAINING_OPTIONS = {

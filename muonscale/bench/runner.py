@@ -55,6 +55,7 @@ def train_config_for(
         bpe_vocab_size=bench.bpe_vocab_size,
         lr=lr,
         weight_decay=bench.weight_decay,
+        momentum=bench.momentum,
         ns_dtype=bench.ns_dtype,
         momentum_dtype=bench.momentum_dtype,
         steps=bench.steps if steps is None else steps,
