@@ -135,6 +135,10 @@ def test_bench_momentum_reaches_every_muon_contender_and_a_variant_overrides_it(
     assert muon_momenta("torch-muon") == {0.9}
     assert muon_momenta("n") == {0.9}
     assert muon_momenta("m") == {0.8}
+    # AdamW's run does not depend on it: the same key at every --momentum
+    assert train_config_for(bench, "adamw", 2e-3) == train_config_for(
+        BenchConfig(**TINY), "adamw", 2e-3
+    )
     # the default is the optimizers' own 0.95, so runs saved before the option stay valid
     assert train_config_for(BenchConfig(**TINY), "muon", 0.02).momentum == 0.95
 

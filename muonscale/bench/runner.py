@@ -55,7 +55,8 @@ def train_config_for(
         bpe_vocab_size=bench.bpe_vocab_size,
         lr=lr,
         weight_decay=bench.weight_decay,
-        momentum=bench.momentum,
+        # AdamW has no Muon momentum: its run (and saved key) is the same at every --momentum
+        **({} if base_optimizer(bench, contender) == "adamw" else {"momentum": bench.momentum}),
         ns_dtype=bench.ns_dtype,
         momentum_dtype=bench.momentum_dtype,
         steps=bench.steps if steps is None else steps,
