@@ -24,7 +24,6 @@ CORPORA = ("shakespeare", "web")
 """Corpora bundled in muonscale/data (``--corpus``): the Shakespeare plays and poems, and the
 World English Bible (muonscale/data/PROVENANCE.md)."""
 _VARIANT_NAME = re.compile(r"[a-z][a-z0-9_-]*")
-PARALLEL_MODES = ("dp", "fsdp", "tp", "fsdp+tp")  # for --parallel, with the distributed bench
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("cosine", "wsd", "constant")
 PARALLEL_MODES = ("dp", "fsdp", "tp", "fsdp+tp")  # same names as muonscale.bench.distributed
@@ -208,14 +207,6 @@ class BenchConfig:
             raise ValueError(f"--parallel must be one of {PARALLEL_MODES}, got {self.parallel!r}")
         if self.tokenizer not in ("byte", "bpe"):
             raise ValueError(f"--tokenizer must be byte or bpe, got {self.tokenizer!r}")
-        if self.nproc > 1 and (
-            self.data is not None or self.corpus is not None or self.tokenizer != "byte"
-        ):
-            raise ValueError(
-                "--data, --corpus and --tokenizer are not supported with --nproc > 1 yet"
-            )
-        if self.nproc > 1 and (self.variants or self.seeds > 1 or self.tensorboard):
-            raise ValueError("--variants, --seeds and --tensorboard need --nproc 1")
         if self.nproc > 1:
             defaults = {f.name: f for f in dataclasses.fields(BenchConfig)}
             for name in UNUSED_WITH_NPROC:
@@ -284,6 +275,12 @@ class BenchConfig:
 
 
 UNUSED_WITH_NPROC = (
+    "data",
+    "corpus",
+    "tokenizer",
+    "variants",
+    "seeds",
+    "tensorboard",
     "model",
     "tokens_per_step",
     "micro_batch_size",
