@@ -26,7 +26,7 @@ World English Bible (muonscale/data/PROVENANCE.md)."""
 _VARIANT_NAME = re.compile(r"[a-z][a-z0-9_-]*")
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("cosine", "wsd", "constant")
-PARALLEL_MODES = ("dp", "fsdp", "tp", "fsdp+tp")  # same names as muonscale.bench.distributed
+PARALLEL_MODES = ("dp", "fsdp", "tp", "fsdp+tp")  # --parallel; muonscale.bench.distributed reads it
 
 # Default learning rates, tuned once on 2026-11-30 for the default bench (tiny preset: 4 layers,
 # d_model 192, byte-level; 1024 tokens/step; cosine schedule, 10 warm-up steps; seed 0) on the

@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from muonscale.bench.config import PARALLEL_MODES
 from muonscale.bench.distributed_worker import (  # noqa: F401 - public names re-exported here
     DTYPES,
     _mesh_shape,
@@ -57,7 +58,6 @@ from muonscale.bench.distributed_worker import (  # noqa: F401 - public names re
 DP_CONTENDERS = ("muon", "muon-bf16reduce", "adamw-zero1", "adamw-ddp")
 FSDP_CONTENDERS = ("muon", "adamw")
 MODELLED_ZERO = "zero-redundancy-optimizer"
-PARALLEL_MODES = ("dp", "fsdp", "tp", "fsdp+tp")
 
 # Small enough that 30 interleaved steps of every dp contender take ~1-2 min on 2 CPU cores.
 DEFAULT_MODEL = dict(n_layer=2, d_model=128, n_head=4, context_length=64)
