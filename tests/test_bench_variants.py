@@ -143,6 +143,41 @@ def test_bench_momentum_reaches_every_muon_contender_and_a_variant_overrides_it(
     assert train_config_for(BenchConfig(**TINY), "muon", 0.02).momentum == 0.95
 
 
+def test_bench_muon_adamw_lr_reaches_every_muon_contender_and_a_variant_overrides_it():
+    bench = BenchConfig(
+        **TINY,
+        muon_adamw_lr=4e-3,
+        baselines=["torch-muon"],
+        variants=["n=normalize:row", "a=adamw_lr:0.001"],
+    )
+
+    def adamw_half_lrs(contender, bench=bench):
+        optimizer = make_run(bench, contender, 0.02).optimizer
+        if contender == "torch-muon":
+            muon = optimizer.optimizers["muon"].param_groups
+            adamw = optimizer.optimizers["adamw"].param_groups
+            return {g["lr"] for g in muon}, {g["lr"] for g in adamw}
+        groups = optimizer.param_groups
+        return (
+            {g["lr"] for g in groups if g["algorithm"] == "muon"},
+            {g["lr"] for g in groups if g["algorithm"] == "adamw"},
+        )
+
+    assert adamw_half_lrs("muon") == ({0.02}, {4e-3})
+    assert adamw_half_lrs("torch-muon") == ({0.02}, {4e-3})
+    assert adamw_half_lrs("n") == ({0.02}, {4e-3})
+    assert adamw_half_lrs("a") == ({0.02}, {1e-3})
+    # the AdamW contender's own lr is untouched, and its run key does not depend on the option
+    assert train_config_for(bench, "adamw", 2e-3) == train_config_for(
+        BenchConfig(**TINY), "adamw", 2e-3
+    )
+    # unset, each Muon contender's AdamW half runs at its own lr (the keys saved before it)
+    unset = BenchConfig(**TINY, baselines=["torch-muon"])
+    assert train_config_for(unset, "muon", 0.02).adamw_lr is None
+    assert adamw_half_lrs("muon", unset) == ({0.02}, {0.02})
+    assert adamw_half_lrs("torch-muon", unset) == ({0.02}, {0.02})
+
+
 # ---- qk_clip:TAU, a training option of a variant ------------------------------------------------
 def test_qk_clip_option_reaches_the_train_config_not_muon():
     bench = BenchConfig(**TINY, variants=["clip=qk_clip:100", "nclip=normalize:row,qk_clip:50"])

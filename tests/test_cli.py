@@ -95,6 +95,8 @@ def test_bench_flags_parse_into_benchconfig():
         (["--no-such-flag"], "unrecognized arguments"),
         (["--model", "gpt5"], "unknown model preset"),
         (["--momentum", "1"], "--momentum must be in [0, 1)"),
+        (["--muon-adamw-lr", "0"], "--muon-adamw-lr must be > 0"),
+        (["--nproc", "2", "--muon-adamw-lr", "1e-3"], "--muon-adamw-lr is not used by the dis"),
         (["--nproc", "2", "--momentum", "0.9"], "--momentum is not used by the distributed"),
         (["--nproc", "2", "--weight-decay", "0"], "--weight-decay is not used by the distrib"),
         (["--nproc", "2", "--schedule", "wsd"], "--schedule is not used by the distributed"),

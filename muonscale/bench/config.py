@@ -105,6 +105,10 @@ class BenchConfig:
     momentum: float = 0.95
     """Muon momentum, shared by muon, torch-muon and the variants (a variant's momentum:VALUE
     overrides it); AdamW's betas are unchanged."""
+    muon_adamw_lr: float | None = None
+    """Peak learning rate of the AdamW half (embeddings, head, norms, biases) inside muon,
+    torch-muon and the variants alike (a variant's adamw_lr:VALUE overrides it); None: each
+    contender's own learning rate. --sweep then scales the Muon half's rate only."""
     sweep: bool = False
     """First sweep learning rates per contender on a shorter budget; run with the best of each."""
     sweep_factors: list[float] = field(default_factory=lambda: [0.5, 1.0, 2.0, 4.0])
@@ -192,6 +196,8 @@ class BenchConfig:
             raise ValueError("--sweep needs at least one --sweep-factors value")
         if any(f <= 0 for f in self.sweep_factors):
             raise ValueError(f"--sweep-factors must be > 0, got {self.sweep_factors}")
+        if self.muon_adamw_lr is not None and not self.muon_adamw_lr > 0:
+            raise ValueError(f"--muon-adamw-lr must be > 0, got {self.muon_adamw_lr}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"--momentum must be in [0, 1), got {self.momentum}")
         for name in ("lr_warmup_steps", "timing_warmup_steps", "memory_probe_steps"):
@@ -291,6 +297,7 @@ UNUSED_WITH_NPROC = (
     "lr_warmup_steps",
     "weight_decay",
     "momentum",
+    "muon_adamw_lr",
     "sweep",
     "ns_dtype",
     "momentum_dtype",

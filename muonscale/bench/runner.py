@@ -55,8 +55,13 @@ def train_config_for(
         bpe_vocab_size=bench.bpe_vocab_size,
         lr=lr,
         weight_decay=bench.weight_decay,
-        # AdamW has no Muon momentum: its run (and saved key) is the same at every --momentum
-        **({} if base_optimizer(bench, contender) == "adamw" else {"momentum": bench.momentum}),
+        # AdamW has no Muon half: its run (and saved key) is the same at every --momentum and
+        # --muon-adamw-lr
+        **(
+            {}
+            if base_optimizer(bench, contender) == "adamw"
+            else {"momentum": bench.momentum, "adamw_lr": bench.muon_adamw_lr}
+        ),
         ns_dtype=bench.ns_dtype,
         momentum_dtype=bench.momentum_dtype,
         steps=bench.steps if steps is None else steps,
