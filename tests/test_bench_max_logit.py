@@ -48,7 +48,9 @@ def test_report_plot_and_tensorboard_hold_the_max_logit_and_clip_caps_it(tmp_pat
     config = BenchConfig(
         **TINY,
         # lr 1e-30: every update, weight decay included, leaves each float32 weight unchanged
+        # (the AdamW half too: it follows the contender's lr)
         variants=[f"clip=qk_clip:{TAU},lr:1e-30"],
+        muon_adamw_lr=None,
         track_max_logit=True,
         out=str(tmp_path / "out"),
         tensorboard=str(tmp_path / "tb") if tensorboard else None,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from bench_tiny import BENCH_TINY
 
-from muonscale.bench.config import BenchConfig, parse_variant
+from muonscale.bench.config import DEFAULT_MUON_ADAMW_LR, BenchConfig, parse_variant
 from muonscale.bench.runner import make_run, train_config_for
 from muonscale.bench.variants import build_variant_optimizer, check_options, muon_option_names
 from muonscale.cli import main
@@ -171,11 +171,15 @@ def test_bench_muon_adamw_lr_reaches_every_muon_contender_and_a_variant_override
     assert train_config_for(bench, "adamw", 2e-3) == train_config_for(
         BenchConfig(**TINY), "adamw", 2e-3
     )
-    # unset, each Muon contender's AdamW half runs at its own lr (the keys saved before it)
-    unset = BenchConfig(**TINY, baselines=["torch-muon"])
+    # none: each Muon contender's AdamW half runs at its own lr (the keys saved before the option)
+    unset = BenchConfig(**TINY, baselines=["torch-muon"], muon_adamw_lr=None)
     assert train_config_for(unset, "muon", 0.02).adamw_lr is None
     assert adamw_half_lrs("muon", unset) == ({0.02}, {0.02})
     assert adamw_half_lrs("torch-muon", unset) == ({0.02}, {0.02})
+    # the bench's default, measured (config.DEFAULT_MUON_ADAMW_LR), reaches both Muons
+    default = BenchConfig(**TINY, baselines=["torch-muon"])
+    assert adamw_half_lrs("muon", default) == ({0.02}, {DEFAULT_MUON_ADAMW_LR})
+    assert adamw_half_lrs("torch-muon", default) == ({0.02}, {DEFAULT_MUON_ADAMW_LR})
 
 
 # ---- qk_clip:TAU, a training option of a variant ------------------------------------------------

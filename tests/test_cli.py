@@ -79,6 +79,8 @@ def test_bench_flags_parse_into_benchconfig():
     assert config.contenders == ["adamw", "muon", "torch-muon"]
     assert config.sweep and config.sweep_factors == [0.5, 2.0]
     assert BenchConfig.from_json(config.to_json()) == config
+    assert parse_bench(["--muon-adamw-lr", "none"]).muon_adamw_lr is None
+    assert parse_bench(["--muon-adamw-lr", "3e-4"]).muon_adamw_lr == 3e-4
 
 
 @pytest.mark.parametrize(
@@ -96,7 +98,7 @@ def test_bench_flags_parse_into_benchconfig():
         (["--model", "gpt5"], "unknown model preset"),
         (["--momentum", "1"], "--momentum must be in [0, 1)"),
         (["--muon-adamw-lr", "0"], "--muon-adamw-lr must be > 0"),
-        (["--nproc", "2", "--muon-adamw-lr", "1e-3"], "--muon-adamw-lr is not used by the dis"),
+        (["--nproc", "2", "--muon-adamw-lr", "3e-4"], "--muon-adamw-lr is not used by the dis"),
         (["--nproc", "2", "--momentum", "0.9"], "--momentum is not used by the distributed"),
         (["--nproc", "2", "--weight-decay", "0"], "--weight-decay is not used by the distrib"),
         (["--nproc", "2", "--schedule", "wsd"], "--schedule is not used by the distributed"),
