@@ -1,5 +1,6 @@
 """report.json / report.md / plots from synthetic records, and run_bench wired to fake runs."""
 
+import dataclasses
 import json
 import math
 
@@ -74,6 +75,13 @@ def test_build_report_figures_and_published_references():
     assert "- throughput_ratio = 0.800; published: 0.979" in table
     assert "NVIDIA" in table and "arXiv:2502.16982" in table  # each published figure's source
     assert "target" not in table.lower() and "MET" not in table
+    # the Muon contenders' AdamW half is named with its rate, unless both halves share the lr
+    half = (
+        f"their AdamW half (embeddings, head, norms, biases) trains at {config.muon_adamw_lr:.3g}"
+    )
+    assert half in table
+    shared = dataclasses.replace(config, muon_adamw_lr=None)
+    assert "AdamW half" not in format_table(build_report(records, shared, machine=MACHINE))
 
 
 def test_torch_muon_difference_and_never_reached():

@@ -298,6 +298,7 @@ def format_table(report: Mapping) -> str:
             f"| {_mib(c['peak_memory_bytes'])} |"
         )
     lines.append("")
+    lines += _adamw_half_note(report)
     for f in report["figures"]:
         line = f"- {f['name']} = {_fmt(f['value'], '.3f', 'null')}"
         if f["note"]:
@@ -313,6 +314,19 @@ def format_table(report: Mapping) -> str:
 
         lines += ["", format_seed_table(report["seeds"])]
     return "\n".join(lines)
+
+
+def _adamw_half_note(report: Mapping) -> list[str]:
+    """The AdamW half's learning rate of the Muon contenders (the lr column is the Muon half's),
+    when a single-process bench set one."""
+    bench = (report.get("config") or {}).get("bench") or {}
+    lr = bench.get("muon_adamw_lr")
+    if lr is None or bench.get("nproc", 1) > 1 or len(report["contenders"]) < 2:
+        return []
+    return [
+        f"- Muon contenders: lr is the Muon half's; their AdamW half (embeddings, head, norms, "
+        f"biases) trains at {lr:.3g} (--muon-adamw-lr; a variant's adamw_lr overrides it)"
+    ]
 
 
 def format_max_logit_table(report: Mapping) -> str:
