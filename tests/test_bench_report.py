@@ -82,6 +82,11 @@ def test_build_report_figures_and_published_references():
     assert half in table
     shared = dataclasses.replace(config, muon_adamw_lr=None)
     assert "AdamW half" not in format_table(build_report(records, shared, machine=MACHINE))
+    # the Muon contenders' own weight decay is named only when --muon-weight-decay set one
+    assert "--muon-weight-decay" not in table
+    apart = dataclasses.replace(config, muon_weight_decay=0.025)
+    note = "Muon contenders: weight decay 0.025 (--muon-weight-decay"
+    assert note in format_table(build_report(records, apart, machine=MACHINE))
 
 
 def test_torch_muon_difference_and_never_reached():

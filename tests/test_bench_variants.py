@@ -182,6 +182,60 @@ def test_bench_muon_adamw_lr_reaches_every_muon_contender_and_a_variant_override
     assert adamw_half_lrs("torch-muon", default) == ({0.02}, {DEFAULT_MUON_ADAMW_LR})
 
 
+def test_bench_muon_weight_decay_reaches_every_muon_contender_and_a_variant_overrides_it():
+    bench = BenchConfig(
+        **TINY,
+        weight_decay=0.1,
+        muon_weight_decay=0.03,
+        baselines=["torch-muon"],
+        variants=["n=normalize:row", "w=weight_decay:0.07"],
+    )
+
+    def decays(contender, bench=bench):
+        """(Muon half's decays, AdamW half's decays on >= 2-D, on < 2-D) of a contender."""
+        optimizer = make_run(bench, contender, 0.02).optimizer
+        if contender == "adamw":
+            groups = [dict(g, algorithm="adamw") for g in optimizer.param_groups]
+        elif contender == "torch-muon":
+            groups = [dict(g, algorithm="muon") for g in optimizer.optimizers["muon"].param_groups]
+            groups += [
+                dict(g, algorithm="adamw") for g in optimizer.optimizers["adamw"].param_groups
+            ]
+        else:
+            groups = optimizer.param_groups
+
+        def of(algorithm, matrices):
+            return {
+                g["weight_decay"]
+                for g in groups
+                if g["algorithm"] == algorithm
+                and any((p.ndim >= 2) == matrices for p in g["params"])
+            }
+
+        return of("muon", True), of("adamw", True), of("adamw", False)
+
+    assert decays("muon") == ({0.03}, {0.03}, {0.0})
+    assert decays("torch-muon") == ({0.03}, {0.03}, {0.0})
+    assert decays("n") == ({0.03}, {0.03}, {0.0})
+    assert decays("w") == ({0.07}, {0.07}, {0.0})
+    assert decays("adamw") == (set(), {0.1}, {0.0})  # the AdamW contender keeps --weight-decay
+    # AdamW's run key does not depend on the option; unset, every contender has --weight-decay
+    assert train_config_for(bench, "adamw", 2e-3) == train_config_for(
+        BenchConfig(**TINY), "adamw", 2e-3
+    )
+    unset = BenchConfig(**TINY, weight_decay=0.1)
+    assert train_config_for(unset, "muon", 0.02) == train_config_for(
+        BenchConfig(**TINY), "muon", 0.02
+    )
+    assert decays("muon", unset) == ({0.1}, {0.1}, {0.0})
+
+
+@pytest.mark.parametrize("value", [-0.1, float("inf"), float("nan")])
+def test_bad_muon_weight_decay_is_refused_by_name(value):
+    with pytest.raises(ValueError, match="--muon-weight-decay must be a finite number >= 0"):
+        BenchConfig(**TINY, muon_weight_decay=value)
+
+
 # ---- qk_clip:TAU, a training option of a variant ------------------------------------------------
 def test_qk_clip_option_reaches_the_train_config_not_muon():
     bench = BenchConfig(**TINY, variants=["clip=qk_clip:100", "nclip=normalize:row,qk_clip:50"])

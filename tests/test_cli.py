@@ -81,6 +81,8 @@ def test_bench_flags_parse_into_benchconfig():
     assert BenchConfig.from_json(config.to_json()) == config
     assert parse_bench(["--muon-adamw-lr", "none"]).muon_adamw_lr is None
     assert parse_bench(["--muon-adamw-lr", "3e-4"]).muon_adamw_lr == 3e-4
+    assert parse_bench([]).muon_weight_decay is None
+    assert parse_bench(["--muon-weight-decay", "0"]).muon_weight_decay == 0.0
 
 
 @pytest.mark.parametrize(
@@ -98,6 +100,9 @@ def test_bench_flags_parse_into_benchconfig():
         (["--model", "gpt5"], "unknown model preset"),
         (["--momentum", "1"], "--momentum must be in [0, 1)"),
         (["--muon-adamw-lr", "0"], "--muon-adamw-lr must be > 0"),
+        (["--muon-weight-decay", "-1"], "--muon-weight-decay must be a finite number >= 0"),
+        (["--weight-decay", "-1"], "--weight-decay must be a finite number >= 0"),
+        (["--nproc", "2", "--muon-weight-decay", "0"], "--muon-weight-decay is not used by the"),
         (["--nproc", "2", "--muon-adamw-lr", "3e-4"], "--muon-adamw-lr is not used by the dis"),
         (["--nproc", "2", "--momentum", "0.9"], "--momentum is not used by the distributed"),
         (["--nproc", "2", "--weight-decay", "0"], "--weight-decay is not used by the distrib"),

@@ -109,7 +109,11 @@ class BenchConfig:
     lr_warmup_steps: int = 10
     """Linear learning-rate warm-up steps, shared by every contender."""
     weight_decay: float = 0.1
-    """Decoupled weight decay, shared by every contender."""
+    """Decoupled weight decay, shared by every contender (see --muon-weight-decay)."""
+    muon_weight_decay: float | None = None
+    """Decoupled weight decay of muon, torch-muon and the variants alike (their Muon half and
+    their AdamW half's >= 2-D tensors; a variant's weight_decay:VALUE overrides it); the AdamW
+    contender keeps --weight-decay. None: --weight-decay."""
     momentum: float = 0.95
     """Muon momentum, shared by muon, torch-muon and the variants (a variant's momentum:VALUE
     overrides it); AdamW's betas are unchanged."""
@@ -208,6 +212,10 @@ class BenchConfig:
             raise ValueError(f"--muon-adamw-lr must be > 0, got {self.muon_adamw_lr}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"--momentum must be in [0, 1), got {self.momentum}")
+        for name in ("weight_decay", "muon_weight_decay"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < float("inf"):
+                raise ValueError(f"--{_flag(name)} must be a finite number >= 0, got {value}")
         for name in ("lr_warmup_steps", "timing_warmup_steps", "memory_probe_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
@@ -304,6 +312,7 @@ UNUSED_WITH_NPROC = (
     "schedule",
     "lr_warmup_steps",
     "weight_decay",
+    "muon_weight_decay",
     "momentum",
     "muon_adamw_lr",
     "sweep",

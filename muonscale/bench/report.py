@@ -299,6 +299,7 @@ def format_table(report: Mapping) -> str:
         )
     lines.append("")
     lines += _adamw_half_note(report)
+    lines += _muon_weight_decay_note(report)
     for f in report["figures"]:
         line = f"- {f['name']} = {_fmt(f['value'], '.3f', 'null')}"
         if f["note"]:
@@ -326,6 +327,18 @@ def _adamw_half_note(report: Mapping) -> list[str]:
     return [
         f"- Muon contenders: lr is the Muon half's; their AdamW half (embeddings, head, norms, "
         f"biases) trains at {lr:.3g} (--muon-adamw-lr; a variant's adamw_lr overrides it)"
+    ]
+
+
+def _muon_weight_decay_note(report: Mapping) -> list[str]:
+    """The Muon contenders' weight decay, when --muon-weight-decay set one apart from AdamW's."""
+    bench = (report.get("config") or {}).get("bench") or {}
+    decay = bench.get("muon_weight_decay")
+    if decay is None:
+        return []
+    return [
+        f"- Muon contenders: weight decay {decay:.3g} (--muon-weight-decay; a variant's "
+        f"weight_decay overrides it); AdamW's: {bench.get('weight_decay', 0.0):.3g}"
     ]
 
 

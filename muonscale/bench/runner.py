@@ -54,13 +54,18 @@ def train_config_for(
         tokenizer=bench.tokenizer,
         bpe_vocab_size=bench.bpe_vocab_size,
         lr=lr,
-        weight_decay=bench.weight_decay,
-        # AdamW has no Muon half: its run (and saved key) is the same at every --momentum and
-        # --muon-adamw-lr
+        # AdamW has no Muon half: its run (and saved key) is the same at every --momentum,
+        # --muon-adamw-lr and --muon-weight-decay
         **(
-            {}
+            {"weight_decay": bench.weight_decay}
             if base_optimizer(bench, contender) == "adamw"
-            else {"momentum": bench.momentum, "adamw_lr": bench.muon_adamw_lr}
+            else {
+                "weight_decay": bench.weight_decay
+                if bench.muon_weight_decay is None
+                else bench.muon_weight_decay,
+                "momentum": bench.momentum,
+                "adamw_lr": bench.muon_adamw_lr,
+            }
         ),
         ns_dtype=bench.ns_dtype,
         momentum_dtype=bench.momentum_dtype,
