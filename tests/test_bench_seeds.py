@@ -12,7 +12,7 @@ from bench_tiny import TINY_CONFIG, LinearRun
 from muonscale.bench import run_bench
 from muonscale.bench.config import BenchConfig
 from muonscale.bench.metrics import steps_to_reach
-from muonscale.bench.seeds import format_seed_table, seed_summary, spread
+from muonscale.bench.seeds import fewer_steps_than, format_seed_table, seed_summary, spread
 from muonscale.bench.side_by_side import ContenderRecord
 from muonscale.bench.store import record_from_dict
 
@@ -73,6 +73,54 @@ def test_seed_summary_with_a_contender_run_for_the_first_seed_only():
     }
     bf16 = seed_summary(per_seed)["contenders"]["torch-muon-bf16"]
     assert bf16["seeds"] == [0] and bf16["final_val_loss"]["n"] == 1
+
+
+def test_each_muon_contender_is_compared_with_torch_muon_seed_by_seed():
+    # steps to AdamW's final loss (5 - 40 ra) on a straight curve of rate r: 40 ra / r
+    ra = 0.05
+    rates = {  # seed: (muon, torch-muon); seed 2: torch-muon never reaches the target
+        0: (0.10, 0.08),
+        1: (0.16, 0.10),
+        2: (0.10, 0.0001),
+    }
+    per_seed = {
+        seed: {
+            "adamw": linear("adamw", 5.0, ra),
+            "muon": linear("muon", 5.0, rm),
+            "torch-muon": linear("torch-muon", 5.0, rt),
+            **({"torch-muon-bf16": linear("b", 5.0, rt)} if seed == 0 else {}),
+        }
+        for seed, (rm, rt) in rates.items()
+    }
+    summary = seed_summary(per_seed)
+    figure = summary["contenders"]["muon"]["fewer_steps_than_torch_muon"]
+    muon = [40 * ra / rates[s][0] for s in (0, 1)]
+    torch_muon = [40 * ra / rates[s][1] for s in (0, 1)]
+    assert figure["seeds"] == [0, 1, 2] and figure["seeds_compared"] == 2
+    assert figure["per_seed"][:2] == pytest.approx([1 - m / t for m, t in zip(muon, torch_muon)])
+    assert figure["per_seed"][2] is None
+    assert figure["of_means"] == pytest.approx(1 - sum(muon) / sum(torch_muon))
+    for name in ("adamw", "torch-muon", "torch-muon-bf16"):
+        assert "fewer_steps_than_torch_muon" not in summary["contenders"][name]
+    table = format_seed_table(summary)
+    assert "fewer steps than torch-muon |" in table
+    percents = "/".join(f"{100 * (1 - m / t):.1f}" for m, t in zip(muon, torch_muon))
+    assert f"| {100 * figure['of_means']:.1f}% (per seed {percents}/-) |" in table
+    # without torch-muon there is no such column
+    alone = {
+        seed: {k: v for k, v in r.items() if k in ("adamw", "muon")} for seed, r in per_seed.items()
+    }
+    assert "torch-muon" not in format_seed_table(seed_summary(alone))
+
+
+def test_fewer_steps_than_refuses_misaligned_seeds_and_handles_none_reached():
+    with pytest.raises(ValueError, match="differ in length"):
+        fewer_steps_than([1.0], [1.0, 2.0])
+    assert fewer_steps_than([None, 3.0], [4.0, None]) == {
+        "seeds_compared": 0,
+        "per_seed": [None, None],
+        "of_means": None,
+    }
 
 
 TINY = TINY_CONFIG

@@ -4,6 +4,10 @@ For every seed, AdamW's final validation loss *of that seed* is the target that 
 contenders' curves of that seed must reach; the per-seed steps (and steps ratios) are then
 aggregated. A seed whose curve never reaches the target is counted in ``reached`` and left
 out of the statistics, which are ``None`` when no seed reached it.
+
+When ``torch-muon`` ran, every other Muon contender is also compared with it seed by seed
+(:func:`fewer_steps_than`): the same seed shares model initialization and data order, so the
+paired figure is what a claim "x% fewer steps than torch.optim.Muon" rests on.
 """
 
 from __future__ import annotations
@@ -32,6 +36,35 @@ def spread(values: Sequence[float | None]) -> dict:
     }
 
 
+BASELINE = "torch-muon"
+"""The contender every Muon contender is compared with, seed by seed, when it ran."""
+
+NOT_COMPARED = ("adamw", BASELINE, "torch-muon-bf16")
+"""Contenders not compared with :data:`BASELINE` (AdamW is the target; the other two are it)."""
+
+
+def fewer_steps_than(steps: Sequence[float | None], baseline: Sequence[float | None]) -> dict:
+    """How many fewer steps ``steps`` needs than ``baseline`` (both per seed, aligned), over the
+    seeds where both reached the target: ``{"seeds_compared", "per_seed", "of_means"}``;
+    ``per_seed[i] = 1 - steps[i] / baseline[i]`` (None where either never reached) and
+    ``of_means = 1 - mean(steps) / mean(baseline)`` over the compared seeds (None if none)."""
+    if len(steps) != len(baseline):
+        raise ValueError(f"per-seed lists differ in length: {len(steps)} != {len(baseline)}")
+
+    def finite(v):
+        return v is not None and math.isfinite(v)
+
+    pairs = [(s, b) for s, b in zip(steps, baseline, strict=True) if finite(s) and finite(b)]
+    per_seed = [
+        1.0 - s / b if finite(s) and finite(b) and b > 0 else None
+        for s, b in zip(steps, baseline, strict=True)
+    ]
+    of_means = None
+    if pairs and sum(b for _, b in pairs) > 0:
+        of_means = 1.0 - sum(s for s, _ in pairs) / sum(b for _, b in pairs)
+    return {"seeds_compared": len(pairs), "per_seed": per_seed, "of_means": of_means}
+
+
 def seed_summary(per_seed: Mapping[int, Mapping[str, ContenderRecord]]) -> dict:
     """``{"seeds": [...], "contenders": {name: {final_val_loss, steps_to_adamw_final_loss,
     steps_to_adamw_final_loss_ratio}}}``, each a :func:`spread` over the seeds that ran the
@@ -41,6 +74,7 @@ def seed_summary(per_seed: Mapping[int, Mapping[str, ContenderRecord]]) -> dict:
     for records in per_seed.values():
         names += [n for n in records if n not in names]
     contenders = {}
+    steps_by_seed: dict[str, dict[int, float | None]] = {}
     for name in names:
         finals, steps, ratios, ran = [], [], [], []
         for seed, records in per_seed.items():
@@ -63,12 +97,24 @@ def seed_summary(per_seed: Mapping[int, Mapping[str, ContenderRecord]]) -> dict:
                     )
             steps.append(reached)
             ratios.append(ratio)
+        steps_by_seed[name] = dict(zip(ran, steps, strict=True))
         contenders[name] = {
             "seeds": ran,
             "final_val_loss": spread(finals),
             "steps_to_adamw_final_loss": spread(steps),
             "steps_to_adamw_final_loss_ratio": spread(ratios),
         }
+    if BASELINE in steps_by_seed:
+        baseline = steps_by_seed[BASELINE]
+        for name, c in contenders.items():
+            if name in NOT_COMPARED:
+                continue
+            both = [seed for seed in c["seeds"] if seed in baseline]
+            mine = steps_by_seed[name]
+            c[f"fewer_steps_than_{BASELINE.replace('-', '_')}"] = {
+                "seeds": both,
+                **fewer_steps_than([mine[s] for s in both], [baseline[s] for s in both]),
+            }
     return {"seeds": seeds, "contenders": contenders}
 
 
@@ -86,17 +132,41 @@ def format_seed_table(summary: Mapping) -> str:
             text += f" ({stats['reached']}/{stats['n']} seeds reached)"
         return text
 
+    key = f"fewer_steps_than_{BASELINE.replace('-', '_')}"
+    compared = any(key in c for c in summary["contenders"].values())
+
+    def versus(c: Mapping) -> str:
+        if key not in c:
+            return "-"
+        figure = c[key]
+        if figure["of_means"] is None:
+            return "no seed where both reached"
+        per_seed = "/".join("-" if v is None else f"{100 * v:.1f}" for v in figure["per_seed"])
+        return f"{100 * figure['of_means']:.1f}% (per seed {per_seed})"
+
+    header = "| contender | seeds | final val loss | steps to AdamW final | ratio |"
+    if compared:
+        header += f" fewer steps than {BASELINE} |"
     lines = [
         f"Across seeds {', '.join(map(str, summary['seeds']))} "
         "(mean ± std [min–max]; each seed against AdamW's final loss of that seed):",
         "",
-        "| contender | seeds | final val loss | steps to AdamW final | ratio |",
-        "|---|---|---|---|---|",
+        header,
+        "|" + "---|" * header.count(" |"),
     ]
     for name, c in summary["contenders"].items():
-        lines.append(
+        row = (
             f"| {name} | {len(c['seeds'])} | {cell(c['final_val_loss'], '.4f')} "
             f"| {cell(c['steps_to_adamw_final_loss'], '.1f')} "
             f"| {cell(c['steps_to_adamw_final_loss_ratio'], '.3f')} |"
         )
+        if compared:
+            row += f" {versus(c)} |"
+        lines.append(row)
+    if compared:
+        lines += [
+            "",
+            f"Fewer steps than {BASELINE}: 1 − mean steps ÷ {BASELINE}'s mean steps, over the "
+            "seeds where both reached AdamW's final loss (per seed: 1 − steps ÷ its steps).",
+        ]
     return "\n".join(lines)
