@@ -39,6 +39,9 @@ def spread(values: Sequence[float | None]) -> dict:
 BASELINE = "torch-muon"
 """The contender every Muon contender is compared with, seed by seed, when it ran."""
 
+COMPARISON_KEY = "fewer_steps_than_torch_muon"
+"""Key of a contender's paired comparison with :data:`BASELINE` (:func:`fewer_steps_than`)."""
+
 NOT_COMPARED = ("adamw", BASELINE, "torch-muon-bf16")
 """Contenders not compared with :data:`BASELINE` (AdamW is the target; the other two are it)."""
 
@@ -111,7 +114,7 @@ def seed_summary(per_seed: Mapping[int, Mapping[str, ContenderRecord]]) -> dict:
                 continue
             both = [seed for seed in c["seeds"] if seed in baseline]
             mine = steps_by_seed[name]
-            c[f"fewer_steps_than_{BASELINE.replace('-', '_')}"] = {
+            c[COMPARISON_KEY] = {
                 "seeds": both,
                 **fewer_steps_than([mine[s] for s in both], [baseline[s] for s in both]),
             }
@@ -132,13 +135,12 @@ def format_seed_table(summary: Mapping) -> str:
             text += f" ({stats['reached']}/{stats['n']} seeds reached)"
         return text
 
-    key = f"fewer_steps_than_{BASELINE.replace('-', '_')}"
-    compared = any(key in c for c in summary["contenders"].values())
+    compared = any(COMPARISON_KEY in c for c in summary["contenders"].values())
 
     def versus(c: Mapping) -> str:
-        if key not in c:
+        if COMPARISON_KEY not in c:
             return "-"
-        figure = c[key]
+        figure = c[COMPARISON_KEY]
         if figure["of_means"] is None:
             return "no seed where both reached"
         per_seed = "/".join("-" if v is None else f"{100 * v:.1f}" for v in figure["per_seed"])
