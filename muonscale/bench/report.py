@@ -338,7 +338,7 @@ def _muon_weight_decay_note(report: Mapping) -> list[str]:
         return []
     return [
         f"- Muon contenders: weight decay {decay:.3g} (--muon-weight-decay; a variant's "
-        f"weight_decay overrides it); AdamW's: {bench.get('weight_decay', 0.0):.3g}"
+        f"weight_decay overrides it); AdamW's: {bench['weight_decay']:.3g}"
     ]
 
 

@@ -20,10 +20,14 @@ from muonscale.bench.metrics import steps_to_final_loss_ratio, steps_to_reach
 from muonscale.bench.side_by_side import ContenderRecord
 
 
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
 def spread(values: Sequence[float | None]) -> dict:
     """``{n, reached, mean, std, min, max, values}`` of the finite values (``std``: sample
     standard deviation, 0 for a single value; ``None`` fields when no value is finite)."""
-    finite = [float(v) for v in values if v is not None and math.isfinite(v)]
+    finite = [float(v) for v in values if _finite(v)]
     stats = {"n": len(values), "reached": len(finite), "values": list(values)}
     if not finite:
         return {**stats, "mean": None, "std": None, "min": None, "max": None}
@@ -53,18 +57,10 @@ def fewer_steps_than(steps: Sequence[float | None], baseline: Sequence[float | N
     ``of_means = 1 - mean(steps) / mean(baseline)`` over the compared seeds (None if none)."""
     if len(steps) != len(baseline):
         raise ValueError(f"per-seed lists differ in length: {len(steps)} != {len(baseline)}")
-
-    def finite(v):
-        return v is not None and math.isfinite(v)
-
-    pairs = [(s, b) for s, b in zip(steps, baseline, strict=True) if finite(s) and finite(b)]
-    per_seed = [
-        1.0 - s / b if finite(s) and finite(b) and b > 0 else None
-        for s, b in zip(steps, baseline, strict=True)
-    ]
-    of_means = None
-    if pairs and sum(b for _, b in pairs) > 0:
-        of_means = 1.0 - sum(s for s, _ in pairs) / sum(b for _, b in pairs)
+    compared = [_finite(s) and _finite(b) and b > 0 for s, b in zip(steps, baseline, strict=True)]
+    per_seed = [1.0 - s / b if ok else None for s, b, ok in zip(steps, baseline, compared)]
+    pairs = [(s, b) for s, b, ok in zip(steps, baseline, compared) if ok]
+    of_means = 1.0 - sum(s for s, _ in pairs) / sum(b for _, b in pairs) if pairs else None
     return {"seeds_compared": len(pairs), "per_seed": per_seed, "of_means": of_means}
 
 
