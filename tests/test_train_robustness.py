@@ -419,3 +419,25 @@ def test_the_temporary_is_fsynced_before_it_replaces_the_checkpoint(good_checkpo
     assert kinds == ["fsync", "replace", "fsync"]
     assert ".checkpoint.pt.tmp-" in events[0][1]  # the data, then the folder entry
     assert events[2][1] == str(path.parent)
+
+
+# ------------------------------------------------------------------ a failed start leaves no group
+def test_a_run_that_fails_to_build_leaves_the_process_group_it_joined(corpus, monkeypatch):
+    """A rank still holding its gloo group at interpreter exit can abort there ("terminate
+    called without an active exception"), after the clear error: the run leaves the group it
+    created before the error reaches the caller."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:  # a free loopback port for the one-rank group
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in dict(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    ).items():
+        monkeypatch.setenv(name, value)
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="vocab_size=64 is smaller than the tokenizer's 256"):
+        TrainingRun(_config("muon", parallel="dp", vocab_size=64), text=corpus)
+    assert not dist.is_initialized()

@@ -144,6 +144,14 @@ class TrainingRun:
             self.parallel = Parallelism(
                 config.parallel, device=config.device, pg_timeout_s=config.pg_timeout_s
             )
+        try:
+            self._build(config, text)
+        except BaseException:
+            self.close()  # a rank that exits holding the group aborts at interpreter exit
+            raise
+
+    def _build(self, config: TrainConfig, text: str | None) -> None:
+        """Model, data, optimizer, schedule and run state (after the process group)."""
         self.device = self.parallel.device if self.parallel else resolve_device(config.device)
         self.rank = self.parallel.rank if self.parallel else 0
         self.model_config = config.model_config()
