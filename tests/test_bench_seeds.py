@@ -12,7 +12,15 @@ from bench_tiny import TINY_CONFIG, LinearRun
 from muonscale.bench import run_bench
 from muonscale.bench.config import BenchConfig
 from muonscale.bench.metrics import steps_to_reach
-from muonscale.bench.seeds import fewer_steps_than, format_seed_table, seed_summary, spread
+from muonscale.bench.seeds import (
+    T_975,
+    fewer_steps_than,
+    format_seed_table,
+    paired_interval,
+    seed_summary,
+    spread,
+    t_quantile_975,
+)
 from muonscale.bench.side_by_side import ContenderRecord
 from muonscale.bench.store import record_from_dict
 
@@ -104,8 +112,14 @@ def test_each_muon_contender_is_compared_with_torch_muon_seed_by_seed():
         assert "fewer_steps_than_torch_muon" not in summary["contenders"][name]
     table = format_seed_table(summary)
     assert "fewer steps than torch-muon |" in table
-    percents = "/".join(f"{100 * (1 - m / t):.1f}" for m, t in zip(muon, torch_muon))
-    assert f"| {100 * figure['of_means']:.1f}% (per seed {percents}/-) |" in table
+    fractions = [1 - m / t for m, t in zip(muon, torch_muon)]
+    percents = "/".join(f"{100 * f:.1f}" for f in fractions)
+    low, high = paired_interval(fractions)
+    assert figure["per_seed_ci95"] == pytest.approx((low, high))
+    assert (
+        f"| {100 * figure['of_means']:.1f}% (per seed {percents}/-; their mean "
+        f"{100 * sum(fractions) / 2:.1f}%, 95% CI {100 * low:.1f} to {100 * high:.1f}%) |"
+    ) in table
     # without torch-muon there is no such column
     alone = {
         seed: {k: v for k, v in r.items() if k in ("adamw", "muon")} for seed, r in per_seed.items()
@@ -120,7 +134,43 @@ def test_fewer_steps_than_refuses_misaligned_seeds_and_handles_none_reached():
         "seeds_compared": 0,
         "per_seed": [None, None],
         "of_means": None,
+        "per_seed_mean": None,
+        "per_seed_ci95": None,
     }
+    one = fewer_steps_than([9.0, None], [10.0, 5.0])  # one seed compared: no interval
+    assert one["per_seed_mean"] == pytest.approx(0.1) and one["per_seed_ci95"] is None
+
+
+def _student_t_cdf(q: float, dof: int) -> tuple[float, float]:
+    """(P(T <= q), density at q) for q >= 0: Simpson's rule on the density in float64."""
+    log_c = math.lgamma((dof + 1) / 2) - math.lgamma(dof / 2) - 0.5 * math.log(dof * math.pi)
+
+    def pdf(x: float) -> float:
+        return math.exp(log_c - (dof + 1) / 2 * math.log1p(x * x / dof))
+
+    n = 20_000
+    h = q / n
+    total = pdf(0.0) + pdf(q) + sum((4 if i % 2 else 2) * pdf(i * h) for i in range(1, n))
+    return 0.5 + total * h / 3, pdf(q)
+
+
+@pytest.mark.parametrize("dof", [*range(1, 31), 31, 40, 60, 120, 1000])
+def test_t_quantile_is_students_0975_quantile(dof):
+    q = t_quantile_975(dof)
+    cdf, density = _student_t_cdf(q, dof)
+    # the table is rounded to 3 decimals (and the expansion is as close beyond it): the
+    # probability at the rounded quantile is within density * 5e-4 of 0.975 (+ Simpson's error)
+    assert abs(cdf - 0.975) <= density * 5e-4 + 1e-9, (dof, q, cdf)
+    assert len(T_975) == 30
+
+
+def test_paired_interval_is_the_t_interval_of_the_mean():
+    low, high = paired_interval([0.1, 0.2, 0.3])  # mean 0.2, sample std 0.1, 3 seeds
+    half = 4.303 * 0.1 / math.sqrt(3)
+    assert (low, high) == pytest.approx((0.2 - half, 0.2 + half))
+    assert paired_interval([0.1]) is None and paired_interval([]) is None
+    with pytest.raises(ValueError, match="degrees of freedom"):
+        t_quantile_975(0)
 
 
 TINY = TINY_CONFIG

@@ -50,18 +50,56 @@ NOT_COMPARED = ("adamw", BASELINE, "torch-muon-bf16")
 """Contenders not compared with :data:`BASELINE` (AdamW is the target; the other two are it)."""
 
 
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+         2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+         2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
+"""Student's t 0.975 quantile for 1 … 30 degrees of freedom (the standard two-sided 95% table,
+e.g. NIST/SEMATECH e-Handbook of Statistical Methods, section 1.3.6.7.2)."""
+
+
+def t_quantile_975(dof: int) -> float:
+    """Student's t 0.975 quantile: :data:`T_975` up to 30 degrees of freedom, beyond it the
+    Cornish–Fisher expansion around the normal quantile 1.959964 (error < 1e-3 there)."""
+    if dof < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {dof}")
+    if dof <= len(T_975):
+        return T_975[dof - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * dof) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * dof**2)
+
+
+def paired_interval(fractions: Sequence[float]) -> tuple[float, float] | None:
+    """95% confidence interval of the mean of per-seed paired figures (Student's t over the
+    seeds; None for fewer than two)."""
+    n = len(fractions)
+    if n < 2:
+        return None
+    mean = statistics.fmean(fractions)
+    half = t_quantile_975(n - 1) * statistics.stdev(fractions) / math.sqrt(n)
+    return (mean - half, mean + half)
+
+
 def fewer_steps_than(steps: Sequence[float | None], baseline: Sequence[float | None]) -> dict:
     """How many fewer steps ``steps`` needs than ``baseline`` (both per seed, aligned), over the
-    seeds where both reached the target: ``{"seeds_compared", "per_seed", "of_means"}``;
-    ``per_seed[i] = 1 - steps[i] / baseline[i]`` (None where either never reached) and
-    ``of_means = 1 - mean(steps) / mean(baseline)`` over the compared seeds (None if none)."""
+    seeds where both reached the target: ``{"seeds_compared", "per_seed", "of_means",
+    "per_seed_mean", "per_seed_ci95"}``; ``per_seed[i] = 1 - steps[i] / baseline[i]`` (None
+    where either never reached), ``of_means = 1 - mean(steps) / mean(baseline)`` over the
+    compared seeds, and the mean of the compared ``per_seed`` figures with its 95% interval
+    (:func:`paired_interval`); None where there is too little to compute them."""
     if len(steps) != len(baseline):
         raise ValueError(f"per-seed lists differ in length: {len(steps)} != {len(baseline)}")
     compared = [_finite(s) and _finite(b) and b > 0 for s, b in zip(steps, baseline, strict=True)]
     per_seed = [1.0 - s / b if ok else None for s, b, ok in zip(steps, baseline, compared)]
     pairs = [(s, b) for s, b, ok in zip(steps, baseline, compared) if ok]
     of_means = 1.0 - sum(s for s, _ in pairs) / sum(b for _, b in pairs) if pairs else None
-    return {"seeds_compared": len(pairs), "per_seed": per_seed, "of_means": of_means}
+    fractions = [f for f in per_seed if f is not None]
+    return {
+        "seeds_compared": len(pairs),
+        "per_seed": per_seed,
+        "of_means": of_means,
+        "per_seed_mean": statistics.fmean(fractions) if fractions else None,
+        "per_seed_ci95": paired_interval(fractions),
+    }
 
 
 def seed_summary(per_seed: Mapping[int, Mapping[str, ContenderRecord]]) -> dict:
@@ -140,7 +178,15 @@ def format_seed_table(summary: Mapping) -> str:
         if figure["of_means"] is None:
             return "no seed where both reached"
         per_seed = "/".join("-" if v is None else f"{100 * v:.1f}" for v in figure["per_seed"])
-        return f"{100 * figure['of_means']:.1f}% (per seed {per_seed})"
+        text = f"{100 * figure['of_means']:.1f}% (per seed {per_seed}"
+        interval = figure.get("per_seed_ci95")
+        if interval is not None:
+            low, high = interval
+            text += (
+                f"; their mean {100 * figure['per_seed_mean']:.1f}%, "
+                f"95% CI {100 * low:.1f} to {100 * high:.1f}%"
+            )
+        return text + ")"
 
     header = "| contender | seeds | final val loss | steps to AdamW final | ratio |"
     if compared:
@@ -165,6 +211,7 @@ def format_seed_table(summary: Mapping) -> str:
         lines += [
             "",
             f"Fewer steps than {BASELINE}: 1 − mean steps ÷ {BASELINE}'s mean steps, over the "
-            "seeds where both reached AdamW's final loss (per seed: 1 − steps ÷ its steps).",
+            "seeds where both reached AdamW's final loss (per seed: 1 − steps ÷ its steps; "
+            "95% CI: Student's t interval of the per-seed figures' mean, from two seeds on).",
         ]
     return "\n".join(lines)
