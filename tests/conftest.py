@@ -2,10 +2,12 @@
 
 torchrun children on torch 2.13 + gloo can abort at interpreter exit ("terminate called without
 an active exception", exit -6) after their work is done and their results written. The cause
-measured here: a rank that exits still holding its gloo group (a two-rank all-reduce script
-aborted 6 times in 10 without ``destroy_process_group()``, 0 in 50 with it). muonscale's own
-entry points destroy the groups they create, also when building a run fails; the groups of the
-trainers under test (Hugging Face, Lightning) are theirs. A test whose failure text holds
+measured here: a gloo group that ends only at interpreter exit, because it was never destroyed
+(a two-rank all-reduce script: 6 aborts in 10 without ``destroy_process_group()``, 0 in 50 with
+it) or because FSDP2 still held it (``muonscale train --parallel fsdp``: 3 in 34 before the run
+let go of its model first, 0 in 32 after; docs/train.md). muonscale's own entry points now end
+their groups before exit, also when building a run fails; the groups of the trainers under test
+(Hugging Face, Lightning) are theirs. A test whose failure text holds
 exactly that message is run again (at most twice) when pytest-rerunfailures is installed (the
 ``dev`` extra); every other failure fails at once, and a rerun checks the same results.
 """

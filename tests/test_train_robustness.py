@@ -422,21 +422,49 @@ def test_the_temporary_is_fsynced_before_it_replaces_the_checkpoint(good_checkpo
 
 
 # ------------------------------------------------------------------ a failed start leaves no group
-def test_a_run_that_fails_to_build_leaves_the_process_group_it_joined(corpus, monkeypatch):
-    """A rank still holding its gloo group at interpreter exit can abort there ("terminate
-    called without an active exception"), after the clear error: the run leaves the group it
-    created before the error reaches the caller."""
+@pytest.fixture
+def one_rank_torchrun_environment(monkeypatch):
+    """torchrun's variables for a one-rank group on a free loopback port."""
     import socket
 
-    import torch.distributed as dist
-
-    with socket.socket() as s:  # a free loopback port for the one-rank group
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     for name, value in dict(
         RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     ).items():
         monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize("parallel", ["dp", "fsdp"])
+def test_closing_a_parallel_run_lets_go_of_what_holds_its_groups(
+    corpus, one_rank_torchrun_environment, parallel
+):
+    """FSDP2 and the distributed optimizers hold process groups; a gloo group they keep alive
+    past ``destroy_process_group()`` ends at interpreter exit, where it can abort the rank."""
+    import torch.distributed as dist
+
+    run = TrainingRun(_config("muon", parallel=parallel, steps=2), text=corpus)
+    run.step()
+    parallelism = run.parallel
+    run.close()
+    assert not dist.is_initialized()
+    for holder, names in (
+        (run, ("model", "forward_model", "optimizer", "scheduler")),
+        (parallelism, ("model", "forward_model", "optimizer")),
+    ):
+        for name in names:
+            assert getattr(holder, name) is None, f"{type(holder).__name__}.{name} kept"
+
+
+def test_a_run_that_fails_to_build_leaves_the_process_group_it_joined(
+    corpus, one_rank_torchrun_environment
+):
+    """A rank still holding its gloo group at interpreter exit can abort there ("terminate
+    called without an active exception"), after the clear error: the run leaves the group it
+    created before the error reaches the caller."""
+    import torch.distributed as dist
+
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match="vocab_size=64 is smaller than the tokenizer's 256"):
         TrainingRun(_config("muon", parallel="dp", vocab_size=64), text=corpus)

@@ -20,6 +20,7 @@ Every collective goes through :class:`muonscale.distributed.Communicator`.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import warnings
 from contextlib import nullcontext
@@ -181,8 +182,15 @@ class Parallelism:
         self.comm.barrier()
 
     def close(self) -> None:
-        """Release the optimizer's hooks; destroy the process group when this object made it."""
-        if hasattr(self.optimizer, "remove_hooks"):
-            self.optimizer.remove_hooks()
+        """Release the optimizer's hooks and this object's model and optimizer; destroy the
+        process group when this object made it. FSDP2 and the distributed optimizers hold
+        process groups: collected before the destroy, the groups end there, not at interpreter
+        exit, where a gloo group still alive can abort the process (docs/train.md)."""
+        optimizer, self.optimizer = self.optimizer, None
+        if hasattr(optimizer, "remove_hooks"):
+            optimizer.remove_hooks()
+        del optimizer
+        self.model = self.forward_model = None
+        gc.collect()
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()

@@ -602,6 +602,11 @@ class TrainingRun:
         return self.agreed_signal if self.parallel is not None else stop.signal
 
     def close(self) -> None:
-        """Leave the process group (when this run joined it) and release optimizer hooks."""
+        """Leave the process group (when this run joined it) and release optimizer hooks.
+        Under --parallel the run first lets go of its model, optimizer and schedule, which hold
+        the process groups (see :meth:`Parallelism.close`); it cannot step after this."""
         if self.parallel is not None:
+            for name in ("scheduler", "optimizer", "qk_clip", "forward_model", "model"):
+                if hasattr(self, name):
+                    setattr(self, name, None)
             self.parallel.close()
