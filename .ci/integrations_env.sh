@@ -27,6 +27,7 @@ REQUIREMENTS=(
     "numpy"
     "pytest"
     "pytest-timeout"
+    "pytest-rerunfailures"  # tests/conftest.py: the gloo exit abort's safety net, as in [dev]
 )
 
 if [ ! -x "$VENV/bin/python" ]; then

@@ -11,7 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from titan_models import batch, loss_of, tiny_model
+from titan_models import batch, leave_process_group, loss_of, tiny_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -60,4 +60,4 @@ train(steps, more)
 params = {n: full(p.detach()) for n, p in model.named_parameters()}
 if rank == 0:
     torch.save({"params": params, "state": saved_state}, out)
-dist.destroy_process_group()
+leave_process_group()

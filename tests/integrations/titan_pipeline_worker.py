@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 from test_torchtitan import _pipeline_stages
-from titan_models import batch, tiny_model
+from titan_models import batch, leave_process_group, tiny_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
@@ -61,4 +61,4 @@ for step in range(steps):
 params = {n: p.detach().full_tensor() for n, p in module.named_parameters()}
 if dp_rank == 0:
     torch.save(params, f"{out}.stage{stage_index}")
-dist.destroy_process_group()
+leave_process_group()

@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torchtitan.distributed.parallel_dims as titan_parallel_dims
-from titan_models import batch, loss_of, tiny_config
+from titan_models import batch, leave_process_group, loss_of, tiny_config
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -75,4 +75,4 @@ for step in range(steps):
 params = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
 if dist.get_rank() == 0:
     torch.save(params, out)
-dist.destroy_process_group()
+leave_process_group()
