@@ -18,6 +18,7 @@ local path are replaced (see :func:`cpu_shims`).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -142,6 +143,10 @@ def main() -> None:
                 f"step {step:4d}  loss {loss:.4f}  "
                 f"optimizer wire bytes/rank {optimizer.last_step_wire_bytes}"
             )
+    # the model and optimizer hold process groups: let go of them first, so the groups end
+    # here and not at interpreter exit, where a gloo group can abort the rank (docs/train.md)
+    del model, optimizer
+    gc.collect()
     ps.destroy_model_parallel()
     dist.barrier()
     dist.destroy_process_group()
