@@ -425,11 +425,9 @@ def test_the_temporary_is_fsynced_before_it_replaces_the_checkpoint(good_checkpo
 @pytest.fixture
 def one_rank_torchrun_environment(monkeypatch):
     """torchrun's variables for a one-rank group on a free loopback port."""
-    import socket
+    from distributed_harness import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     for name, value in dict(
         RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     ).items():

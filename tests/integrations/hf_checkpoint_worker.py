@@ -4,13 +4,12 @@ Three Trainer runs in one process group, each with ``DistributedMuonFactory`` an
 ``DistributedCheckpointCallback``: uninterrupted (no saves), saving every 2 steps, and resumed
 from the first checkpoint into a differently initialized model."""
 
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 from test_hf import MUON_KWARGS, SequentialTrainer, _args
-from tiny_models import TokenData, tiny_model
+from tiny_models import TokenData, leave_process_group, tiny_model
 
 from muonscale.distributed import DistributedMuon
 from muonscale.integrations.hf import DistributedCheckpointCallback, DistributedMuonFactory
@@ -54,11 +53,4 @@ resumed = run("saved", seed=1, resume=f"{tmp}/saved/checkpoint-2")
 assert dist.get_world_size() == 2
 if dist.get_rank() == 0:
     torch.save({"full": full, "saved": saved, "resumed": resumed}, out)
-# Both ranks leave together and shut the group down, then exit without the interpreter's
-# teardown: a rank whose gloo threads were destroyed there aborted at exit now and then
-# ("terminate called without an active exception"), after its results were written.
-dist.barrier()
-dist.destroy_process_group()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+leave_process_group()

@@ -1,12 +1,11 @@
 """One torchrun rank of test_hf.py::test_ddp_two_ranks_match_single_process."""
 
 import json
-import os
 import sys
 
 import torch
 from test_hf import SequentialTrainer, _args
-from tiny_models import TokenData, algorithm_of, tiny_model
+from tiny_models import TokenData, algorithm_of, leave_process_group, tiny_model
 
 from muonscale.integrations.hf import MuonFactory
 
@@ -28,11 +27,4 @@ assert algorithms["lm_head.weight"] == "adamw"
 if torch.distributed.get_rank() == 0:
     with open(out, "w") as f:
         json.dump({n: p.detach().tolist() for n, p in trainer.model.named_parameters()}, f)
-# Both ranks leave together and shut the group down, then exit without the interpreter's
-# teardown: a rank whose gloo threads were destroyed there aborted at exit now and then
-# ("terminate called without an active exception"), after its results were written.
-torch.distributed.barrier()
-torch.distributed.destroy_process_group()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+leave_process_group()

@@ -9,14 +9,13 @@ for MULTI_GPU/NPU/XPU/... only): on CPU it drops the plugin silently and the Tra
 :class:`CpuFsdp2Trainer` sets the state accelerate would have set on a GPU machine (FSDP with
 the plugin built from the same ``TrainingArguments``); everything after is unpatched."""
 
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from test_hf import MUON_KWARGS, SequentialTrainer, _args
-from tiny_models import TokenData, algorithm_of, tiny_model
+from tiny_models import TokenData, algorithm_of, leave_process_group, tiny_model
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -68,11 +67,4 @@ full = {n: p.detach().full_tensor() for n, p in params.items()}
 norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
 if dist.get_rank() == 0:
     torch.save({"params": full, "grad_norms": norms}, out)
-# Both ranks leave together and shut the group down, then exit without the interpreter's
-# teardown: a rank whose gloo threads were destroyed there aborted at exit now and then
-# ("terminate called without an active exception"), after its results were written.
-dist.barrier()
-dist.destroy_process_group()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+leave_process_group()

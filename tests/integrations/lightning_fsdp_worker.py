@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from test_lightning import LM, _fit
-from tiny_models import TokenData
+from tiny_models import TokenData, leave_process_group
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -51,11 +51,4 @@ assert dist.get_world_size() == 2 and dist.get_backend() == "gloo"
 full = {n: p.detach().full_tensor() for n, p in module.named_parameters()}
 if dist.get_rank() == 0:
     torch.save(full, out)
-# Both ranks leave together and shut the group down, then exit without the interpreter's
-# teardown: a rank whose gloo threads were destroyed there aborted at exit now and then
-# ("terminate called without an active exception"), after its results were written.
-dist.barrier()
-dist.destroy_process_group()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+leave_process_group()

@@ -11,7 +11,8 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from titan_models import batch, leave_process_group, loss_of, tiny_model
+from tiny_models import leave_process_group
+from titan_models import batch, loss_of, tiny_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor

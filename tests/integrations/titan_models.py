@@ -110,21 +110,3 @@ def loss_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["batch", "loss_of", "tiny_config", "tiny_model"]
-
-
-def leave_process_group() -> None:
-    """End a torchrun worker: leave together, destroy the groups and exit without the
-    interpreter's teardown. The module-level model and optimizers still hold the process groups
-    (FSDP2 states, pipeline stages), which would otherwise end at that teardown, where a gloo
-    group aborted a rank now and then ("terminate called without an active exception") after
-    its results were written (docs/train.md)."""
-    import os
-    import sys
-
-    import torch.distributed as dist
-
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -13,7 +13,8 @@ import sys
 import torch
 import torch.distributed as dist
 from test_torchtitan import _pipeline_stages
-from titan_models import batch, leave_process_group, tiny_model
+from tiny_models import leave_process_group
+from titan_models import batch, tiny_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe

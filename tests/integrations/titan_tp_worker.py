@@ -14,7 +14,8 @@ import sys
 import torch
 import torch.distributed as dist
 import torchtitan.distributed.parallel_dims as titan_parallel_dims
-from titan_models import batch, leave_process_group, loss_of, tiny_config
+from tiny_models import leave_process_group
+from titan_models import batch, loss_of, tiny_config
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
