@@ -40,7 +40,7 @@ from .memory import (
     split_by_budget,
 )
 from .newton_schulz import DEFAULT_EPS, CoefficientSpec, default_ns_dtype, resolve_schedule
-from .scaling import update_scale
+from .scaling import matrix_update_scales, update_scale
 
 
 def update_momentum_(
@@ -300,13 +300,15 @@ def muon(
     elementwise_backend: ElementwiseBackend = DEFAULT_ELEMENTWISE_BACKEND,
     options: variants.VariantOptions = variants.PLAIN_MUON,  # [variants]
     row_moments: Sequence[torch.Tensor] | None = None,  # [variants] NorMuon state, (rows,) each
+    qk_lr_scale: float = 1.0,
 ) -> None:
     """One Muon step, in place on ``params`` and ``momentum_buffers``::
 
         B ← B.lerp(G, 1 − μ);  U = G.lerp(B, μ) (Nesterov) or B
         O = NS(U) per matrix of the view (batched over same-shape matrices)
         W ← W · (1 − lr · λ)                 # decoupled weight decay, unadjusted lr
-        W ← W − lr · s(m, n) · O             # s: scale rule of each matrix
+        W ← W − lr · s(m, n) · O             # s: scale rule of each matrix (× qk_lr_scale
+                                             # for the Q and K blocks of a split QKV weight)
 
     Two elementwise passes over the parameters besides Newton–Schulz: (a) the momentum update
     and the directions, written straight into the Newton–Schulz input stacks (one per matrix
@@ -339,6 +341,7 @@ def muon(
                 lr=lr,
                 options=options,  # [variants]
                 row_moments=None if row_moments is None else [row_moments[i] for i in chunk],
+                qk_lr_scale=qk_lr_scale,
                 weight_decay=weight_decay,
                 momentum=momentum,
                 nesterov=nesterov,
@@ -457,8 +460,9 @@ def muon(
                 orthogonal, owner, row_moments, beta2=options.row_beta2
             )
         per_param: dict[int, list[torch.Tensor]] = defaultdict(list)
+        scales = {i: matrix_update_scales(scale, views[i], qk_lr_scale) for i in split}
         for i, mat in zip(owner, orthogonal):
-            per_param[i].append(mat * update_scale(scale, *mat.shape))
+            per_param[i].append(mat * scales[i][len(per_param[i])])
         for i in split:  # one at a time: a single split update alive at once
             apply_updates_(
                 [params[i]],

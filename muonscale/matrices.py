@@ -10,6 +10,8 @@
 * ``transposed``: a 2-D weight stored as (in, out), as GPT-2's ``Conv1D`` does: the matrix is
   its transpose (out, in), so scale rules see the true aspect and a row partition cuts output
   features (Q/K/V of a fused ``c_attn``), i.e. columns of the stored tensor.
+* ``block_roles``: with a row partition from a QKV layout, ``"q"``, ``"k"`` or ``"v"`` per block
+  (the ``qk_lr_scale`` option reads it).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class MatrixView:
     row_partition: tuple[torch.Tensor, ...] | None = None
     _contiguous_blocks: tuple[tuple[int, int], ...] | None = field(default=None, repr=False)
     transposed: bool = False
+    block_roles: tuple[str, ...] | None = None
 
     @staticmethod
     def build(
@@ -39,6 +42,7 @@ class MatrixView:
         *,
         mode: str = "flatten",
         row_partition: Sequence[torch.Tensor] | Sequence[Sequence[int]] | None = None,
+        block_roles: Sequence[str] | None = None,
         transposed: bool = False,
     ) -> MatrixView:
         shape = tuple(int(s) for s in param_shape)
@@ -51,7 +55,13 @@ class MatrixView:
                 f"transposed: only a 2-D (in, out) weight can be transposed, got shape {shape}"
             )
         if row_partition is None:
+            if block_roles is not None:
+                raise ValueError("block_roles: a view without a row partition has no blocks")
             return MatrixView(shape, mode, transposed=bool(transposed))
+        if block_roles is not None and len(block_roles) != len(row_partition):
+            raise ValueError(
+                f"block_roles: {len(block_roles)} roles for {len(row_partition)} row blocks"
+            )
         if mode == "batch" and len(shape) > 2:
             raise ValueError(
                 "a row partition (split) applies to 2-D or flattened parameters, "
@@ -77,7 +87,8 @@ class MatrixView:
                 blocks = None
                 break
         contiguous = tuple(blocks) if blocks is not None else None
-        return MatrixView(shape, mode, parts, contiguous, transposed=bool(transposed))
+        roles = tuple(block_roles) if block_roles is not None else None
+        return MatrixView(shape, mode, parts, contiguous, bool(transposed), roles)
 
     @property
     def matrix_2d_shape(self) -> tuple[int, int]:
@@ -100,6 +111,12 @@ class MatrixView:
         if self.row_partition is None:
             return [(m, n)]
         return [(int(p.numel()), n) for p in self.row_partition]
+
+    def lr_factors(self, qk_lr_scale: float) -> list[float]:
+        """Learning-rate multiplier of each matrix: ``qk_lr_scale`` for query and key blocks,
+        1 for the rest."""
+        roles = self.block_roles or (None,) * len(self.matrix_shapes)
+        return [qk_lr_scale if role in ("q", "k") else 1.0 for role in roles]
 
     def to_matrices(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Views (or gathered copies for a non-contiguous partition) of ``tensor`` as matrices."""

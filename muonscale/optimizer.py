@@ -8,6 +8,7 @@ tensors; :mod:`muonscale.newton_schulz` the orthogonalization.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -132,6 +133,10 @@ class Muon(torch.optim.Optimizer):
             spec is a :class:`~muonscale.QKVLayout`, an int (that many equal row blocks, e.g.
             heads) or a list of row-block sizes.
         qkv_split: with a ``QKVLayout`` spec: ``"qkv"`` (Q, K, V blocks) or ``"head"`` (each head).
+        qk_lr_scale: learning-rate multiplier of the query and key blocks of weights split by a
+            ``QKVLayout`` (1: none); value blocks and other matrices keep the group's lr. Larger
+            values shorten the early loss plateau that attention must leave; see
+            ``docs/variants.md`` for what it gains and costs.
         matrix_mode: parameters with > 2 dims: ``"flatten"`` trailing dims into one matrix
             (conv kernels) or ``"batch"`` (leading dims index separate matrices: stacked experts).
         rules: routing overrides for :func:`muonscale.route` (regex or callables).
@@ -207,6 +212,7 @@ class Muon(torch.optim.Optimizer):
         row_beta2: float = 0.95,
         cautious_weight_decay: bool = False,
         preconditioner: Preconditioner = "frobenius",
+        qk_lr_scale: float = 1.0,
         capturable: bool = False,
         transposed: Iterable[str] | None = None,
         orthogonalize_in_backward: bool = False,
@@ -251,6 +257,7 @@ class Muon(torch.optim.Optimizer):
             row_beta2=row_beta2,  # [variants]
             cautious_weight_decay=cautious_weight_decay,
             preconditioner=preconditioner,
+            qk_lr_scale=qk_lr_scale,
         )
         validate_muon_group(self.muon_defaults)
         self.adamw_defaults = dict(
@@ -319,9 +326,28 @@ class Muon(torch.optim.Optimizer):
         by_name = {
             self.param_names.get(id(p)): (p, g) for g in self.param_groups for p in g["params"]
         }
-        self.split_rows = resolve_splits(splits or {}, qkv_split, by_name, self.is_transposed)
+        self.split_rows, self.split_roles = resolve_splits(
+            splits or {}, qkv_split, by_name, self.is_transposed
+        )
+        self._warn_idle_qk_lr_scale()
         if orthogonalize_in_backward:
             self._backward_ns = BackwardOrthogonalizer(self)
+
+    def _warn_idle_qk_lr_scale(self) -> None:
+        """Warn for each Muon group whose ``qk_lr_scale`` has no query or key block to act on."""
+        for i, group in enumerate(self.param_groups):
+            factor = group.get("qk_lr_scale", 1.0)
+            if group["algorithm"] != "muon" or factor == 1.0:
+                continue
+            roles = {r for p in group["params"] for r in self.split_roles.get(id(p), ())}
+            if not roles & {"q", "k"}:
+                warnings.warn(
+                    f"qk_lr_scale={factor} (param group {i}) acts on no parameter: it scales "
+                    "the query and key blocks of fused QKV weights given in splits with a "
+                    "QKVLayout. Give separate q/k projections a param group with their own lr.",
+                    UserWarning,
+                    stacklevel=3,
+                )
 
     @property
     def orthogonalize_in_backward(self) -> bool:
@@ -455,6 +481,7 @@ class Muon(torch.optim.Optimizer):
                 p.shape,
                 mode=group["matrix_mode"],
                 row_partition=self.split_rows.get(id(p)),
+                block_roles=self.split_roles.get(id(p)),
                 transposed=self.is_transposed(p),
             )
             self.matrix_views[id(p)] = view
@@ -731,6 +758,7 @@ class Muon(torch.optim.Optimizer):
                 buffers,
                 options=options,  # [variants]
                 row_moments=[s.get("row_second_moment") for s in states],
+                qk_lr_scale=group.get("qk_lr_scale", 1.0),
                 views=[self.matrix_view(p, group) for p in params],
                 lr=self._step_lr(group) if self.capturable else float(group["lr"]),
                 weight_decay=group["weight_decay"],

@@ -162,6 +162,7 @@ def rebind_parameters(opt: Muon, named_parameters: Iterable[tuple[str, torch.Ten
     model_name = {id(p): n for n, p in current.items()}
     old_names = dict(opt.param_names)
     split_by_name = {old_names[i]: rows for i, rows in opt.split_rows.items() if i in old_names}
+    roles_by_name = {old_names[i]: r for i, r in opt.split_roles.items() if i in old_names}
     slots: list[tuple[torch.Tensor, torch.Tensor, str]] = []  # (bound now, new, name)
     for group in opt.param_groups:
         for p in group["params"]:
@@ -193,6 +194,9 @@ def rebind_parameters(opt: Muon, named_parameters: Iterable[tuple[str, torch.Ten
     opt.param_names.update({id(new): name for _, new, name in slots})
     opt.split_rows = {
         id(new): split_by_name[name] for _, new, name in slots if name in split_by_name
+    }
+    opt.split_roles = {
+        id(new): roles_by_name[name] for _, new, name in slots if name in roles_by_name
     }
     opt.matrix_views.clear()
     moved = [(old, new) for old, new, _ in slots if old is not new]

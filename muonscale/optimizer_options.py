@@ -60,6 +60,7 @@ def validate_muon_group(group: Mapping[str, Any]) -> None:
     if group["matrix_mode"] not in MATRIX_MODES:
         raise ValueError(f"matrix_mode must be one of {MATRIX_MODES}, got {group['matrix_mode']!r}")
     check_range("eps (ns_eps)", group["ns_eps"], 0.0, math.inf)
+    check_range("qk_lr_scale", group.get("qk_lr_scale", 1.0), 0.0, math.inf)
     if group["ns_method"] not in NS_METHODS:
         raise ValueError(f"ns_method must be one of {NS_METHODS}, got {group['ns_method']!r}")
     validate_variant_options(group)  # [variants]
@@ -128,10 +129,11 @@ def resolve_splits(
     qkv_split: str,
     by_name: Mapping[str | None, tuple[torch.Tensor, Mapping[str, Any]]],
     is_transposed: Callable[[torch.Tensor], bool],
-) -> dict[int, list[torch.Tensor]]:
-    """The ``splits`` option as row blocks keyed by ``id(param)``; ``by_name`` maps each
-    parameter name to (parameter, its param group)."""
-    out = {}
+) -> tuple[dict[int, list[torch.Tensor]], dict[int, tuple[str, ...]]]:
+    """The ``splits`` option as row blocks keyed by ``id(param)``, and the role (``"q"``,
+    ``"k"``, ``"v"``) of each block of the parameters split by a :class:`QKVLayout`;
+    ``by_name`` maps each parameter name to (parameter, its param group)."""
+    out, roles = {}, {}
     for name, spec in splits.items():
         if name not in by_name or by_name[name][1]["algorithm"] != "muon":
             raise ValueError(f"splits: no Muon parameter named {name!r}")
@@ -143,6 +145,7 @@ def resolve_splits(
                     f"splits[{name!r}]: {spec} describes {spec.rows} rows, the parameter has {rows}"
                 )
             parts = spec.row_partition(qkv_split)
+            roles[id(param)] = spec.block_roles(qkv_split)
         elif isinstance(spec, int) and not isinstance(spec, bool):
             if spec < 1 or rows % spec:
                 raise ValueError(f"splits[{name!r}]: {spec} equal blocks do not divide {rows} rows")
@@ -158,4 +161,4 @@ def resolve_splits(
                 f"splits[{name!r}]: expected a QKVLayout, an int or a list of sizes, got {spec!r}"
             )
         out[id(param)] = parts
-    return out
+    return out, roles

@@ -138,6 +138,7 @@ def pickled_extras(opt: Muon) -> dict[str, Any]:
         adamw_defaults=opt.adamw_defaults,
         names=[[opt.param_names.get(id(p)) for p in g["params"]] for g in opt.param_groups],
         split_rows=[[opt.split_rows.get(id(p)) for p in g["params"]] for g in opt.param_groups],
+        split_roles=[[opt.split_roles.get(id(p)) for p in g["params"]] for g in opt.param_groups],
         transposed=sorted(opt.transposed_names),
         orthogonalize_in_backward=opt.orthogonalize_in_backward,
     )
@@ -155,6 +156,7 @@ def restore_unpickled(opt: Muon, extra: dict[str, Any] | None) -> None:
     opt.__dict__.setdefault("transposed_names", set())
     opt.__dict__.setdefault("_backward_ns", None)
     opt.__dict__.setdefault("_from_backward", [])
+    opt.__dict__.setdefault("split_roles", {})
     opt.momentum_stacks = MomentumStacks()  # new state tensors: stacks rebuilt at the next step
     # Options added after a checkpoint was written get their defaults here.
     for i, group in enumerate(opt.param_groups):
@@ -165,6 +167,7 @@ def restore_unpickled(opt: Muon, extra: dict[str, Any] | None) -> None:
             group.setdefault("momentum_dtype", None)
             group.setdefault("ns_dtype", None)
             group.setdefault("ns_method", "auto")
+            group.setdefault("qk_lr_scale", 1.0)
             for key, value in VARIANT_DEFAULTS.items():  # [variants]
                 group.setdefault(key, value)
         elif not isinstance(group, AdamWGroup):
@@ -176,14 +179,19 @@ def restore_unpickled(opt: Muon, extra: dict[str, Any] | None) -> None:
     opt.routing = extra["routing"]
     opt.muon_defaults, opt.adamw_defaults = extra["muon_defaults"], extra["adamw_defaults"]
     opt.routing_rules, opt.matrix_views, opt.unnamed_to_muon = [], {}, 0
-    opt.param_names, opt.split_rows = {}, {}
+    opt.param_names, opt.split_rows, opt.split_roles = {}, {}, {}
     opt.transposed_names = set(extra.get("transposed", ()))
-    for group, names, rows in zip(opt.param_groups, extra["names"], extra["split_rows"]):
-        for p, name, parts in zip(group["params"], names, rows):
+    no_roles = [[None] * len(g["params"]) for g in opt.param_groups]  # pickled before roles
+    for group, names, rows, roles in zip(
+        opt.param_groups, extra["names"], extra["split_rows"], extra.get("split_roles", no_roles)
+    ):
+        for p, name, parts, role in zip(group["params"], names, rows, roles):
             if name is not None:
                 opt.param_names[id(p)] = name
             if parts is not None:
                 opt.split_rows[id(p)] = parts
+            if role is not None:
+                opt.split_roles[id(p)] = role
     if extra.get("orthogonalize_in_backward"):  # hooks on the copied parameters
         from .backward_ns import BackwardOrthogonalizer
 

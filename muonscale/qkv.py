@@ -92,6 +92,14 @@ class QKVLayout:
             ]
         raise ValueError(f"QKV split mode must be one of {QKV_SPLIT_MODES}, got {mode!r}")
 
+    def block_roles(self, mode: str = "qkv") -> tuple[str, ...]:
+        """``"q"``, ``"k"`` or ``"v"`` for each block of :meth:`row_partition` (same order)."""
+        if mode == "qkv":
+            return ("q", "k", "v")
+        if mode == "head":
+            return (("q",) * self.q_per_group + ("k", "v")) * self.n_query_groups
+        raise ValueError(f"QKV split mode must be one of {QKV_SPLIT_MODES}, got {mode!r}")
+
     def split_activations(
         self, qkv: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

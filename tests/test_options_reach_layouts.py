@@ -4,7 +4,8 @@ owners and ``DTensorMuon`` (FSDP2) at 2 real gloo ranks.
 For each option set to a non-default value, each layout's parameters after a few steps must
 equal, bitwise, single-process ``Muon`` given the same option (every layout runs the same
 functions of :mod:`muonscale.functional` on the same whole matrices), and that result must
-differ from the default's: an option a layout dropped would leave it at the default's result.
+differ from the default's (``qk_lr_scale``: from the same QKV split without it): an option a
+layout dropped would leave it at the default's result.
 Options that only change rounding (``ns_method``, ``momentum_dtype``) move float64 parameters
 by ~1e-7 after three steps with the float32 iteration (CPU default), far above 0.
 """
@@ -37,6 +38,9 @@ SHAPES = {
     "batched": (2, 6, 10),
     "bias": (20,),
 }
+QKV = muonscale.QKVLayout(n_query_groups=2, q_per_group=1, head_dim=2)  # 12 rows: "w"
+REFERENCE = {"qk_lr_scale": "qkv_split"}
+"""Cases compared with another case instead of the default (the option needs a QKV split)."""
 BASE = dict(lr=0.5, weight_decay=0.1, momentum=0.95, nesterov=True)
 CASES = {  # option -> value different from the default, chosen to change the result
     "ns_method": {"ns_method": "gram"},  # 'auto' takes Gram for 'wide' only
@@ -50,6 +54,8 @@ CASES = {  # option -> value different from the default, chosen to change the re
     "momentum_dtype": {"momentum_dtype": torch.float32},
     "matrix_mode": {"matrix_mode": "batch"},
     "splits": {"splits": {"w": 3, "tall": [5, 15]}},
+    "qkv_split": {"splits": {"w": QKV}},
+    "qk_lr_scale": {"splits": {"w": QKV}, "qk_lr_scale": 2.0},
     "weight_decay": {"weight_decay": 0.4},
     "lr": {"lr": 0.05},
     "eps": {"eps": 50.0},  # the norm floor is active: X₀ = X / 50
@@ -120,8 +126,11 @@ def options_worker(rank, world_size, cases):
     for name in cases:
         options = {**BASE, **CASES[name]}
         single = _single(init, options)
+        before = default
+        if name in REFERENCE:
+            before = _single(init, {**BASE, **CASES[REFERENCE[name]]})
         out[name] = {
-            "from_default": _max_diff(single, default),
+            "from_default": _max_diff(single, before),
             "dp": _max_diff(_distributed(init, options), single),
             "dtensor": _max_diff(_dtensor(init, options, world_size), single),
         }

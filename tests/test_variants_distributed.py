@@ -46,6 +46,8 @@ VARIANTS = {
     "aol_gram": dict(preconditioner="aol", ns_method="gram"),
     "polar_express": dict(coefficients="polar_express"),
 }
+DTENSOR_ONLY = {"qk_lr_scale": dict(qk_lr_scale=2.0)}
+"""Options that act on a split QKV weight: the DTensor models below have one (SPLITS)."""
 # Same-batch data parallelism averages gradients in another order than one process, so the
 # layouts agree to float32 rounding carried through a few steps (the bound the existing
 # DistributedMuon tests use); world size 1 and DTensor owners see the same bits.
@@ -110,7 +112,7 @@ def test_variants_world_size_one_distributed_is_bitwise():
 def _dtensor_worker(rank, world_size):
     init = _full_tensors(SHAPES, 0)
     out = {}
-    for name, kw in VARIANTS.items():
+    for name, kw in {**VARIANTS, **DTENSOR_ONLY}.items():
         ref = _reference(init, SHAPES, SPLITS, **kw)
         for kind in ("fsdp", "tp1"):
             mesh = init_device_mesh("cpu", (world_size,))
@@ -132,12 +134,18 @@ def _dtensor_worker(rank, world_size):
             out[(name, kind)] = _max_diff(full, ref)
             del named, full
             gc.collect()
+    plain = _reference(init, SHAPES, SPLITS)
+    out["qk_lr_scale_effect"] = _max_diff(
+        _reference(init, SHAPES, SPLITS, **DTENSOR_ONLY["qk_lr_scale"]), plain
+    )
     return out
 
 
 def test_variants_dtensor_muon_2_ranks():
     res = shared_pool(2).run(_dtensor_worker)[0]
-    assert {name for name, _ in res} == set(VARIANTS)
+    effect = res.pop("qk_lr_scale_effect")
+    assert {name for name, _ in res} == set(VARIANTS) | set(DTENSOR_ONLY)
+    assert effect > 1e-3  # the Q and K blocks moved further than without the option
     for key, diff in res.items():
         # DTensorMuon runs Newton–Schulz on whole matrices and elementwise math on shards:
         # the existing layouts are exact to 1e-6 (test_dtensor_muon.TOL); so are variants

@@ -13,6 +13,7 @@ options configure the training instead (:data:`muonscale.bench.config.TRAINING_O
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -76,7 +77,9 @@ def check_options(contender: str, options: Mapping[str, Any]) -> None:
     probe = torch.nn.Parameter(torch.zeros(4, 3))
     try:
         kwargs = to_muon_kwargs(options)
-        Muon([("probe.weight", probe)], **kwargs)
+        with warnings.catch_warnings():  # the probe has no QKV blocks for qk_lr_scale
+            warnings.filterwarnings("ignore", "qk_lr_scale=", UserWarning)
+            Muon([("probe.weight", probe)], **kwargs)
     except (ValueError, TypeError) as error:
         raise ValueError(f"--variants {contender}: {error}") from error
 

@@ -55,7 +55,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .. import functional
 from ..newton_schulz import default_ns_dtype
 from ..optimizer import Muon
-from ..scaling import update_scale
+from ..scaling import matrix_update_scales, update_scale
 from ..variants import (  # [variants]
     row_factors,
     row_statistics,
@@ -561,7 +561,8 @@ class DTensorMuon(Muon):
             if len(mats) == 1 and view.row_partition is None and not view.transposed:
                 out.append(mats[0].reshape(whole[slot].shape))
             else:
-                scaled = [m * update_scale(group["scale"], *m.shape) for m in mats]
+                scales = matrix_update_scales(group["scale"], view, group.get("qk_lr_scale", 1.0))
+                scaled = [m * s for m, s in zip(mats, scales)]
                 out.append(view.from_matrices(scaled).reshape(whole[slot].shape))
         return out
 

@@ -76,6 +76,7 @@ def test_from_megatron_reads_optimizer_config():
         (dict(row_beta2=1.0), "row_beta2"),
         (dict(cautious_weight_decay="yes"), "cautious_weight_decay"),
         (dict(preconditioner="spectral"), "preconditioner"),
+        (dict(qk_lr_scale=-1.0), "qk_lr_scale"),
     ],
 )
 def test_config_errors_name_the_option(kwargs, match):

@@ -2,7 +2,8 @@
 rows, linear_proj / linear_fc2 by columns) end where single-process :class:`muonscale.Muon`
 ends on the same full model and gradients: NorMuon (row statistics of a split matrix reduced
 over the TP group), cautious weight decay (elementwise on shards) and the AOL preconditioner
-(whole matrices at the owner). ZeRO-1 (TP 2 × DP 2) too, for NorMuon's owner-held moments."""
+(whole matrices at the owner), and ``qk_lr_scale`` (the Q and K pieces of each rank's
+linear_qkv shard). ZeRO-1 (TP 2 × DP 2) too, for NorMuon's owner-held moments."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ VARIANTS = {
     "cautious": dict(cautious_weight_decay=True),
     "aol": dict(preconditioner="aol"),
     "all": dict(normalize="row", cautious_weight_decay=True, preconditioner="aol"),
+    "qk_lr_scale": dict(qk_lr_scale=2.0),  # Q and K blocks of the split linear_qkv
 }
 LARGEST_DIM = 256
 """The longest side of a TINY matrix (gated fc1: 2·128 × 64): the longest dot product."""

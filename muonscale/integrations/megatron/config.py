@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import torch
 
 from muonscale.newton_schulz import COEFFICIENT_PRESETS, Coefficients
+from muonscale.optimizer_options import check_range
 from muonscale.qkv import QKV_SPLIT_MODES
 from muonscale.scaling import SCALE_RULES
 from muonscale.variants import NORMUON_BETA2, Normalize, Preconditioner, validate_variant_options
@@ -186,6 +188,9 @@ class MegatronMuonConfig:
     preconditioner: Preconditioner = "frobenius"
     """Newton–Schulz input scaling: ``"frobenius"`` or Turbo-Muon's ``"aol"`` (whole matrices,
     at the owner rank in ``"exact"`` mode)."""
+    qk_lr_scale: float = 1.0
+    """Learning-rate multiplier of the Q and K blocks of a split ``linear_qkv`` (see
+    :class:`muonscale.Muon`)."""
     dp_mode: str = "auto"
     """``"zero1"``: :class:`muonscale.DistributedMuon` over Megatron's DP group (reduce-scatter
     to owners, ZeRO-1); ``"replicated"``: every DP replica runs the step; ``"auto"``: zero1
@@ -222,6 +227,7 @@ class MegatronMuonConfig:
             raise ValueError(f"dp_mode must be one of {DP_MODES}, got {self.dp_mode!r}")
         if self.qkv_split not in QKV_SPLIT_MODES:
             raise ValueError(f"qkv_split must be one of {QKV_SPLIT_MODES}, got {self.qkv_split!r}")
+        check_range("qk_lr_scale", self.qk_lr_scale, 0.0, math.inf)
         if self.scale not in SCALE_RULES:
             hint = ""
             if self.scale in MEGATRON_SCALE_MODES:

@@ -51,6 +51,7 @@ def muon_arguments(
         row_beta2=config.row_beta2,
         cautious_weight_decay=config.cautious_weight_decay,
         preconditioner=config.preconditioner,
+        qk_lr_scale=config.qk_lr_scale,
     )
     return param_groups, options
 
@@ -176,11 +177,12 @@ class TensorParallelOrthogonalizer:
         # s(m, n) from the matrix's *global* shape
         extra = self.config.muon_extra_scale_factor
         updates = []
+        qk_lr_scale = group.get("qk_lr_scale", 1.0)
         for direction, view, entries in zip(directions, views, slots):
             scaled = [
                 results[kind][slot].to(direction.dtype)
-                * (update_scale(group["scale"], *full) * extra)
-                for kind, slot, full in entries
+                * (update_scale(group["scale"], *full) * extra * factor)
+                for (kind, slot, full), factor in zip(entries, view.lr_factors(qk_lr_scale))
             ]
             updates.append(view.from_matrices(scaled).reshape(direction.shape))
         return updates
