@@ -150,3 +150,12 @@ def test_option_reaches_every_layout(results, case):
     assert r["from_default"] > MIN_EFFECT, r  # the option changes the update
     assert r["dp"] == 0.0, r  # DistributedMuon owners
     assert r["dtensor"] == 0.0, r  # DTensorMuon on FSDP2 shards
+
+
+def test_qk_lr_scale_reaches_every_layout_at_four_ranks():
+    """At 4 ranks the 12-row QKV weight is sharded 3 rows a rank (FSDP2): each rank holds a
+    piece of one block, and the owners still scale only the Q and K blocks."""
+    with WorkerPool(4) as pool:
+        r = pool.run(options_worker, ["qk_lr_scale"])[0]["qk_lr_scale"]
+    assert r["from_default"] > MIN_EFFECT, r
+    assert r["dp"] == 0.0 and r["dtensor"] == 0.0, r
