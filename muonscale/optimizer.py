@@ -135,8 +135,8 @@ class Muon(torch.optim.Optimizer):
         qkv_split: with a ``QKVLayout`` spec: ``"qkv"`` (Q, K, V blocks) or ``"head"`` (each head).
         qk_lr_scale: learning-rate multiplier of the query and key blocks of weights split by a
             ``QKVLayout`` (1: none); value blocks and other matrices keep the group's lr. Larger
-            values shorten the early loss plateau that attention must leave; see
-            ``docs/variants.md`` for what it gains and costs.
+            values shorten the early loss plateau that attention must leave, and can cost
+            in longer runs; ``docs/variants.md`` has what it gains and costs.
         matrix_mode: parameters with > 2 dims: ``"flatten"`` trailing dims into one matrix
             (conv kernels) or ``"batch"`` (leading dims index separate matrices: stacked experts).
         rules: routing overrides for :func:`muonscale.route` (regex or callables).
