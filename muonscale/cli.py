@@ -120,7 +120,7 @@ def _train(args: argparse.Namespace) -> int:
     from muonscale.train.config import TrainConfig
 
     config = _config_or_exit(TrainConfig, args)
-    from muonscale.train.trainer import CheckpointExistsError, TrainingRun
+    from muonscale.train.trainer import NonFiniteLossError, TrainingRun
 
     if config.parallel != "none":
         from muonscale.train.parallel import torchrun_environment
@@ -133,7 +133,7 @@ def _train(args: argparse.Namespace) -> int:
     try:
         run = TrainingRun(config)
         summary = run.run(progress=args.progress)
-    except (CheckpointExistsError, CheckpointError, FileNotFoundError) as error:
+    except (OSError, CheckpointError, NonFiniteLossError) as error:  # each names its file
         print(f"muonscale train: error: {error}", file=sys.stderr)
         return 1
     except ValueError as error:  # e.g. micro-batch not divisible by the number of ranks

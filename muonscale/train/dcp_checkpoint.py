@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from muonscale.train.checkpoint import CheckpointError, _fsync_folder, _write_durably
@@ -107,6 +108,34 @@ def _finish_on_rank0(
             shutil.rmtree(old, ignore_errors=True)
 
 
+def _last_good(root: Path) -> str:
+    try:
+        pointer = json.loads((root / LATEST).read_text())
+        return f"{root / LATEST} still names the last good checkpoint, step {pointer['step']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"no earlier checkpoint in {root} ({LATEST} absent or unreadable)"
+
+
+def _save_failure(temporary: Path, root: Path, exc: CheckpointException) -> str:
+    """Rank 0: the message for a failed ``dcp.save`` (the first failure's reason; "No space
+    left on device" also when torch's writer hid it: a probe write in the folder fails so),
+    after removing the partial folder to give the space back."""
+    failures = [failure for failure, _ in exc.failures.values()]
+    reasons = [f.strerror for f in failures if isinstance(f, OSError) and f.strerror]
+    if not reasons:
+        try:
+            _write_durably(temporary / ".space-probe", bytes(1 << 16))
+        except OSError as probe:
+            reasons = [probe.strerror or str(probe)]
+    reason = reasons[0] if reasons else f"{type(failures[0]).__name__}: {failures[0]}"
+    shutil.rmtree(temporary, ignore_errors=True)
+    ranks = ", ".join(map(str, sorted(exc.failures)))
+    return (
+        f"could not write checkpoint {temporary} (ranks {ranks}): {reason}; the partial "
+        f"folder was removed, and {_last_good(root)}"
+    )
+
+
 def write_sharded(
     parallel: Parallelism,
     root: Path,
@@ -131,17 +160,19 @@ def write_sharded(
             error = f"could not create checkpoint folder {temporary}: {exc}"
     _agree_on_error(parallel, error, OSError)
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=str(temporary))
+    try:
+        dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=str(temporary))
+    except CheckpointException as exc:  # raised on every rank, naming the ranks that failed
+        error = _save_failure(temporary, root, exc) if parallel.rank == 0 else None
+    _agree_on_error(parallel, error, OSError)
     parallel.barrier()
     if parallel.rank == 0:
         try:
             _finish_on_rank0(temporary, final, root, step, trainer_state)
         except OSError as exc:
+            shutil.rmtree(temporary, ignore_errors=True)
             reason = exc.strerror or str(exc)
-            error = (
-                f"could not write checkpoint {final}: {reason}; {root / LATEST} (if any) still "
-                "names the previous checkpoint"
-            )
+            error = f"could not write checkpoint {final}: {reason}; {_last_good(root)}"
     _agree_on_error(parallel, error, OSError)
     return final
 

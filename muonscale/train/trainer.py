@@ -26,12 +26,11 @@ import torch
 
 from muonscale.qk_clip import QKClip
 from muonscale.train.checkpoint import FORMAT as CHECKPOINT_FORMAT
-from muonscale.train.checkpoint import read_checkpoint, write_checkpoint
+from muonscale.train.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from muonscale.train.config import TrainConfig
 from muonscale.train.data import ByteTokenizer, TokenDataset, load_corpus
 from muonscale.train.dcp_checkpoint import FOLDER as SHARDED_FOLDER
 from muonscale.train.dcp_checkpoint import (
-    has_checkpoint,
     load_sharded,
     verify_sharded,
     write_sharded,
@@ -39,6 +38,13 @@ from muonscale.train.dcp_checkpoint import (
 from muonscale.train.model import GPT
 from muonscale.train.optimizers import build_optimizer, optimizer_state_bytes
 from muonscale.train.parallel import Parallelism
+from muonscale.train.run_guards import (
+    CheckpointExistsError,
+    auto_resume_path,
+    check_not_overwriting,
+    check_writable,
+    first_nonfinite,
+)
 from muonscale.train.run_log import MetricsLog, progress_bar
 from muonscale.train.schedule import LRSchedule, build_scheduler
 from muonscale.train.stop_signals import StopSignals
@@ -60,12 +66,11 @@ class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or inf; no optimizer step was taken for it."""
 
 
-class CheckpointExistsError(FileExistsError):
-    """A new run (no ``resume``, no ``overwrite``) would replace an earlier run's checkpoint."""
-
-
 # Hyperparameters a resumed run may change; they are applied (the checkpoint's are replaced).
 RESUMABLE_CHANGES = ("lr", "adamw_lr", "weight_decay", "adamw_betas", "momentum", "ns_steps")
+# Settings a resumed run may change that steer the data rather than the optimizer: the data
+# order is a function of (seed, step), so a new seed, corpus or batch takes effect at once.
+DATA_CHANGES = ("seed", "data", "tokens_per_step")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,6 +119,24 @@ class RunSummary:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (FSDP2 parameters), else ``t``."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _changes(saved: TrainConfig, now: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """Settings of ``now`` that differ from the checkpoint's ``saved``: name -> (saved, now);
+    tokens_per_step compared as the tokens each step really takes."""
+    changes = {
+        name: (getattr(saved, name), getattr(now, name))
+        for name in RESUMABLE_CHANGES + DATA_CHANGES
+        if getattr(saved, name) != getattr(now, name)
+    }
+    effective = (
+        saved.tokens_per_micro_batch * saved.gradient_accumulation_steps,
+        now.tokens_per_micro_batch * now.gradient_accumulation_steps,
+    )
+    changes.pop("tokens_per_step", None)
+    if effective[0] != effective[1]:
+        changes["tokens_per_step"] = effective
+    return changes
 
 
 def resolve_device(name: str) -> torch.device:
@@ -407,6 +430,7 @@ class TrainingRun:
             self._check_compatible(path, TrainConfig.from_dict(state["config"]))
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
+        self._check_loaded_finite(path)
         saved = TrainConfig.from_dict(state["config"])
         if len(self.optimizer.param_groups) != len(fresh_groups):
             raise ValueError(
@@ -421,11 +445,21 @@ class TrainingRun:
             torch.cuda.set_rng_state_all([s.cpu() for s in state["rng"]["cuda"]])
         self.step_count = int(state["step"])
         self.last_checkpoint = (str(path), self.step_count)
-        self.resume_changes = {
-            name: (getattr(saved, name), getattr(self.config, name))
-            for name in RESUMABLE_CHANGES
-            if getattr(saved, name) != getattr(self.config, name)
-        }
+        self.resume_changes = _changes(saved, self.config)
+
+    def _check_loaded_finite(self, path: Path) -> None:
+        """Refuse (:class:`CheckpointError`) a checkpoint whose parameters or optimizer state
+        hold NaN/inf, naming the tensor: training on it could never be saved."""
+        bad = first_nonfinite(self.model, self.optimizer)
+        if self.parallel is not None:  # every rank raises the same error
+            bad = next((b for b in self.parallel.comm.all_gather_object(bad) if b), None)
+        if bad is not None:
+            name, count, total = bad
+            raise CheckpointError(
+                f"checkpoint {path} holds NaN/inf in {name} ({count:,} of {total:,} entries); "
+                "refusing to resume from it: its parameters could never be saved again. Resume "
+                "from an earlier checkpoint, or start anew with --overwrite"
+            )
 
     def _check_compatible(self, path: Path, saved: TrainConfig) -> None:
         """Same model shape, optimizer and parallel mode as the checkpoint's, else ValueError.
@@ -456,33 +490,41 @@ class TrainingRun:
         self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     # ------------------------------------------------------------------ the loop
-    def _checkpoint_exists(self, checkpoint_path: Path) -> bool:
-        if self.parallel is not None:
-            return has_checkpoint(checkpoint_path)
-        return checkpoint_path.exists()
-
-    def _resume_path(self, checkpoint_path: Path | None) -> Path | None:
+    def _resume_path(self, out_dir: Path | None, checkpoint_path: Path | None) -> Path | None:
         resume = self.config.resume
         if resume is None:
             return None
         if resume == "auto":
-            return (
-                checkpoint_path
-                if checkpoint_path is not None and self._checkpoint_exists(checkpoint_path)
-                else None
+            other = SHARDED_FOLDER if self.parallel is None else CHECKPOINT_NAME
+            return auto_resume_path(
+                checkpoint_path,
+                out_dir / other if out_dir else None,
+                parallel=self.parallel is not None,
             )
         return Path(resume)
 
-    def _check_not_overwriting(self, checkpoint_path: Path | None) -> None:
-        config = self.config
-        if checkpoint_path is None or config.resume is not None or config.overwrite:
+    def _check_out_dir(self, checkpoint_path: Path | None, resume_path: Path | None) -> None:
+        """Before training: the run may save to ``checkpoint_path`` and can (rank 0 checks;
+        every rank raises the same error)."""
+        if checkpoint_path is None:
             return
-        if self._checkpoint_exists(checkpoint_path):
-            raise CheckpointExistsError(
-                f"{checkpoint_path} holds an earlier run's checkpoint; pass --resume auto to "
-                "continue that run, another --out-dir to start a new one next to it, or "
-                "--overwrite to replace it"
-            )
+        error = None
+        if self.rank == 0:
+            try:
+                check_writable(checkpoint_path, folder=self.parallel is not None)
+                check_not_overwriting(
+                    checkpoint_path,
+                    resume_path,
+                    resume=self.config.resume,
+                    overwrite=self.config.overwrite,
+                    parallel=self.parallel is not None,
+                )
+            except OSError as exc:
+                error = exc
+        if self.parallel is not None:
+            error = self.parallel.broadcast_object(error)
+        if error is not None:
+            raise error
 
     def run(self, progress: bool = True) -> RunSummary:
         """Train until ``config.steps``: evaluate every ``eval_every`` steps and at the end, log
@@ -494,14 +536,15 @@ class TrainingRun:
         that save are deferred until it is written. A NaN/inf loss raises
         :class:`NonFiniteLossError` and leaves the last good checkpoint in place. Refuses
         (:class:`CheckpointExistsError`) to start a new run over an earlier run's checkpoint
-        unless ``config.resume`` or ``config.overwrite`` is set."""
+        unless it resumes from that checkpoint or ``config.overwrite`` is set, and (``OSError``)
+        when the checkpoint could not be written; both before any training."""
         config = self.config
         started = time.perf_counter()
         out_dir = Path(config.out_dir) if config.out_dir else None
         name = SHARDED_FOLDER if self.parallel is not None else CHECKPOINT_NAME
         checkpoint_path = out_dir / name if out_dir else None
-        self._check_not_overwriting(checkpoint_path)
-        resume_path = self._resume_path(checkpoint_path)
+        resume_path = self._resume_path(out_dir, checkpoint_path)
+        self._check_out_dir(checkpoint_path, resume_path)
         if resume_path is not None:
             self.load_checkpoint(resume_path)
             for name, (saved, now) in self.resume_changes.items():

@@ -1,0 +1,148 @@
+"""Checks a ``muonscale train`` run makes before its first step, so no run ends unsaved.
+
+Each function raises an error naming the paths involved, or returns: the out-dir's checkpoint
+belongs to this run or may be replaced (:func:`check_not_overwriting`), it can be written
+(:func:`check_writable`), ``--resume auto`` finds a checkpoint of this run's kind
+(:func:`auto_resume_path`), and a loaded state holds only finite values
+(:func:`first_nonfinite`).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from muonscale.train.checkpoint import CheckpointError
+
+__all__ = [
+    "CheckpointExistsError",
+    "auto_resume_path",
+    "check_not_overwriting",
+    "check_writable",
+    "first_nonfinite",
+]
+
+
+class CheckpointExistsError(FileExistsError):
+    """A run would replace another run's checkpoint (no ``--overwrite``)."""
+
+
+def _kind(parallel: bool) -> str:
+    return "--parallel" if parallel else "single-process"
+
+
+def _has(path: Path, parallel: bool) -> bool:
+    """Whether ``path`` holds a checkpoint of the kind ``parallel`` names."""
+    from muonscale.train.dcp_checkpoint import has_checkpoint
+
+    return has_checkpoint(path) if parallel else path.exists()
+
+
+def auto_resume_path(checkpoint_path: Path | None, other_path: Path | None, *, parallel: bool):
+    """``checkpoint_path`` when it holds a checkpoint, None when the out-dir holds none; raise
+    :class:`CheckpointError` when it holds only a checkpoint of the other kind
+    (``other_path``: ``checkpoint.pt`` of a single-process run, ``checkpoints/`` of a
+    ``--parallel`` run), which this run cannot continue."""
+    if checkpoint_path is None:
+        return None
+    if _has(checkpoint_path, parallel):
+        return checkpoint_path
+    if other_path is not None and _has(other_path, not parallel):
+        fix = (
+            "rerun without --parallel"
+            if parallel
+            else "rerun under torchrun with the --parallel mode it was saved with"
+        )
+        raise CheckpointError(
+            f"--resume auto found {other_path}, the checkpoint of a {_kind(not parallel)} run, "
+            f"and no {checkpoint_path}: this {_kind(parallel)} run cannot continue it; {fix}, "
+            "or choose another --out-dir to start a new run"
+        )
+    return None
+
+
+def _same_checkpoint(resume_path: Path, checkpoint_path: Path, *, parallel: bool) -> bool:
+    """Whether resuming from ``resume_path`` continues the checkpoint at ``checkpoint_path``
+    (under --parallel also one of its step folders)."""
+    resume, target = resume_path.resolve(), checkpoint_path.resolve()
+    return resume == target or (parallel and resume.parent == target)
+
+
+def check_not_overwriting(
+    checkpoint_path: Path | None,
+    resume_path: Path | None,
+    *,
+    resume: str | None,
+    overwrite: bool,
+    parallel: bool,
+) -> None:
+    """Refuse (:class:`CheckpointExistsError`) a run whose saves would replace the checkpoint
+    at ``checkpoint_path`` although it neither resumes from it nor has ``overwrite``."""
+    if checkpoint_path is None or overwrite or not _has(checkpoint_path, parallel):
+        return
+    if resume_path is not None and _same_checkpoint(
+        resume_path, checkpoint_path, parallel=parallel
+    ):
+        return
+    if resume is None or resume_path is None:
+        raise CheckpointExistsError(
+            f"{checkpoint_path} holds an earlier run's checkpoint; pass --resume auto to "
+            "continue that run, another --out-dir to start a new one next to it, or "
+            "--overwrite to replace it"
+        )
+    raise CheckpointExistsError(
+        f"--resume {resume_path} would save its continuation over {checkpoint_path}, which "
+        f"holds another run's checkpoint; pass --out-dir {resume_path.parent} to continue "
+        f"{resume_path.name} where it is, another --out-dir to keep both, or --overwrite to "
+        f"replace {checkpoint_path}"
+    )
+
+
+def check_writable(checkpoint_path: Path, *, folder: bool) -> None:
+    """Create the folder that will hold ``checkpoint_path`` and write a file in it; raise
+    ``OSError`` naming the path when a checkpoint could not be saved there (``folder``: the
+    checkpoint is a folder, as under --parallel, else a file)."""
+    where = checkpoint_path if folder else checkpoint_path.parent
+    if checkpoint_path.exists() and checkpoint_path.is_dir() != folder:
+        expected = "a folder" if folder else "a file"
+        found = "a folder" if checkpoint_path.is_dir() else "a file"
+        raise OSError(
+            f"checkpoint target {checkpoint_path} is {found}, expected {expected}: no "
+            "checkpoint could be saved there; move it away or choose another --out-dir"
+        )
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as error:
+        raise OSError(
+            error.errno,
+            f"checkpoints cannot be written to {where} ({error.strerror or error}); "
+            "choose another --out-dir",
+        ) from error
+
+
+def _floating(values: Iterable) -> Iterable[tuple[str, torch.Tensor]]:
+    for name, value in values:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            yield name, value.to_local() if hasattr(value, "to_local") else value
+
+
+def first_nonfinite(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[str, int, int] | None:
+    """(name, non-finite entries, entries) of the first parameter or optimizer state tensor
+    holding NaN or inf (this process's shards under FSDP2), or None when all are finite."""
+    names = {p: name for name, p in model.named_parameters()}
+    tensors = list(_floating(model.named_parameters()))
+    for p, state in optimizer.state.items():
+        owner = names.get(p, "a parameter")
+        tensors += _floating((f"optimizer state {key!r} of {owner}", v) for key, v in state.items())
+    for name, tensor in tensors:
+        bad = int((~torch.isfinite(tensor)).sum())
+        if bad:
+            return name, bad, tensor.numel()
+    return None

@@ -1,0 +1,213 @@
+"""``muonscale train`` refuses, before its first step, every run that could not be saved or
+would replace another run's checkpoint, and says what it found.
+
+Oracles: the bytes of the checkpoint already there (unchanged), the metrics (no step was
+trained), the messages (they name the files and tensors), and for ``--qk-clip`` under
+``--parallel fsdp`` single-process Muon + QK-clip (bitwise, as tests/test_options_reach_layouts.py
+holds DTensorMuon to). The data-loss cases run the real CLI (``muonscale.cli.main``) on a
+one-layer model in a temporary folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from muonscale.cli import main
+from muonscale.train.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from muonscale.train.config import TrainConfig
+from muonscale.train.data import load_corpus
+from muonscale.train.run_guards import check_writable
+from muonscale.train.trainer import TrainingRun
+
+pytestmark = pytest.mark.timeout(240)
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = dict(
+    n_layer=1,
+    d_model=32,
+    n_head=2,
+    context_length=16,
+    micro_batch_size=2,
+    eval_every=0,
+    eval_batches=1,
+    warmup_steps=1,
+    log_every=1,
+    device="cpu",
+)
+FLAGS = [f"--{name.replace('_', '-')}={value}" for name, value in TINY.items()] + ["--no-progress"]
+
+
+def _train(out_dir: Path, *args: str) -> int:
+    return main(["train", *FLAGS, "--out-dir", str(out_dir), *args])
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _trained_steps(out_dir: Path) -> list[int]:
+    metrics = out_dir / "metrics.jsonl"
+    if not metrics.exists():
+        return []
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r["step"] for r in records if r["event"] == "train"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------ --resume OTHER
+def test_resuming_another_run_does_not_replace_this_out_dirs_checkpoint(tmp_path, capsys):
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert _train(first, "--steps", "3") == 0
+    assert _train(second, "--steps", "2") == 0
+    kept, source = second / "checkpoint.pt", first / "checkpoint.pt"
+    before = _digest(kept)
+    capsys.readouterr()
+
+    assert _train(second, "--resume", str(source), "--steps", "4") == 1
+    message = capsys.readouterr().err
+    assert str(source) in message and str(kept) in message and "--overwrite" in message
+    assert _digest(kept) == before and _trained_steps(second) == [1, 2]  # nothing trained
+
+    # allowed: the out-dir's own checkpoint, an out-dir without one, or --overwrite
+    assert _train(second, "--resume", str(kept), "--steps", "3") == 0
+    assert read_checkpoint(kept)["step"] == 3
+    assert _train(tmp_path / "third", "--resume", str(source), "--steps", "4") == 0
+    assert read_checkpoint(tmp_path / "third" / "checkpoint.pt")["step"] == 4
+    assert _train(second, "--resume", str(source), "--steps", "5", "--overwrite") == 0
+    assert read_checkpoint(kept)["step"] == 5
+    assert _digest(source) != _digest(kept) and read_checkpoint(source)["step"] == 3
+
+
+# ------------------------------------------------------------------ an unwritable target
+@pytest.mark.parametrize("overwrite", [True, False])
+def test_a_folder_where_the_checkpoint_goes_is_refused_before_training(tmp_path, capsys, overwrite):
+    (tmp_path / "checkpoint.pt").mkdir()
+    flags = ["--overwrite"] if overwrite else []
+    assert _train(tmp_path, "--steps", "3", *flags) == 1
+    message = capsys.readouterr().err
+    assert f"{tmp_path / 'checkpoint.pt'} is a folder, expected a file" in message
+    assert _trained_steps(tmp_path) == []
+
+
+def test_a_file_where_the_parallel_checkpoints_go_is_refused(tmp_path):
+    (tmp_path / "checkpoints").write_text("not a folder")
+    with pytest.raises(OSError, match=r"checkpoints is a file, expected a folder"):
+        check_writable(tmp_path / "checkpoints", folder=True)
+    check_writable(tmp_path / "new" / "checkpoints", folder=True)  # created and writable
+    assert (tmp_path / "new" / "checkpoints").is_dir()
+
+
+# ------------------------------------------------------------------ a NaN checkpoint
+def _poison(state: dict, where: str) -> str:
+    """Put a NaN into the checkpoint ``state``; return the tensor's name in the message."""
+    if where == "parameter":  # byte 255 never occurs in UTF-8 text: no batch reads that row
+        state["model"]["wte.weight"][255, 0] = float("nan")
+        return "wte.weight"
+    entry = next(iter(state["optimizer"]["state"].values()))
+    key = next(k for k, v in entry.items() if torch.is_tensor(v) and v.is_floating_point())
+    entry[key].view(-1)[0] = float("nan")
+    return f"optimizer state {key!r}"
+
+
+@pytest.mark.parametrize("where", ["parameter", "optimizer"])
+def test_a_nan_checkpoint_is_refused_at_resume_naming_the_tensor(tmp_path, capsys, where):
+    assert _train(tmp_path, "--steps", "2") == 0
+    checkpoint = tmp_path / "checkpoint.pt"
+    state = read_checkpoint(checkpoint)
+    name = _poison(state, where)
+    write_checkpoint(state, checkpoint)
+    before = _digest(checkpoint)
+    capsys.readouterr()
+
+    assert _train(tmp_path, "--resume", "auto", "--steps", "6") == 1
+    message = capsys.readouterr().err
+    assert f"{checkpoint} holds NaN/inf in {name}" in message, message
+    assert "last good" not in message  # the NaN checkpoint is not called good
+    assert _digest(checkpoint) == before and _trained_steps(tmp_path) == [1, 2]
+
+
+# ------------------------------------------------------------------ the other kind, auto
+@contextmanager
+def _one_rank_group(tmp_path: Path):
+    """A gloo group of one process (this one), as torchrun would give a --parallel run."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(out_dir: Path, **overrides) -> TrainingRun:
+    config = TrainConfig(**{**TINY, "steps": 2, "out_dir": str(out_dir), **overrides})
+    return TrainingRun(config, text=load_corpus())
+
+
+def test_resume_auto_refuses_a_checkpoint_of_the_other_kind(tmp_path):
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    _run(single).run(progress=False)
+    with _one_rank_group(tmp_path):
+        run = _run(sharded, parallel="dp")
+        try:
+            run.run(progress=False)
+        finally:
+            run.close()
+        run = _run(single, parallel="dp", resume="auto", steps=4)
+        try:
+            with pytest.raises(CheckpointError, match=r"found .*single.checkpoint\.pt, the "):
+                run.run(progress=False)
+            assert run.step_count == 0
+        finally:
+            run.close()
+    run = _run(sharded, resume="auto", steps=4)
+    with pytest.raises(CheckpointError, match=r"found .*sharded.checkpoints, the checkpoint of a "):
+        run.run(progress=False)
+    assert run.step_count == 0
+    assert _trained_steps(single) == [1, 2] and _trained_steps(sharded) == [1, 2]
+
+
+# ------------------------------------------------------------------ reported changes
+def test_resume_reports_a_new_seed_data_or_tokens_per_step(tmp_path, capsys):
+    _run(tmp_path).run(progress=False)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(load_corpus())
+    tokens = 2 * TINY["micro_batch_size"] * TINY["context_length"]
+    config = TrainConfig(
+        **{**TINY, "steps": 3, "out_dir": str(tmp_path), "resume": "auto"},
+        seed=7,
+        data=str(corpus),
+        tokens_per_step=tokens,
+    )
+    run = TrainingRun(config)
+    run.run(progress=False)
+    assert run.resume_changes["seed"] == (0, 7)
+    assert run.resume_changes["data"] == (None, str(corpus))
+    assert run.resume_changes["tokens_per_step"] == (tokens // 2, tokens)
+    err = capsys.readouterr().err
+    assert "resuming with seed=7 (the checkpoint had 0)" in err
+    assert f"resuming with tokens_per_step={tokens}" in err
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    start = [r for r in records if r["event"] == "start"][-1]
+    assert start["step"] == 2 and start["resume_changes"]["seed"] == [0, 7]
+
+
+def test_an_unchanged_batch_written_out_is_no_change(tmp_path):
+    _run(tmp_path).run(progress=False)
+    tokens = TINY["micro_batch_size"] * TINY["context_length"]  # what None means
+    run = _run(tmp_path, resume="auto", steps=3, tokens_per_step=tokens)
+    run.run(progress=False)
+    assert run.resume_changes == {}
