@@ -211,3 +211,21 @@ def test_an_unchanged_batch_written_out_is_no_change(tmp_path):
     run = _run(tmp_path, resume="auto", steps=3, tokens_per_step=tokens)
     run.run(progress=False)
     assert run.resume_changes == {}
+
+
+# ------------------------------------------------------------------ the BPE cache
+def test_a_truncated_bpe_cache_is_rebuilt_naming_the_file(tmp_path):
+    pytest.importorskip("tokenizers")
+    from muonscale.train.bpe import BPETokenizer
+
+    text = load_corpus()[:20_000]
+    first = BPETokenizer.trained_on(text, 300, directory=tmp_path)
+    (cached,) = tmp_path.glob("bpe-300-*.json")
+    whole = cached.read_bytes()
+    cached.write_bytes(whole[: len(whole) // 2])
+    with pytest.warns(UserWarning, match=rf"{cached}.*unreadable.*training it again"):
+        again = BPETokenizer.trained_on(text, 300, directory=tmp_path)
+    sample = text[:2000]
+    assert torch.equal(again.encode(sample), first.encode(sample))
+    assert cached.read_bytes() == whole  # replaced by the same tokenizer, whole
+    assert not list(tmp_path.glob(".*tmp*"))

@@ -3,13 +3,15 @@
 ``tokenizers`` is imported lazily (``pip install tokenizers``); the byte tokenizer needs
 nothing. A trained tokenizer is cached as JSON under the user cache folder
 (``$MUONSCALE_CACHE_DIR``, else ``$XDG_CACHE_HOME/muonscale``, else ``~/.cache/muonscale``),
-keyed by the corpus sha256 and the vocabulary size, never inside the package.
+keyed by the corpus sha256 and the vocabulary size, never inside the package; a cached file
+that cannot be read (truncated, damaged) is trained again and replaced, with a warning.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -68,7 +70,16 @@ class BPETokenizer:
         digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
         path = (directory or cache_dir() / "tokenizers") / f"bpe-{vocab_size}-{digest}.json"
         if path.exists():
-            return cls(tokenizers.Tokenizer.from_file(str(path)))
+            try:
+                tokenizer = tokenizers.Tokenizer.from_file(str(path))
+            except Exception as error:  # noqa: BLE001 - the Rust side raises bare Exception
+                warnings.warn(
+                    f"cached BPE tokenizer {path} is unreadable ({error}); training it again "
+                    "and replacing the file",
+                    stacklevel=2,
+                )
+            else:
+                return cls(tokenizer)
         tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
         tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = tokenizers.decoders.ByteLevel()
