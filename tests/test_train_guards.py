@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -229,3 +233,94 @@ def test_a_truncated_bpe_cache_is_rebuilt_naming_the_file(tmp_path):
     assert torch.equal(again.encode(sample), first.encode(sample))
     assert cached.read_bytes() == whole  # replaced by the same tokenizer, whole
     assert not list(tmp_path.glob(".*tmp*"))
+
+
+# ------------------------------------------------------------------ a full disk, --parallel
+def _unavailable(reason: str) -> None:
+    if os.environ.get("CI") == "true":  # CI runs as root and must run these
+        pytest.fail(f"CI must be able to mount a tmpfs: {reason}")
+    pytest.skip(reason)
+
+
+def _mount(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["mount", *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A 16 MiB tmpfs at ``tmp_path/disk``, unmounted afterwards even when the test fails."""
+    if os.geteuid() != 0:
+        _unavailable("mounting a tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    done = _mount("-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk))
+    if done.returncode:
+        _unavailable(f"mount -t tmpfs failed: {done.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        if subprocess.run(["umount", str(disk)], timeout=30).returncode:
+            subprocess.run(["umount", "-l", str(disk)], timeout=30)
+
+
+def _shrink_to(disk: Path, free_bytes: int) -> None:
+    """Remount ``disk`` so that about ``free_bytes`` stay free."""
+    stats = os.statvfs(disk)
+    used = (stats.f_blocks - stats.f_bfree) * stats.f_frsize
+    done = _mount("-o", f"remount,size={(used + free_bytes) // 1024}k", str(disk))
+    assert done.returncode == 0, done.stderr
+
+
+def _torchrun_train(out_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", "-m", "muonscale", "train", "--parallel", "dp"]
+    command += [*FLAGS, "--pg-timeout-s", "30", "--out-dir", str(out_dir), *args]
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        command, env=environment, capture_output=True, text=True, timeout=180, cwd=ROOT
+    )
+
+
+def test_a_full_disk_during_a_parallel_save_names_it_and_keeps_latest(tmpfs):
+    from muonscale.train.dcp_checkpoint import _verify
+
+    out_dir = tmpfs / "run"
+    with _one_rank_group(tmpfs.parent):  # the first 2 steps in this process: a world-size-1 save
+        run = _run(out_dir, parallel="dp")
+        try:
+            run.run(progress=False)
+        finally:
+            run.close()
+    root = out_dir / "checkpoints"
+    (folder,) = root.glob("step-*")
+    size = sum(f.stat().st_size for f in folder.iterdir())
+    _shrink_to(tmpfs, size // 2)  # room for half a checkpoint
+
+    full = _torchrun_train(out_dir, "--steps", "4", "--resume", "auto")
+    assert full.returncode != 0
+    assert "No space left on device" in full.stderr, full.stderr[-3000:]
+    assert f"{root / 'latest'} still names the last good checkpoint, step 2" in full.stderr
+    assert "CheckpointException" not in full.stderr and "]: Traceback" not in full.stderr
+    assert not list(root.glob(".step-*"))  # the partial folder gave its space back
+    verified, state = _verify(root)
+    assert verified == folder and state["step"] == 2
+
+
+def test_a_write_failure_torch_does_not_name_is_probed_for_space(tmpfs):
+    """torch's zip writer turns ENOSPC into "unexpected pos"; a probe write names it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from muonscale.train.dcp_checkpoint import _save_failure
+
+    root = tmpfs / "checkpoints"
+    temporary = root / ".step-00000004-0.tmp"
+    temporary.mkdir(parents=True)
+    with pytest.raises(OSError), open(tmpfs / "filler", "wb") as filler:
+        while True:
+            filler.write(bytes(1 << 20))
+            filler.flush()
+    hidden = RuntimeError("unexpected pos 704 vs 598")
+    failure = CheckpointException("save", {1: (hidden, traceback.StackSummary())})
+    message = _save_failure(temporary, root, failure)
+    assert message.startswith(f"could not write checkpoint {temporary} (on rank 1): No space")
+    assert "no earlier checkpoint" in message and not temporary.exists()

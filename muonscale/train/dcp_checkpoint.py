@@ -130,8 +130,9 @@ def _save_failure(temporary: Path, root: Path, exc: CheckpointException) -> str:
     reason = reasons[0] if reasons else f"{type(failures[0]).__name__}: {failures[0]}"
     shutil.rmtree(temporary, ignore_errors=True)
     ranks = ", ".join(map(str, sorted(exc.failures)))
+    on = f"on rank{'s' if len(exc.failures) > 1 else ''} {ranks}"
     return (
-        f"could not write checkpoint {temporary} (ranks {ranks}): {reason}; the partial "
+        f"could not write checkpoint {temporary} ({on}): {reason}; the partial "
         f"folder was removed, and {_last_good(root)}"
     )
 
