@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from distributed_harness import WorkerPool
 
 from muonscale.cli import main
 from muonscale.train.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
@@ -324,3 +325,79 @@ def test_a_write_failure_torch_does_not_name_is_probed_for_space(tmpfs):
     message = _save_failure(temporary, root, failure)
     assert message.startswith(f"could not write checkpoint {temporary} (on rank 1): No space")
     assert "no earlier checkpoint" in message and not temporary.exists()
+
+
+# ------------------------------------------------------------------ --qk-clip under fsdp
+QK_TAU = 0.01  # a quarter of the smallest initial maximum logit: the first step clips every head
+
+
+def qk_clip_fsdp_worker(rank, world_size, n_kv_head):
+    """The trainer's --parallel fsdp optimizer and QK-clip (row-sharded DTensor QKV weights)
+    against single-process Muon + QK-clip, given the same gradients and maxima."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    from muonscale.qk_clip import QKClip
+    from muonscale.train.model import GPT
+    from muonscale.train.optimizers import build_optimizer
+    from muonscale.train.parallel import Parallelism
+
+    # 6 heads of 8 (MHA: 3 x 48 QKV rows a head, GQA: 2 q + k + v per group): the 144 or 96
+    # rows split at row 72 or 48, inside a head's or a group's block
+    config = TrainConfig(
+        **{**TINY, "d_model": 48, "n_head": 6, "n_kv_head": n_kv_head, "n_layer": 2},
+        qk_clip=QK_TAU,
+        lr=0.02,
+        out_dir=None,
+    )
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(GPT(config.model_config()))
+    single, sharded = models
+    single_optimizer = build_optimizer("muon", single, config)
+    parallel = Parallelism("fsdp", device="cpu", pg_timeout_s=60)
+    sharded_optimizer = parallel.build(sharded, config)
+    single_clip = QKClip(single.qk_clip_targets(), tau=QK_TAU)
+    sharded_clip = QKClip(sharded.qk_clip_targets(), tau=QK_TAU)
+    tokens = torch.randint(0, 256, (3, 2, 17), generator=torch.Generator().manual_seed(1))
+    maxima = []
+    for batch in tokens:
+        _, loss = single(batch[:, :-1], batch[:, 1:], probe_max_logits=True)
+        loss.backward()
+        step_maxima = single.pop_max_attention_logits()
+        maxima.append(torch.stack(step_maxima).min().item())
+        gradients = {n: p.grad for n, p in single.named_parameters()}
+        for name, p in sharded.named_parameters():
+            whole = distribute_tensor(gradients[name], p.device_mesh, [Replicate()])
+            p.grad = whole.redistribute(p.device_mesh, p.placements)
+        single_optimizer.step()
+        single_clip([m.clone() for m in step_maxima])
+        sharded_optimizer.step()
+        sharded_clip([m.clone() for m in step_maxima])
+        single_optimizer.zero_grad(set_to_none=True)
+        sharded_optimizer.zero_grad(set_to_none=True)
+    sharded_params = dict(sharded.named_parameters())
+    differences = {}
+    for name, p in single.named_parameters():
+        other = sharded_params[name]
+        other = other.full_tensor() if isinstance(other, DTensor) else other
+        differences[name] = (p.detach() - other.detach()).abs().max().item()
+    parallel.close()
+    return {"differences": differences, "min_maxima": maxima}
+
+
+def qk_clip_fsdp_cases(rank, world_size):
+    return {n_kv_head: qk_clip_fsdp_worker(rank, world_size, n_kv_head) for n_kv_head in (6, 3)}
+
+
+@pytest.fixture(scope="module")
+def qk_clip_fsdp():
+    with WorkerPool(2) as pool:
+        return pool.run(qk_clip_fsdp_cases)[0]
+
+
+@pytest.mark.parametrize("n_kv_head", [6, 3], ids=["mha", "gqa"])
+def test_qk_clip_under_fsdp_at_two_ranks_equals_one_process(qk_clip_fsdp, n_kv_head):
+    result = qk_clip_fsdp[n_kv_head]
+    assert result["min_maxima"][0] > QK_TAU  # every head clipped at the first step
+    assert result["differences"] == dict.fromkeys(result["differences"], 0.0)
