@@ -43,6 +43,7 @@ from .optimizer_options import (  # noqa: F401 (NONFINITE_POLICIES, NS_METHODS: 
 from .optimizer_state import (
     MomentumStacks,
     check_loadable,
+    parameter_states,
     pickled_extras,
     restore_loaded,
     restore_unpickled,
@@ -593,7 +594,7 @@ class Muon(torch.optim.Optimizer):
         """Exact bytes held by state tensors."""
         return sum(
             v.numel() * v.element_size()
-            for s in self.state.values()
+            for s in parameter_states(self)
             for v in s.values()
             if isinstance(v, torch.Tensor)
         )
