@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import functional
+from ..compile_boundary import eager_under_compile
 from ..kernels import clear_workspaces
 from ..matrices import MatrixView
 from ..memory import chunk_bytes_for, group_by_budget
@@ -428,6 +429,7 @@ class DistributedMuon(Muon):
         }
 
     # ================================================================ step
+    @eager_under_compile
     @torch.no_grad()
     def step(self, closure=None):
         """Reduce (if backward did not finish it), agree on non-finite gradients, update owned
