@@ -17,6 +17,7 @@ import torch
 from . import functional
 from .backward_ns import BackwardOrthogonalizer
 from .capturable import DeviceNonFiniteGuard
+from .compile_boundary import eager_under_compile
 from .kernels import ElementwiseBackend, clear_workspaces, elementwise_backend_from_environment
 from .matrices import MatrixView
 from .memory import MemoryBudget
@@ -43,6 +44,7 @@ from .optimizer_options import (  # noqa: F401 (NONFINITE_POLICIES, NS_METHODS: 
 from .optimizer_state import (
     MomentumStacks,
     check_loadable,
+    parameter_states,
     pickled_extras,
     restore_loaded,
     restore_unpickled,
@@ -593,7 +595,7 @@ class Muon(torch.optim.Optimizer):
         """Exact bytes held by state tensors."""
         return sum(
             v.numel() * v.element_size()
-            for s in self.state.values()
+            for s in parameter_states(self)
             for v in s.values()
             if isinstance(v, torch.Tensor)
         )
@@ -677,9 +679,11 @@ class Muon(torch.optim.Optimizer):
             )
         self.skipped_steps += 1
 
+    @eager_under_compile
     @torch.no_grad()
     def step(self, closure=None):
-        """One optimization step over every group (see the class docstring)."""
+        """One optimization step over every group (see the class docstring). Under
+        ``torch.compile`` it runs eagerly (see :func:`eager_under_compile`)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -4,6 +4,7 @@ re-binding the groups to replaced parameter objects."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -149,9 +150,42 @@ def split_by_algorithm(
     return out
 
 
+_LIGHTNING_FIX = (
+    "In a LightningModule, return muonscale.integrations.lightning.configure_optimizers(self, "
+    "lr=...) from configure_optimizers: it routes by name."
+)
+FRAMEWORK_FIXES = {  # calling module prefix -> the fix its users can apply
+    "transformers.": (
+        "Under the Hugging Face Trainer, pass optimizer_cls_and_kwargs=("
+        "muonscale.integrations.hf.MuonFactory, muonscale.integrations.hf.muon_kwargs(args)) "
+        "instead of muonscale.Muon: the factory sees the model and routes by name."
+    ),
+    "lightning.": _LIGHTNING_FIX,
+    "pytorch_lightning.": _LIGHTNING_FIX,
+}
+
+
+def framework_fix(max_depth: int = 64) -> str | None:
+    """The fix for a training framework that is building this optimizer (found among the
+    calling frames), or ``None``."""
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        module = frame.f_globals.get("__name__", "")
+        for prefix, fix in FRAMEWORK_FIXES.items():
+            if module.startswith(prefix):
+                return fix
+        frame = frame.f_back
+    return None
+
+
 def warn_unnamed(opt: Muon) -> None:
     if opt.unnamed_to_muon:
         message = FALLBACK_WARNING.format(n=opt.unnamed_to_muon)
+        fix = framework_fix()
+        if fix is not None:
+            message = f"{message} {fix}"
         warnings.warn(message, UserWarning, stacklevel=3)
         opt.unnamed_to_muon = 0
 

@@ -244,6 +244,13 @@ def with_group_defaults(
     return state_dict
 
 
+def parameter_states(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The per-parameter entries of ``opt.state``. torch lets other keys in (a
+    ``load_state_dict`` post-hook may write ``opt.state["flag"] = True``): they are kept, and
+    skipped here."""
+    return [s for k, s in opt.state.items() if isinstance(k, torch.Tensor)]
+
+
 def restore_loaded(opt: Muon, lrs: list[torch.Tensor]) -> None:
     """Undo what torch's ``load_state_dict`` changes: capturable lr tensors (``lrs``, the ones a
     graph captured) are written in place, step counters become tensors, and buffers get back
@@ -255,11 +262,11 @@ def restore_loaded(opt: Muon, lrs: list[torch.Tensor]) -> None:
         else:
             lr.fill_(loaded)
         group["lr"] = lr
-    for s in opt.state.values():  # AdamW's step saved as a Python number (older torch)
+    for s in parameter_states(opt):  # AdamW's step saved as a Python number (older torch)
         if "step" in s and not torch.is_tensor(s["step"]):
             s["step"] = torch.tensor(float(s["step"]), dtype=torch.float32)
     # torch casts floating state to the parameter's dtype; restore momentum_dtype.
-    for s in opt.state.values():  # [variants] NorMuon's row moment stays float32
+    for s in parameter_states(opt):  # [variants] NorMuon's row moment stays float32
         if "row_second_moment" in s:
             s["row_second_moment"] = s["row_second_moment"].float()
     for group in opt.param_groups:

@@ -273,6 +273,59 @@ def test_hooks_run():
     assert calls == ["pre", "post", "sd", "load"]
 
 
+def _load_pre_hook_returning_a_copy(optimizer, state_dict):
+    """torch's _load_state_dict_pre_hook2: the hook returns a modified deep copy."""
+    mine = copy.deepcopy(state_dict)
+    mine["param_groups"][0]["lr"] = 0.003
+    return mine
+
+
+def _load_post_hook_writing_state(optimizer):
+    """torch's _load_state_dict_post_hook: writes non-parameter keys into optimizer.state."""
+    optimizer.state["ran_load_state_dict_pre_hook2"] = optimizer.param_groups[0]["lr"] == 0.003
+    optimizer.state["ran_load_state_dict_post_hook"] = True
+
+
+def test_load_state_dict_post_hook():
+    """TestOptimRenewed.test_load_state_dict_post_hook."""
+    for inp in INPUTS:
+        param = torch.rand(2, 3, requires_grad=True)
+        opt = Muon([param], **inp.kwargs)
+        opt.register_load_state_dict_post_hook(_load_post_hook_writing_state)
+        opt.load_state_dict(opt.state_dict())
+        assert not opt.state["ran_load_state_dict_pre_hook2"]
+        assert opt.state["ran_load_state_dict_post_hook"]
+
+
+def test_load_state_dict_pre_post_hook():
+    """TestOptimRenewed.test_load_state_dict_pre_post_hook."""
+    for inp in INPUTS:
+        param = torch.rand(2, 3, requires_grad=True)
+        opt = Muon([param], **inp.kwargs)
+        opt.register_load_state_dict_pre_hook(_load_pre_hook_returning_a_copy)
+        opt.register_load_state_dict_post_hook(_load_post_hook_writing_state)
+        opt.load_state_dict(opt.state_dict())
+        assert opt.state["ran_load_state_dict_pre_hook2"]
+        assert opt.state["ran_load_state_dict_post_hook"]
+
+
+def test_non_parameter_state_keys_survive_steps_and_round_trips():
+    """Keys a hook wrote into ``opt.state`` stay through steps and state-dict round trips, and
+    leave the update and the state byte count alone."""
+    model, reference = _model(), _model()
+    opt = Muon(model.named_parameters())
+    ref = Muon(reference.named_parameters())
+    opt.register_load_state_dict_post_hook(_load_post_hook_writing_state)
+    for _ in range(2):
+        _steps(opt, model, n=1)
+        _steps(ref, reference, n=1)
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert opt.state["ran_load_state_dict_post_hook"] is True
+    assert opt.optimizer_state_bytes() == ref.optimizer_state_bytes()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-only case")
 def test_state_dict_with_cuda_params():
     """TestOptimRenewed.test_state_dict_with_cuda_params: a CPU state dict loads on CUDA."""

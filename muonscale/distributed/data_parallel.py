@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import functional
+from ..compile_boundary import eager_under_compile
 from ..kernels import clear_workspaces
 from ..matrices import MatrixView
 from ..memory import chunk_bytes_for, group_by_budget
@@ -392,9 +393,17 @@ class DistributedMuon(Muon):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load full state (from this class, :class:`muonscale.Muon`, or DCP's
-        ``set_state_dict``); every rank keeps its part. No collectives."""
+        ``set_state_dict``); every rank keeps its part. No collectives. torch's
+        ``load_state_dict`` pre- and post-hooks run around it, as torch runs them."""
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            returned = pre_hook(self, state_dict)
+            if returned is not None:
+                state_dict = returned
         self._prepared_state = None
         dp_checkpoint.load_full_state(self, state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def ownership_table(self) -> str:
         """Which rank owns which Muon parameter, with NS FLOPs and elements per rank."""
@@ -428,6 +437,7 @@ class DistributedMuon(Muon):
         }
 
     # ================================================================ step
+    @eager_under_compile
     @torch.no_grad()
     def step(self, closure=None):
         """Reduce (if backward did not finish it), agree on non-finite gradients, update owned

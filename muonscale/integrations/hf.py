@@ -2,7 +2,10 @@
 
 One line::
 
-    Trainer(model, args, ..., optimizer_cls_and_kwargs=(MuonFactory, {"lr": 3e-4}))
+    Trainer(model, args, ..., optimizer_cls_and_kwargs=(MuonFactory, muon_kwargs(args)))
+
+:func:`muon_kwargs` takes ``lr`` and ``weight_decay`` from the ``TrainingArguments``, which the
+Trainer does not pass to a factory; a factory without ``lr`` refuses to build.
 
 ``Trainer(optimizer_cls_and_kwargs=(muonscale.Muon, kwargs))`` hands Muon parameter groups
 without names, so routing falls back to tensor rank and the embeddings and the output head are
@@ -24,7 +27,7 @@ What the Trainer does for you, and what this module adds (see docs/integrations.
 
 ``DistributedMuon`` (sharded state, one owner per matrix) under the Trainer::
 
-    Trainer(..., optimizer_cls_and_kwargs=(DistributedMuonFactory, {"lr": 3e-4}),
+    Trainer(..., optimizer_cls_and_kwargs=(DistributedMuonFactory, muon_kwargs(args)),
             callbacks=[DistributedCheckpointCallback()])
 
 The Trainer wraps the model in DDP, which averages ``p.grad``; the factory builds the optimizer
@@ -33,11 +36,14 @@ with ``reduce_at="never"`` (no second reduction; each rank reads its slices of `
 (DDP's ``no_sync``) apply as with AdamW. ``DistributedMuon.state_dict()`` is collective, but the
 Trainer calls it on the saving rank only: :class:`DistributedCheckpointCallback` makes every
 rank call ``opt.prepare_state_dict()`` (the collective part) just before a save; loading needs
-nothing (every rank reads the file and keeps its part).
+nothing (every rank reads the file and keeps its part). Without the callback, the first
+``step()`` of a multi-process run raises on every rank, naming it, instead of the first save
+hanging.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 import torch.distributed as dist
@@ -54,6 +60,7 @@ __all__ = [
     "accelerate_fsdp_version",
     "create_optimizer",
     "follow_model_parameters",
+    "muon_kwargs",
     "rebind_parameters",
 ]
 
@@ -109,29 +116,86 @@ def create_optimizer(model: nn.Module, **muon_kwargs: Any) -> Muon:
     return muon_for_model(model, **muon_kwargs)
 
 
-class MuonFactory:
+def muon_kwargs(args: Any, **overrides: Any) -> dict[str, Any]:
+    """The factories' kwargs with ``lr`` and ``weight_decay`` taken from ``TrainingArguments``
+    (``args.learning_rate``, ``args.weight_decay``), then ``overrides`` (any
+    :class:`muonscale.Muon` option, e.g. ``adamw_lr``)::
+
+        optimizer_cls_and_kwargs=(MuonFactory, muon_kwargs(args, adamw_lr=3e-4))
+
+    The Trainer hands a factory the model and these kwargs only, never the arguments."""
+    for field in ("learning_rate", "weight_decay"):
+        if not hasattr(args, field):
+            raise TypeError(
+                f"muon_kwargs: expected transformers.TrainingArguments (with .{field}), got "
+                f"{type(args).__name__}"
+            )
+    return {"lr": args.learning_rate, "weight_decay": args.weight_decay, **overrides}
+
+
+class _TrainerFactory(ABC):
+    """What both factories share: an instance stands for its class (the Trainer calls
+    ``factory()(model, **kwargs)``, so ``MuonFactory`` and ``MuonFactory()`` both work), the
+    model comes first, and ``lr`` must be given."""
+
+    def __call__(self, model: nn.Module | None = None, /, **kwargs: Any) -> Any:
+        name = type(self).__name__
+        if model is None:
+            if kwargs:
+                raise TypeError(f"{name}()(model, **kwargs): pass the model first")
+            return self  # the Trainer's factory() step, applied to an instance
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"{name}: expected the model (a torch.nn.Module) as the first argument, got "
+                f"{type(model).__name__}; use optimizer_cls_and_kwargs=({name}, kwargs)"
+            )
+        if "lr" not in kwargs:
+            raise ValueError(
+                f"{name}: no lr given. The Trainer does not pass TrainingArguments.learning_rate "
+                "(or weight_decay) to an optimizer factory, so Muon would silently use its "
+                f"default lr. Use optimizer_cls_and_kwargs=({name}, "
+                "muonscale.integrations.hf.muon_kwargs(args)) to take both from the "
+                f"TrainingArguments, or ({name}, {{'lr': ...}})."
+            )
+        return self.build(model, **kwargs)
+
+    @abstractmethod
+    def build(self, model: nn.Module, **kwargs: Any) -> Muon:
+        """The optimizer for ``model`` (checked: a module, with ``lr`` in ``kwargs``)."""
+
+
+class MuonFactory(_TrainerFactory):
     """Trainer optimizer factory: ``optimizer_cls_and_kwargs=(MuonFactory, muon_kwargs)``.
 
-    ``muon_kwargs`` are :class:`muonscale.Muon`'s (``lr``, ``weight_decay``, ``adamw_lr``, ...);
-    ``TrainingArguments.learning_rate`` and ``weight_decay`` are not read, as with any
-    ``optimizer_cls_and_kwargs``.
+    ``muon_kwargs`` are :class:`muonscale.Muon`'s (``lr``, ``weight_decay``, ``adamw_lr``, ...)
+    and must include ``lr``: :func:`muon_kwargs` fills ``lr`` and ``weight_decay`` from the
+    ``TrainingArguments``, which the Trainer does not pass to a factory.
     """
 
-    def __call__(self, model: nn.Module, **muon_kwargs: Any) -> Muon:
+    def build(self, model: nn.Module, **muon_kwargs: Any) -> Muon:
         return create_optimizer(model, **muon_kwargs)
 
 
-class DistributedMuonFactory:
+_CALLBACK_MARK = "_muonscale_checkpoint_callback"  # set on the optimizer by the callback
+
+
+class DistributedMuonFactory(_TrainerFactory):
     """Trainer optimizer factory for ``DistributedMuon``:
-    ``optimizer_cls_and_kwargs=(DistributedMuonFactory, kwargs)``; add
-    :class:`DistributedCheckpointCallback` when the Trainer saves checkpoints.
+    ``optimizer_cls_and_kwargs=(DistributedMuonFactory, kwargs)`` with
+    ``callbacks=[DistributedCheckpointCallback()]``; ``kwargs`` must include ``lr`` (see
+    :func:`muon_kwargs`).
 
     With several processes the Trainer wraps the model in DDP after this runs, so the optimizer
     is built with ``reduce_at="never"`` (DDP's average is used, not reduced again); with one,
     ``reduce_at="step"``. Pass ``reduce_at`` in ``kwargs`` to choose yourself. Under
-    accelerate's FSDP2: a ``DTensorMuon``, as :class:`MuonFactory` builds."""
+    accelerate's FSDP2: a ``DTensorMuon``, as :class:`MuonFactory` builds.
 
-    def __call__(self, model: nn.Module, **kwargs: Any) -> Muon:
+    With several processes and without the callback, the first ``step()`` raises on every
+    rank, naming the callback: ``DistributedMuon.state_dict()`` is collective and the Trainer
+    calls it on the saving rank only, so the first checkpoint would hang until
+    ``ddp_timeout``."""
+
+    def build(self, model: nn.Module, **kwargs: Any) -> Muon:
         from ..distributed import distributed_muon
 
         _check_process_group()
@@ -146,7 +210,22 @@ class DistributedMuonFactory:
             return muon_for_model(model, build=sharded, **kwargs)
         wrapped_later = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         kwargs.setdefault("reduce_at", "never" if wrapped_later else "step")
-        return muon_for_model(model, build=distributed_muon, **kwargs)
+        optimizer = muon_for_model(model, build=distributed_muon, **kwargs)
+        if _collective_state_dict(optimizer) and optimizer.world_size > 1:
+            optimizer.register_step_pre_hook(_require_checkpoint_callback)
+        return optimizer
+
+
+def _require_checkpoint_callback(optimizer: Any, args: Any, kwargs: Any) -> None:
+    if not getattr(optimizer, _CALLBACK_MARK, False):
+        raise RuntimeError(
+            "DistributedMuonFactory: the Trainer has no "
+            "muonscale.integrations.hf.DistributedCheckpointCallback. Pass "
+            "Trainer(..., callbacks=[DistributedCheckpointCallback()]): DistributedMuon's "
+            "state_dict() is collective and the Trainer calls it on the saving rank only, so the "
+            "first checkpoint would hang until ddp_timeout. Stopped at the first step, on every "
+            "rank, before any update."
+        )
 
 
 def _collective_state_dict(optimizer: Any) -> bool:
@@ -167,8 +246,14 @@ class DistributedCheckpointCallback(_transformers_callback_base()):
     """Lets the Trainer checkpoint a ``DistributedMuon``: when a save is due (``on_step_end``,
     ``on_epoch_end``, after the Trainer's flow callback decided it), every rank calls the
     optimizer's collective ``prepare_state_dict()``, so that the saving rank's
-    ``state_dict()`` alone returns the full state (until the next ``step()``). Other
-    optimizers are left alone."""
+    ``state_dict()`` alone returns the full state (until the next ``step()``). At
+    ``on_train_begin`` it marks the optimizer as covered (the factory's first step checks).
+    Other optimizers are left alone."""
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kw):
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+        if _collective_state_dict(inner):
+            setattr(inner, _CALLBACK_MARK, True)
 
     def _prepare(self, control: Any, optimizer: Any) -> None:
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer

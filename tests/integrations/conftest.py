@@ -21,7 +21,7 @@ collect_ignore = [
     f for f, mods in _FILES.items() if any(importlib.util.find_spec(m) is None for m in mods)
 ]
 collect_ignore += ["tiny_models.py", "hf_ddp_worker.py", "hf_checkpoint_worker.py"]
-collect_ignore += ["hf_fsdp_worker.py"]
+collect_ignore += ["hf_fsdp_worker.py", "hf_no_callback_worker.py"]
 collect_ignore += ["lightning_ddp_worker.py", "lightning_fsdp_worker.py"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))

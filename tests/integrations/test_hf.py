@@ -8,15 +8,24 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+import warnings
 
 import pytest
 import torch
 from tiny_models import EMBEDDING_AND_HEAD, TokenData, algorithm_of, free_port, tiny_model
 from transformers import Trainer, TrainingArguments
 
-from muonscale.integrations.hf import DistributedMuonFactory, MuonFactory, create_optimizer
+import muonscale
+from muonscale.integrations.hf import (
+    DistributedMuonFactory,
+    MuonFactory,
+    create_optimizer,
+    muon_kwargs,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -27,6 +36,19 @@ MUON_KWARGS = {"lr": 0.02, "adamw_lr": 0.01, "scale": "match_rms_adamw"}
 # (5 steps, coefficients up to 3.4·(1+4.8+2.0) per step) amplifies a relative error by ≲ 10^2.
 # 3 steps of lr ≤ 0.02 updates: |Δparam| ≲ 3 · 0.02 · 100 · 100 · eps ≈ 7e-5; we allow 1e-4.
 PARAM_ATOL = 1e-4
+
+
+def _torchrun(worker: str, *argv: str) -> list[str]:
+    """The command running ``worker`` (in this folder) on 2 local ranks under torchrun."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        os.path.join(HERE, worker),
+        *argv,
+    ]
 
 
 class SequentialTrainer(Trainer):
@@ -243,17 +265,7 @@ def test_factories_follow_accelerate_fsdp_plan(factory, monkeypatch):
 def test_ddp_two_ranks_match_single_process(kind, tmp_path):
     """torchrun, 2 gloo ranks × batch 2 under Trainer's DDP = one process with batch 4."""
     out = tmp_path / "ddp.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        os.path.join(HERE, "hf_ddp_worker.py"),
-        kind,
-        str(tmp_path),
-        str(out),
-    ]
+    cmd = _torchrun("hf_ddp_worker.py", kind, str(tmp_path), str(out))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -271,17 +283,7 @@ def test_distributed_muon_checkpoint_resume_two_ranks(tmp_path):
     state bit for bit, and the run matches single-process Muon (plain loop) within float
     tolerance."""
     out = tmp_path / "runs.pt"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        os.path.join(HERE, "hf_checkpoint_worker.py"),
-        "llama",
-        str(tmp_path),
-        str(out),
-    ]
+    cmd = _torchrun("hf_checkpoint_worker.py", "llama", str(tmp_path), str(out))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -317,18 +319,7 @@ def test_fsdp2_two_ranks_match_single_process(tmp_path):
     orders, float32, 3 steps) holds."""
     max_grad_norm = 0.05
     out = tmp_path / "fsdp.pt"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        os.path.join(HERE, "hf_fsdp_worker.py"),
-        "llama",
-        str(tmp_path),
-        str(out),
-        str(max_grad_norm),
-    ]
+    cmd = _torchrun("hf_fsdp_worker.py", "llama", str(tmp_path), str(out), str(max_grad_norm))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -341,3 +332,119 @@ def test_fsdp2_two_ranks_match_single_process(tmp_path):
     unclipped = plain_loop(tiny_model("llama"), steps=3, batch=4, max_grad_norm=None)
     far = max((got[n] - p).abs().max().item() for n, p in unclipped.named_parameters())
     assert far > 10 * PARAM_ATOL, "the unclipped run must differ, or the comparison proves nothing"
+
+
+def _muon_group(optimizer) -> dict:
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return next(g for g in inner.param_groups if g["algorithm"] == "muon")
+
+
+@pytest.mark.parametrize("factory", [MuonFactory, DistributedMuonFactory])
+def test_factories_refuse_to_build_without_lr(factory, tmp_path):
+    """The Trainer hands a factory the model and the kwargs only: without ``lr`` Muon would
+    train at its own default, whatever TrainingArguments.learning_rate says."""
+    with pytest.raises(ValueError, match=r"TrainingArguments\.learning_rate.*muon_kwargs"):
+        factory()(tiny_model("llama"), adamw_lr=0.01)
+    trainer = SequentialTrainer(
+        model=tiny_model("llama"),
+        args=_args(tmp_path, learning_rate=0.02),
+        train_dataset=TokenData(),
+        optimizer_cls_and_kwargs=(factory, {"adamw_lr": 0.01}),
+    )
+    with pytest.raises(ValueError, match=f"{factory.__name__}: no lr given"):
+        trainer.create_optimizer()
+
+
+def test_muon_kwargs_take_lr_and_weight_decay_from_training_arguments(tmp_path):
+    args = _args(tmp_path, learning_rate=0.03, weight_decay=0.07)
+    assert muon_kwargs(args, adamw_lr=0.01) == {"lr": 0.03, "weight_decay": 0.07, "adamw_lr": 0.01}
+    assert muon_kwargs(args, lr=0.5)["lr"] == 0.5  # overrides win
+    trainer = SequentialTrainer(
+        model=tiny_model("llama"),
+        args=args,
+        train_dataset=TokenData(),
+        optimizer_cls_and_kwargs=(MuonFactory, muon_kwargs(args, adamw_lr=0.01)),
+    )
+    trainer.create_optimizer()
+    group = _muon_group(trainer.optimizer)
+    assert (group["lr"], group["weight_decay"]) == (0.03, 0.07)
+    with pytest.raises(TypeError, match="TrainingArguments"):
+        muon_kwargs({"learning_rate": 0.03})
+
+
+def test_factory_instance_works_as_the_class(tmp_path):
+    """``optimizer_cls_and_kwargs=(MuonFactory(), kwargs)``: the Trainer calls
+    ``factory()(model, **kwargs)``; an instance builds what the class builds."""
+    built = {}
+    for how, factory in (("class", MuonFactory), ("instance", MuonFactory())):
+        trainer = SequentialTrainer(
+            model=tiny_model("llama"),
+            args=_args(tmp_path / how),
+            train_dataset=TokenData(),
+            optimizer_cls_and_kwargs=(factory, dict(MUON_KWARGS)),
+        )
+        trainer.train()
+        built[how] = (algorithm_of(trainer.optimizer), dict(trainer.model.named_parameters()))
+    assert built["instance"][0] == built["class"][0]
+    for name, p in built["class"][1].items():
+        assert torch.equal(built["instance"][1][name], p), name
+    factory = DistributedMuonFactory()
+    assert factory() is factory
+    with pytest.raises(TypeError, match="expected the model"):
+        MuonFactory()([torch.nn.Parameter(torch.zeros(2, 2))], lr=0.02)
+
+
+def test_unnamed_parameter_warning_names_the_factory_inside_the_trainer(tmp_path):
+    """``optimizer_cls_and_kwargs=(muonscale.Muon, kwargs)`` gets unnamed param groups: the
+    warning names the fix a Trainer user can apply (hf.MuonFactory), and only there."""
+    trainer = SequentialTrainer(
+        model=tiny_model("llama"),
+        args=_args(tmp_path),
+        train_dataset=TokenData(),
+        optimizer_cls_and_kwargs=(muonscale.Muon, dict(MUON_KWARGS)),
+    )
+    with pytest.warns(UserWarning, match="unnamed") as caught:
+        trainer.create_optimizer()
+    message = next(str(w.message) for w in caught if "unnamed" in str(w.message))
+    assert "muonscale.integrations.hf.MuonFactory" in message and "muon_kwargs(args)" in message
+    with warnings.catch_warnings(record=True) as outside:
+        warnings.simplefilter("always")
+        muonscale.Muon(list(tiny_model("llama").parameters()), lr=0.02)
+    plain = [str(w.message) for w in outside if "unnamed" in str(w.message)]
+    assert plain and not any("MuonFactory" in m for m in plain)
+
+
+@pytest.mark.timeout(300)
+def test_distributed_factory_without_callback_fails_fast(tmp_path):
+    """torchrun, 2 gloo ranks, DistributedMuonFactory without DistributedCheckpointCallback,
+    saving every step, at the Trainer's default ddp_timeout: instead of the first save hanging
+    (DistributedMuon.state_dict() is collective; the Trainer calls it on rank 0 only), every
+    rank raises within 60 s of train(), naming the callback."""
+    from dataclasses import fields
+
+    default_timeout = next(f.default for f in fields(TrainingArguments) if f.name == "ddp_timeout")
+    cmd = _torchrun("hf_no_callback_worker.py", "llama", str(tmp_path / "run"), str(tmp_path))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    start = time.monotonic()
+    run = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = run.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)  # torchrun and both ranks
+        run.communicate()
+        pytest.fail(f"hung: no result after {time.monotonic() - start:.0f} s")
+    assert run.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert record["ddp_timeout"] == default_timeout
+        assert record["error"] is not None, f"rank {rank} trained without the callback"
+        assert "DistributedCheckpointCallback" in record["error"], record["error"]
+        assert record["seconds"] < 60, record
+    assert not (tmp_path / "run" / "checkpoint-1").exists()

@@ -233,3 +233,21 @@ def test_fsdp2_two_ranks_match_single_process(tmp_path):
     assert far > 10 * PARAM_ATOL, (
         "clipping must change the result, or the comparison proves nothing"
     )
+
+
+class _PlainMuonLM(LM):
+    """``configure_optimizers`` returning ``muonscale.Muon(self.parameters())``: no names."""
+
+    def configure_optimizers(self):
+        import muonscale
+
+        return muonscale.Muon(self.parameters(), lr=MUON_KWARGS["lr"])
+
+
+def test_unnamed_parameter_warning_names_configure_optimizers(tmp_path):
+    """Inside Lightning the warning names the fix a LightningModule can apply."""
+    with pytest.warns(UserWarning, match="unnamed") as caught:
+        _fit(_PlainMuonLM("llama"), tmp_path, max_steps=1)
+    message = next(str(w.message) for w in caught if "unnamed" in str(w.message))
+    assert "muonscale.integrations.lightning.configure_optimizers(self" in message, message
+    assert "MuonFactory" not in message
