@@ -1,12 +1,14 @@
 """One rank of a documented block under torchrun (``tests/test_docs_code.py``):
 
-    python docs_block_runner.py DOCUMENT BLOCK_FILE [STAND_IN ...]
+    python docs_block_runner.py TABLE DOCUMENT BLOCK_FILE [STAND_IN ...]
 
-builds the stand-ins, runs the block as its own ``__main__`` and ends the process group the
+builds the stand-ins from the ``STAND_INS`` of module ``TABLE`` (``docs_stand_ins`` for the main
+suite), runs the block as its own ``__main__`` and ends the process group the
 block started."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import torch
@@ -15,9 +17,9 @@ from docs_stand_ins import build
 
 
 def main() -> None:
-    document, path, *names = sys.argv[1:]
+    table, document, path, *names = sys.argv[1:]
     torch.set_num_threads(1)
-    ns = build(document, tuple(names))
+    ns = build(document, tuple(names), importlib.import_module(table).STAND_INS)
     with open(path, encoding="utf-8") as f:
         code = compile(f.read(), f"{document} (rank block)", "exec")
     try:

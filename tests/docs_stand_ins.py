@@ -106,12 +106,14 @@ STAND_INS = {
 }
 
 
-def build(document: str, names: tuple[str, ...]) -> dict:
-    """The namespace a block of ``document`` runs in: its declared stand-ins, built in order."""
-    table = {**COMMON, **STAND_INS.get(document, {})}
+def build(document: str, names: tuple[str, ...], stand_ins: dict | None = None) -> dict:
+    """The namespace a block of ``document`` runs in: its declared stand-ins, built in order
+    (from ``stand_ins``, ``{document: {name: factory}}``, where a suite brings its own)."""
+    tables = STAND_INS if stand_ins is None else stand_ins
+    table = {**COMMON, **tables.get(document, {})}
     unknown = [n for n in names if n not in table]
     if unknown:
-        raise KeyError(f"{document}: no stand-in for {unknown} (tests/docs_stand_ins.py)")
+        raise KeyError(f"{document}: no stand-in for {unknown}")
     ns: dict = {"__name__": "__main__"}
     for name in names:
         ns[name] = table[name](ns)

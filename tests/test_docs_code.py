@@ -5,19 +5,10 @@ ones that need CUDA. ``tests/integrations`` and ``tests/megatron`` run theirs.""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from distributed_harness import free_port
-from docs_blocks import ENVS, ROOT, blocks, blocks_for
+from docs_blocks import ENVS, blocks, blocks_for, run_under_torchrun
 from docs_stand_ins import build
-
-HERE = Path(__file__).resolve().parent
-RUNNER = HERE / "docs_block_runner.py"
 
 
 def _run(block) -> dict:
@@ -42,26 +33,18 @@ def test_every_block_is_marked_for_a_suite_or_a_fragment():
             assert "import" not in block.code, f"{block.id}: a fragment with imports is code to run"
 
 
-@pytest.mark.parametrize("block", blocks_for("main"), ids=lambda b: b.id)
+@pytest.mark.parametrize("block", blocks_for("main"))
 def test_block_runs(block, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     if block.torchrun:
-        (tmp_path / "block.py").write_text(block.code, encoding="utf-8")
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{HERE}")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node"]
-        cmd += [str(block.torchrun), "--master-addr", "127.0.0.1"]
-        cmd += ["--master-port", str(free_port()), str(RUNNER), block.path, "block.py"]
-        cmd += list(block.stand_ins)
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, f"{block.id}\n{done.stdout}\n{done.stderr}"
-        assert done.stdout.count("docs block done") == block.torchrun, done.stdout
+        run_under_torchrun(block, tmp_path, "docs_stand_ins")
     else:
         torch.manual_seed(0)
         _check_trained(_run(block))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block", blocks_for("main", gpu=True), ids=lambda b: b.id)
+@pytest.mark.parametrize("block", blocks_for("main", gpu=True))
 def test_gpu_block_runs(block, tmp_path, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
