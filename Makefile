@@ -5,9 +5,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.muonscale-installed
+DOCS_STAMP := $(VENV)/.muonscale-docs-installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: bench test test-megatron test-integrations lint install clean
+.PHONY: bench test test-megatron test-integrations lint install clean docs
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,10 +36,19 @@ test-integrations:
 	bash .ci/integrations_env.sh
 	PYTHONPATH=. .venv-integrations/bin/python -m pytest tests/integrations -q -p no:cacheprovider
 
+# The docs site (docs/README.md): the [docs] extra into .venv, then site/ built with --strict
+# (a broken link, anchor or reference fails).
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(VENV)/bin/mkdocs build --strict
+
 # Formatting is the tool's: `ruff format .` fixes what `ruff format --check` reports.
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site

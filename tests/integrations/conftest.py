@@ -16,6 +16,7 @@ _FILES = {
     "test_hf.py": ("transformers", "accelerate"),
     "test_lightning.py": ("lightning", "transformers"),
     "test_torchtitan.py": ("torchtitan",),
+    "test_integrations_docs_code.py": ("transformers", "accelerate", "lightning", "torchtitan"),
 }
 collect_ignore = [
     f for f, mods in _FILES.items() if any(importlib.util.find_spec(m) is None for m in mods)

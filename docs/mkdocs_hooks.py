@@ -1,0 +1,172 @@
+"""MkDocs hooks for the docs site (``make docs``).
+
+The site mirrors the repository's layout, so that the relative links that work when reading the
+Markdown files in the repository work on the site too: ``README.md`` is the home page,
+``BENCHMARKS.md`` sits beside it and ``docs/*.md`` under ``docs/``. The API reference pages
+(``docs/api/*.md``) are generated here from the ``__all__`` of each public module, read from the
+source without importing it, so that the integrations whose frameworks are not installed are
+documented too and no public name can be left out.
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+from mkdocs.structure.files import File, Files
+
+ROOT = Path(__file__).resolve().parent.parent
+ROOT_PAGES = ("README.md", "BENCHMARKS.md")  # the repository's top-level documents
+
+# (page under docs/api/, module, title, one line on what it needs)
+API_PAGES = (
+    ("muonscale.md", "muonscale", "muonscale", "`import muonscale` needs only torch."),
+    (
+        "distributed.md",
+        "muonscale.distributed",
+        "muonscale.distributed",
+        "torch.distributed; `muonscale.distributed_muon` picks the class.",
+    ),
+    (
+        "hf.md",
+        "muonscale.integrations.hf",
+        "Hugging Face Trainer",
+        "Needs `transformers` (see *Integrations*).",
+    ),
+    (
+        "lightning.md",
+        "muonscale.integrations.lightning",
+        "Lightning",
+        "Needs `lightning` (see *Integrations*).",
+    ),
+    (
+        "torchtitan.md",
+        "muonscale.integrations.torchtitan",
+        "torchtitan",
+        "Needs `torchtitan` (see *Integrations*).",
+    ),
+    (
+        "megatron.md",
+        "muonscale.integrations.megatron",
+        "Megatron-Core",
+        'Needs `pip install "muonscale[megatron]"` (see *Megatron-Core*).',
+    ),
+)
+
+
+def module_file(module: str) -> Path:
+    """The source file of a ``muonscale`` module (a package's ``__init__.py``)."""
+    path = ROOT.joinpath(*module.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def public_names(module: str) -> list[str]:
+    """The module's ``__all__``, read from its source."""
+    tree = ast.parse(module_file(module).read_text(encoding="utf-8"))
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            return list(ast.literal_eval(node.value))
+    raise ValueError(f"{module_file(module)}: no literal __all__ to build the API reference from")
+
+
+def _defined_at_top(tree: ast.Module, name: str) -> bool:
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            if node.name == name:
+                return True
+        elif isinstance(node, ast.Assign):
+            if any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+                return True
+        elif isinstance(node, ast.AnnAssign):
+            if isinstance(node.target, ast.Name) and node.target.id == name:
+                return True
+    return False
+
+
+def defining_path(module: str, name: str) -> str:
+    """``package.module.name`` where ``name``, public in ``module``, is defined: followed
+    through ``from .x import name`` statically, or, for a name loaded lazily, by import."""
+    seen = []
+    while True:
+        seen.append(module)
+        tree = ast.parse(module_file(module).read_text(encoding="utf-8"))
+        if _defined_at_top(tree, name):
+            return f"{module}.{name}"
+        source = None
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and any(
+                (a.asname or a.name) == name for a in node.names
+            ):
+                package = module.split(".")
+                if module_file(module).name != "__init__.py":
+                    package = package[:-1]
+                if node.level:
+                    package = package[: len(package) - node.level + 1]
+                    source = ".".join(package + ([node.module] if node.module else []))
+                else:
+                    source = node.module
+                break
+        if source is None or not source.startswith("muonscale") or source in seen:
+            return _defining_path_by_search(module, name)
+        module = source
+
+
+def _defining_path_by_search(module: str, name: str) -> str:
+    # A name loaded lazily (PEP 562 ``__getattr__``): the one module of the package that
+    # defines it at top level.
+    found = []
+    for path in sorted((ROOT / "muonscale").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        if _defined_at_top(tree, name):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            found.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    if len(found) != 1:
+        raise ValueError(
+            f"API reference: {module}.{name} is defined in {found or 'no module'}; "
+            "expected exactly one muonscale module"
+        )
+    return f"{found[0]}.{name}"
+
+
+def api_page(module: str, title: str, needs: str, documented: set[str]) -> str:
+    """The Markdown of one API page: one mkdocstrings entry per public name; a name already
+    documented on an earlier page (re-exported) links there."""
+    lines = [f"# {title}", "", f"`{module}`: {needs}", ""]
+    again = []
+    for name in sorted(public_names(module), key=str.lower):
+        path = defining_path(module, name)
+        if path in documented:
+            again.append(f"- [`{module}.{name}`][{path}]")
+            continue
+        documented.add(path)
+        lines += [f"::: {path}", "    options:", f"      heading: {module}.{name}", ""]
+    if again:
+        lines += ["## Documented on another page", "", *again, ""]
+    return "\n".join(lines)
+
+
+def on_config(config):
+    """The version in the footer, from ``pyproject.toml`` (its one source)."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        config.extra["version"] = tomllib.load(f)["project"]["version"]
+    return config
+
+
+def on_files(files: Files, config) -> Files:
+    """Lay the site out as the repository is: root documents, then ``docs/`` under ``docs/``."""
+    out = Files([])
+    for name in ROOT_PAGES:
+        out.append(File.generated(config, name, abs_src_path=str(ROOT / name)))
+    docs_dir = Path(config["docs_dir"]).resolve()
+    for f in files:
+        if f.abs_src_path is None or not Path(f.abs_src_path).resolve().is_relative_to(docs_dir):
+            out.append(f)  # the theme's assets
+        elif not f.inclusion.is_excluded():
+            out.append(File.generated(config, f"docs/{f.src_uri}", abs_src_path=f.abs_src_path))
+    documented: set[str] = set()
+    for page, module, title, needs in API_PAGES:
+        content = api_page(module, title, needs, documented)
+        out.append(File.generated(config, f"docs/api/{page}", content=content))
+    return out
