@@ -62,13 +62,22 @@ def module_file(module: str) -> Path:
 
 
 def public_names(module: str) -> list[str]:
-    """The module's ``__all__``, read from its source."""
+    """The module's ``__all__``, read from its source (or, where it is computed, by importing
+    the module)."""
     tree = ast.parse(module_file(module).read_text(encoding="utf-8"))
     for node in tree.body:
         targets = node.targets if isinstance(node, ast.Assign) else []
         if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
-            return list(ast.literal_eval(node.value))
-    raise ValueError(f"{module_file(module)}: no literal __all__ to build the API reference from")
+            try:
+                return list(ast.literal_eval(node.value))
+            except ValueError:
+                break
+    import importlib
+
+    names = getattr(importlib.import_module(module), "__all__", None)
+    if names is None:
+        raise ValueError(f"{module_file(module)}: no __all__ to build the API reference from")
+    return list(names)
 
 
 def _defined_at_top(tree: ast.Module, name: str) -> bool:
@@ -108,9 +117,25 @@ def defining_path(module: str, name: str) -> str:
                 else:
                     source = node.module
                 break
+        if source is None:
+            source = _lazy_source(tree, module, name)
         if source is None or not source.startswith("muonscale") or source in seen:
             return _defining_path_by_search(module, name)
         module = source
+
+
+def _lazy_source(tree: ast.Module, module: str, name: str) -> str | None:
+    """The submodule a PEP 562 table (``{"Name": "submodule", ...}`` at top level) loads
+    ``name`` from."""
+    for node in tree.body:
+        value = node.value if isinstance(node, ast.Assign | ast.AnnAssign) else None
+        if not isinstance(value, ast.Dict):
+            continue
+        for key, sub in zip(value.keys, value.values):
+            if isinstance(key, ast.Constant) and key.value == name:
+                if isinstance(sub, ast.Constant) and isinstance(sub.value, str):
+                    return f"{module}.{sub.value.lstrip('.')}"
+    return None
 
 
 def _defining_path_by_search(module: str, name: str) -> str:

@@ -9,7 +9,7 @@ optimizer's state changes there: the new momentum goes to a scratch stack. ``ste
 checks that every gradient is the one the hook saw (same tensor, same version counter, no
 second backward, same hyperparameters, single process) and either commits the momentum and
 applies the updates or, when anything changed, discards the work and runs the normal path
-with a one-time warning. See ``docs/DESIGN_NOTES.md``.
+with a one-time warning. See *Design notes* in the docs.
 """
 
 from __future__ import annotations

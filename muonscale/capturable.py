@@ -6,7 +6,7 @@ gradient is finite. :class:`DeviceNonFiniteGuard` decides on the device instead:
 with a NaN/inf gradient changes nothing, and it keeps a sticky device flag, the index of the
 first bad gradient and a skip count. The host learns about them only at sync points it chooses:
 :meth:`DeviceNonFiniteGuard.poll` (no wait: reads a copy that has already arrived) and
-:meth:`DeviceNonFiniteGuard.read` (waits). See ``docs/cuda_graphs.md``.
+:meth:`DeviceNonFiniteGuard.read` (waits). See *CUDA graphs* in the docs.
 """
 
 from __future__ import annotations

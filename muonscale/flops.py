@@ -3,7 +3,7 @@
 The ownership planner balances ranks by :func:`newton_schulz_flops`; the benchmarks turn
 measured times into throughput with these; ``method="auto"`` in
 :mod:`muonscale.kernels.newton_schulz_fast` picks the Gram form where :func:`gram_flops` is
-lower. The counts and the measurements behind them are in ``docs/newton_schulz.md``.
+lower. The counts and the measurements behind them are in *Newton–Schulz* in the docs.
 """
 
 from __future__ import annotations

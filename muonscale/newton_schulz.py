@@ -4,7 +4,7 @@ Muon replaces each matrix update G by the nearest semi-orthogonal matrix, the po
 U Vᵀ of G = U S Vᵀ. A quintic Newton–Schulz iteration approximates it with matmuls only, so it
 runs fast in low precision on accelerators. This module is the reference implementation (and
 the coefficient presets); :mod:`muonscale.kernels` computes the same function faster. The
-iteration, the presets and their cost are described in ``docs/newton_schulz.md``.
+iteration, the presets and their cost are described in *Newton–Schulz* in the docs.
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ class Muon(torch.optim.Optimizer):
             step; counted in ``skipped_steps``) or ``"ignore"`` (no check, no host sync).
             With ``capturable=True`` the check runs on the device: see ``capturable``.
         capturable: torch's meaning: the step never synchronizes with the host, so it can be
-            captured in a CUDA graph (recipe: ``docs/cuda_graphs.md``). Learning rates become
+            captured in a CUDA graph (recipe: *CUDA graphs* in the docs). Learning rates become
             0-dim float64 tensors on the parameters' device (a scheduler updates them in place)
             and AdamW's step counters live there too. A non-finite gradient makes the step a
             no-op on the device; ``"raise"`` then raises :class:`NonFiniteGradientError` at the
@@ -138,7 +138,7 @@ class Muon(torch.optim.Optimizer):
         qk_lr_scale: learning-rate multiplier of the query and key blocks of weights split by a
             ``QKVLayout`` (1: none); value blocks and other matrices keep the group's lr. Larger
             values shorten the early loss plateau that attention must leave, and can cost
-            in longer runs; ``docs/variants.md`` has what it gains and costs.
+            in longer runs; *Variants* in the docs has what it gains and costs.
         matrix_mode: parameters with > 2 dims: ``"flatten"`` trailing dims into one matrix
             (conv kernels) or ``"batch"`` (leading dims index separate matrices: stacked experts).
         rules: routing overrides for :func:`muonscale.route` (regex or callables).
@@ -162,7 +162,7 @@ class Muon(torch.optim.Optimizer):
             in sign (W ← W − ηλ 𝟙[u ⊙ W ≥ 0] ⊙ W).
         preconditioner: ``"frobenius"`` (X / ‖X‖_F) or ``"aol"`` (Turbo-Muon: AOL scaling from
             the first Gram product; defaults to its four-step ``"turbo_muon"`` coefficients,
-            ``ns_steps=4``). The equations and sources are in ``docs/variants.md``.
+            ``ns_steps=4``). The equations and sources are in *Variants* in the docs.
         orthogonalize_in_backward: compute each stackable Muon matrix's momentum and
             Newton–Schulz during backward, as soon as the gradients of its bucket are final
             (post-accumulate-grad hooks; a side stream on CUDA), so that ``step()`` only
@@ -170,7 +170,7 @@ class Muon(torch.optim.Optimizer):
             step in one process: when a gradient changed after its hook (clipping, a second
             backward), ``step()`` discards that work and computes every update as usual,
             warning once. Not with ``capturable``. Costs a second momentum buffer and the
-            Newton–Schulz workspaces, held between steps. See ``docs/DESIGN_NOTES.md``.
+            Newton–Schulz workspaces, held between steps. See *Design notes* in the docs.
     """
 
     _CAPTURABLE_REFUSAL: str | None = None

@@ -8,7 +8,7 @@
 * Turbo-Muon's AOL preconditioner (arXiv:2512.04632): :func:`aol_newton_schulz_`, the plain
   and the Gram form of the iteration started from an AOL-scaled matrix.
 
-Equations, constants and their sources are in ``docs/variants.md``. Nothing here knows about
+Equations, constants and their sources are in *Variants* in the docs. Nothing here knows about
 optimizer state or ``torch.distributed``: :mod:`muonscale.functional` and the optimizers call
 these functions on the tensors they hold.
 """

@@ -40,17 +40,18 @@ PARALLEL_MODES = ("dp", "fsdp", "tp", "fsdp+tp")  # --parallel; muonscale.bench.
 #   adamw  lr 1e-3: 2.475   2e-3: 2.477   4e-3: 2.565   (AdamW's optimum is 1e-3..2e-3)
 #   muon   lr 1.6e-2: 1.929 (reaches AdamW's 2.477 at 0.40x the steps; 6 min 19 s in all)
 # The default is 320 steps so that the whole run stays under 6 minutes on 2 cores: 4 min 39 s,
-# adamw 2.507, muon 2.048, 0.45x the steps (docs/bench_default.md).
+# adamw 2.507, muon 2.048, 0.45x the steps (*Default bench* in the docs).
 # torch-muon starts from muon's learning rate: with adjust_lr_fn="match_rms_adamw" it is muon's
 # update (on CPU, Newton-Schulz in float32 as muon's). --sweep tunes it like every contender.
 DEFAULT_LR = {"adamw": 2e-3, "muon": 1.6e-2, "torch-muon": 1.6e-2}
 # Inside the Muon contenders (muon, torch-muon, variants) the AdamW half (embeddings, head,
 # norms, biases) trains at its own peak rate, searched at the full 320 steps on seed 0 for
 # muon, torch-muon and NorMuon + cautious weight decay alike (5e-4 .. 1.6e-2 at momentum 0.85;
-# BENCHMARKS.md, "the AdamW half's learning rate"): 1e-3 is the best for all three. Over seeds
-# 0-2 muon then reaches AdamW's final loss in 88.5 steps at momentum 0.95 against 144.6 with the
-# AdamW half at muon's own 1.6e-2 (the bench's earlier default); at 0.85 in 83.3 against 134.9,
-# in 270.8 against 311.6 at 1000 steps, and on the World English Bible in fewer steps as well.
+# *Benchmarks* in the docs, "the AdamW half's learning rate"): 1e-3 is the best for all three.
+# Over seeds 0-2 muon then reaches AdamW's final loss in 88.5 steps at momentum 0.95 against
+# 144.6 with the AdamW half at muon's own 1.6e-2 (the bench's earlier default); at 0.85 in 83.3
+# against 134.9, in 270.8 against 311.6 at 1000 steps, and on the World English Bible in fewer
+# steps as well.
 DEFAULT_MUON_ADAMW_LR = 1e-3
 # Variants (--variants) start from muon's learning rate unless their spec sets lr.
 

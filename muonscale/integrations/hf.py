@@ -12,7 +12,7 @@ without names, so routing falls back to tensor rank and the embeddings and the o
 orthogonalized too. :class:`MuonFactory` is a Trainer optimizer factory (transformers >= 5
 calls a non-``Optimizer`` class as ``factory()(model, **kwargs)``), so Muon sees the model.
 
-What the Trainer does for you, and what this module adds (see docs/integrations.md):
+What the Trainer does for you, and what this module adds (see *Integrations* in the docs):
 
 * **Clipping** (``max_grad_norm``) and **gradient accumulation** edit ``p.grad`` before
   ``step()``; ``muonscale.Muon`` reads ``p.grad`` at ``step()``, so both apply as with AdamW.

@@ -9,7 +9,7 @@ takes the Gram form only where it is cheaper and its measured error stays within
 :data:`GRAM_POLICY` states (in float32 0.7–2.0× the plain iteration's with Keller's
 coefficients, up to 2.73× with Polar Express; in bfloat16 on an H200 at most 1.1×). The
 derivation, FLOP counts, accuracy and timing measurements behind these choices are in
-``docs/newton_schulz.md``.
+*Newton–Schulz* in the docs.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ __all__ = [
     "orthogonalize_stack_",
 ]
 
-# Decision for method="auto" (the measurements are in docs/newton_schulz.md).
+# Decision for method="auto" (the measurements are in *Newton–Schulz* in the docs).
 GRAM_POLICY = {
     # float32/float64: Gram form when n >= 3m (CPU float32: error 0.7-2.0x the plain
     # iteration's with Keller, up to 2.73x with Polar Express, both ~1e-6; FLOPs -17 to -22%).
@@ -307,7 +307,7 @@ def newton_schulz_batched_(
     """Run the Newton–Schulz steps ``schedule`` (one (a, b, c) per step) in place on a stack
     of already-normalized matrices; returns ``X``.
 
-    ``method``: "plain" or "gram" (see ``docs/newton_schulz.md``). ``backend``: "auto" (Triton on
+    ``method``: "plain" or "gram" (see *Newton–Schulz* in the docs). ``backend``: "auto" (Triton on
     CUDA when available, else torch), "torch", "triton", "compile" (plain only).
     ``workspace``: reused buffers; ``None`` takes the cached one for this stack.
     ``restart_every``: Gram form only; restart before steps r, 2r, …; ``None`` never;

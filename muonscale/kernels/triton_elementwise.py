@@ -12,7 +12,7 @@ copies nothing to the device). Each element is computed with torch's formulas, i
 ``lerp(a, b, w) = a + w(b − a)`` for |w| < 0.5, else ``b − (b − a)(1 − w)``, as one fused
 multiply-add, as nvcc compiles torch's CUDA kernels. Importing this module needs ``triton``;
 on CPU tensors the kernels run under the Triton interpreter (tests), whose multiply-add
-rounds twice (see ``docs/newton_schulz.md``).
+rounds twice (see *Newton–Schulz* in the docs).
 """
 
 from __future__ import annotations

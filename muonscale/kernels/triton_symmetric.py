@@ -6,7 +6,7 @@ to be symmetric), computes only the tiles on and above the diagonal and mirrors 
 the FLOPs of those products. Accumulation is in float32; C is written in X's dtype and is
 exactly symmetric. Importing this module needs ``triton``; :mod:`muonscale.kernels` imports
 it lazily and only for CUDA tensors. On CPU the kernels run under the Triton interpreter
-(tests). How the kernel is used and its caveats are in ``docs/newton_schulz.md``.
+(tests). How the kernel is used and its caveats are in *Newton–Schulz* in the docs.
 """
 
 from __future__ import annotations

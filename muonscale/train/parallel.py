@@ -185,7 +185,7 @@ class Parallelism:
         """Release the optimizer's hooks and this object's model and optimizer; destroy the
         process group when this object made it. FSDP2 and the distributed optimizers hold
         process groups: collected before the destroy, the groups end there, not at interpreter
-        exit, where a gloo group still alive can abort the process (docs/train.md)."""
+        exit, where a gloo group still alive can abort the process (*Train* in the docs)."""
         optimizer, self.optimizer = self.optimizer, None
         if hasattr(optimizer, "remove_hooks"):
             optimizer.remove_hooks()

@@ -128,7 +128,7 @@ def megatron_coefficients(coefficient_type: str, steps: int) -> list[Coefficient
 @dataclass(frozen=True, kw_only=True)
 class MegatronMuonConfig:
     """Options of :func:`megatron_muon`. ``muon_*`` fields mean what Megatron's flag of the same
-    name means; defaults are muonscale's (see docs/megatron.md for where they differ)."""
+    name means; defaults are muonscale's (see *Megatron-Core* in the docs for where they differ)."""
 
     lr: float = 1e-3
     """Learning rate of the Muon half (and of AdamW unless ``adam_lr`` is set)."""
@@ -179,7 +179,7 @@ class MegatronMuonConfig:
     nonfinite: str = "raise"
     """``"raise"`` / ``"skip"`` / ``"ignore"`` a step with a NaN/inf gradient (see Muon)."""
     normalize: Normalize = "none"
-    """``"row"``: NorMuon's row normalisation after Newton–Schulz (docs/variants.md); row
+    """``"row"``: NorMuon's row normalisation after Newton–Schulz (*Variants* in the docs); row
     statistics of TP-sharded matrices are summed over the TP group (one all-reduce a step)."""
     row_beta2: float = NORMUON_BETA2
     """β₂ of NorMuon's row second moment."""
