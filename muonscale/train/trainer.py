@@ -457,8 +457,8 @@ class TrainingRun:
             name, count, total = bad
             raise CheckpointError(
                 f"checkpoint {path} holds NaN/inf in {name} ({count:,} of {total:,} entries); "
-                "refusing to resume from it: its parameters could never be saved again. Resume "
-                "from an earlier checkpoint, or start anew with --overwrite"
+                "refusing to resume from it, since non-finite parameters are never saved. "
+                "Resume from an earlier checkpoint, or start anew with --overwrite"
             )
 
     def _check_compatible(self, path: Path, saved: TrainConfig) -> None:
