@@ -82,8 +82,17 @@ def test_resuming_another_run_does_not_replace_this_out_dirs_checkpoint(tmp_path
     before = _digest(kept)
     capsys.readouterr()
 
-    assert _train(second, "--resume", str(source), "--steps", "4") == 1
-    message = capsys.readouterr().err
+    command = [sys.executable, "-m", "muonscale", "train", *FLAGS, "--out-dir", str(second)]
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    refused = subprocess.run(
+        [*command, "--resume", str(source), "--steps", "4"],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 1, refused.stderr[-3000:]
+    message = refused.stderr
     assert str(source) in message and str(kept) in message and "--overwrite" in message
     assert _digest(kept) == before and _trained_steps(second) == [1, 2]  # nothing trained
 
