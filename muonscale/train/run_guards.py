@@ -4,7 +4,7 @@ Each function raises an error naming the paths involved, or returns: the out-dir
 belongs to this run or may be replaced (:func:`check_not_overwriting`), it can be written
 (:func:`check_writable`), ``--resume auto`` finds a checkpoint of this run's kind
 (:func:`auto_resume_path`), and a loaded state holds only finite values
-(:func:`first_nonfinite`).
+(:func:`first_nonfinite`). :func:`resume_changes` lists what a resumed run changes.
 """
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from muonscale.train.checkpoint import CheckpointError
+from muonscale.train.config import TrainConfig
 
 __all__ = [
     "CheckpointExistsError",
@@ -23,7 +25,15 @@ __all__ = [
     "check_not_overwriting",
     "check_writable",
     "first_nonfinite",
+    "nonfinite_checkpoint_error",
+    "resume_changes",
 ]
+
+RESUMABLE_CHANGES = ("lr", "adamw_lr", "weight_decay", "adamw_betas", "momentum", "ns_steps")
+"""Hyperparameters a resumed run may change; they are applied (the checkpoint's are replaced)."""
+DATA_CHANGES = ("seed", "data", "tokens_per_step")
+"""Settings a resumed run may change that steer the data: the data order is a function of
+(seed, step), so a new seed, corpus or batch takes effect at the next step."""
 
 
 class CheckpointExistsError(FileExistsError):
@@ -146,3 +156,31 @@ def first_nonfinite(
         if bad:
             return name, bad, tensor.numel()
     return None
+
+
+def nonfinite_checkpoint_error(path: Path, name: str, count: int, total: int) -> CheckpointError:
+    """The refusal of a checkpoint whose tensor ``name`` holds ``count`` NaN/inf entries."""
+    return CheckpointError(
+        f"checkpoint {path} holds NaN/inf in {name} ({count:,} of {total:,} entries); refusing "
+        "to resume from it, since non-finite parameters are never saved. Resume from an "
+        "earlier checkpoint, or start anew with --overwrite"
+    )
+
+
+def resume_changes(saved: TrainConfig, now: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """Settings (:data:`RESUMABLE_CHANGES`, :data:`DATA_CHANGES`) of ``now`` that differ from
+    the checkpoint's ``saved``: name -> (saved, now); tokens_per_step compared as the tokens
+    each step really takes."""
+    changes = {
+        name: (getattr(saved, name), getattr(now, name))
+        for name in RESUMABLE_CHANGES + DATA_CHANGES
+        if getattr(saved, name) != getattr(now, name)
+    }
+    effective = (
+        saved.tokens_per_micro_batch * saved.gradient_accumulation_steps,
+        now.tokens_per_micro_batch * now.gradient_accumulation_steps,
+    )
+    changes.pop("tokens_per_step", None)
+    if effective[0] != effective[1]:
+        changes["tokens_per_step"] = effective
+    return changes

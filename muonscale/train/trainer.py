@@ -26,7 +26,7 @@ import torch
 
 from muonscale.qk_clip import QKClip
 from muonscale.train.checkpoint import FORMAT as CHECKPOINT_FORMAT
-from muonscale.train.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from muonscale.train.checkpoint import read_checkpoint, write_checkpoint
 from muonscale.train.config import TrainConfig
 from muonscale.train.data import ByteTokenizer, TokenDataset, load_corpus
 from muonscale.train.dcp_checkpoint import FOLDER as SHARDED_FOLDER
@@ -44,6 +44,8 @@ from muonscale.train.run_guards import (
     check_not_overwriting,
     check_writable,
     first_nonfinite,
+    nonfinite_checkpoint_error,
+    resume_changes,
 )
 from muonscale.train.run_log import MetricsLog, progress_bar
 from muonscale.train.schedule import LRSchedule, build_scheduler
@@ -64,13 +66,6 @@ METRICS_NAME = "metrics.jsonl"
 
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or inf; no optimizer step was taken for it."""
-
-
-# Hyperparameters a resumed run may change; they are applied (the checkpoint's are replaced).
-RESUMABLE_CHANGES = ("lr", "adamw_lr", "weight_decay", "adamw_betas", "momentum", "ns_steps")
-# Settings a resumed run may change that steer the data rather than the optimizer: the data
-# order is a function of (seed, step), so a new seed, corpus or batch takes effect at once.
-DATA_CHANGES = ("seed", "data", "tokens_per_step")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,24 +114,6 @@ class RunSummary:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (FSDP2 parameters), else ``t``."""
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _changes(saved: TrainConfig, now: TrainConfig) -> dict[str, tuple[Any, Any]]:
-    """Settings of ``now`` that differ from the checkpoint's ``saved``: name -> (saved, now);
-    tokens_per_step compared as the tokens each step really takes."""
-    changes = {
-        name: (getattr(saved, name), getattr(now, name))
-        for name in RESUMABLE_CHANGES + DATA_CHANGES
-        if getattr(saved, name) != getattr(now, name)
-    }
-    effective = (
-        saved.tokens_per_micro_batch * saved.gradient_accumulation_steps,
-        now.tokens_per_micro_batch * now.gradient_accumulation_steps,
-    )
-    changes.pop("tokens_per_step", None)
-    if effective[0] != effective[1]:
-        changes["tokens_per_step"] = effective
-    return changes
 
 
 def resolve_device(name: str) -> torch.device:
@@ -411,8 +388,9 @@ class TrainingRun:
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint written by :meth:`save_checkpoint` (same model shape and
-        optimizer required). This run's hyperparameters (:data:`RESUMABLE_CHANGES`) replace
-        the checkpoint's; the differences are kept in ``self.resume_changes``."""
+        optimizer required). This run's hyperparameters replace the checkpoint's; the
+        differences (:func:`~muonscale.train.run_guards.resume_changes`) are kept in
+        ``self.resume_changes``."""
         path = Path(path)
         # Group hyperparameters and peak lrs as this run's config builds them; the
         # checkpoint's groups would otherwise win silently.
@@ -445,21 +423,15 @@ class TrainingRun:
             torch.cuda.set_rng_state_all([s.cpu() for s in state["rng"]["cuda"]])
         self.step_count = int(state["step"])
         self.last_checkpoint = (str(path), self.step_count)
-        self.resume_changes = _changes(saved, self.config)
+        self.resume_changes = resume_changes(saved, self.config)
 
     def _check_loaded_finite(self, path: Path) -> None:
-        """Refuse (:class:`CheckpointError`) a checkpoint whose parameters or optimizer state
-        hold NaN/inf, naming the tensor: training on it could never be saved."""
+        """Refuse a checkpoint holding NaN/inf (every rank raises the same error)."""
         bad = first_nonfinite(self.model, self.optimizer)
-        if self.parallel is not None:  # every rank raises the same error
+        if self.parallel is not None:
             bad = next((b for b in self.parallel.comm.all_gather_object(bad) if b), None)
         if bad is not None:
-            name, count, total = bad
-            raise CheckpointError(
-                f"checkpoint {path} holds NaN/inf in {name} ({count:,} of {total:,} entries); "
-                "refusing to resume from it, since non-finite parameters are never saved. "
-                "Resume from an earlier checkpoint, or start anew with --overwrite"
-            )
+            raise nonfinite_checkpoint_error(path, *bad)
 
     def _check_compatible(self, path: Path, saved: TrainConfig) -> None:
         """Same model shape, optimizer and parallel mode as the checkpoint's, else ValueError.
