@@ -29,7 +29,7 @@ from muonscale.train.checkpoint import CheckpointError, read_checkpoint, write_c
 from muonscale.train.config import TrainConfig
 from muonscale.train.data import load_corpus
 from muonscale.train.run_guards import check_writable
-from muonscale.train.trainer import TrainingRun
+from muonscale.train.trainer import NonFiniteLossError, TrainingRun
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -152,6 +152,22 @@ def test_a_nan_checkpoint_is_refused_at_resume_naming_the_tensor(tmp_path, capsy
     assert f"{checkpoint} holds NaN/inf in {name}" in message, message
     assert "last good" not in message  # the NaN checkpoint is not called good
     assert _digest(checkpoint) == before and _trained_steps(tmp_path) == [1, 2]
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "torch-muon"])
+def test_a_save_of_a_nan_optimizer_state_is_refused_naming_it(tmp_path, optimizer):
+    """What a resume refuses is never saved: the earlier checkpoint stays."""
+    run = _run(tmp_path, optimizer=optimizer)
+    run.run(progress=False)
+    checkpoint = tmp_path / "checkpoint.pt"
+    before = _digest(checkpoint)
+    inner = getattr(run.optimizer, "optimizers", {"": run.optimizer})  # torch-muon: a hybrid
+    state = next(s for opt in inner.values() for s in opt.state.values())
+    key = next(k for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point())
+    state[key].view(-1)[0] = float("inf")
+    with pytest.raises(NonFiniteLossError, match=rf"optimizer state '{key}' of .* holds NaN/inf"):
+        run.save_checkpoint(checkpoint)
+    assert _digest(checkpoint) == before
 
 
 # ------------------------------------------------------------------ the other kind, auto

@@ -18,6 +18,7 @@ import torch
 
 from muonscale.train.checkpoint import CheckpointError
 from muonscale.train.config import TrainConfig
+from muonscale.train.optimizers import HybridOptimizer
 
 __all__ = [
     "CheckpointExistsError",
@@ -145,10 +146,12 @@ def first_nonfinite(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> tuple[str, int, int] | None:
     """(name, non-finite entries, entries) of the first parameter or optimizer state tensor
-    holding NaN or inf (this process's shards under FSDP2), or None when all are finite."""
+    holding NaN or inf (this process's shards under FSDP2; every optimizer of a
+    ``HybridOptimizer``), or None when all are finite."""
     names = {p: name for name, p in model.named_parameters()}
     tensors = list(_floating(model.named_parameters()))
-    for p, state in optimizer.state.items():
+    inner = optimizer.optimizers.values() if isinstance(optimizer, HybridOptimizer) else [optimizer]
+    for p, state in (entry for opt in inner for entry in opt.state.items()):
         owner = names.get(p, "a parameter")
         tensors += _floating((f"optimizer state {key!r} of {owner}", v) for key, v in state.items())
     for name, tensor in tensors:

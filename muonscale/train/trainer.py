@@ -111,11 +111,6 @@ class RunSummary:
     """Path of the last checkpoint written (None when out_dir is None)."""
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (FSDP2 parameters), else ``t``."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -342,10 +337,17 @@ class TrainingRun:
         )
 
     # ------------------------------------------------------------------ checkpoints
+    def first_nonfinite(self) -> tuple[str, int, int] | None:
+        """(name, NaN/inf entries, entries) of the first parameter or optimizer state tensor
+        that is not finite, on any rank (collective under --parallel), or None."""
+        bad = first_nonfinite(self.model, self.optimizer)
+        if self.parallel is not None:
+            bad = next((b for b in self.parallel.comm.all_gather_object(bad) if b), None)
+        return bad
+
     def parameters_finite(self) -> bool:
-        """Whether every parameter is finite (under --parallel: on every rank; collective)."""
-        finite = all(bool(torch.isfinite(_local(p)).all()) for p in self.model.parameters())
-        return self.parallel.all_true(finite) if self.parallel else finite
+        """Whether every parameter and optimizer state tensor is finite (collective)."""
+        return self.first_nonfinite() is None
 
     def _trainer_state(self) -> dict[str, Any]:
         return {
@@ -362,11 +364,15 @@ class TrainingRun:
     def save_checkpoint(self, path: str | os.PathLike) -> Path:
         """Write model, optimizer, scheduler, step, RNG states and config to ``path`` with
         :func:`muonscale.train.checkpoint.write_checkpoint` (atomic, fsynced, digest). Refuses
-        to write non-finite parameters, so the last good checkpoint is never overwritten."""
+        to write non-finite parameters or optimizer state (a resume would refuse them), so the
+        last good checkpoint is never overwritten."""
         path = Path(path)
-        if not self.parameters_finite():
+        bad = self.first_nonfinite()
+        if bad is not None:
+            name, count, total = bad
             raise NonFiniteLossError(
-                f"parameters contain NaN/inf at step {self.step_count}; not overwriting {path}"
+                f"{name} holds NaN/inf at step {self.step_count} ({count:,} of {total:,} "
+                f"entries); not overwriting {path}"
             )
         if self.parallel is not None:  # path: the checkpoints folder; every rank writes
             written = write_sharded(
@@ -427,9 +433,7 @@ class TrainingRun:
 
     def _check_loaded_finite(self, path: Path) -> None:
         """Refuse a checkpoint holding NaN/inf (every rank raises the same error)."""
-        bad = first_nonfinite(self.model, self.optimizer)
-        if self.parallel is not None:
-            bad = next((b for b in self.parallel.comm.all_gather_object(bad) if b), None)
+        bad = self.first_nonfinite()
         if bad is not None:
             raise nonfinite_checkpoint_error(path, *bad)
 
