@@ -1,11 +1,13 @@
-"""``muonscale train`` refuses, before its first step, every run that could not be saved or
-would replace another run's checkpoint, and says what it found.
+"""``muonscale train`` refuses, before its first step, a run that could not be saved, would
+replace another run's checkpoint or resumes from NaN; it reports what a resume changes, rebuilds
+a damaged BPE cache, and names a full disk during a ``--parallel`` save.
 
 Oracles: the bytes of the checkpoint already there (unchanged), the metrics (no step was
 trained), the messages (they name the files and tensors), and for ``--qk-clip`` under
-``--parallel fsdp`` single-process Muon + QK-clip (bitwise, as tests/test_options_reach_layouts.py
-holds DTensorMuon to). The data-loss cases run the real CLI (``muonscale.cli.main``) on a
-one-layer model in a temporary folder.
+``--parallel fsdp`` single-process Muon + QK-clip (bitwise, the bound
+tests/test_options_reach_layouts.py holds DTensorMuon to). The data-loss cases run the real CLI
+(``muonscale.cli.main``, once as its own process) on a one-layer model in a temporary folder.
+The full-disk cases mount a tmpfs: as root only, and under ``CI=true`` they fail, not skip.
 """
 
 from __future__ import annotations
