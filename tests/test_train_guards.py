@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
@@ -428,3 +428,16 @@ def test_qk_clip_under_fsdp_at_two_ranks_equals_one_process(qk_clip_fsdp, n_kv_h
     result = qk_clip_fsdp[n_kv_head]
     assert result["min_maxima"][0] > QK_TAU  # every head clipped at the first step
     assert result["differences"] == dict.fromkeys(result["differences"], 0.0)
+
+
+def test_a_metrics_write_that_fails_names_the_file():
+    from muonscale.train.run_log import MetricsLog
+
+    full = Path("/dev/full")  # every write: ENOSPC
+    if not full.exists():
+        pytest.skip("/dev/full is absent")
+    log = MetricsLog(full)
+    with pytest.raises(OSError, match="could not append to /dev/full: No space left on device"):
+        log.write(event="start", step=0)
+    with suppress(OSError):  # the buffered line cannot be flushed either
+        log.close()
