@@ -67,6 +67,30 @@ def _trained_steps(out_dir: Path) -> list[int]:
     return [r["step"] for r in records if r["event"] == "train"]
 
 
+@contextmanager
+def _one_rank_group(tmp_path: Path):
+    """A gloo group of one process (this one), as torchrun would give a --parallel run."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(out_dir: Path, **overrides) -> TrainingRun:
+    config = TrainConfig(**{**TINY, "steps": 2, "out_dir": str(out_dir), **overrides})
+    return TrainingRun(config, text=load_corpus())
+
+
+def _finish(run: TrainingRun) -> TrainingRun:
+    try:
+        run.run(progress=False)
+    finally:
+        run.close()
+    return run
+
+
 @pytest.fixture(autouse=True, scope="module")
 def single_thread():
     threads = torch.get_num_threads()
@@ -173,43 +197,37 @@ def test_a_save_of_a_nan_optimizer_state_is_refused_naming_it(tmp_path, optimize
 
 
 # ------------------------------------------------------------------ the other kind, auto
-@contextmanager
-def _one_rank_group(tmp_path: Path):
-    """A gloo group of one process (this one), as torchrun would give a --parallel run."""
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def _run(out_dir: Path, **overrides) -> TrainingRun:
-    config = TrainConfig(**{**TINY, "steps": 2, "out_dir": str(out_dir), **overrides})
-    return TrainingRun(config, text=load_corpus())
-
-
 def test_resume_auto_refuses_a_checkpoint_of_the_other_kind(tmp_path):
     single, sharded = tmp_path / "single", tmp_path / "sharded"
     _run(single).run(progress=False)
     with _one_rank_group(tmp_path):
-        run = _run(sharded, parallel="dp")
-        try:
-            run.run(progress=False)
-        finally:
-            run.close()
+        _finish(_run(sharded, parallel="dp"))
         run = _run(single, parallel="dp", resume="auto", steps=4)
-        try:
-            with pytest.raises(CheckpointError, match=r"found .*single.checkpoint\.pt, the "):
-                run.run(progress=False)
-            assert run.step_count == 0
-        finally:
-            run.close()
+        with pytest.raises(CheckpointError, match=r"found .*single.checkpoint\.pt, the "):
+            _finish(run)
+        assert run.step_count == 0
     run = _run(sharded, resume="auto", steps=4)
     with pytest.raises(CheckpointError, match=r"found .*sharded.checkpoints, the checkpoint of a "):
         run.run(progress=False)
     assert run.step_count == 0
     assert _trained_steps(single) == [1, 2] and _trained_steps(sharded) == [1, 2]
+
+
+def test_a_parallel_resume_of_another_run_is_refused_and_its_own_step_folder_is_not(tmp_path):
+    from muonscale.train.run_guards import CheckpointExistsError
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    with _one_rank_group(tmp_path):
+        _finish(_run(first, parallel="dp"))
+        _finish(_run(second, parallel="dp"))
+        latest = (second / "checkpoints" / "latest").read_bytes()
+        source = first / "checkpoints"
+        run = _run(second, parallel="dp", resume=str(source), steps=4)
+        with pytest.raises(CheckpointExistsError, match=rf"--resume {source} would save .* over"):
+            _finish(run)
+        assert run.step_count == 0 and (second / "checkpoints" / "latest").read_bytes() == latest
+        (own,) = (second / "checkpoints").glob("step-*")
+        assert _finish(_run(second, parallel="dp", resume=str(own), steps=3)).step_count == 3
 
 
 # ------------------------------------------------------------------ reported changes
@@ -314,11 +332,7 @@ def test_a_full_disk_during_a_parallel_save_names_it_and_keeps_latest(tmpfs):
 
     out_dir = tmpfs / "run"
     with _one_rank_group(tmpfs.parent):  # the first 2 steps in this process: a world-size-1 save
-        run = _run(out_dir, parallel="dp")
-        try:
-            run.run(progress=False)
-        finally:
-            run.close()
+        _finish(_run(out_dir, parallel="dp"))
     root = out_dir / "checkpoints"
     (folder,) = root.glob("step-*")
     size = sum(f.stat().st_size for f in folder.iterdir())

@@ -18,6 +18,7 @@ import torch
 
 from muonscale.train.checkpoint import CheckpointError
 from muonscale.train.config import TrainConfig
+from muonscale.train.dcp_checkpoint import has_checkpoint
 from muonscale.train.optimizers import HybridOptimizer
 
 __all__ = [
@@ -47,8 +48,6 @@ def _kind(parallel: bool) -> str:
 
 def _has(path: Path, parallel: bool) -> bool:
     """Whether ``path`` holds a checkpoint of the kind ``parallel`` names."""
-    from muonscale.train.dcp_checkpoint import has_checkpoint
-
     return has_checkpoint(path) if parallel else path.exists()
 
 
@@ -104,9 +103,13 @@ def check_not_overwriting(
             "continue that run, another --out-dir to start a new one next to it, or "
             "--overwrite to replace it"
         )
+    # its run's out-dir (under --parallel a step folder sits in <out-dir>/checkpoints/)
+    home = resume_path.parent
+    if parallel and not has_checkpoint(resume_path):
+        home = home.parent
     raise CheckpointExistsError(
         f"--resume {resume_path} would save its continuation over {checkpoint_path}, which "
-        f"holds another run's checkpoint; pass --out-dir {resume_path.parent} to continue "
+        f"holds another run's checkpoint; pass --out-dir {home} to continue "
         f"{resume_path.name} where it is, another --out-dir to keep both, or --overwrite to "
         f"replace {checkpoint_path}"
     )
