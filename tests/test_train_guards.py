@@ -1,11 +1,13 @@
-"""``muonscale train`` refuses, before its first step, every run that could not be saved or
-would replace another run's checkpoint, and says what it found.
+"""``muonscale train`` refuses, before its first step, a run that could not be saved, would
+replace another run's checkpoint or resumes from NaN; it reports what a resume changes, rebuilds
+a damaged BPE cache, and names a full disk during a ``--parallel`` save.
 
 Oracles: the bytes of the checkpoint already there (unchanged), the metrics (no step was
 trained), the messages (they name the files and tensors), and for ``--qk-clip`` under
-``--parallel fsdp`` single-process Muon + QK-clip (bitwise, as tests/test_options_reach_layouts.py
-holds DTensorMuon to). The data-loss cases run the real CLI (``muonscale.cli.main``) on a
-one-layer model in a temporary folder.
+``--parallel fsdp`` single-process Muon + QK-clip (bitwise, the bound
+tests/test_options_reach_layouts.py holds DTensorMuon to). The data-loss cases run the real CLI
+(``muonscale.cli.main``, once as its own process) on a one-layer model in a temporary folder.
+The full-disk cases mount a tmpfs: as root only, and under ``CI=true`` they fail, not skip.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 import subprocess
 import sys
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
@@ -29,7 +31,7 @@ from muonscale.train.checkpoint import CheckpointError, read_checkpoint, write_c
 from muonscale.train.config import TrainConfig
 from muonscale.train.data import load_corpus
 from muonscale.train.run_guards import check_writable
-from muonscale.train.trainer import TrainingRun
+from muonscale.train.trainer import NonFiniteLossError, TrainingRun
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -65,6 +67,30 @@ def _trained_steps(out_dir: Path) -> list[int]:
     return [r["step"] for r in records if r["event"] == "train"]
 
 
+@contextmanager
+def _one_rank_group(tmp_path: Path):
+    """A gloo group of one process (this one), as torchrun would give a --parallel run."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(out_dir: Path, **overrides) -> TrainingRun:
+    config = TrainConfig(**{**TINY, "steps": 2, "out_dir": str(out_dir), **overrides})
+    return TrainingRun(config, text=load_corpus())
+
+
+def _finish(run: TrainingRun) -> TrainingRun:
+    try:
+        run.run(progress=False)
+    finally:
+        run.close()
+    return run
+
+
 @pytest.fixture(autouse=True, scope="module")
 def single_thread():
     threads = torch.get_num_threads()
@@ -82,8 +108,17 @@ def test_resuming_another_run_does_not_replace_this_out_dirs_checkpoint(tmp_path
     before = _digest(kept)
     capsys.readouterr()
 
-    assert _train(second, "--resume", str(source), "--steps", "4") == 1
-    message = capsys.readouterr().err
+    command = [sys.executable, "-m", "muonscale", "train", *FLAGS, "--out-dir", str(second)]
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    refused = subprocess.run(
+        [*command, "--resume", str(source), "--steps", "4"],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 1, refused.stderr[-3000:]
+    message = refused.stderr
     assert str(source) in message and str(kept) in message and "--overwrite" in message
     assert _digest(kept) == before and _trained_steps(second) == [1, 2]  # nothing trained
 
@@ -145,44 +180,54 @@ def test_a_nan_checkpoint_is_refused_at_resume_naming_the_tensor(tmp_path, capsy
     assert _digest(checkpoint) == before and _trained_steps(tmp_path) == [1, 2]
 
 
+@pytest.mark.parametrize("optimizer", ["muon", "torch-muon"])
+def test_a_save_of_a_nan_optimizer_state_is_refused_naming_it(tmp_path, optimizer):
+    """What a resume refuses is never saved: the earlier checkpoint stays."""
+    run = _run(tmp_path, optimizer=optimizer)
+    run.run(progress=False)
+    checkpoint = tmp_path / "checkpoint.pt"
+    before = _digest(checkpoint)
+    inner = getattr(run.optimizer, "optimizers", {"": run.optimizer})  # torch-muon: a hybrid
+    state = next(s for opt in inner.values() for s in opt.state.values())
+    key = next(k for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point())
+    state[key].view(-1)[0] = float("inf")
+    with pytest.raises(NonFiniteLossError, match=rf"optimizer state '{key}' of .* holds NaN/inf"):
+        run.save_checkpoint(checkpoint)
+    assert _digest(checkpoint) == before
+
+
 # ------------------------------------------------------------------ the other kind, auto
-@contextmanager
-def _one_rank_group(tmp_path: Path):
-    """A gloo group of one process (this one), as torchrun would give a --parallel run."""
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def _run(out_dir: Path, **overrides) -> TrainingRun:
-    config = TrainConfig(**{**TINY, "steps": 2, "out_dir": str(out_dir), **overrides})
-    return TrainingRun(config, text=load_corpus())
-
-
 def test_resume_auto_refuses_a_checkpoint_of_the_other_kind(tmp_path):
     single, sharded = tmp_path / "single", tmp_path / "sharded"
     _run(single).run(progress=False)
     with _one_rank_group(tmp_path):
-        run = _run(sharded, parallel="dp")
-        try:
-            run.run(progress=False)
-        finally:
-            run.close()
+        _finish(_run(sharded, parallel="dp"))
         run = _run(single, parallel="dp", resume="auto", steps=4)
-        try:
-            with pytest.raises(CheckpointError, match=r"found .*single.checkpoint\.pt, the "):
-                run.run(progress=False)
-            assert run.step_count == 0
-        finally:
-            run.close()
+        with pytest.raises(CheckpointError, match=r"found .*single.checkpoint\.pt, the "):
+            _finish(run)
+        assert run.step_count == 0
     run = _run(sharded, resume="auto", steps=4)
     with pytest.raises(CheckpointError, match=r"found .*sharded.checkpoints, the checkpoint of a "):
         run.run(progress=False)
     assert run.step_count == 0
     assert _trained_steps(single) == [1, 2] and _trained_steps(sharded) == [1, 2]
+
+
+def test_a_parallel_resume_of_another_run_is_refused_and_its_own_step_folder_is_not(tmp_path):
+    from muonscale.train.run_guards import CheckpointExistsError
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    with _one_rank_group(tmp_path):
+        _finish(_run(first, parallel="dp"))
+        _finish(_run(second, parallel="dp"))
+        latest = (second / "checkpoints" / "latest").read_bytes()
+        source = first / "checkpoints"
+        run = _run(second, parallel="dp", resume=str(source), steps=4)
+        with pytest.raises(CheckpointExistsError, match=rf"--resume {source} would save .* over"):
+            _finish(run)
+        assert run.step_count == 0 and (second / "checkpoints" / "latest").read_bytes() == latest
+        (own,) = (second / "checkpoints").glob("step-*")
+        assert _finish(_run(second, parallel="dp", resume=str(own), steps=3)).step_count == 3
 
 
 # ------------------------------------------------------------------ reported changes
@@ -287,11 +332,7 @@ def test_a_full_disk_during_a_parallel_save_names_it_and_keeps_latest(tmpfs):
 
     out_dir = tmpfs / "run"
     with _one_rank_group(tmpfs.parent):  # the first 2 steps in this process: a world-size-1 save
-        run = _run(out_dir, parallel="dp")
-        try:
-            run.run(progress=False)
-        finally:
-            run.close()
+        _finish(_run(out_dir, parallel="dp"))
     root = out_dir / "checkpoints"
     (folder,) = root.glob("step-*")
     size = sum(f.stat().st_size for f in folder.iterdir())
@@ -401,3 +442,16 @@ def test_qk_clip_under_fsdp_at_two_ranks_equals_one_process(qk_clip_fsdp, n_kv_h
     result = qk_clip_fsdp[n_kv_head]
     assert result["min_maxima"][0] > QK_TAU  # every head clipped at the first step
     assert result["differences"] == dict.fromkeys(result["differences"], 0.0)
+
+
+def test_a_metrics_write_that_fails_names_the_file():
+    from muonscale.train.run_log import MetricsLog
+
+    full = Path("/dev/full")  # every write: ENOSPC
+    if not full.exists():
+        pytest.skip("/dev/full is absent")
+    log = MetricsLog(full)
+    with pytest.raises(OSError, match="could not append to /dev/full: No space left on device"):
+        log.write(event="start", step=0)
+    with suppress(OSError):  # the buffered line cannot be flushed either
+        log.close()

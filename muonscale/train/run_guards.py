@@ -4,7 +4,7 @@ Each function raises an error naming the paths involved, or returns: the out-dir
 belongs to this run or may be replaced (:func:`check_not_overwriting`), it can be written
 (:func:`check_writable`), ``--resume auto`` finds a checkpoint of this run's kind
 (:func:`auto_resume_path`), and a loaded state holds only finite values
-(:func:`first_nonfinite`).
+(:func:`first_nonfinite`). :func:`resume_changes` lists what a resumed run changes.
 """
 
 from __future__ import annotations
@@ -12,10 +12,14 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from muonscale.train.checkpoint import CheckpointError
+from muonscale.train.config import TrainConfig
+from muonscale.train.dcp_checkpoint import has_checkpoint
+from muonscale.train.optimizers import HybridOptimizer
 
 __all__ = [
     "CheckpointExistsError",
@@ -23,7 +27,15 @@ __all__ = [
     "check_not_overwriting",
     "check_writable",
     "first_nonfinite",
+    "nonfinite_checkpoint_error",
+    "resume_changes",
 ]
+
+RESUMABLE_CHANGES = ("lr", "adamw_lr", "weight_decay", "adamw_betas", "momentum", "ns_steps")
+"""Hyperparameters a resumed run may change; they are applied (the checkpoint's are replaced)."""
+DATA_CHANGES = ("seed", "data", "tokens_per_step")
+"""Settings a resumed run may change that steer the data: the data order is a function of
+(seed, step), so a new seed, corpus or batch takes effect at the next step."""
 
 
 class CheckpointExistsError(FileExistsError):
@@ -36,8 +48,6 @@ def _kind(parallel: bool) -> str:
 
 def _has(path: Path, parallel: bool) -> bool:
     """Whether ``path`` holds a checkpoint of the kind ``parallel`` names."""
-    from muonscale.train.dcp_checkpoint import has_checkpoint
-
     return has_checkpoint(path) if parallel else path.exists()
 
 
@@ -93,9 +103,13 @@ def check_not_overwriting(
             "continue that run, another --out-dir to start a new one next to it, or "
             "--overwrite to replace it"
         )
+    # its run's out-dir (under --parallel a step folder sits in <out-dir>/checkpoints/)
+    home = resume_path.parent
+    if parallel and not has_checkpoint(resume_path):
+        home = home.parent
     raise CheckpointExistsError(
         f"--resume {resume_path} would save its continuation over {checkpoint_path}, which "
-        f"holds another run's checkpoint; pass --out-dir {resume_path.parent} to continue "
+        f"holds another run's checkpoint; pass --out-dir {home} to continue "
         f"{resume_path.name} where it is, another --out-dir to keep both, or --overwrite to "
         f"replace {checkpoint_path}"
     )
@@ -135,10 +149,12 @@ def first_nonfinite(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> tuple[str, int, int] | None:
     """(name, non-finite entries, entries) of the first parameter or optimizer state tensor
-    holding NaN or inf (this process's shards under FSDP2), or None when all are finite."""
+    holding NaN or inf (this process's shards under FSDP2; every optimizer of a
+    ``HybridOptimizer``), or None when all are finite."""
     names = {p: name for name, p in model.named_parameters()}
     tensors = list(_floating(model.named_parameters()))
-    for p, state in optimizer.state.items():
+    inner = optimizer.optimizers.values() if isinstance(optimizer, HybridOptimizer) else [optimizer]
+    for p, state in (entry for opt in inner for entry in opt.state.items()):
         owner = names.get(p, "a parameter")
         tensors += _floating((f"optimizer state {key!r} of {owner}", v) for key, v in state.items())
     for name, tensor in tensors:
@@ -146,3 +162,31 @@ def first_nonfinite(
         if bad:
             return name, bad, tensor.numel()
     return None
+
+
+def nonfinite_checkpoint_error(path: Path, name: str, count: int, total: int) -> CheckpointError:
+    """The refusal of a checkpoint whose tensor ``name`` holds ``count`` NaN/inf entries."""
+    return CheckpointError(
+        f"checkpoint {path} holds NaN/inf in {name} ({count:,} of {total:,} entries); refusing "
+        "to resume from it, since non-finite parameters are never saved. Resume from an "
+        "earlier checkpoint, or start anew with --overwrite"
+    )
+
+
+def resume_changes(saved: TrainConfig, now: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """Settings (:data:`RESUMABLE_CHANGES`, :data:`DATA_CHANGES`) of ``now`` that differ from
+    the checkpoint's ``saved``: name -> (saved, now); tokens_per_step compared as the tokens
+    each step really takes."""
+    changes = {
+        name: (getattr(saved, name), getattr(now, name))
+        for name in RESUMABLE_CHANGES + DATA_CHANGES
+        if getattr(saved, name) != getattr(now, name)
+    }
+    effective = (
+        saved.tokens_per_micro_batch * saved.gradient_accumulation_steps,
+        now.tokens_per_micro_batch * now.gradient_accumulation_steps,
+    )
+    changes.pop("tokens_per_step", None)
+    if effective[0] != effective[1]:
+        changes["tokens_per_step"] = effective
+    return changes

@@ -26,7 +26,7 @@ import torch
 
 from muonscale.qk_clip import QKClip
 from muonscale.train.checkpoint import FORMAT as CHECKPOINT_FORMAT
-from muonscale.train.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from muonscale.train.checkpoint import read_checkpoint, write_checkpoint
 from muonscale.train.config import TrainConfig
 from muonscale.train.data import ByteTokenizer, TokenDataset, load_corpus
 from muonscale.train.dcp_checkpoint import FOLDER as SHARDED_FOLDER
@@ -44,6 +44,8 @@ from muonscale.train.run_guards import (
     check_not_overwriting,
     check_writable,
     first_nonfinite,
+    nonfinite_checkpoint_error,
+    resume_changes,
 )
 from muonscale.train.run_log import MetricsLog, progress_bar
 from muonscale.train.schedule import LRSchedule, build_scheduler
@@ -64,13 +66,6 @@ METRICS_NAME = "metrics.jsonl"
 
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or inf; no optimizer step was taken for it."""
-
-
-# Hyperparameters a resumed run may change; they are applied (the checkpoint's are replaced).
-RESUMABLE_CHANGES = ("lr", "adamw_lr", "weight_decay", "adamw_betas", "momentum", "ns_steps")
-# Settings a resumed run may change that steer the data rather than the optimizer: the data
-# order is a function of (seed, step), so a new seed, corpus or batch takes effect at once.
-DATA_CHANGES = ("seed", "data", "tokens_per_step")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,29 +109,6 @@ class RunSummary:
     """Name of the signal that stopped the run (SIGINT, SIGTERM), when one did."""
     checkpoint: str | None
     """Path of the last checkpoint written (None when out_dir is None)."""
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (FSDP2 parameters), else ``t``."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _changes(saved: TrainConfig, now: TrainConfig) -> dict[str, tuple[Any, Any]]:
-    """Settings of ``now`` that differ from the checkpoint's ``saved``: name -> (saved, now);
-    tokens_per_step compared as the tokens each step really takes."""
-    changes = {
-        name: (getattr(saved, name), getattr(now, name))
-        for name in RESUMABLE_CHANGES + DATA_CHANGES
-        if getattr(saved, name) != getattr(now, name)
-    }
-    effective = (
-        saved.tokens_per_micro_batch * saved.gradient_accumulation_steps,
-        now.tokens_per_micro_batch * now.gradient_accumulation_steps,
-    )
-    changes.pop("tokens_per_step", None)
-    if effective[0] != effective[1]:
-        changes["tokens_per_step"] = effective
-    return changes
 
 
 def resolve_device(name: str) -> torch.device:
@@ -365,10 +337,17 @@ class TrainingRun:
         )
 
     # ------------------------------------------------------------------ checkpoints
+    def first_nonfinite(self) -> tuple[str, int, int] | None:
+        """(name, NaN/inf entries, entries) of the first parameter or optimizer state tensor
+        that is not finite, on any rank (collective under --parallel), or None."""
+        bad = first_nonfinite(self.model, self.optimizer)
+        if self.parallel is not None:
+            bad = next((b for b in self.parallel.comm.all_gather_object(bad) if b), None)
+        return bad
+
     def parameters_finite(self) -> bool:
-        """Whether every parameter is finite (under --parallel: on every rank; collective)."""
-        finite = all(bool(torch.isfinite(_local(p)).all()) for p in self.model.parameters())
-        return self.parallel.all_true(finite) if self.parallel else finite
+        """Whether every parameter and optimizer state tensor is finite (collective)."""
+        return self.first_nonfinite() is None
 
     def _trainer_state(self) -> dict[str, Any]:
         return {
@@ -385,11 +364,15 @@ class TrainingRun:
     def save_checkpoint(self, path: str | os.PathLike) -> Path:
         """Write model, optimizer, scheduler, step, RNG states and config to ``path`` with
         :func:`muonscale.train.checkpoint.write_checkpoint` (atomic, fsynced, digest). Refuses
-        to write non-finite parameters, so the last good checkpoint is never overwritten."""
+        to write non-finite parameters or optimizer state (a resume would refuse them), so the
+        last good checkpoint is never overwritten."""
         path = Path(path)
-        if not self.parameters_finite():
+        bad = self.first_nonfinite()
+        if bad is not None:
+            name, count, total = bad
             raise NonFiniteLossError(
-                f"parameters contain NaN/inf at step {self.step_count}; not overwriting {path}"
+                f"{name} holds NaN/inf at step {self.step_count} ({count:,} of {total:,} "
+                f"entries); not overwriting {path}"
             )
         if self.parallel is not None:  # path: the checkpoints folder; every rank writes
             written = write_sharded(
@@ -411,8 +394,9 @@ class TrainingRun:
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint written by :meth:`save_checkpoint` (same model shape and
-        optimizer required). This run's hyperparameters (:data:`RESUMABLE_CHANGES`) replace
-        the checkpoint's; the differences are kept in ``self.resume_changes``."""
+        optimizer required). This run's hyperparameters replace the checkpoint's; the
+        differences (:func:`~muonscale.train.run_guards.resume_changes`) are kept in
+        ``self.resume_changes``."""
         path = Path(path)
         # Group hyperparameters and peak lrs as this run's config builds them; the
         # checkpoint's groups would otherwise win silently.
@@ -445,21 +429,13 @@ class TrainingRun:
             torch.cuda.set_rng_state_all([s.cpu() for s in state["rng"]["cuda"]])
         self.step_count = int(state["step"])
         self.last_checkpoint = (str(path), self.step_count)
-        self.resume_changes = _changes(saved, self.config)
+        self.resume_changes = resume_changes(saved, self.config)
 
     def _check_loaded_finite(self, path: Path) -> None:
-        """Refuse (:class:`CheckpointError`) a checkpoint whose parameters or optimizer state
-        hold NaN/inf, naming the tensor: training on it could never be saved."""
-        bad = first_nonfinite(self.model, self.optimizer)
-        if self.parallel is not None:  # every rank raises the same error
-            bad = next((b for b in self.parallel.comm.all_gather_object(bad) if b), None)
+        """Refuse a checkpoint holding NaN/inf (every rank raises the same error)."""
+        bad = self.first_nonfinite()
         if bad is not None:
-            name, count, total = bad
-            raise CheckpointError(
-                f"checkpoint {path} holds NaN/inf in {name} ({count:,} of {total:,} entries); "
-                "refusing to resume from it: its parameters could never be saved again. Resume "
-                "from an earlier checkpoint, or start anew with --overwrite"
-            )
+            raise nonfinite_checkpoint_error(path, *bad)
 
     def _check_compatible(self, path: Path, saved: TrainConfig) -> None:
         """Same model shape, optimizer and parallel mode as the checkpoint's, else ValueError.
