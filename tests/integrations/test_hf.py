@@ -437,9 +437,14 @@ def test_distributed_factory_without_callback_fails_fast(tmp_path):
     try:
         stdout, stderr = run.communicate(timeout=240)
     except subprocess.TimeoutExpired:
-        os.killpg(run.pid, signal.SIGKILL)  # torchrun and both ranks
-        run.communicate()
-        pytest.fail(f"hung: no result after {time.monotonic() - start:.0f} s")
+        seconds = time.monotonic() - start
+        run.send_signal(signal.SIGTERM)  # torchrun stops its ranks (each in its own session)
+        try:
+            run.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.communicate()
+        pytest.fail(f"hung: no result after {seconds:.0f} s")
     assert run.returncode == 0, stdout[-3000:] + stderr[-3000:]
     for rank in (0, 1):
         record = json.loads((tmp_path / f"rank{rank}.json").read_text())
