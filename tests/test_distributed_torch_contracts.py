@@ -1,6 +1,7 @@
-"""``DistributedMuon`` (world size 1, gloo) against torch's optimizer contracts that it
-implements itself rather than inheriting: ``load_state_dict`` runs torch's pre- and post-hooks,
-and keys a hook writes into ``opt.state`` do not disturb steps or checkpoints."""
+"""``DistributedMuon`` and ``DTensorMuon`` (world size 1, gloo) against torch's optimizer
+contracts where they have their own code: ``load_state_dict`` runs torch's pre- and post-hooks,
+and keys a hook writes into ``opt.state`` do not disturb steps, checkpoints or the state byte
+count."""
 
 import copy
 
@@ -13,6 +14,7 @@ from test_torch_optim_contracts import (
 )
 from torch import nn
 
+import muonscale
 from muonscale import DistributedMuon
 
 pytestmark = pytest.mark.timeout(120)
@@ -61,3 +63,27 @@ def test_hook_keys_leave_steps_and_checkpoints_alone(world_of_one):
     assert opt.optimizer_state_bytes() == ref.optimizer_state_bytes()
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p, q)
+
+
+def test_dtensor_muon_hook_keys_leave_steps_and_state_bytes_alone(world_of_one):
+    """The same for DTensorMuon (its own state byte count), on a 1-rank mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    weights = [nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])) for _ in "ab"]
+    weights[1].data.copy_(weights[0].detach())
+    opt, ref = (muonscale.distributed_muon([("fc.weight", w)], lr=1e-2) for w in weights)
+    assert type(opt) is muonscale.DTensorMuon
+    opt.register_load_state_dict_post_hook(_load_post_hook_writing_state)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        grad = torch.randn(8, 4, generator=g)
+        for w, o in zip(weights, (opt, ref)):
+            w.grad = distribute_tensor(grad, mesh, [Shard(0)])
+            o.step()
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert opt.state["ran_load_state_dict_post_hook"] is True
+    assert opt.optimizer_state_bytes() == ref.optimizer_state_bytes()
+    assert torch.equal(weights[0].full_tensor(), weights[1].full_tensor())
+    del opt, ref, weights, mesh
