@@ -1,7 +1,7 @@
-"""``DistributedMuon`` and ``DTensorMuon`` (world size 1, gloo) against torch's optimizer
-contracts where they have their own code: ``load_state_dict`` runs torch's pre- and post-hooks,
-and keys a hook writes into ``opt.state`` do not disturb steps, checkpoints or the state byte
-count."""
+"""Keys that torch's ``load_state_dict`` hooks write into ``opt.state`` (as torch's own hook
+tests do, ported in ``test_torch_optim_contracts.py``) leave steps, checkpoints and the state
+byte count alone: ``Muon``, and ``DistributedMuon`` and ``DTensorMuon`` at world size 1 (gloo),
+whose ``load_state_dict`` also runs torch's pre- and post-hooks."""
 
 import copy
 
@@ -11,13 +11,32 @@ import torch.distributed as dist
 from test_torch_optim_contracts import (
     _load_post_hook_writing_state,
     _load_pre_hook_returning_a_copy,
+    _steps,
 )
+from test_torch_optim_contracts import _model as _conv_model
 from torch import nn
 
 import muonscale
-from muonscale import DistributedMuon
+from muonscale import DistributedMuon, Muon
 
 pytestmark = pytest.mark.timeout(120)
+
+
+def test_non_parameter_state_keys_survive_steps_and_round_trips():
+    """Keys a hook wrote into ``opt.state`` stay through steps and state-dict round trips, and
+    leave the update and the state byte count alone."""
+    model, reference = _conv_model(), _conv_model()
+    opt = Muon(model.named_parameters())
+    ref = Muon(reference.named_parameters())
+    opt.register_load_state_dict_post_hook(_load_post_hook_writing_state)
+    for _ in range(2):
+        _steps(opt, model, n=1)
+        _steps(ref, reference, n=1)
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert opt.state["ran_load_state_dict_post_hook"] is True
+    assert opt.optimizer_state_bytes() == ref.optimizer_state_bytes()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
 
 
 @pytest.fixture
