@@ -22,9 +22,11 @@ PARAMS_TYPE_ERROR = (
 )
 FALLBACK_WARNING = (
     "muonscale.Muon: {n} unnamed parameter(s) with >= 2 dims were routed to Muon by tensor rank "
-    "alone, so embeddings and output heads cannot be told apart from hidden matrices. Pass "
-    "model.named_parameters() or the model itself, give each param group 'param_names', or pin "
-    "a group with 'algorithm': 'adamw'."
+    "alone, so embeddings and output heads cannot be told apart from hidden matrices. {fix}"
+)
+GENERIC_FIX = (
+    "Pass model.named_parameters() or the model itself, give each param group 'param_names', or "
+    "pin a group with 'algorithm': 'adamw'."
 )
 
 
@@ -182,10 +184,8 @@ def framework_fix(max_depth: int = 64) -> str | None:
 
 def warn_unnamed(opt: Muon) -> None:
     if opt.unnamed_to_muon:
-        message = FALLBACK_WARNING.format(n=opt.unnamed_to_muon)
-        fix = framework_fix()
-        if fix is not None:
-            message = f"{message} {fix}"
+        fix = framework_fix() or GENERIC_FIX  # a framework's users cannot pass names
+        message = FALLBACK_WARNING.format(n=opt.unnamed_to_muon, fix=fix)
         warnings.warn(message, UserWarning, stacklevel=3)
         opt.unnamed_to_muon = 0
 

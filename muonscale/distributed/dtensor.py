@@ -55,6 +55,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .. import functional
 from ..newton_schulz import default_ns_dtype
 from ..optimizer import Muon
+from ..optimizer_state import parameter_states
 from ..scaling import matrix_update_scales, update_scale
 from ..variants import (  # [variants]
     row_factors,
@@ -318,7 +319,7 @@ class DTensorMuon(Muon):
         """Exact bytes of state tensors held by this rank (local shards)."""
         return sum(
             local_tensor(v).numel() * local_tensor(v).element_size()
-            for s in self.state.values()
+            for s in parameter_states(self)
             for v in s.values()
             if isinstance(v, torch.Tensor)
         )

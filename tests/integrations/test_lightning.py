@@ -250,4 +250,4 @@ def test_unnamed_parameter_warning_names_configure_optimizers(tmp_path):
         _fit(_PlainMuonLM("llama"), tmp_path, max_steps=1)
     message = next(str(w.message) for w in caught if "unnamed" in str(w.message))
     assert "muonscale.integrations.lightning.configure_optimizers(self" in message, message
-    assert "MuonFactory" not in message
+    assert "MuonFactory" not in message and "named_parameters()" not in message
