@@ -199,7 +199,7 @@ def summary_line(summary) -> str:
     checkpoint = summary.checkpoint or "none (--out-dir none)"
     return (
         f"muonscale train: {summary.steps} steps, train loss {train}, val loss {val}, "
-        f"checkpoint {checkpoint} ({summary.seconds:.0f} s)"
+        f"checkpoint {checkpoint} ({summary.seconds:.1f} s)"
     )
 
 
