@@ -162,16 +162,3 @@ def test_route_hf_config_names_the_install_without_transformers(tmp_path, capsys
     with pytest.raises(SystemExit):
         main(["route", str(config)])
     assert 'pip install "muonscale[hf]"' in capsys.readouterr().err
-
-
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="no transformers")
-def test_route_hf_config(tmp_path, capsys):
-    config = tmp_path / "config.json"
-    config.write_text(
-        '{"model_type": "gpt2", "n_layer": 1, "n_embd": 16, "n_head": 2, "vocab_size": 64, '
-        '"n_positions": 32}'
-    )
-    assert main(["route", str(config)]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert "transposed" in next(line for line in lines if "c_attn.weight" in line)
-    assert "adamw" in next(line for line in lines if "wte.weight" in line)
