@@ -50,5 +50,16 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
+# The sdist and wheel in dist/ (python -m build), their metadata checked (twine check), then
+# the wheel installed with torch alone into a fresh venv and run (tests/test_wheel_install.py).
+.PHONY: dist
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+	$(VENV)/bin/twine check --strict dist/*
+	MUONSCALE_WHEEL="$$(ls dist/muonscale-*.whl)" TORCH_VERSION=$(TORCH_VERSION) \
+		$(PY) -m pytest -q -m slow tests/test_wheel_install.py -p no:cacheprovider
+
 clean:
 	rm -rf $(VENV) runs .pytest_cache site
+	rm -rf dist build muonscale.egg-info

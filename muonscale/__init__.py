@@ -1,48 +1,54 @@
 """muonscale: the Muon optimizer for LLM training, at AdamW's speed, on the distributed engines
-people already use. ``import muonscale`` needs only torch."""
+people already use. ``import muonscale`` needs only torch, and loads it on first use of a name
+(so ``muonscale --help`` and ``--version`` stay fast)."""
 
-from .flops import newton_schulz_flops
-from .matrices import MatrixView
-from .newton_schulz import (
-    COEFFICIENT_PRESETS,
-    default_ns_dtype,
-    newton_schulz,
-    resolve_coefficients,
-)
-from .optimizer import Muon, NonFiniteGradientError
-from .params import RouteDecision, route
-from .qkv import QKVLayout
-from .scaling import SCALE_RULES, update_scale
+from __future__ import annotations
 
-__version__ = "0.1.0"
+import sys
+import types
+from importlib.metadata import PackageNotFoundError, version
 
-_DISTRIBUTED = ("DistributedMuon", "DTensorMuon", "distributed_muon")
+from .lazy_names import lazy_names
+
+try:
+    __version__ = version("muonscale")  # pyproject.toml is the one source
+except PackageNotFoundError:  # a source tree on sys.path, never installed
+    __version__ = "0+unknown"
+
+# Public name -> submodule defining it; each is imported on first access (PEP 562).
+_LAZY = {
+    "COEFFICIENT_PRESETS": "newton_schulz",
+    "default_ns_dtype": "newton_schulz",
+    "newton_schulz": "newton_schulz",
+    "resolve_coefficients": "newton_schulz",
+    "newton_schulz_flops": "flops",
+    "MatrixView": "matrices",
+    "Muon": "optimizer",
+    "NonFiniteGradientError": "optimizer",
+    "RouteDecision": "params",
+    "route": "params",
+    "QKVLayout": "qkv",
+    "SCALE_RULES": "scaling",
+    "update_scale": "scaling",
+    # The distributed optimizers import torch.distributed's DTensor machinery.
+    "DistributedMuon": "distributed",
+    "DTensorMuon": "distributed",
+    "distributed_muon": "distributed",
+}
 
 
-def __getattr__(name: str):
-    # The distributed optimizers import torch.distributed's DTensor machinery: load on first use.
-    if name in _DISTRIBUTED:
-        from . import distributed
-
-        return getattr(distributed, name)
-    raise AttributeError(f"module 'muonscale' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_names(__name__, globals(), _LAZY)
 
 
-__all__ = [
-    "COEFFICIENT_PRESETS",
-    "DTensorMuon",
-    "DistributedMuon",
-    "MatrixView",
-    "Muon",
-    "NonFiniteGradientError",
-    "QKVLayout",
-    "RouteDecision",
-    "SCALE_RULES",
-    "default_ns_dtype",
-    "distributed_muon",
-    "newton_schulz",
-    "newton_schulz_flops",
-    "resolve_coefficients",
-    "route",
-    "update_scale",
-]
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value) -> None:
+        # Importing the submodule newton_schulz binds its name here; the name is the function's.
+        if name == "newton_schulz" and isinstance(value, types.ModuleType):
+            value = value.newton_schulz
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+__all__ = sorted(_LAZY, key=str.casefold)

@@ -1,4 +1,4 @@
-"""``muonscale`` command line: ``muonscale bench`` and ``muonscale train``.
+"""``muonscale`` command line: ``muonscale bench``, ``muonscale train`` and ``muonscale route``.
 
 Flags are generated from the config dataclasses (``BenchConfig``, ``TrainConfig``), with each
 field's docstring as help, so the command line and the configs cannot drift apart. torch is
@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import signal
 import sys
+
+import muonscale
 
 DESCRIPTION = "Muon optimizer at AdamW's speed: benchmark it, train with it."
 
@@ -39,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     from muonscale.train.config import TrainConfig, add_dataclass_arguments
 
     parser = argparse.ArgumentParser(prog="muonscale", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"muonscale {muonscale.__version__}")
     commands = parser.add_subparsers(
         title="commands", dest="command", metavar="COMMAND", required=True
     )
@@ -64,8 +68,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="show a progress bar (default: True)",
+        help="show a progress bar, or progress lines without tqdm (default: True)",
     )
+    train.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        default=None,
+        help="also write TensorBoard event files into DIR: losses, lr, the optimizer's update "
+        "RMS, skipped steps and step time (needs tensorboard)",
+    )
+
+    route = commands.add_parser(
+        "route",
+        help="print which parameters of a model go to Muon and which to AdamW, without training",
+        description="The routing table muonscale gives a model (muonscale.Muon.summary()): "
+        "algorithm, shape, reason, transposed and split weights. MODEL is "
+        "package.module:callable returning an nn.Module, or a Hugging Face config.json (or "
+        "a folder holding one; needs transformers).",
+    )
+    route.add_argument("model", metavar="MODEL", help="package.module:callable or config.json")
+    route.add_argument(
+        "--qkv-split",
+        choices=("qkv", "head"),
+        default="qkv",
+        help="how a model's fused QKV weights (model.qkv_layout) are split (default: qkv)",
+    )
+    route.set_defaults(command_parser=route)
     return parser
 
 
@@ -75,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "bench":
             return _bench(args)
+        if args.command == "route":
+            return _route(args)
         return _train(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -120,6 +150,11 @@ def _train(args: argparse.Namespace) -> int:
     from muonscale.train.config import TrainConfig
 
     config = _config_or_exit(TrainConfig, args)
+    if args.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
+        args.command_parser.error(
+            "--tensorboard needs the tensorboard package, which is not installed: "
+            'pip install "muonscale[bench]" (or pip install tensorboard)'
+        )
     from muonscale.train.trainer import NonFiniteLossError, TrainingRun
 
     if config.parallel != "none":
@@ -132,7 +167,8 @@ def _train(args: argparse.Namespace) -> int:
     run = None
     try:
         run = TrainingRun(config)
-        summary = run.run(progress=args.progress)
+        rank = run.rank
+        summary = run.run(progress=args.progress, tensorboard=args.tensorboard)
     except (OSError, CheckpointError, NonFiniteLossError) as error:  # each names its file
         print(f"muonscale train: error: {error}", file=sys.stderr)
         return 1
@@ -151,6 +187,30 @@ def _train(args: argparse.Namespace) -> int:
         )
         print(f"muonscale train: interrupted by {summary.signal}; {where}", file=sys.stderr)
         return 128 + int(getattr(signal.Signals, summary.signal or "SIGINT"))
+    if rank == 0:
+        print(summary_line(summary), flush=True)
+    return 0
+
+
+def summary_line(summary) -> str:
+    """The line ``muonscale train`` ends with: steps, losses, checkpoint, wall time."""
+    val = f"{summary.val_loss:.4f}" if summary.val_loss is not None else "not evaluated"
+    train = f"{summary.train_loss:.4f}" if summary.train_loss is not None else "-"
+    checkpoint = summary.checkpoint or "none (--out-dir none)"
+    return (
+        f"muonscale train: {summary.steps} steps, train loss {train}, val loss {val}, "
+        f"checkpoint {checkpoint} ({summary.seconds:.1f} s)"
+    )
+
+
+def _route(args: argparse.Namespace) -> int:
+    from muonscale.route_model import ModelSpecError, build_model, routing_table
+
+    try:
+        model = build_model(args.model)
+    except ModelSpecError as error:
+        args.command_parser.error(str(error))
+    print(routing_table(model, qkv_split=args.qkv_split))
     return 0
 
 

@@ -50,7 +50,7 @@ from .optimizer_state import (
     restore_unpickled,
     with_group_defaults,
 )
-from .params import ALGORITHMS, RouteDecision, Rule, routing_summary
+from .params import ALGORITHMS, RouteDecision, Rule, format_routing_table, layout_note
 from .qkv import QKV_SPLIT_MODES, QKVLayout
 from .scaling import ADJUST_LR_FNS, SCALE_RULES
 from .variants import (  # [variants]
@@ -171,6 +171,8 @@ class Muon(torch.optim.Optimizer):
             backward), ``step()`` discards that work and computes every update as usual,
             warning once. Not with ``capturable``. Costs a second momentum buffer and the
             Newton–Schulz workspaces, held between steps. See *Design notes* in the docs.
+        strict: raise ``ValueError`` instead of warning when parameters without names would
+            be routed by tensor rank alone (embeddings and heads then look like hidden weights).
     """
 
     _CAPTURABLE_REFUSAL: str | None = None
@@ -218,6 +220,7 @@ class Muon(torch.optim.Optimizer):
         capturable: bool = False,
         transposed: Iterable[str] | None = None,
         orthogonalize_in_backward: bool = False,
+        strict: bool = False,
     ) -> None:
         if isinstance(params, torch.Tensor):
             raise TypeError(f"{PARAMS_TYPE_ERROR}, but got {torch.typename(params)}")
@@ -303,6 +306,9 @@ class Muon(torch.optim.Optimizer):
         self.matrix_views: dict[int, MatrixView] = {}
         self.momentum_stacks = MomentumStacks()
         self.unnamed_to_muon = 0
+        check_flag("strict", strict)
+        self.strict = strict
+        """Whether routing unnamed parameters by tensor rank alone is an error."""
         if isinstance(transposed, str):
             raise TypeError(
                 f"transposed must be a collection of parameter names, got {transposed!r}"
@@ -383,9 +389,10 @@ class Muon(torch.optim.Optimizer):
         if resolved:  # the constructor's groups, or a group pinned with its options
             self._add_resolved_group(dict(param_group))
             return
-        for group in expand_user_group(self, dict(param_group)):
+        groups = expand_user_group(self, dict(param_group))
+        warn_unnamed(self)  # strict: raises before a group is added
+        for group in groups:
             self._add_resolved_group(group)
-        warn_unnamed(self)
 
     def _add_resolved_group(self, param_group: dict[str, Any]) -> None:
         named, _ = named_entries(self, param_group)
@@ -601,19 +608,22 @@ class Muon(torch.optim.Optimizer):
         )
 
     def summary(self) -> str:
-        """Routing table: tensors and elements per algorithm, then one line per parameter."""
+        """Routing table: tensors and elements per algorithm, then one line per parameter,
+        with the weights Muon treats as transposed or splits into row blocks (and how)."""
         params = {self._name(p): p for g in self.param_groups for p in g["params"]}
         decisions = {
             n: self.routing.get(n, RouteDecision(g["algorithm"], "param group"))
             for g in self.param_groups
             for n in [self._name(p) for p in g["params"]]
         }
-        lines = [routing_summary(decisions, params)]
-        for name, d in decisions.items():
-            lines.append(
-                f"  {d.algorithm:<6} {name:<50} {tuple(params[name].shape)!s:<18} {d.reason}"
+        notes = {
+            self._name(p): layout_note(
+                self.is_transposed(p), self.split_rows.get(id(p)), self.split_roles.get(id(p))
             )
-        return "\n".join(lines)
+            for g in self.param_groups
+            for p in g["params"]
+        }
+        return format_routing_table(decisions, params, notes)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

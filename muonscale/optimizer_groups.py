@@ -183,11 +183,15 @@ def framework_fix(max_depth: int = 64) -> str | None:
 
 
 def warn_unnamed(opt: Muon) -> None:
+    """Warn (``opt.strict``: raise ``ValueError``) when unnamed parameters went to Muon by
+    rank alone."""
     if opt.unnamed_to_muon:
         fix = framework_fix() or GENERIC_FIX  # a framework's users cannot pass names
         message = FALLBACK_WARNING.format(n=opt.unnamed_to_muon, fix=fix)
-        warnings.warn(message, UserWarning, stacklevel=3)
         opt.unnamed_to_muon = 0
+        if opt.__dict__.get("strict", False):  # pickles from before strict lack it
+            raise ValueError(f"strict=True: {message}")
+        warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def rebind_parameters(opt: Muon, named_parameters: Iterable[tuple[str, torch.Tensor]]) -> int:

@@ -141,6 +141,7 @@ def pickled_extras(opt: Muon) -> dict[str, Any]:
         split_roles=[[opt.split_roles.get(id(p)) for p in g["params"]] for g in opt.param_groups],
         transposed=sorted(opt.transposed_names),
         orthogonalize_in_backward=opt.orthogonalize_in_backward,
+        strict=opt.__dict__.get("strict", False),
     )
 
 
@@ -176,6 +177,7 @@ def restore_unpickled(opt: Muon, extra: dict[str, Any] | None) -> None:
         return
     opt.nonfinite, opt.skipped_steps = extra["nonfinite"], extra["skipped_steps"]
     opt.capturable = extra.get("capturable", False)
+    opt.strict = extra.get("strict", False)  # pickled before strict existed: False
     opt.routing = extra["routing"]
     opt.muon_defaults, opt.adamw_defaults = extra["muon_defaults"], extra["adamw_defaults"]
     opt.routing_rules, opt.matrix_views, opt.unnamed_to_muon = [], {}, 0

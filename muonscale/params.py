@@ -168,3 +168,37 @@ def routing_summary(decisions: dict[str, RouteDecision], params: dict[str, torch
         total = sum(params[n].numel() for n in names)
         rows.append(f"{algorithm:<6} {len(names):>6} tensors {total:>14,d} elements")
     return "\n".join(rows)
+
+
+def layout_note(
+    transposed: bool,
+    blocks: Sequence[torch.Tensor] | None = None,
+    roles: Sequence[str] | None = None,
+) -> str:
+    """How Muon sees a weight beyond its shape: ``transposed (stored in, out)`` and
+    ``split: 3 row blocks q k v`` / ``split: 4 row blocks [16, 16, 16, 16]``; "" when neither."""
+    notes = ["transposed (stored in, out)"] if transposed else []
+    if blocks:
+        if roles:
+            counts = {role: list(roles).count(role) for role in dict.fromkeys(roles)}
+            how = " ".join(role if n == 1 else f"{n}x{role}" for role, n in counts.items())
+        else:
+            how = str([len(b) for b in blocks])
+        notes.append(f"split: {len(blocks)} row blocks {how}")
+    return "; ".join(notes)
+
+
+def format_routing_table(
+    decisions: dict[str, RouteDecision],
+    params: dict[str, torch.Tensor],
+    notes: dict[str, str] | None = None,
+) -> str:
+    """:func:`routing_summary`, then one line per parameter: algorithm, name, shape, reason
+    and, in brackets, its layout note (see :func:`layout_note`)."""
+    notes = notes or {}
+    lines = [routing_summary(decisions, params)]
+    for name, d in decisions.items():
+        note = f"  [{notes[name]}]" if notes.get(name) else ""
+        shape = str(tuple(params[name].shape))
+        lines.append(f"  {d.algorithm:<6} {name:<50} {shape:<18} {d.reason}{note}")
+    return "\n".join(lines)

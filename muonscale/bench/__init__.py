@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import sys
 import tempfile
 import time
@@ -24,6 +25,11 @@ from pathlib import Path
 from typing import TextIO
 
 from muonscale.bench.config import BenchConfig
+
+PLOTS_SKIPPED = (
+    "bench: matplotlib is not installed, so the report is written without plots; "
+    'pip install "muonscale[bench]" for them (or pass --no-plots to skip them quietly)'
+)
 
 __all__ = ["BenchConfig", "default_out_dir", "prepare_out_dir", "run_bench", "torch_threads"]
 
@@ -112,6 +118,10 @@ def _run_bench(config: BenchConfig, make_run: Callable | None, stream: TextIO) -
     def log(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
+    plots_skipped = config.plots and importlib.util.find_spec("matplotlib") is None
+    if plots_skipped:  # said before any training, and again with the report
+        log(PLOTS_SKIPPED)
+        config = dataclasses.replace(config, plots=False)
     store = RunStore(out_dir / "runs")
     lrs = {name: config.lr_for(name) for name in config.contenders}
     sweep = None
@@ -175,6 +185,8 @@ def _run_bench(config: BenchConfig, make_run: Callable | None, stream: TextIO) -
         log(f"TensorBoard event files: {config.tensorboard}")
     write_report(report, out_dir, plot_files)
     print(f"\nreport: {out_dir / 'report.md'}  ({report['wall_seconds']:.0f}s)", file=stream)
+    if plots_skipped:
+        log(PLOTS_SKIPPED)
     return report
 
 

@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from muonscale.train.run_log import PlainProgress
+
 
 class StepResultLike(Protocol):
     loss: float
@@ -168,29 +170,5 @@ def progress_bar(total: int, desc: str):
     try:
         from tqdm.auto import tqdm
     except ImportError:  # tqdm is an optional ("bench") dependency
-        return _PlainProgress(total, desc)
+        return PlainProgress(total, desc)
     return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True)
-
-
-class _PlainProgress:
-    """Fallback progress: one line with elapsed time and ETA at every evaluation."""
-
-    def __init__(self, total: int, desc: str) -> None:
-        self.total, self.desc, self.done = total, desc, 0
-        self.start = time.perf_counter()
-
-    def update(self, n: int) -> None:
-        self.done += n
-
-    def set_postfix_str(self, text: str, refresh: bool = True) -> None:
-        elapsed = time.perf_counter() - self.start
-        eta = elapsed / max(self.done, 1) * (self.total - self.done)
-        print(
-            f"{self.desc}: {self.done}/{self.total} steps, {elapsed:.0f}s elapsed, "
-            f"ETA {eta:.0f}s  {text}",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    def close(self) -> None:
-        pass

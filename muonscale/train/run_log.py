@@ -1,9 +1,10 @@
 """What a training run reports as it goes: JSONL metrics (``metrics.jsonl``) and the progress
-bar."""
+bar (tqdm, or plain lines without it)."""
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,10 +36,42 @@ class MetricsLog:
 
 
 def progress_bar(enabled: bool, *, total: int, initial: int):
+    """A tqdm bar, or without tqdm (an optional dependency) a :class:`PlainProgress`."""
     if not enabled:
         return None
     try:
         from tqdm.auto import tqdm
     except ImportError:
-        return None
+        return PlainProgress(total, "train", initial=initial)
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+
+
+class PlainProgress:
+    """Progress without tqdm: one stderr line (steps, elapsed, ETA, figures) per postfix."""
+
+    def __init__(self, total: int, desc: str, *, initial: int = 0) -> None:
+        self.total, self.desc, self.done, self.initial = total, desc, initial, initial
+        self.start = time.perf_counter()
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+
+    def set_postfix(self, **figures: Any) -> None:
+        self.set_postfix_str(", ".join(f"{k}={v}" for k, v in figures.items()))
+
+    def set_postfix_str(self, text: str, refresh: bool = True) -> None:
+        elapsed = time.perf_counter() - self.start
+        rate = elapsed / max(self.done - self.initial, 1)
+        eta = rate * (self.total - self.done)
+        print(
+            f"{self.desc}: {self.done}/{self.total} steps, {elapsed:.0f}s elapsed, "
+            f"ETA {eta:.0f}s  {text}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def write(self, text: str) -> None:
+        print(text, flush=True)
+
+    def close(self) -> None:
+        pass

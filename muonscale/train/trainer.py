@@ -502,7 +502,7 @@ class TrainingRun:
         if error is not None:
             raise error
 
-    def run(self, progress: bool = True) -> RunSummary:
+    def run(self, progress: bool = True, tensorboard: str | Path | None = None) -> RunSummary:
         """Train until ``config.steps``: evaluate every ``eval_every`` steps and at the end, log
         JSONL metrics every ``log_every`` steps, checkpoint every ``checkpoint_every`` steps and
         at the end.
@@ -513,7 +513,10 @@ class TrainingRun:
         :class:`NonFiniteLossError` and leaves the last good checkpoint in place. Refuses
         (:class:`CheckpointExistsError`) to start a new run over an earlier run's checkpoint
         unless it resumes from that checkpoint or ``config.overwrite`` is set, and (``OSError``)
-        when the checkpoint could not be written; both before any training."""
+        when the checkpoint could not be written; both before any training.
+
+        ``tensorboard``: also write TensorBoard event files into this folder (rank 0; see
+        :mod:`muonscale.train.tensorboard_log`)."""
         config = self.config
         started = time.perf_counter()
         out_dir = Path(config.out_dir) if config.out_dir else None
@@ -532,14 +535,19 @@ class TrainingRun:
         with StopSignals() as stop:
             self._signals = stop
             try:
-                summary = self._run_loop(progress, checkpoint_path, out_dir, stop)
+                summary = self._run_loop(progress, checkpoint_path, out_dir, stop, tensorboard)
             finally:
                 self._signals = None
         summary.seconds = time.perf_counter() - started
         return summary
 
     def _run_loop(
-        self, progress: bool, checkpoint_path: Path | None, out_dir: Path | None, stop
+        self,
+        progress: bool,
+        checkpoint_path: Path | None,
+        out_dir: Path | None,
+        stop,
+        tensorboard: str | Path | None = None,
     ) -> RunSummary:
         config = self.config
         log = MetricsLog(out_dir / METRICS_NAME if out_dir and self.rank == 0 else None)
@@ -555,6 +563,11 @@ class TrainingRun:
         bar = progress_bar(progress and self.rank == 0, total=config.steps, initial=self.step_count)
         if bar is not None:
             bar.write(self.describe())
+        board = None
+        if tensorboard is not None and self.rank == 0:
+            from muonscale.train.tensorboard_log import TrainTensorBoard
+
+            board = TrainTensorBoard(tensorboard, self.optimizer, every=config.log_every)
         result: StepResult | None = None
         val_loss: float | None = None
         interrupted = False
@@ -563,10 +576,16 @@ class TrainingRun:
             while self.step_count < config.steps:
                 if self._stop_signal(stop) is not None:
                     raise KeyboardInterrupt
+                if board is not None:
+                    board.before_step(self.step_count, config.steps)
                 result = self.step()
+                if board is not None:
+                    board.after_step(result)
                 window_tokens += result.tokens
                 window_seconds += result.step_seconds
                 last = self.step_count == config.steps
+                if bar is not None:
+                    bar.update(1)
                 if config.log_every and (self.step_count % config.log_every == 0 or last):
                     tokens_per_second = window_tokens / max(window_seconds, 1e-9)
                     log.write(event="train", **asdict(result), tokens_per_second=tokens_per_second)
@@ -575,11 +594,11 @@ class TrainingRun:
                             loss=f"{result.loss:.4f}", tok_s=f"{tokens_per_second:,.0f}"
                         )
                     window_tokens, window_seconds = 0, 0.0
-                if bar is not None:
-                    bar.update(1)
                 if config.eval_every and (self.step_count % config.eval_every == 0 or last):
                     val_loss = self.evaluate()
                     log.write(event="eval", step=self.step_count, val_loss=val_loss)
+                    if board is not None:
+                        board.evaluated(self.step_count, val_loss)
                     if bar is not None:
                         bar.write(f"step {self.step_count}: val loss {val_loss:.4f}")
                 if (
@@ -597,6 +616,8 @@ class TrainingRun:
         finally:
             if bar is not None:
                 bar.close()
+            if board is not None:
+                board.close()
             log.close()
         stop.saving = True
         if checkpoint_path is not None and self.last_checkpoint != (
