@@ -103,9 +103,19 @@ def test_cli_resume_applies_and_reports_a_new_momentum_dtype(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ float16 momentum
-def test_float16_momentum_is_refused_with_the_reason():
+def test_float16_momentum_is_refused_with_the_reason(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"momentum_dtype=torch.float16 is refused.*65504"):
         Muon(_model(), momentum_dtype=torch.float16)
+    commands = [
+        ["train", "--momentum-dtype", "float16", "--out-dir", "none"],
+        ["bench", *BENCH_TINY, "--momentum-dtype", "float16", "--out", str(tmp_path)],
+    ]
+    for argv in commands:  # refused with the reason before anything runs
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert "momentum_dtype float16 is refused" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
 
 
 # ------------------------------------------------------------------ huge finite gradients
