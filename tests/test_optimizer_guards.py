@@ -253,12 +253,14 @@ def test_interrupt_inside_optimizer_step_saves_no_half_step(tmp_path):
 
 
 # ------------------------------------------------------------------ float16 AdamW parameters
+@pytest.mark.parametrize("capturable", [False, True])
 @pytest.mark.parametrize("zero", [True, False])
-def test_float16_adamw_parameters_stay_finite(zero):
+def test_float16_adamw_parameters_stay_finite(zero, capturable):
     torch.manual_seed(0)
     bias = nn.Parameter(torch.randn(64).half())
     before = bias.detach().clone()
-    opt = Muon([{"params": [("bias", bias)], "algorithm": "adamw", "weight_decay": 0.1}], lr=0.01)
+    group = {"params": [("bias", bias)], "algorithm": "adamw", "weight_decay": 0.1}
+    opt = Muon([group], lr=0.01, capturable=capturable)
     bias.grad = torch.zeros_like(bias) if zero else torch.randn(64).half()
     opt.step()
     assert torch.isfinite(bias).all()
