@@ -315,12 +315,17 @@ def test_add_param_group_with_named_pairs_and_an_algorithm():
 
 @pytest.mark.parametrize("name", [UPDATE_CHUNK_ENV, NS_WORKSPACE_ENV])
 @pytest.mark.parametrize("value", ["inf", "1e400", "nan"])
-def test_memory_variables_must_be_finite(name, value, monkeypatch):
+def test_memory_variables_must_be_finite(name, value, monkeypatch, tmp_path, capsys):
     with pytest.raises(ValueError, match=f"{name} must be a finite positive number of MiB"):
         MemoryBudget.from_environment({name: value})
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
         Muon(_model())
+    with pytest.raises(SystemExit) as exit_info:  # before any contender trains
+        main(["bench", *BENCH_TINY, "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert f"{name} must be a finite positive number of MiB" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_lr_message_states_the_range_it_checks():
