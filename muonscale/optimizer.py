@@ -433,6 +433,7 @@ class Muon(torch.optim.Optimizer):
         """Point the optimizer at the parameters now named in ``named_parameters``, by the names
         it was built with: param groups, names, ``splits``, matrix views and state follow.
         Parameters already bound (the same objects) stay. Returns how many were re-bound.
+        ``named_parameters`` may also be the model; a changed shape or dtype is refused.
 
         For frameworks that replace parameter objects after the optimizer was built
         (accelerate's FSDP2 preparation; a model re-created from a checkpoint). A group slot
