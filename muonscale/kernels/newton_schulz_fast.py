@@ -118,7 +118,7 @@ def prescale_(X: torch.Tensor, inv_norm: torch.Tensor, margin: float) -> FirstSt
     limit = 2.0 / (margin * math.sqrt(info.max))  # inv_norm below it: margin·ν > √max / 2
     from_trace = inv_norm < limit
     # ‖2⁻ˢ X‖²_F <= rows·cols·max²·4⁻ˢ <= max / 4
-    s = math.ceil((math.log2(info.max) + math.log2(X.shape[-2] * X.shape[-1])) / 2) + 1
+    s = math.ceil((math.log2(info.max) + math.log2(max(1, X.shape[-2] * X.shape[-1]))) / 2) + 1
     X.mul_(torch.where(from_trace, torch.full_like(inv_norm, 2.0**-s), 1.0))
     return FirstStepNorm(inv_norm, from_trace, margin)
 
