@@ -142,7 +142,7 @@ def _old_orthogonalize_stack_(X, schedule, margin, eps, *, method, workspace=Non
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("method", ["plain", "gram"])
 @pytest.mark.parametrize("shape", [(3, 16, 48), (2, 48, 16), (2, 24, 24)])
 def test_ordinary_stacks_keep_their_bits(shape, method, dtype):
@@ -185,6 +185,21 @@ def test_huge_finite_gradients_are_orthogonalized(shape, scale, method):
     # float32 rounding, compounded over 5 steps of products of the short side
     bound = 64 * torch.finfo(torch.float32).eps * math.sqrt(max(shape))
     assert (got.double() - exact).abs().max() <= bound
+
+
+def test_a_float16_norm_that_overflows_still_normalizes():
+    torch.manual_seed(0)
+    G = torch.randn(2, 64, 256, dtype=torch.float64)
+    G /= G.abs().amax()
+    exact = newton_schulz(G, ns_dtype=torch.float64)
+    schedule, margin = resolve_schedule("keller", 5)
+
+    def error(scale: float) -> float:
+        X = (G * scale).half()  # 1e4: finite entries, ‖X‖_F ≈ 3e5 > 65504
+        got = orthogonalize_stack_(X, schedule, margin, DEFAULT_EPS, method="plain")
+        return float((got.double() - exact).abs().max())
+
+    assert error(1e4) <= 2 * error(1.0) + torch.finfo(torch.float16).eps
 
 
 @pytest.mark.parametrize("scale", [1e20, 1e38])

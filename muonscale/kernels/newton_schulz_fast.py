@@ -263,6 +263,17 @@ def inverse_norms(X: torch.Tensor, ws: NSWorkspace, margin: float, eps: float) -
     return norm.clamp_(min=eps).reciprocal_()
 
 
+def unless_overflowed(
+    X: torch.Tensor, inv_norm: torch.Tensor, margin: float, eps: float
+) -> torch.Tensor:
+    """``inv_norm``, except where the norm overflowed X's dtype (inv_norm 0: float16 from
+    ‖X‖_F > 65504): there 1/ν from a float64 norm, which X / ν fits. The others keep their
+    values (a float16 multiply by them is exact in float64, so it rounds the same)."""
+    wide = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64)
+    wide = wide.mul_(margin).clamp_(min=eps).reciprocal_()
+    return torch.where(inv_norm == 0, wide, inv_norm)
+
+
 def orthogonalize_stack_(
     X: torch.Tensor,
     schedule: Sequence[Coefficients],
@@ -292,7 +303,7 @@ def orthogonalize_stack_(
     def run(use_triton: bool) -> torch.Tensor:
         inv_norm = inverse_norms(X, workspace, margin, eps)
         if X.dtype == torch.float16 or use == "compile":
-            X.mul_(inv_norm)
+            X.mul_(unless_overflowed(X, inv_norm, margin, eps))
             inv_norm = None
         else:
             inv_norm = prescale_(X, inv_norm, margin)
