@@ -16,6 +16,7 @@ from bench_tiny import BENCH_TINY
 from torch import nn
 
 import muonscale.functional as functional
+import muonscale.variants as variants
 from muonscale import Muon
 from muonscale.cli import main
 from muonscale.kernels.newton_schulz_fast import inverse_norms, iterate_, orthogonalize_stack_
@@ -200,6 +201,24 @@ def test_a_float16_norm_that_overflows_still_normalizes():
         return float((got.double() - exact).abs().max())
 
     assert error(1e4) <= 2 * error(1.0) + torch.finfo(torch.float16).eps
+
+
+@pytest.mark.parametrize("method", ["plain", "gram"])
+def test_aol_keeps_ordinary_bits_and_takes_huge_inputs(method, monkeypatch):
+    torch.manual_seed(0)
+    G = torch.randn(2, 16, 64)
+    G /= G.abs().amax()
+    G[0] *= 1e-3
+    schedule = resolve_schedule("keller", 5)[0]
+    new = variants.aol_newton_schulz_(G.clone(), schedule, eps=DEFAULT_EPS, method=method)
+    with monkeypatch.context() as patch:
+        patch.setattr(variants, "shrink_huge_", lambda X: X)  # the code before the guard
+        old = variants.aol_newton_schulz_(G.clone(), schedule, eps=DEFAULT_EPS, method=method)
+    assert torch.equal(new, old)
+    bound = 64 * torch.finfo(torch.float32).eps * math.sqrt(64)  # as for the fast path
+    for scale in (1e20, 3e38):
+        huge = variants.aol_newton_schulz_(G * scale, schedule, eps=DEFAULT_EPS, method=method)
+        assert (huge - new).abs().max() <= bound  # AOL does not depend on the scale
 
 
 @pytest.mark.parametrize("scale", [1e20, 1e38])
