@@ -123,8 +123,13 @@ def _config_or_exit(cls: type, args: argparse.Namespace):
 def _bench(args: argparse.Namespace) -> int:
     from muonscale.bench import BenchConfig, prepare_out_dir, run_bench
     from muonscale.bench.runner import train_config_for
+    from muonscale.memory import MemoryBudget
 
     config = _config_or_exit(BenchConfig, args)
+    try:  # MUONSCALE_*_MB, read by every optimizer built later
+        MemoryBudget.from_environment()
+    except ValueError as error:
+        args.command_parser.error(str(error))
     for contender in config.contenders:  # fail on bad model/batch flags before any training
         try:
             train_config_for(config, contender, config.lr_for(contender))

@@ -493,6 +493,27 @@ def _add_scaled_(param: torch.Tensor, update: torch.Tensor, alpha: float | torch
         param.add_(update, alpha=alpha)
 
 
+def eps_underflows(eps: float, dtype: torch.dtype) -> bool:
+    """Whether AdamW's ε rounds to 0 in ``dtype`` (1e-8 in float16), so that a zero second
+    moment gives 0/0."""
+    info = torch.finfo(dtype)
+    return 0 < eps <= info.smallest_normal * info.eps / 2  # half the smallest subnormal
+
+
+def wide_denominator_update_(
+    param: torch.Tensor,
+    avg: torch.Tensor,
+    avg_sq: torch.Tensor,
+    step_size: float | torch.Tensor,
+    correction: float | torch.Tensor,
+    eps: float,
+) -> None:
+    """W ← W + s · m / (√v / c₂ + ε) with the quotient in float32, for a ``param`` dtype in
+    which ε underflows (:func:`eps_underflows`); rounded once to the parameter's dtype."""
+    denom = avg_sq.float().sqrt_().div_(correction).add_(eps)
+    param.add_(avg.float().mul_(step_size).div_(denom))
+
+
 def adamw(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -566,13 +587,20 @@ def adamw(
         p.element_size() if all(t.is_contiguous() for t in group) else 0
         for p, group in zip(params, tensors)
     ]
+    wide = {i for i, p in enumerate(params) if eps_underflows(eps, p.dtype)}
     for chunk in split_by_budget(nbytes, budget, itemsizes=itemsizes):
         seg_params, seg_avgs, seg_sqs, sizes, corrections = [], [], [], [], []
         for i, start, stop in chunk:
+            if i in wide:
+                segment = [t if start is None else t.view(-1)[start:stop] for t in tensors[i]]
+                wide_denominator_update_(*segment, step_sizes[i], bias_correction2_sqrt[i], eps)
+                continue
             for out, t in zip((seg_params, seg_avgs, seg_sqs), tensors[i]):
                 out.append(t if start is None else t.view(-1)[start:stop])
             sizes.append(step_sizes[i])
             corrections.append(bias_correction2_sqrt[i])
+        if not seg_sqs:
+            continue
         denoms = torch._foreach_sqrt(seg_sqs)
         torch._foreach_div_(denoms, corrections)
         torch._foreach_add_(denoms, eps)
@@ -643,6 +671,11 @@ def adamw_on_device(
             param, avg, avg_sq = (
                 t if start is None else t.view(-1)[start:stop] for t in tensors[i]
             )
+            if eps_underflows(eps, param.dtype):
+                wide_denominator_update_(
+                    param, avg, avg_sq, step_sizes[i], bias_correction2_sqrt[i], eps
+                )
+                continue
             # (size · m) / (√v / c₂ + ε), each op rounded as addcdiv_'s (s·m)/d on the host path
             denom = avg_sq.sqrt().div_(bias_correction2_sqrt[i]).add_(eps)
             update = avg * step_sizes[i]

@@ -9,6 +9,7 @@ when an optimizer is built, and the math layer only ever receives plain numbers.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -67,8 +68,8 @@ def _mib_from(environ: Mapping[str, str], name: str) -> int | None:
         mib = float(value)
     except ValueError:
         raise ValueError(f"{name} must be a number of MiB, got {value!r}") from None
-    if not mib > 0:
-        raise ValueError(f"{name} must be a positive number of MiB, got {value!r}")
+    if not (mib > 0 and math.isfinite(mib)):
+        raise ValueError(f"{name} must be a finite positive number of MiB, got {value!r}")
     return max(1, int(mib * 2**20))
 
 

@@ -44,6 +44,7 @@ from .optimizer_options import (  # noqa: F401 (NONFINITE_POLICIES, NS_METHODS: 
 from .optimizer_state import (
     MomentumStacks,
     check_loadable,
+    keep_momentum_dtypes,
     parameter_states,
     pickled_extras,
     restore_loaded,
@@ -116,7 +117,8 @@ class Muon(torch.optim.Optimizer):
             (embeddings, head) and 0 for 0/1-D ones (norms, biases).
         ns_dtype: dtype of the iteration; None → bfloat16 on CUDA, float32 on CPU.
         momentum_dtype: dtype of the Muon momentum buffer (e.g. ``torch.bfloat16`` to halve its
-            memory); None → the parameter's dtype. The buffers of one param group with the same
+            memory; ``torch.float16`` is refused, its range would overflow on large finite
+            gradients); None → the parameter's dtype. The buffers of one param group with the same
             shape, dtype and device are views into one stacked tensor (``state_dict`` still
             holds one tensor per parameter).
         nonfinite: ``"raise"`` (a NaN/inf gradient raises :class:`NonFiniteGradientError` naming
@@ -395,9 +397,11 @@ class Muon(torch.optim.Optimizer):
             self._add_resolved_group(group)
 
     def _add_resolved_group(self, param_group: dict[str, Any]) -> None:
-        named, _ = named_entries(self, param_group)
+        named, has_names = named_entries(self, param_group)
         params = [p for _, p in named]
         param_group["params"] = params
+        if has_names:  # (name, tensor) pairs: torch checks names against the other groups'
+            param_group["param_names"] = [name for name, _ in named]
         algorithm = param_group["algorithm"]
         if algorithm not in ALGORITHMS:
             raise ValueError(
@@ -438,6 +442,7 @@ class Muon(torch.optim.Optimizer):
         """Point the optimizer at the parameters now named in ``named_parameters``, by the names
         it was built with: param groups, names, ``splits``, matrix views and state follow.
         Parameters already bound (the same objects) stay. Returns how many were re-bound.
+        ``named_parameters`` may also be the model; a changed shape or dtype is refused.
 
         For frameworks that replace parameter objects after the optimizer was built
         (accelerate's FSDP2 preparation; a model re-created from a checkpoint). A group slot
@@ -639,8 +644,10 @@ class Muon(torch.optim.Optimizer):
         check_loadable(state_dict, self.param_groups)
         state_dict = with_group_defaults(state_dict, self.muon_defaults)
         lrs = [g["lr"] for g in self.param_groups] if self.capturable else []
+        momentum_dtypes = [g.get("momentum_dtype") for g in self.param_groups]
         super().load_state_dict(state_dict)
         restore_loaded(self, lrs)
+        keep_momentum_dtypes(self, momentum_dtypes)
         if self._backward_ns is not None:
             self._backward_ns.reset()  # work done from the replaced state is void
 

@@ -194,9 +194,29 @@ def warn_unnamed(opt: Muon) -> None:
         warnings.warn(message, UserWarning, stacklevel=3)
 
 
+def _named_tensors(named_parameters: Any) -> dict[str, torch.Tensor]:
+    """``named_parameters`` (pairs, or a module) as a dict, or a TypeError saying what it got."""
+    if isinstance(named_parameters, nn.Module):
+        return dict(named_parameters.named_parameters())
+    current = {}
+    for entry in named_parameters:
+        if not (
+            isinstance(entry, tuple)
+            and len(entry) == 2
+            and isinstance(entry[0], str)
+            and isinstance(entry[1], torch.Tensor)
+        ):
+            raise TypeError(
+                "rebind_parameters: expected (name, tensor) pairs such as "
+                f"model.named_parameters(), or the model, got an entry {torch.typename(entry)}"
+            )
+        current[entry[0]] = entry[1]
+    return current
+
+
 def rebind_parameters(opt: Muon, named_parameters: Iterable[tuple[str, torch.Tensor]]) -> int:
     """:meth:`muonscale.Muon.rebind_parameters` (see there)."""
-    current = dict(named_parameters)
+    current = _named_tensors(named_parameters)
     model_name = {id(p): n for n, p in current.items()}
     old_names = dict(opt.param_names)
     split_by_name = {old_names[i]: rows for i, rows in opt.split_rows.items() if i in old_names}
@@ -217,6 +237,12 @@ def rebind_parameters(opt: Muon, named_parameters: Iterable[tuple[str, torch.Ten
                 raise ValueError(
                     f"rebind_parameters: {name!r} changed shape {tuple(p.shape)} -> "
                     f"{tuple(new.shape)}"
+                )
+            if new.dtype != p.dtype:
+                raise ValueError(
+                    f"rebind_parameters: {name!r} changed dtype {p.dtype} -> {new.dtype}; its "
+                    "optimizer state is in the old one. Cast the model before building the "
+                    "optimizer (or build a new optimizer and load its state_dict)."
                 )
             slots.append((p, new, name))
     opt.check_rebind([(old, new) for old, new, _ in slots])

@@ -25,7 +25,8 @@ def check_range(name: str, value: Any, low: float, high: float, *, high_open: bo
     ok = ok and low <= value and (value < high if high_open else value <= high)
     if not ok:
         bracket = ")" if high_open else "]"
-        raise ValueError(f"{name} must be a number in [{low}, {high}{bracket}, got {value!r}")
+        expected = f"in [{low}, {high}{bracket}" if math.isfinite(high) else f">= {low}"
+        raise ValueError(f"{name} must be a finite number {expected}, got {value!r}")
 
 
 def check_flag(name: str, value: Any) -> None:
@@ -57,6 +58,12 @@ def validate_muon_group(group: Mapping[str, Any]) -> None:
         raise ValueError(f"scale must be one of {SCALE_RULES}, got {group['scale']!r}")
     check_dtype("ns_dtype", group["ns_dtype"])
     check_dtype("momentum_dtype", group["momentum_dtype"])
+    if group["momentum_dtype"] == torch.float16:
+        raise ValueError(
+            "momentum_dtype=torch.float16 is refused: a gradient entry beyond its range "
+            "(65504) becomes inf in the buffer and turns every weight NaN although the "
+            "gradient is finite; torch.bfloat16 takes the same memory with float32's range"
+        )
     if group["matrix_mode"] not in MATRIX_MODES:
         raise ValueError(f"matrix_mode must be one of {MATRIX_MODES}, got {group['matrix_mode']!r}")
     check_range("eps (ns_eps)", group["ns_eps"], 0.0, math.inf)

@@ -3,6 +3,7 @@ before ``load_state_dict``, the fix-ups after it, and the stacks its momentum bu
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -277,3 +278,29 @@ def restore_loaded(opt: Muon, lrs: list[torch.Tensor]) -> None:
                 buf = opt.state.get(p, {}).get("momentum_buffer")
                 if buf is not None and buf.dtype != group["momentum_dtype"]:
                     opt.state[p]["momentum_buffer"] = buf.to(group["momentum_dtype"])
+
+
+def keep_momentum_dtypes(opt: Muon, wanted: list[torch.dtype | None]) -> None:
+    """After ``load_state_dict``: each Muon group keeps this optimizer's ``momentum_dtype``
+    (``wanted``, per group: a storage choice of the run, not a hyperparameter of the
+    checkpoint), its buffers are cast to it, and a warning names every group whose state
+    dict said otherwise."""
+    changed = []
+    for i, (group, dtype) in enumerate(zip(opt.param_groups, wanted)):
+        if group["algorithm"] != "muon":
+            continue
+        if group["momentum_dtype"] != dtype:
+            changed.append(f"group {i}: {group['momentum_dtype']} -> {dtype}")
+        group["momentum_dtype"] = dtype
+        for p in group["params"]:
+            buf = opt.state.get(p, {}).get("momentum_buffer")
+            if buf is not None and buf.dtype != (dtype or p.dtype):
+                opt.state[p]["momentum_buffer"] = buf.to(dtype or p.dtype)
+    if changed:
+        warnings.warn(
+            "load_state_dict: momentum_dtype differs from the state dict's "
+            f"({'; '.join(changed)}; None: the parameter's dtype); the momentum buffers were "
+            "cast to this optimizer's",
+            UserWarning,
+            stacklevel=3,
+        )

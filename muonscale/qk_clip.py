@@ -253,10 +253,17 @@ class QKClip:
     ) -> None:
         if not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau > 0):
             raise ValueError(f"tau must be a finite number > 0, got {tau!r}")
+        if not isinstance(targets, (FusedQKV, SeparateQK)):
+            targets = list(targets)
+        if not isinstance(targets, list) or not targets:
+            raise ValueError(
+                "targets must be a non-empty list of FusedQKV or SeparateQK (the attention "
+                f"layers to clip), got {targets!r}"
+            )
         for target in targets:
             if not isinstance(target, (FusedQKV, SeparateQK)):
                 raise TypeError(f"targets must be FusedQKV or SeparateQK, got {type(target)}")
-        self.targets = list(targets)
+        self.targets = targets
         self.tau = float(tau)
         self.comm = communicator if communicator is not None else Communicator(process_group)
 

@@ -189,6 +189,15 @@ def aol_scale_(
     return X, A
 
 
+def shrink_huge_(X: torch.Tensor) -> torch.Tensor:
+    """Keep X Xᵀ of a (k, m, n) stack finite: a matrix with m·n·max|x|² above a quarter of the
+    dtype's range is divided by the power of two at or below its largest entry (AOL does not
+    depend on the scale); the others are multiplied by 1, which is exact. Returns X."""
+    largest = torch.linalg.vector_norm(X, ord=math.inf, dim=(-2, -1), keepdim=True)
+    huge = largest * largest * (X.shape[-2] * X.shape[-1]) > torch.finfo(X.dtype).max / 4
+    return X.mul_(torch.where(huge, torch.exp2(-torch.floor(torch.log2(largest))), 1.0))
+
+
 def aol_newton_schulz_(
     X: torch.Tensor,  # (k, m, n), m <= n, NOT normalized; overwritten with the result
     schedule: Sequence[Coefficients],
@@ -206,6 +215,7 @@ def aol_newton_schulz_(
     as :mod:`muonscale.kernels.newton_schulz_fast` does without AOL. Returns X."""
     if X.dim() != 3 or X.shape[-2] > X.shape[-1]:
         raise ValueError(f"aol_newton_schulz_: X must be (k, m, n), m <= n, got {tuple(X.shape)}")
+    shrink_huge_(X)
     A = torch.bmm(X, X.mT)
     aol_scale_(X, A, eps)
     if method == "plain":

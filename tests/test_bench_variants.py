@@ -31,7 +31,7 @@ def test_parse_variant_values():
         ("normuon=normalize", "bad item 'normalize'"),
         ("Bad=ns_steps:4", "name 'Bad' must be lowercase"),
         ("x=ns_steps:4,ns_steps:5", "option 'ns_steps' given twice"),
-        ("x=lr:-1", "lr must be a number > 0"),
+        ("x=lr:-1", "lr must be a finite number > 0"),
         ("muon=ns_steps:4", "name 'muon' is taken"),
     ],
 )

@@ -178,7 +178,8 @@ class _OpsOnMatrices(TorchDispatchMode):
 def test_step_makes_no_copy_of_stacks_and_two_elementwise_passes():
     """After the first step (stacks built), a step over three same-shape matrices runs, on
     matrix-sized data: (a) the momentum update (one foreach) and the directions written into
-    the Newton–Schulz input (one lerp per matrix, the cast folded in); the norm and the
+    the Newton–Schulz input (one lerp per matrix, the cast folded in); the norm, one multiply
+    of the stack by 1 or 2⁻ˢ per matrix (the guard against an overflowing X Xᵀ), and the
     iteration's products; (b) the weight decay and the update (one foreach each). No copy: the
     normalization is folded into the first step, the result is read where the iteration
     leaves it."""
@@ -200,6 +201,7 @@ def test_step_makes_no_copy_of_stacks_and_two_elementwise_passes():
         "lerp",
         "lerp",
         "lerp",
+        "mul_",
         "_foreach_mul_",
         "_foreach_add_",
     ], counter.ops

@@ -361,9 +361,11 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
     if "lr" in options and not (
         isinstance(options["lr"], int | float)
         and not isinstance(options["lr"], bool)
-        and options["lr"] > 0
+        and 0 < options["lr"] < math.inf
     ):
-        raise ValueError(f"--variants {spec!r}: lr must be a number > 0, got {options['lr']!r}")
+        raise ValueError(
+            f"--variants {spec!r}: lr must be a finite number > 0, got {options['lr']!r}"
+        )
     tau = options.get("qk_clip")
     if (
         "qk_clip" in options

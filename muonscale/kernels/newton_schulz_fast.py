@@ -14,6 +14,7 @@ derivation, FLOP counts, accuracy and timing measurements behind these choices a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -87,6 +88,39 @@ def _resolve_backend(backend: NSBackend, X: torch.Tensor) -> str:
 # B X = (T Bᵀ)ᵀ, so every product reads T through a transposed operand and writes a contiguous
 # result. ``inv_norm`` (k, 1, 1), when given, is 1 / max(margin·‖X‖_F, eps) of a stack that was
 # not normalized: it is folded into m×m matrices of the first step (no pass over the stack).
+# A :class:`FirstStepNorm` instead takes the norm of the matrices that :func:`prescale_` shrank
+# from the first Gram matrix's trace (‖X‖²_F = tr X Xᵀ).
+
+
+class FirstStepNorm:
+    """The 1/ν folded into the first step: ``inv_norm`` (k, 1, 1), except for the matrices
+    ``from_trace`` marks, whose 1/(margin·‖X‖_F) is read off the first Gram matrix."""
+
+    def __init__(self, inv_norm: torch.Tensor, from_trace: torch.Tensor, margin: float) -> None:
+        self.inv_norm, self.from_trace, self.margin = inv_norm, from_trace, margin
+
+    def of(self, gram: torch.Tensor) -> torch.Tensor:  # gram: (k, m, m) = X Xᵀ
+        trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True).unsqueeze(-1)
+        traced = trace.sqrt_().mul_(self.margin).clamp_(min=torch.finfo(gram.dtype).tiny)
+        return torch.where(self.from_trace, traced.reciprocal_(), self.inv_norm)
+
+
+def _first_inv_norm(inv_norm, gram: torch.Tensor) -> torch.Tensor:
+    return inv_norm.of(gram) if isinstance(inv_norm, FirstStepNorm) else inv_norm
+
+
+def prescale_(X: torch.Tensor, inv_norm: torch.Tensor, margin: float) -> FirstStepNorm:
+    """Keep the unnormalized X Xᵀ of the first step finite: its entries reach ‖X‖²_F, so a
+    matrix whose norm squared could exceed a quarter of the dtype's range (or whose norm
+    overflowed) is multiplied by a power of two 2⁻ˢ small enough for any finite entries; the
+    others are multiplied by 1, which is exact, and keep their folded ``inv_norm`` bits."""
+    info = torch.finfo(X.dtype)
+    limit = 2.0 / (margin * math.sqrt(info.max))  # inv_norm below it: margin·ν > √max / 2
+    from_trace = inv_norm < limit
+    # ‖2⁻ˢ X‖²_F <= rows·cols·max²·4⁻ˢ <= max / 4
+    s = math.ceil((math.log2(info.max) + math.log2(max(1, X.shape[-2] * X.shape[-1]))) / 2) + 1
+    X.mul_(torch.where(from_trace, torch.full_like(inv_norm, 2.0**-s), 1.0))
+    return FirstStepNorm(inv_norm, from_trace, margin)
 
 
 class _Products:
@@ -127,7 +161,7 @@ def _plain_(
     schedule: Sequence[Coefficients],
     ws: NSWorkspace,
     ops: _Products,
-    inv_norm: torch.Tensor | None,
+    inv_norm: torch.Tensor | FirstStepNorm | None,
 ) -> torch.Tensor:
     """Returns the tensor holding the result (``X`` or the workspace's ``y``)."""
     k, m = X.shape[0], min(X.shape[-2:])
@@ -137,6 +171,7 @@ def _plain_(
     for t, (a, b, c) in enumerate(schedule):
         ops.gram(A, cur)  # A = X Xᵀ
         if t == 0 and inv_norm is not None:
+            inv_norm = _first_inv_norm(inv_norm, A)
             # X₁ = (a I + b A₀ + c A₀²) X₀ with A₀ = A / ν², X₀ = X / ν
             A.mul_(inv_norm * inv_norm)
             ops.square(B, A, b, c, gamma=a)
@@ -154,7 +189,7 @@ def _gram_(
     schedule: Sequence[Coefficients],
     ws: NSWorkspace,
     ops: _Products,
-    inv_norm: torch.Tensor | None,
+    inv_norm: torch.Tensor | FirstStepNorm | None,
     restart_every: int | None,
 ) -> torch.Tensor:
     """Returns the tensor holding the result (``X`` or the workspace's ``y``)."""
@@ -168,6 +203,7 @@ def _gram_(
     ops.gram(R, x0)  # R0 = X0 X0ᵀ
     pending_norm = inv_norm  # X0 = x0 / ν until the first Q X0 takes the 1/ν
     if pending_norm is not None:
+        pending_norm = _first_inv_norm(pending_norm, R)
         R.mul_(pending_norm * pending_norm)
     have_q = False
     for (a, b, c), (restart, update_r) in zip(schedule, gram_plan(len(schedule), restart_every)):
@@ -206,7 +242,7 @@ def iterate_(
     method: NSMethod,
     use_triton: bool,
     restart_every: int | None,
-    inv_norm: torch.Tensor | None = None,
+    inv_norm: torch.Tensor | FirstStepNorm | None = None,
 ) -> torch.Tensor:
     """The iteration on a (k, rows, cols) stack of either orientation, clobbering ``X``;
     returns the tensor that holds the result (``X`` or the workspace's ``y``, valid until the
@@ -227,6 +263,17 @@ def inverse_norms(X: torch.Tensor, ws: NSWorkspace, margin: float, eps: float) -
     return norm.clamp_(min=eps).reciprocal_()
 
 
+def unless_overflowed(
+    X: torch.Tensor, inv_norm: torch.Tensor, margin: float, eps: float
+) -> torch.Tensor:
+    """``inv_norm``, except where the norm overflowed X's dtype (inv_norm 0: float16 from
+    ‖X‖_F > 65504): there 1/ν from a float64 norm, which X / ν fits. The others keep their
+    values (a float16 multiply by them is exact in float64, so it rounds the same)."""
+    wide = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64)
+    wide = wide.mul_(margin).clamp_(min=eps).reciprocal_()
+    return torch.where(inv_norm == 0, wide, inv_norm)
+
+
 def orthogonalize_stack_(
     X: torch.Tensor,
     schedule: Sequence[Coefficients],
@@ -243,7 +290,8 @@ def orthogonalize_stack_(
     """Newton–Schulz of every matrix of a (k, rows, cols) stack that is *not* normalized yet
     (either orientation), clobbering ``X``; returns the tensor that holds the result (``X`` or
     the workspace's ``y``). The normalization is folded into the first step, except in
-    float16, whose range would not hold the unnormalized X Xᵀ (there X is divided first).
+    float16, whose range would not hold the unnormalized X Xᵀ (there X is divided first),
+    and for matrices whose X Xᵀ could overflow (:func:`prescale_`).
     ``reload`` refills ``X`` with the input: under ``backend="auto"`` a failing Triton kernel
     then falls back to torch (once, with a warning) instead of raising."""
     if workspace is None:
@@ -255,8 +303,10 @@ def orthogonalize_stack_(
     def run(use_triton: bool) -> torch.Tensor:
         inv_norm = inverse_norms(X, workspace, margin, eps)
         if X.dtype == torch.float16 or use == "compile":
-            X.mul_(inv_norm)
+            X.mul_(unless_overflowed(X, inv_norm, margin, eps))
             inv_norm = None
+        else:
+            inv_norm = prescale_(X, inv_norm, margin)
         if use == "compile":
             if method != "plain":
                 raise ValueError("backend='compile' supports method='plain' only")

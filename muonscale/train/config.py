@@ -254,6 +254,11 @@ class TrainConfig:
             )
         if self.qk_clip is not None and not 0 < self.qk_clip < float("inf"):
             raise ValueError(f"qk_clip must be a finite number > 0 (tau), got {self.qk_clip}")
+        if self.momentum_dtype == "float16":
+            raise ValueError(
+                "momentum_dtype float16 is refused (muonscale.Muon): a finite gradient entry "
+                "beyond 65504 would make the buffer inf and every weight NaN; use bfloat16"
+            )
         if not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in [0, {MAX_SEED}], got {self.seed}")
         if not 256 <= self.bpe_vocab_size <= MAX_BPE_VOCAB_SIZE:

@@ -31,7 +31,15 @@ __all__ = [
     "resume_changes",
 ]
 
-RESUMABLE_CHANGES = ("lr", "adamw_lr", "weight_decay", "adamw_betas", "momentum", "ns_steps")
+RESUMABLE_CHANGES = (
+    "lr",
+    "adamw_lr",
+    "weight_decay",
+    "adamw_betas",
+    "momentum",
+    "ns_steps",
+    "momentum_dtype",  # the buffers are cast to it (muonscale.Muon.load_state_dict)
+)
 """Hyperparameters a resumed run may change; they are applied (the checkpoint's are replaced)."""
 DATA_CHANGES = ("seed", "data", "tokens_per_step")
 """Settings a resumed run may change that steer the data: the data order is a function of

@@ -200,6 +200,8 @@ class TrainingRun:
         self.last_checkpoint: tuple[str, int] | None = None  # (path, step) of the last good save
         # hyperparameters that differ from the loaded checkpoint's: name -> (saved, now)
         self.resume_changes: dict[str, tuple[Any, Any]] = {}
+        self.mid_update = False
+        """Whether a step was interrupted between ``optimizer.step()`` and its count."""
         self._signals: StopSignals | None = None  # this rank's signal handlers, in run()
         # under --parallel: the signal some rank had received by the last step's agreement
         self.agreed_signal: str | None = None
@@ -265,6 +267,7 @@ class TrainingRun:
         lr = config.lr * self.schedule(self.step_count)
         self._synchronize()
         optimizer_start = time.perf_counter()
+        self.mid_update = True  # until step_count counts it: not a state to checkpoint
         self.optimizer.step()
         self._synchronize()
         optimizer_seconds = time.perf_counter() - optimizer_start
@@ -278,6 +281,7 @@ class TrainingRun:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
+        self.mid_update = False
         return StepResult(
             step=self.step_count,
             loss=loss_value,
@@ -607,9 +611,18 @@ class TrainingRun:
                     and self.step_count % config.checkpoint_every == 0
                 ):
                     self.save_checkpoint(checkpoint_path)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as interrupt:
             interrupted = True
             log.write(event="interrupted", step=self.step_count, signal=self._stop_signal(stop))
+            if self.mid_update:  # the parameters hold part of a step: save nothing
+                last = self.last_checkpoint
+                kept = f"{last[0]} (step {last[1]}) is kept" if last else "none was saved"
+                interrupt.add_note(
+                    "muonscale train: interrupted inside optimizer.step() of step "
+                    f"{self.step_count + 1}, so the parameters hold part of that step and "
+                    f"nothing is saved; the last checkpoint: {kept}"
+                )
+                raise
         except NonFiniteLossError as error:
             log.write(event="nonfinite_loss", step=self.step_count, message=str(error))
             raise
