@@ -20,7 +20,16 @@ whole all-reduce (measured on veth: 1.02 / 1.51 tensor sizes per rank at 2 / 4 r
 0.50 / 0.75), so on every other backend the reduce-scatter is an ``all_to_all_single`` (which
 does send (N-1)/N * S) followed by a local sum over the received chunks in rank order 0..N-1
 (deterministic; accumulated in float32 for 16-bit dtypes). ``reduce_scatter_impl`` picks it
-explicitly.
+explicitly. Given a :class:`~.hosts.HostMap` of H > 1 hosts with L > 1 ranks each, the
+reduce-scatter and all-gather on those backends are two-level instead (:class:`~.hosts.TwoLevel`:
+within the host, then across hosts between the ranks of one local rank), which cross each host
+link with (H-1)/H * S per host instead of L times that.
+
+Bytes are also counted per link class (:meth:`WireCounter.by_link`): ``"intra_host"`` (to a rank
+of the same host) and ``"inter_host"``, for the algorithm that runs: an all-to-all by
+destination, a ring collective (gloo's all-reduce and all-gather; NCCL's, modelled with ring
+order = rank order) by this rank's ring successor ``rank + 1``. Without a host map every rank
+counts as a host of its own.
 
 Backend notes (torch 2.13 gloo, checked): ``reduce_scatter_single`` / ``all_gather_single``
 (the replacements of the deprecated ``reduce_scatter_tensor`` / ``all_gather_into_tensor``) and
@@ -35,12 +44,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 import torch.distributed as dist
+
+from .hosts import INTER, INTRA, HostGroups, HostMap, TwoLevel
 
 RING_FACTORS = {
     # op -> (numerator multiplier k) in k * (N-1)/N * S
@@ -76,17 +87,29 @@ class WireCounter:
 
     bytes_by_key: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls_by_key: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    bytes_by_link: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
-    def record(self, op: str, full_bytes: int, world_size: int, tag: str = "other") -> int:
+    def record(
+        self, op: str, full_bytes: int, world_size: int, tag: str = "other", link: str = INTER
+    ) -> int:
         """Count ``op`` on a full tensor of ``full_bytes`` with the ring model."""
-        return self.add(op, ring_wire_bytes(op, full_bytes, world_size), tag)
+        return self.add(op, ring_wire_bytes(op, full_bytes, world_size), tag, link)
 
-    def add(self, op: str, nbytes: int, tag: str = "other") -> int:
-        """Count ``nbytes`` sent by this rank (already computed)."""
+    def add(
+        self, op: str, nbytes: int, tag: str = "other", link: str = INTER, *, calls: int = 1
+    ) -> int:
+        """Count ``nbytes`` sent by this rank (already computed) over a ``link`` class."""
+        if link not in (INTRA, INTER):
+            raise ValueError(f"link must be {INTRA!r} or {INTER!r}, got {link!r}")
         key = f"{tag}/{op}"
         self.bytes_by_key[key] += nbytes
-        self.calls_by_key[key] += 1
+        self.calls_by_key[key] += calls
+        self.bytes_by_link[link] += nbytes
         return nbytes
+
+    def by_link(self) -> dict[str, int]:
+        """Bytes by link class: ``{"intra_host": ..., "inter_host": ...}``."""
+        return {INTRA: self.bytes_by_link.get(INTRA, 0), INTER: self.bytes_by_link.get(INTER, 0)}
 
     @property
     def total(self) -> int:
@@ -104,6 +127,7 @@ class WireCounter:
     def reset(self) -> None:
         self.bytes_by_key = defaultdict(int)
         self.calls_by_key = defaultdict(int)
+        self.bytes_by_link = defaultdict(int)
 
     def take(self) -> tuple[int, dict[str, int]]:
         """(total, breakdown) since the last call; resets the counter."""
@@ -112,9 +136,12 @@ class WireCounter:
         return total, breakdown
 
 
-ReduceScatterImpl = Literal["auto", "native", "all_to_all"]
+ReduceScatterImpl = Literal["auto", "native", "all_to_all", "two_level"]
 """How :meth:`Communicator.reduce_scatter` runs: ``"native"`` is the backend's reduce-scatter,
-``"all_to_all"`` an all-to-all plus a local sum, ``"auto"`` native on NCCL only."""
+``"all_to_all"`` an all-to-all plus a local sum, ``"two_level"`` within hosts then across them
+(the all-gather too), ``"auto"``: native on NCCL, else two-level where the host map allows it,
+else the all-to-all."""
+REDUCE_SCATTER_IMPLS = ("auto", "native", "all_to_all", "two_level")
 
 
 class CollectiveError(RuntimeError):
@@ -184,7 +211,9 @@ class Communicator:
     """Collectives over one process group, each counted in a :class:`WireCounter`.
 
     ``group=None`` means the default group when ``torch.distributed`` is initialized, and a
-    single-rank "group" (no collectives at all) when it is not.
+    single-rank "group" (no collectives at all) when it is not. ``hosts``: the
+    :class:`~.hosts.HostMap` of the group (:func:`~.hosts.discover_host_map`); None: every rank
+    a host of its own. A two-level map makes the intra- and inter-host subgroups here.
     """
 
     def __init__(
@@ -193,10 +222,11 @@ class Communicator:
         counter: WireCounter | None = None,
         *,
         reduce_scatter_impl: ReduceScatterImpl = "auto",
+        hosts: HostMap | None = None,
     ):
-        if reduce_scatter_impl not in ("auto", "native", "all_to_all"):
+        if reduce_scatter_impl not in REDUCE_SCATTER_IMPLS:
             raise ValueError(
-                "reduce_scatter_impl must be 'auto', 'native' or 'all_to_all', "
+                f"reduce_scatter_impl must be one of {REDUCE_SCATTER_IMPLS}, "
                 f"got {reduce_scatter_impl!r}"
             )
         self.group = group
@@ -210,10 +240,42 @@ class Communicator:
                     "a process_group was given but torch.distributed is not initialized"
                 )
             self.world_size, self.rank = 1, 0
+        if hosts is not None and len(hosts.host_of) != self.world_size:
+            raise ValueError(
+                f"hosts maps {len(hosts.host_of)} ranks, but the group has {self.world_size}"
+            )
+        self.hosts = hosts if hosts is not None else HostMap.unknown(self.world_size)
         if reduce_scatter_impl == "auto":
             nccl = self.active and dist.get_backend(group) == "nccl"
-            reduce_scatter_impl = "native" if nccl else "all_to_all"
+            two_level = self.active and self.hosts.two_level
+            reduce_scatter_impl = "native" if nccl else "two_level" if two_level else "all_to_all"
+        if reduce_scatter_impl == "two_level" and not (self.active and self.hosts.two_level):
+            raise ValueError(
+                "reduce_scatter_impl='two_level' needs a host map of more than one host with "
+                f"the same number (> 1) of ranks each, got hosts {self.hosts.host_of}"
+            )
         self.reduce_scatter_impl = reduce_scatter_impl
+        self.two_level: TwoLevel | None = None
+        if reduce_scatter_impl == "two_level":
+            groups = HostGroups(group, self.hosts, self.rank)
+            one_host = HostMap((0,) * groups.L, self.hosts.source)
+            intra = Communicator(groups.intra, self.counter, hosts=one_host)
+            inter = Communicator(groups.inter, self.counter, hosts=HostMap.unknown(groups.H))
+            self.two_level = TwoLevel(groups, intra, inter)
+
+    def _ring_link(self) -> str:
+        """Link class of this rank's ring successor (where a ring collective sends)."""
+        successor = (self.rank + 1) % self.world_size
+        return INTRA if self.hosts.same_host(self.rank, successor) else INTER
+
+    def _count_to_peers(self, op: str, chunk_bytes: Sequence[int], tag: str) -> None:
+        """Count ``chunk_bytes[j]`` sent to rank ``j`` (not to itself), by link class."""
+        by_link = {INTRA: 0, INTER: 0}
+        for j, nbytes in enumerate(chunk_bytes):
+            if j != self.rank:
+                by_link[INTRA if self.hosts.same_host(self.rank, j) else INTER] += nbytes
+        self.counter.add(op, by_link[INTER], tag, INTER)
+        self.counter.add(op, by_link[INTRA], tag, INTRA, calls=0)
 
     @property
     def active(self) -> bool:
@@ -236,7 +298,9 @@ class Communicator:
         tag: str = "control",
         async_op: bool = False,
     ):
-        self.counter.record("all_reduce", tensor_bytes(tensor), self.world_size, tag)
+        self.counter.record(
+            "all_reduce", tensor_bytes(tensor), self.world_size, tag, self._ring_link()
+        )
         if not self.active:
             return _CompletedWork() if async_op else None
         return self._call(
@@ -258,12 +322,24 @@ class Communicator:
                 f"reduce_scatter: input has {input.numel()} elements, "
                 f"expected {self.world_size} x {output.numel()}"
             )
-        self.counter.record("reduce_scatter", tensor_bytes(input), self.world_size, tag)
         if not self.active:
+            self.counter.record("reduce_scatter", 0, 1, tag)
             output.copy_(input)
             return _CompletedWork() if async_op else None
+        if self.reduce_scatter_impl != "native" and op != dist.ReduceOp.SUM:
+            raise ValueError(
+                f"reduce_scatter: op must be ReduceOp.SUM with reduce_scatter_impl="
+                f"{self.reduce_scatter_impl!r}, got {op}"
+            )
+        if self.two_level is not None:  # counted by the two subgroups' collectives
+            return self.two_level.reduce_scatter(output, input, tag=tag, async_op=async_op)
         if self.reduce_scatter_impl == "all_to_all":
+            chunk = tensor_bytes(input) // self.world_size
+            self._count_to_peers("reduce_scatter", [chunk] * self.world_size, tag)
             return self._reduce_scatter_by_all_to_all(output, input, op=op, async_op=async_op)
+        self.counter.record(
+            "reduce_scatter", tensor_bytes(input), self.world_size, tag, self._ring_link()
+        )
         return self._call(
             "reduce_scatter",
             _reduce_scatter_fn(),
@@ -288,11 +364,16 @@ class Communicator:
                 f"all_gather: output has {output.numel()} elements, "
                 f"expected {self.world_size} x {input.numel()}"
             )
-        self.counter.record("all_gather", tensor_bytes(output), self.world_size, tag)
         if not self.active:
+            self.counter.record("all_gather", 0, 1, tag)
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _CompletedWork() if async_op else None
+        if self.two_level is not None:  # counted by the two subgroups' collectives
+            return self.two_level.all_gather(output, input, tag=tag, async_op=async_op)
+        self.counter.record(
+            "all_gather", tensor_bytes(output), self.world_size, tag, self._ring_link()
+        )
         return self._call(
             "all_gather", _all_gather_fn(), output, input, group=self.group, async_op=async_op
         )
@@ -305,16 +386,19 @@ class Communicator:
         input_split_sizes: Sequence[int] | None = None,
         *,
         tag: str = "other",
+        count_as: str = "all_to_all",
         async_op: bool = False,
     ):
-        """Chunk ``i`` of ``input`` (dim 0, ``input_split_sizes``) goes to rank ``i``."""
-        if input_split_sizes is None or self.world_size == 1:
-            self.counter.record("all_to_all", tensor_bytes(input), self.world_size, tag)
+        """Chunk ``i`` of ``input`` (dim 0, ``input_split_sizes``) goes to rank ``i``; the
+        bytes are counted under ``count_as`` (the collective this one is a phase of)."""
+        n = self.world_size
+        if n == 1:
+            self.counter.record(count_as, 0, 1, tag)
+        elif input_split_sizes is None:  # equal chunks: (N-1)/N of the input leaves
+            self._count_to_peers(count_as, [tensor_bytes(input) // n] * n, tag)
         else:  # exact: everything but the chunk this rank keeps
             row_bytes = tensor_bytes(input) // max(1, input.shape[0]) if input.dim() else 0
-            self.counter.add(
-                "all_to_all", tensor_bytes(input) - input_split_sizes[self.rank] * row_bytes, tag
-            )
+            self._count_to_peers(count_as, [k * row_bytes for k in input_split_sizes], tag)
         if not self.active:
             output.copy_(input)
             return _CompletedWork() if async_op else None
@@ -333,7 +417,9 @@ class Communicator:
         self, tensor: torch.Tensor, src: int, *, tag: str = "other", async_op: bool = False
     ):
         """``src`` is a rank in this group."""
-        self.counter.record("broadcast", tensor_bytes(tensor), self.world_size, tag)
+        self.counter.record(
+            "broadcast", tensor_bytes(tensor), self.world_size, tag, self._ring_link()
+        )
         if not self.active:
             return _CompletedWork() if async_op else None
         return self._call(
@@ -388,11 +474,6 @@ class Communicator:
 
     # ---- internals ---------------------------------------------------------------------
     def _reduce_scatter_by_all_to_all(self, output, input, *, op, async_op: bool):
-        if op != dist.ReduceOp.SUM:
-            raise ValueError(
-                f"reduce_scatter: op must be ReduceOp.SUM with reduce_scatter_impl='all_to_all', "
-                f"got {op}"
-            )
         received = torch.empty(input.numel(), dtype=input.dtype, device=input.device)
         work = self._call(
             "reduce_scatter",
@@ -431,10 +512,24 @@ def native_wire_bytes(op: str, full_bytes: int, world_size: int, backend: str) -
     return ring_wire_bytes(op, full_bytes, world_size)
 
 
+def _successor_link(group, host_of: Sequence[Hashable] | None) -> str:
+    """Link class from this rank to its ring successor in ``group`` (``host_of``: the host
+    label of every global rank; None: every rank a host of its own)."""
+    if host_of is None:
+        return INTER
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    me = dist.get_rank(group)
+    successor = ranks[(me + 1) % len(ranks)]
+    return INTRA if host_of[ranks[me]] == host_of[successor] else INTER
+
+
 @contextlib.contextmanager
-def counting_torch_collectives(counter: WireCounter, *, tag: str = "torch"):
+def counting_torch_collectives(
+    counter: WireCounter, *, tag: str = "torch", host_of: Sequence[Hashable] | None = None
+):
     """Count, with :func:`native_wire_bytes`, the all-gathers and reduce-scatters that torch
-    itself issues (FSDP2 looks ``torch.distributed.<name>`` up at call time) while inside."""
+    itself issues (FSDP2 looks ``torch.distributed.<name>`` up at call time) while inside, by
+    link class of the ring successor (``host_of``: host label of each global rank)."""
     wrapped = {
         "all_gather_single": "all_gather",
         "all_gather_into_tensor": "all_gather",
@@ -449,9 +544,8 @@ def counting_torch_collectives(counter: WireCounter, *, tag: str = "torch"):
         def call(output, input, *args, group=None, **kwargs):
             full = output if op == "all_gather" else input
             n = dist.get_world_size(group)
-            counter.add(
-                op, native_wire_bytes(op, tensor_bytes(full), n, dist.get_backend(group)), tag
-            )
+            nbytes = native_wire_bytes(op, tensor_bytes(full), n, dist.get_backend(group))
+            counter.add(op, nbytes, tag, _successor_link(group, host_of))
             return fn(output, input, *args, group=group, **kwargs)
 
         return call

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from ..optimizer import Muon
 from . import dp_checkpoint, dp_grad_clip
 from .comm import Communicator, WireCounter
 from .dp_reduction import BucketedReduction, ReduceAt, ReductionOptions
+from .hosts import discover_host_map
 from .ownership import assign_owners, format_ownership_table, rank_loads
 from .setup_checks import (  # noqa: F401 (check_process_group, is_dtensor: imported from here)
     check_process_group,
@@ -98,6 +99,11 @@ class DistributedMuon(Muon):
             is updated (False). Results are bitwise equal; only the timing differs.
         wire_counter: the :class:`~muonscale.distributed.WireCounter` that counts this
             optimizer's bytes (None: a new one).
+        host_map: the host of each rank of the group (one label per rank, the same list on
+            every rank); None: torchrun's ``GROUP_RANK``, else the hostname
+            (:mod:`.hosts`). With several hosts of several ranks each, the reduce-scatter and
+            all-gather run within hosts first on backends other than NCCL, and bytes are
+            counted per link class (``last_step_wire_links``).
         reduce_at: when ``p.grad`` is read and averaged. ``"backward"`` (default for a plain
             model): gradient hooks launch each bucket as soon as it is full, overlapping
             backward; if ``p.grad`` changes after that (``torch.nn.utils.clip_grad_norm_``,
@@ -156,6 +162,7 @@ class DistributedMuon(Muon):
         overlap_gather: bool = True,
         wire_counter: WireCounter | None = None,
         reduce_at: ReduceAt | None = None,
+        host_map: Sequence[Hashable] | None = None,
         **muon_options: Any,
     ) -> None:
         if not isinstance(overlap_gather, bool):
@@ -174,7 +181,7 @@ class DistributedMuon(Muon):
         options = ReductionOptions(reduce_dtype, main_params_dtype, bucket_cap_mb, reduce_at)
         self._model_of: dict[int, torch.Tensor] = {}  # id(main copy) -> model parameter
         super().__init__(params, **muon_options)
-        self.comm = Communicator(process_group, wire_counter or WireCounter())
+        self.comm = self._communicator(process_group, wire_counter or WireCounter(), host_map)
         self.world_size, self.rank = self.comm.world_size, self.comm.rank
         self.params = [p for g in self.param_groups for p in g["params"]]
         """Every parameter, in param-group order: the indices of the attributes below."""
@@ -206,9 +213,23 @@ class DistributedMuon(Muon):
         self._init_local_state()
         self.last_step_wire_bytes = 0
         self.last_step_wire_breakdown: dict[str, int] = {}
+        self.last_step_wire_links: dict[str, int] = WireCounter().by_link()
         self._prepared_state: dict[int, dict[str, torch.Tensor]] | None = None
 
     # ================================================================ construction
+    @staticmethod
+    def _communicator(group, counter: WireCounter, host_map) -> Communicator:
+        """The group's communicator, knowing the host of every rank (collective)."""
+        comm = Communicator(group, counter)
+        if not comm.active or dist.get_backend(comm.group) == "fake":
+            if host_map is not None and len(host_map) != comm.world_size:
+                raise ValueError(
+                    f"host_map has {len(host_map)} entries, expected one per rank of the "
+                    f"group ({comm.world_size})"
+                )
+            return comm
+        return Communicator(group, counter, hosts=discover_host_map(comm, host_map))
+
     def _signature(self) -> list[tuple]:
         return [
             (self._name(p), tuple(p.shape), str(p.dtype), g["algorithm"])
@@ -450,6 +471,7 @@ class DistributedMuon(Muon):
         finally:
             clear_workspaces()  # NS scratch is not held through the next forward/backward
             self.reduction.start_cycle()
+            self.last_step_wire_links = self.comm.counter.by_link()
             self.last_step_wire_bytes, self.last_step_wire_breakdown = self.comm.counter.take()
         return loss
 
