@@ -103,6 +103,10 @@ def _rows(per_host: list[dict], hosts: int, procs: int, link: str) -> list[dict]
         m, c = sum(measured) / hosts, sum(counted) / hosts
         m_lo, c_lo = sum(measured_lo) / hosts, sum(counted_lo) / hosts
         step_s = max(r["step_s"] for r in ranks)
+        digests = [r.get("param_digests") for r in ranks]
+        replicas = None  # FSDP2 shards: not replicas
+        if digests[0] and all(d is not None for run in digests for d in run):
+            replicas = all(run == digests[0] for run in digests)
         rows.append(
             {
                 "optimizer": entry["optimizer"],
@@ -122,6 +126,7 @@ def _rows(per_host: list[dict], hosts: int, procs: int, link: str) -> list[dict]
                 "counted_intra_host_bytes_per_step_per_host": c_lo,
                 "intra_host_agreement_pct": 100.0 * (m_lo / c_lo - 1.0) if c_lo else None,
                 "lower_bound_bytes_per_step_per_host": bound,
+                "replicas_bitwise_identical": replicas,
                 "vs_lower_bound": m / bound if bound else None,
                 "step_s": step_s,
                 "optimizer_step_s": max(r["opt_s"] for r in ranks),

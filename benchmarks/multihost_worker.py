@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import signal
@@ -77,6 +78,16 @@ def _build(names, model_config, seed, world_size, hosts):
             else:
                 c.release()
     return [out[n] for n in names]
+
+
+def _param_digest(c) -> str | None:
+    """SHA-256 of the model's parameters (plain tensors only; None for FSDP2's shards)."""
+    h = hashlib.sha256()
+    for p in c.model.parameters():
+        if not isinstance(p.data, torch.Tensor) or type(p.data) is not torch.Tensor:
+            return None
+        h.update(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _mean_links(per_step: list[dict[str, int]]) -> dict[str, float]:
@@ -161,7 +172,9 @@ def _run(a, names, rank) -> None:
         torch_counter = WireCounter()
         step = 0
 
-        def train(k, *, measured=False, c=c, torch_counter=torch_counter):
+        digests = []  # after every warmup step, and after the measured steps
+
+        def train(k, *, measured=False, c=c, torch_counter=torch_counter, digests=digests):
             nonlocal step
             for i in range(k):
                 if measured and rank == a.kill_rank and i == a.kill_at_step:
@@ -173,6 +186,8 @@ def _run(a, names, rank) -> None:
                 with counting_torch_collectives(torch_counter, tag="fsdp2", host_of=hosts.host_of):
                     c.train_step(x[mine], y[mine], 1.0)
                 step += 1
+                if not measured:
+                    digests.append(_param_digest(c))
 
         train(a.warmup)
         torch_counter.reset()
@@ -182,6 +197,7 @@ def _run(a, names, rank) -> None:
         dist.barrier()
         t1, (tx1, rx1), (lo1, _) = time.perf_counter(), _if_bytes(a.interface), _if_bytes("lo")
         window = t1 - t0
+        digests.append(_param_digest(c))
         dist.barrier()  # idle window of the same length: rendezvous keep-alive, barriers
         (ix0, irx0), (ilo0, _) = _if_bytes(a.interface), _if_bytes("lo")
         time.sleep(window)
@@ -208,6 +224,7 @@ def _run(a, names, rank) -> None:
             "idle_lo_tx": ilo1 - ilo0,
             "window_s": window,
             "final_loss": c.losses[-1],
+            "param_digests": digests,
         }
         everyone = [None] * world
         dist.all_gather_object(everyone, mine)
