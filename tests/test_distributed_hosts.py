@@ -127,3 +127,39 @@ def test_bf16_reduce_on_faked_hosts_stays_within_the_flat_bound():
     for diff, impl in results:
         assert impl == "two_level"
         assert 0 < diff < 0.05, diff
+
+
+def _differing_weights(rank, world_size, host_map):
+    model = make_model()
+    if rank == world_size - 1:
+        with torch.no_grad():
+            model.blocks[1].weight[0, 0] += 1.0
+    try:
+        DistributedMuon(model, **OPTS, host_map=host_map)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("world_size,host_map", [(2, [0, 1]), (4, [0, 0, 1, 1])])
+def test_replicas_that_start_apart_are_refused_by_name(world_size, host_map):
+    for message in shared_pool(world_size).run(_differing_weights, host_map):
+        assert message is not None and "'blocks.1.weight'" in message, message
+        assert f"rank(s) [{world_size - 1}]" in message
+
+
+def _bytes_around_a_checkpoint(rank, world_size, host_map):
+    model = make_model()
+    opt = DistributedMuon(model, **OPTS, bucket_cap_mb=2e-4, host_map=host_map)
+    train(model, opt, 1)
+    first = opt.last_step_wire_links
+    train(model, opt, 1, first_step=1)
+    before = opt.last_step_wire_links
+    opt.state_dict()  # collective, not a step's traffic
+    train(model, opt, 1, first_step=2)
+    return first, before, opt.last_step_wire_links
+
+
+def test_setup_and_checkpoint_bytes_stay_out_of_the_step_count():
+    for first, before, after in shared_pool(4).run(_bytes_around_a_checkpoint, [0, 0, 1, 1]):
+        assert first == before == after

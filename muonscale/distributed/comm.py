@@ -152,6 +152,7 @@ class Communicator:
                 f"got {reduce_scatter_impl!r}"
             )
         self.group = group
+        self.two_level: TwoLevel | None = None
         self.counter = counter if counter is not None else WireCounter()
         if _is_initialized():
             self.world_size = dist.get_world_size(group)
@@ -177,13 +178,23 @@ class Communicator:
                 f"the same number (> 1) of ranks each, got hosts {self.hosts.host_of}"
             )
         self.reduce_scatter_impl = reduce_scatter_impl
-        self.two_level: TwoLevel | None = None
         if reduce_scatter_impl == "two_level":
             groups = HostGroups(group, self.hosts, self.rank)
             one_host = HostMap((0,) * groups.L, self.hosts.source)
             intra = Communicator(groups.intra, self.counter, hosts=one_host)
             inter = Communicator(groups.inter, self.counter, hosts=HostMap.unknown(groups.H))
             self.two_level = TwoLevel(groups, intra, inter)
+
+    @property
+    def counter(self) -> WireCounter:
+        """Where this communicator's bytes are counted (its subgroups' too)."""
+        return self._counter
+
+    @counter.setter
+    def counter(self, counter: WireCounter) -> None:
+        self._counter = counter
+        if self.two_level is not None:
+            self.two_level.intra.counter = self.two_level.inter.counter = counter
 
     def _ring_link(self) -> str:
         """Link class of this rank's ring successor (where a ring collective sends)."""

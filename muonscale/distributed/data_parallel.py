@@ -30,6 +30,7 @@ from .setup_checks import (  # noqa: F401 (check_process_group, is_dtensor: impo
     check_process_group,
     is_dtensor,
     require_same_parameters,
+    require_same_values,
     unwrap_ddp,
 )
 
@@ -237,11 +238,16 @@ class DistributedMuon(Muon):
         ]
 
     def _check_same_parameters(self) -> None:
-        """All ranks must hold the same parameter list; raise naming the first difference. Not on
-        torch's fake process group (one process alone: nothing to compare with)."""
+        """All ranks must hold the same parameter list with the same initial values; raise naming
+        the first difference. Not on torch's fake process group (one process alone)."""
         if not self.comm.active or dist.get_backend(self.comm.group) == "fake":
             return
-        require_same_parameters(self.comm, self.world_size, self._signature())
+        step_counter, self.comm.counter = self.comm.counter, WireCounter()  # not a step's
+        try:
+            require_same_parameters(self.comm, self.world_size, self._signature())
+            require_same_values(self.comm, self.params, [self._name(p) for p in self.params])
+        finally:
+            self.comm.counter = step_counter
 
     def _assign_owners(self) -> None:
         self.muon_indices = [i for i, g in enumerate(self.group_of) if g["algorithm"] == "muon"]
