@@ -55,14 +55,16 @@ def _collectives(rank, world_size, host_map, dtype):
     return out, exact, two.reduce_scatter_impl
 
 
-@pytest.mark.parametrize("world_size,host_map", [(2, [0, 1]), (4, ["a", "a", "b", "b"])])
+@pytest.mark.parametrize(
+    "world_size,host_map", [(2, [0, 1]), (2, [0, 0]), (4, ["a", "a", "b", "b"]), (4, [0, 1, 1, 0])]
+)
 def test_two_level_collectives_match_flat_and_count_links(world_size, host_map):
     results = shared_pool(world_size).run(_collectives, host_map, torch.float32)
     H = len(set(host_map))
     L = world_size // H
     S = world_size * 6 * 4  # bytes of the full input
     for out, exact, impl in results:
-        assert impl == ("two_level" if L > 1 else "all_to_all")
+        assert impl == ("two_level" if H > 1 and L > 1 else "all_to_all")
         (f_rs, f_ag, f_rsl, f_agl), (t_rs, t_ag, t_rsl, t_agl) = out["flat"], out["two"]
         assert torch.equal(f_ag, t_ag)
         # both orders sum N fp32 terms: within N·eps32 of the float64 sum

@@ -135,18 +135,20 @@ def discover_host_map(comm: Communicator, host_map: Sequence[Hashable] | None = 
     return HostMap.from_labels([x for _, x, _ in everyone], source)
 
 
-_GROUP_CACHE: dict[tuple, object] = {}
+_GROUP_CACHE: dict[tuple, tuple] = {}
 
 
-def _new_group(global_ranks: list[int]):
-    """A gloo/NCCL subgroup of ``global_ranks``, made once per rank set and reused."""
-    key = tuple(global_ranks)
-    group = _GROUP_CACHE.get(key)
+def _subgroups(key: tuple, intra_ranks: list[int], inter_ranks: list[int]) -> tuple:
+    """(intra, inter) subgroups of global ranks, made once per (group, host map) ``key`` and
+    reused. Every rank of the group hits or misses the cache together and a miss makes exactly
+    two groups on each, so the members of a new subgroup agree on its (hashed) name."""
     alive = dist.distributed_c10d._world.pg_map
-    if group is None or group not in alive:
-        group = dist.new_group(global_ranks, use_local_synchronization=True)
-        _GROUP_CACHE[key] = group
-    return group
+    pair = _GROUP_CACHE.get(key)
+    if pair is None or any(g not in alive for g in pair):
+        intra = dist.new_group(intra_ranks, use_local_synchronization=True)
+        inter = dist.new_group(inter_ranks, use_local_synchronization=True)
+        pair = _GROUP_CACHE[key] = (intra, inter)
+    return pair
 
 
 class HostGroups:
@@ -163,8 +165,11 @@ class HostGroups:
         self.hosts, self.rank = hosts, rank
         self.intra_ranks = by_global(hosts.members(hosts.host_of[rank]))  # group ranks
         self.inter_ranks = by_global(hosts.peers(rank))
-        self.intra = _new_group(sorted(ranks[r] for r in self.intra_ranks))
-        self.inter = _new_group(sorted(ranks[r] for r in self.inter_ranks))
+        self.intra, self.inter = _subgroups(
+            (tuple(ranks), hosts.host_of),
+            sorted(ranks[r] for r in self.intra_ranks),
+            sorted(ranks[r] for r in self.inter_ranks),
+        )
         self.H, self.L = hosts.hosts, len(self.intra_ranks)
         # Chunk order of the reduce-scatter's first send buffer, and of the all-gather's last
         # receive buffer: block p of H chunks is for (from) intra peer p, in p's inter order.
