@@ -165,3 +165,50 @@ def _bytes_around_a_checkpoint(rank, world_size, host_map):
 def test_setup_and_checkpoint_bytes_stay_out_of_the_step_count():
     for first, before, after in shared_pool(4).run(_bytes_around_a_checkpoint, [0, 0, 1, 1]):
         assert first == before == after
+
+
+def _uneven_collectives(rank, world_size, host_map):
+    """Collectives that skip each shard's padding, flat and two-level, against the padded ones."""
+    flat = Communicator(reduce_scatter_impl="all_to_all")
+    two = Communicator(hosts=discover_host_map(flat, host_map))
+    c = 5
+    lengths = [c, 3, 0, 4][:world_size]
+    x = torch.randn(world_size, c, generator=torch.Generator().manual_seed(rank))
+    for j, n in enumerate(lengths):
+        x[j, n:] = 0.0  # padding
+    mine = x[rank].clone()
+    out = {}
+    for name, comm in (("flat", flat), ("two", two)):
+        padded, skipped = torch.full((c,), 7.0), torch.full((c,), 7.0)
+        comm.reduce_scatter(padded, x.reshape(-1))
+        comm.counter.reset()
+        comm.wait(comm.reduce_scatter(skipped, x.reshape(-1), async_op=True, lengths=lengths))
+        rs_links = comm.counter.by_link()
+        comm.counter.reset()
+        gathered = torch.full((world_size, c), 7.0)
+        comm.wait(comm.all_gather(gathered.view(-1), mine, async_op=True, lengths=lengths))
+        out[name] = (padded, skipped, gathered, rs_links, comm.counter.by_link())
+    return out, lengths, x
+
+
+@pytest.mark.parametrize("world_size,host_map", [(2, [0, 1]), (4, [0, 0, 1, 1]), (4, [0, 1, 1, 0])])
+def test_padding_stays_off_the_wire(world_size, host_map):
+    results = shared_pool(world_size).run(_uneven_collectives, host_map)
+    hosts = HostMap.from_labels(host_map)
+    inputs = [x for _, _, x in results]
+    for rank, (out, lengths, _) in enumerate(results):
+        n = lengths[rank]
+        for name, (padded, skipped, gathered, _, _) in out.items():
+            assert torch.equal(skipped[:n], padded[:n]), name  # same sums, same order
+            assert bool((skipped[n:] == 7.0).all()), name  # padding not written
+            for j, m in enumerate(lengths):
+                assert torch.equal(gathered[j, :m], inputs[j][j, :m]), name
+                assert bool((gathered[j, m:] == 7.0).all()), name
+        # bytes: only the data; the two-level one crosses hosts once per chunk
+        others = sum(lengths) - n
+        assert sum(out["flat"][3].values()) == others * 4
+        assert sum(out["flat"][4].values()) == (world_size - 1) * n * 4
+        if hosts.two_level:
+            peers = [j for j in hosts.peers(rank) if j != rank]
+            assert out["two"][3][INTER] == sum(lengths[j] for j in peers) * 4
+            assert out["two"][4][INTER] == len(peers) * n * 4

@@ -82,7 +82,7 @@ class _CompletedWork:
 
 def _sum_chunks(output: torch.Tensor, received: torch.Tensor, world_size: int) -> None:
     """``output`` <- sum of the ``world_size`` equal chunks of ``received``, in rank order."""
-    chunks = received.view(world_size, -1)
+    chunks = received.view(world_size, received.numel() // world_size)
     low_precision = received.dtype in (torch.float16, torch.bfloat16)
     acc = chunks[0].float() if low_precision else chunks[0].clone()
     for r in range(1, world_size):
@@ -111,6 +111,23 @@ class _SumAfterWork:
         return self._received is None
 
 
+class _ThenWork:
+    """An async handle whose ``wait`` also runs ``finish`` (once)."""
+
+    def __init__(self, work, finish):
+        self._work, self._finish = work, finish
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if self._finish is not None:
+            self._work.wait() if timeout is None else self._work.wait(timeout)
+            self._finish()
+            self._finish = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._finish is None
+
+
 # torch >= 2.13 names them *_single; older versions only have *_tensor. Resolved once, at
 # import, so that counting_torch_collectives (which wraps torch's names) never counts these.
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -123,6 +140,15 @@ def _reduce_scatter_fn():
 
 def _all_gather_fn():
     return _ALL_GATHER
+
+
+def place_uneven(rows: torch.Tensor, packed: torch.Tensor, lengths: Sequence[int]) -> None:
+    """Row ``j`` of ``rows`` (N, S) <- the ``j``-th piece (``lengths[j]`` elements) of
+    ``packed``, left-aligned (the rest of the row untouched)."""
+    start = 0
+    for j, n in enumerate(lengths):
+        rows[j, :n].copy_(packed[start : start + n])
+        start += n
 
 
 def _is_initialized() -> bool:
@@ -248,8 +274,11 @@ class Communicator:
         op=dist.ReduceOp.SUM,
         tag: str = "other",
         async_op: bool = False,
+        lengths: Sequence[int] | None = None,
     ):
-        """``output`` (S/N) <- shard ``rank`` of the sum over ranks of ``input`` (S, contiguous)."""
+        """``output`` (S/N) <- shard ``rank`` of the sum over ranks of ``input`` (S, contiguous).
+        ``lengths``: the elements of each rank's shard that carry data (the rest is padding:
+        neither sent nor written, except by the native reduce-scatter, which sends it)."""
         if input.numel() != output.numel() * self.world_size:
             raise ValueError(
                 f"reduce_scatter: input has {input.numel()} elements, "
@@ -264,8 +293,16 @@ class Communicator:
                 f"reduce_scatter: op must be ReduceOp.SUM with reduce_scatter_impl="
                 f"{self.reduce_scatter_impl!r}, got {op}"
             )
+        if lengths is not None and all(n == output.numel() for n in lengths):
+            lengths = None  # no padding
         if self.two_level is not None:  # counted by the two subgroups' collectives
+            if lengths is not None:
+                return self.two_level.reduce_scatter_uneven(
+                    output, input, lengths, tag=tag, async_op=async_op
+                )
             return self.two_level.reduce_scatter(output, input, tag=tag, async_op=async_op)
+        if self.reduce_scatter_impl == "all_to_all" and lengths is not None:
+            return self._reduce_scatter_uneven(output, input, lengths, tag=tag, async_op=async_op)
         if self.reduce_scatter_impl == "all_to_all":
             chunk = tensor_bytes(input) // self.world_size
             self._count_to_peers("reduce_scatter", [chunk] * self.world_size, tag)
@@ -290,8 +327,11 @@ class Communicator:
         *,
         tag: str = "other",
         async_op: bool = False,
+        lengths: Sequence[int] | None = None,
     ):
-        """``output`` (N*S) <- concatenation over ranks of ``input`` (S); equal sizes only."""
+        """``output`` (N*S) <- concatenation over ranks of ``input`` (S); equal sizes only.
+        ``lengths``: the elements of each rank's ``input`` that carry data (the rest, padding,
+        is neither sent nor written; on NCCL the native all-gather sends it)."""
         if output.numel() != input.numel() * self.world_size:
             raise ValueError(
                 f"all_gather: output has {output.numel()} elements, "
@@ -302,8 +342,17 @@ class Communicator:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _CompletedWork() if async_op else None
+        if lengths is not None and all(n == input.numel() for n in lengths):
+            lengths = None  # no padding
+        nccl = dist.get_backend(self.group) == "nccl"
+        if self.two_level is not None and lengths is not None:
+            return self.two_level.all_gather_uneven(
+                output, input, lengths, tag=tag, async_op=async_op
+            )
         if self.two_level is not None:  # counted by the two subgroups' collectives
             return self.two_level.all_gather(output, input, tag=tag, async_op=async_op)
+        if lengths is not None and not nccl:
+            return self._all_gather_uneven(output, input, lengths, tag=tag, async_op=async_op)
         self.counter.record(
             "all_gather", tensor_bytes(output), self.world_size, tag, self._ring_link()
         )
@@ -406,6 +455,55 @@ class Communicator:
             raise self._error(what, exc) from exc
 
     # ---- internals ---------------------------------------------------------------------
+    def _reduce_scatter_uneven(self, output, input, lengths, *, tag: str, async_op: bool):
+        """All-to-all of each shard's first ``lengths[j]`` elements, then the local sum."""
+        n, size = self.world_size, output.numel()
+        chunks = input.reshape(n, size)
+        send = torch.cat([chunks[j, : lengths[j]] for j in range(n)])
+        mine = lengths[self.rank]
+        self._count_to_peers("reduce_scatter", [k * input.element_size() for k in lengths], tag)
+        received = torch.empty(n * mine, dtype=input.dtype, device=input.device)
+        work = self._call(
+            "reduce_scatter",
+            dist.all_to_all_single,
+            received,
+            send,
+            [mine] * n,
+            list(lengths),
+            group=self.group,
+            async_op=async_op,
+        )
+        target = output.view(-1)[:mine]
+        if async_op:
+            return _SumAfterWork(work, target, received, n)
+        _sum_chunks(target, received, n)
+        return None
+
+    def _all_gather_uneven(self, output, input, lengths, *, tag: str, async_op: bool):
+        """Each rank's first ``lengths[rank]`` elements to every rank (an all-to-all)."""
+        n, size, mine = self.world_size, input.numel(), lengths[self.rank]
+        self._count_to_peers("all_gather", [mine * input.element_size()] * n, tag)
+        send = input.reshape(-1)[:mine].repeat(n)
+        received = torch.empty(sum(lengths), dtype=input.dtype, device=input.device)
+        work = self._call(
+            "all_gather",
+            dist.all_to_all_single,
+            received,
+            send,
+            list(lengths),
+            [mine] * n,
+            group=self.group,
+            async_op=async_op,
+        )
+
+        def finish():
+            place_uneven(output.view(n, size), received, lengths)
+
+        if async_op:
+            return _ThenWork(work, finish)
+        finish()
+        return None
+
     def _reduce_scatter_by_all_to_all(self, output, input, *, op, async_op: bool):
         received = torch.empty(input.numel(), dtype=input.dtype, device=input.device)
         work = self._call(

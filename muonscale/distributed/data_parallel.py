@@ -440,7 +440,7 @@ class DistributedMuon(Muon):
         """Owner layout figures: ``ns_flops`` and ``muon_elements`` per rank (owned Muon
         parameters), and over every owner stream: ``stream_elements`` (T per rank),
         ``fill_elements`` (AdamW elements riding in the streams) and ``padding_elements``
-        (zeros on the wire, Σ over ranks)."""
+        (zeros in the buffers, Σ over ranks; sent by NCCL's native collectives only)."""
         shapes = [self.matrix_shapes_by_index[i] for i in self.muon_indices]
         owners = [self.owner_rank[i] for i in self.muon_indices]
         elements = [0] * self.world_size

@@ -299,3 +299,80 @@ class TwoLevel:
             return item
         item.wait()
         return None
+
+    # ---- with padding: only each chunk's first lengths[j] elements travel ----------------
+    def reduce_scatter_uneven(self, output, input, lengths, *, tag: str, async_op):
+        """As :meth:`reduce_scatter`, sending only the first ``lengths[j]`` elements of chunk
+        ``j`` and writing only the first ``lengths[rank]`` of ``output``."""
+        self.drive(blocking_on="intra")
+        H, L, c, order = self.H, self.L, output.numel(), self.groups.order
+        chunks = input.reshape(self.N, c)
+        send = torch.cat([chunks[j, : lengths[j]] for j in order])  # by intra peer, inter order
+        per_peer = [sum(lengths[j] for j in order[q * H : (q + 1) * H]) for q in range(L)]
+        mine = self.groups.intra_ranks.index(self.groups.rank)
+        recv = torch.empty(L * per_peer[mine], dtype=input.dtype, device=input.device)
+        first = self.intra.all_to_all_single(
+            recv,
+            send,
+            [per_peer[mine]] * L,
+            per_peer,
+            tag=tag,
+            count_as="reduce_scatter",
+            async_op=True,
+        )
+        inter_lengths = [lengths[j] for j in order[mine * H : (mine + 1) * H]]
+        own = lengths[self.groups.rank]
+
+        def second():
+            partial = sum_blocks(recv, L, input.dtype)  # host sums of my inter peers' chunks
+            got = torch.empty(H * own, dtype=input.dtype, device=input.device)
+            work = self.inter.all_to_all_single(
+                got,
+                partial,
+                [own] * H,
+                inter_lengths,
+                tag=tag,
+                count_as="reduce_scatter",
+                async_op=True,
+            )
+            target = output.view(-1)[:own]
+            return work, lambda: target.copy_(sum_blocks(got, H, output.dtype))
+
+        return self._start(first, "gradient reduce-scatter", second, "inter", async_op)
+
+    def all_gather_uneven(self, output, input, lengths, *, tag: str, async_op):
+        """As :meth:`all_gather`, sending only each rank's first ``lengths[rank]`` elements
+        and writing only the first ``lengths[j]`` of each chunk of ``output``."""
+        self.drive(blocking_on="inter")
+        H, L, c, order = self.H, self.L, input.numel(), self.groups.order
+        own = lengths[self.groups.rank]
+        mine = self.groups.intra_ranks.index(self.groups.rank)
+        inter_lengths = [lengths[j] for j in order[mine * H : (mine + 1) * H]]
+        mid = torch.empty(sum(inter_lengths), dtype=input.dtype, device=input.device)
+        send = input.reshape(-1)[:own].repeat(H)
+        first = self.inter.all_to_all_single(
+            mid, send, inter_lengths, [own] * H, tag=tag, count_as="all_gather", async_op=True
+        )
+        per_peer = [sum(lengths[j] for j in order[q * H : (q + 1) * H]) for q in range(L)]
+
+        def second():
+            full = torch.empty(sum(per_peer), dtype=input.dtype, device=input.device)
+            work = self.intra.all_to_all_single(
+                full,
+                mid.repeat(L),
+                per_peer,
+                [mid.numel()] * L,
+                tag=tag,
+                count_as="all_gather",
+                async_op=True,
+            )
+
+            def finish():
+                rows, start = output.view(self.N, c), 0
+                for j in order:  # ``full`` holds the chunks in send order
+                    rows[j, : lengths[j]].copy_(full[start : start + lengths[j]])
+                    start += lengths[j]
+
+            return work, finish
+
+        return self._start(first, "parameter all-gather", second, "intra", async_op)
