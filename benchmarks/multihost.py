@@ -65,6 +65,8 @@ def run_config(a, hosts: int, procs: int, link: str, contenders: str) -> list[di
             str(a.n_layer),
             "--pg-timeout-s",
             str(a.pg_timeout_s),
+            "--ns-dtype",
+            a.ns_dtype,
         ]
         result = cluster.torchrun(
             WORKER,
@@ -498,6 +500,12 @@ def main(argv=None) -> int:
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--pg-timeout-s", type=float, default=20.0)
     ap.add_argument("--link-down-after-s", type=float, default=15.0)
+    ap.add_argument(
+        "--ns-dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="Newton-Schulz dtype of the Muon contenders",
+    )
     ap.add_argument("--timeout-s", type=float, default=300.0, help="per torchrun job")
     ap.add_argument(
         "--python",

@@ -117,6 +117,9 @@ def main(argv=None) -> int:
     ap.add_argument("--n-head", type=int, default=8)
     ap.add_argument("--context-length", type=int, default=128)
     ap.add_argument("--pg-timeout-s", type=float, default=30.0)
+    ap.add_argument(
+        "--ns-dtype", default="float32", choices=("float32", "bfloat16"), help="Muon's NS dtype"
+    )
     ap.add_argument("--interface", default="eth0")
     ap.add_argument("--kill-rank", type=int, default=-1, help="this rank SIGKILLs itself ...")
     ap.add_argument("--kill-at-step", type=int, default=1, help="... inside this measured step")
@@ -165,6 +168,10 @@ def _run(a, names, rank) -> None:
         raise ValueError(f"--global-batch {a.global_batch} is smaller than the world size {world}")
     hosts = discover_host_map(Communicator())
     contenders = _build(names, cfg, seed=0, world_size=world, hosts=hosts)
+    for c in contenders:
+        for group in c.opt.param_groups:
+            if group.get("algorithm") == "muon":
+                group["ns_dtype"] = getattr(torch, a.ns_dtype)
     n_params = sum(p.numel() for p in contenders[0].model.parameters())
     muon_fraction = _muon_fraction(contenders)
     rows = []
