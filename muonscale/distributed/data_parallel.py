@@ -136,6 +136,10 @@ class DistributedMuon(Muon):
     A framework that saves on one rank only: every rank calls ``prepare_state_dict()`` (the
     collective part) first; ``state_dict()`` then needs no collectives until the next ``step()``.
 
+    Construction is collective: every rank must hold the same parameter list with the same
+    initial values (two checksums per parameter; a difference is refused by name), and each
+    rank's host is learned (``host_map``).
+
     A rank that fails inside ``step()`` makes the others fail in their next collective after
     at most the process-group timeout (``init_process_group(timeout=...)``), with a
     :class:`~muonscale.distributed.CollectiveError` that says so.
