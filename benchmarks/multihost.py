@@ -27,7 +27,17 @@ from netns_cluster import Cluster, unavailable_reason  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "multihost_worker.py"
 REPO = Path(__file__).resolve().parent.parent
-NVIDIA_CLAIM = "Megatron-Core Muon: -8% network traffic in multi-node clusters (NVIDIA's claim)"
+SEED_ARTICLE_CLAIM = (
+    "-8% network traffic for Muon in multi-node clusters: the seed article's figure, which it "
+    "attributes to NVIDIA (Megatron-Core); NVIDIA's own published material does not state it"
+)
+
+
+def lower_bound_bytes(hosts: int, muon_fraction: float, param_bytes: float) -> float:
+    """Host-aware lower bound on the bytes a host sends over its link per step for Muon data
+    parallelism: a reduce-scatter of the fp32 gradients and a gather of the updates, Muon's in
+    bf16, each crossing the host boundary once: (H-1)/H * (2 - f/2) * S."""
+    return (hosts - 1) / hosts * (2 - muon_fraction / 2) * param_bytes
 
 
 def _default_python() -> str:
@@ -55,6 +65,8 @@ def run_config(a, hosts: int, procs: int, link: str, contenders: str) -> list[di
             str(a.n_layer),
             "--pg-timeout-s",
             str(a.pg_timeout_s),
+            "--ns-dtype",
+            a.ns_dtype,
         ]
         result = cluster.torchrun(
             WORKER,
@@ -74,20 +86,29 @@ def run_config(a, hosts: int, procs: int, link: str, contenders: str) -> list[di
 def _rows(per_host: list[dict], hosts: int, procs: int, link: str) -> list[dict]:
     first = per_host[0]
     rows = []
+    steps = first["steps"]
+    bound = None
+    if first.get("muon_fraction") is not None:
+        bound = lower_bound_bytes(hosts, first["muon_fraction"], 4 * first["n_params"])
     for entry in first["contenders"]:
         ranks = entry["ranks"]
-        measured, counted = [], []
+        measured, counted, measured_lo, counted_lo = [], [], [], []
         for h in range(hosts):
             mine = [r for r in ranks if r["host"] == h]
             lead = next(r for r in mine if r["local_rank"] == 0)  # reads the host's link
-            measured.append((lead["tx"] - lead["idle_tx"]) / first["steps"])
-            counted.append(
-                sum(
-                    r["counted_bytes_per_step"] + r["torch_collective_bytes_per_step"] for r in mine
+            measured.append((lead["tx"] - lead["idle_tx"]) / steps)
+            measured_lo.append((lead["lo_tx"] - lead["idle_lo_tx"]) / steps)
+            for out, key in ((counted, "inter_host"), (counted_lo, "intra_host")):
+                out.append(
+                    sum(r["counted_links"][key] + r["torch_collective_links"][key] for r in mine)
                 )
-            )
         m, c = sum(measured) / hosts, sum(counted) / hosts
+        m_lo, c_lo = sum(measured_lo) / hosts, sum(counted_lo) / hosts
         step_s = max(r["step_s"] for r in ranks)
+        digests = [r.get("param_digests") for r in ranks]
+        replicas = None  # FSDP2 shards: not replicas
+        if digests[0] and all(d is not None for run in digests for d in run):
+            replicas = all(run == digests[0] for run in digests)
         rows.append(
             {
                 "optimizer": entry["optimizer"],
@@ -103,6 +124,12 @@ def _rows(per_host: list[dict], hosts: int, procs: int, link: str) -> list[dict]
                 )
                 / hosts,
                 "agreement_pct": 100.0 * (m / c - 1.0) if c else None,
+                "measured_intra_host_bytes_per_step_per_host": m_lo,
+                "counted_intra_host_bytes_per_step_per_host": c_lo,
+                "intra_host_agreement_pct": 100.0 * (m_lo / c_lo - 1.0) if c_lo else None,
+                "lower_bound_bytes_per_step_per_host": bound,
+                "replicas_bitwise_identical": replicas,
+                "vs_lower_bound": m / bound if bound else None,
                 "step_s": step_s,
                 "optimizer_step_s": max(r["opt_s"] for r in ranks),
                 "tokens_per_s": first["tokens_per_step"] / step_s,
@@ -110,12 +137,7 @@ def _rows(per_host: list[dict], hosts: int, procs: int, link: str) -> list[dict]
                 "counted_breakdown_rank0": ranks[0]["counted_breakdown"],
                 "torch_breakdown_rank0": ranks[0]["torch_breakdown"],
                 "n_params": first["n_params"],
-                "note": None
-                if procs == 1
-                else (
-                    "ranks of one host talk over loopback: counted bytes include traffic "
-                    "that never crosses the host's link"
-                ),
+                "note": "inter-host: the host's link (eth0); intra-host: its loopback (lo)",
             }
         )
     by_name = {(r["optimizer"]): r for r in rows}
@@ -464,7 +486,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--contenders",
-        default="muon,muon-bf16reduce,adamw-zero1,adamw-ddp,fsdp-muon,muon-nooverlap,"
+        default="muon,muon-bf16reduce,adamw-zero1,adamw-ddp,fsdp-muon,fsdp-adamw,muon-nooverlap,"
         "muon-bf16reduce-nooverlap",
     )
     ap.add_argument(
@@ -478,6 +500,12 @@ def main(argv=None) -> int:
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--pg-timeout-s", type=float, default=20.0)
     ap.add_argument("--link-down-after-s", type=float, default=15.0)
+    ap.add_argument(
+        "--ns-dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="Newton-Schulz dtype of the Muon contenders",
+    )
     ap.add_argument("--timeout-s", type=float, default=300.0, help="per torchrun job")
     ap.add_argument(
         "--python",
@@ -523,18 +551,27 @@ def main(argv=None) -> int:
     report = {
         "machine": {"python": a.python, "torch_backend": "gloo"},
         "settings": {k: v for k, v in vars(a).items() if k != "out"},
-        "nvidia_claim": NVIDIA_CLAIM,
+        "seed_article_claim": SEED_ARTICLE_CLAIM,
         "rows": rows,
         "faults": faults,
         "errors": errors,
     }
     (out / "multihost.json").write_text(json.dumps(report, indent=1))
+    print(f"seed article: {SEED_ARTICLE_CLAIM}")
     for r in rows:
+        intra = r["intra_host_agreement_pct"]
+        bound = r["lower_bound_bytes_per_step_per_host"]
+        vs_ddp = r.get("bytes_vs_ddp_adamw", float("nan"))
         print(
             f"{r['optimizer']:>16} {r['hosts']}x{r['procs_per_host']} {r['link']:>8}: "
-            f"measured {r['measured_tx_bytes_per_step_per_host'] / 1e6:7.2f} MB, counted "
-            f"{r['counted_bytes_per_step_per_host'] / 1e6:7.2f} MB "
-            f"({r['agreement_pct']:+.1f}%), {r['tokens_per_s']:8.0f} tok/s"
+            f"inter-host measured {r['measured_tx_bytes_per_step_per_host'] / 1e6:7.2f} MB, "
+            f"counted {r['counted_bytes_per_step_per_host'] / 1e6:7.2f} MB "
+            f"({r['agreement_pct']:+.1f}%), vs DDP {vs_ddp:.2f}x; "
+            f"lower bound {bound / 1e6 if bound else float('nan'):7.2f} MB; intra-host "
+            f"measured {r['measured_intra_host_bytes_per_step_per_host'] / 1e6:7.2f} MB, "
+            f"counted {r['counted_intra_host_bytes_per_step_per_host'] / 1e6:7.2f} MB"
+            + (f" ({intra:+.1f}%)" if intra is not None else "")
+            + f"; {r['tokens_per_s']:8.0f} tok/s"
         )
     for f in faults:
         print(

@@ -6,14 +6,17 @@ Contenders: ``muon`` (DistributedMuon), ``muon-bf16reduce`` (reduce_dtype=bfloat
 ``adamw-zero1`` (DistributedMuon with every parameter routed to AdamW), ``muon-nooverlap`` and
 ``muon-bf16reduce-nooverlap`` (``overlap_gather=False``), ``adamw-ddp`` (DDP +
 torch AdamW, all-reduce counted by a comm hook), ``fsdp-muon`` (DTensorMuon under FSDP2; FSDP2's
-own collectives counted with :func:`~muonscale.distributed.comm.native_wire_bytes`).
-Host ``h``'s local rank 0 writes ``<out>/host<h>.json``.
+own collectives counted with :func:`~muonscale.distributed.comm.native_wire_bytes`) and
+``fsdp-adamw`` (torch AdamW under the same FSDP2 sharding). Bytes are measured and counted per
+link class: the host's link (``eth0``) carries the inter-host bytes, its loopback (``lo``) the
+intra-host ones. Host ``h``'s local rank 0 writes ``<out>/host<h>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import signal
@@ -31,6 +34,7 @@ CONTENDERS = (
     "adamw-zero1",
     "adamw-ddp",
     "fsdp-muon",
+    "fsdp-adamw",
     "muon-nooverlap",
     "muon-bf16reduce-nooverlap",
 )
@@ -43,33 +47,63 @@ def _if_bytes(ifname: str) -> tuple[int, int]:
     return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
 
 
-def _build(names, model_config, seed, world_size):
+def _build(names, model_config, seed, world_size, hosts):
     from muonscale.bench.distributed_worker import _dp_contenders, _fsdp_contenders
 
     out = {}
     for name in (n for n in names if n.endswith(NO_OVERLAP)):
         base = name.removesuffix(NO_OVERLAP)
         dtypes = ["bfloat16"] if base == "muon-bf16reduce" else ["float32"]
-        for c in _dp_contenders(model_config, LRS, seed, dtypes):
+        for c in _dp_contenders(model_config, LRS, seed, dtypes, hosts):
             if c.name == base:
                 c.name, c.opt.overlap_gather = name, False
                 out[name] = c
             else:
                 c.release()
     names_with_overlap = [n for n in names if not n.endswith(NO_OVERLAP)]
-    if any(n != "fsdp-muon" for n in names_with_overlap):
+    if any(not n.startswith("fsdp-") for n in names_with_overlap):
         dtypes = ["float32"] + (["bfloat16"] if "muon-bf16reduce" in names else [])
-        for c in _dp_contenders(model_config, LRS, seed, dtypes):
+        for c in _dp_contenders(model_config, LRS, seed, dtypes, hosts):
             if c.name in names_with_overlap:
                 out[c.name] = c
             else:
                 c.release()
-    if "fsdp-muon" in names:
-        muon, adamw = _fsdp_contenders(model_config, LRS, seed, world_size)
-        adamw.release()
-        muon.name = "fsdp-muon"
-        out["fsdp-muon"] = muon
+    if "fsdp-muon" in names or "fsdp-adamw" in names:
+        for c in _fsdp_contenders(model_config, LRS, seed, world_size):
+            c.name = f"fsdp-{c.name}"
+            if c.name in names:
+                if c.name == "fsdp-muon":  # count DTensorMuon's own traffic by link class
+                    c.opt.comm.hosts = hosts
+                out[c.name] = c
+            else:
+                c.release()
     return [out[n] for n in names]
+
+
+def _param_digest(c) -> str | None:
+    """SHA-256 of the model's parameters (plain tensors only; None for FSDP2's shards)."""
+    h = hashlib.sha256()
+    for p in c.model.parameters():
+        if not isinstance(p.data, torch.Tensor) or type(p.data) is not torch.Tensor:
+            return None
+        h.update(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _mean_links(per_step: list[dict[str, int]]) -> dict[str, float]:
+    keys = ("intra_host", "inter_host")
+    return {k: sum(s.get(k, 0) for s in per_step) / max(1, len(per_step)) for k in keys}
+
+
+def _muon_fraction(contenders) -> float | None:
+    """Fraction of the parameters' elements that a DistributedMuon contender updates by Muon."""
+    for c in contenders:
+        if hasattr(c.opt, "muon_indices"):
+            muon = sum(c.opt.params[i].numel() for i in c.opt.muon_indices)
+            total = sum(p.numel() for p in c.opt.params)
+            if muon:
+                return muon / total
+    return None
 
 
 def main(argv=None) -> int:
@@ -83,6 +117,9 @@ def main(argv=None) -> int:
     ap.add_argument("--n-head", type=int, default=8)
     ap.add_argument("--context-length", type=int, default=128)
     ap.add_argument("--pg-timeout-s", type=float, default=30.0)
+    ap.add_argument(
+        "--ns-dtype", default="float32", choices=("float32", "bfloat16"), help="Muon's NS dtype"
+    )
     ap.add_argument("--interface", default="eth0")
     ap.add_argument("--kill-rank", type=int, default=-1, help="this rank SIGKILLs itself ...")
     ap.add_argument("--kill-at-step", type=int, default=1, help="... inside this measured step")
@@ -110,7 +147,8 @@ def main(argv=None) -> int:
 
 
 def _run(a, names, rank) -> None:
-    from muonscale.distributed.comm import WireCounter, counting_torch_collectives
+    from muonscale.distributed.comm import Communicator, WireCounter, counting_torch_collectives
+    from muonscale.distributed.hosts import discover_host_map
     from muonscale.train.config import model_preset
     from muonscale.train.data import ByteTokenizer, TokenDataset, load_corpus
 
@@ -128,14 +166,22 @@ def _run(a, names, rank) -> None:
     per_rank = a.global_batch // world
     if per_rank < 1:
         raise ValueError(f"--global-batch {a.global_batch} is smaller than the world size {world}")
-    contenders = _build(names, cfg, seed=0, world_size=world)
+    hosts = discover_host_map(Communicator())
+    contenders = _build(names, cfg, seed=0, world_size=world, hosts=hosts)
+    for c in contenders:
+        for group in c.opt.param_groups:
+            if group.get("algorithm") == "muon":
+                group["ns_dtype"] = getattr(torch, a.ns_dtype)
     n_params = sum(p.numel() for p in contenders[0].model.parameters())
+    muon_fraction = _muon_fraction(contenders)
     rows = []
     for c in contenders:
         torch_counter = WireCounter()
         step = 0
 
-        def train(k, *, measured=False, c=c, torch_counter=torch_counter):
+        digests = []  # after every warmup step, and after the measured steps
+
+        def train(k, *, measured=False, c=c, torch_counter=torch_counter, digests=digests):
             nonlocal step
             for i in range(k):
                 if measured and rank == a.kill_rank and i == a.kill_at_step:
@@ -144,23 +190,26 @@ def _run(a, names, rank) -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
                 ((x, y),) = data.train_batch(seed=0, step=step, batch_size=a.global_batch)
                 mine = slice(rank * per_rank, (rank + 1) * per_rank)
-                with counting_torch_collectives(torch_counter, tag="fsdp2"):
+                with counting_torch_collectives(torch_counter, tag="fsdp2", host_of=hosts.host_of):
                     c.train_step(x[mine], y[mine], 1.0)
                 step += 1
+                if not measured:
+                    digests.append(_param_digest(c))
 
         train(a.warmup)
         torch_counter.reset()
         dist.barrier()
-        t0, (tx0, rx0) = time.perf_counter(), _if_bytes(a.interface)
+        t0, (tx0, rx0), (lo0, _) = time.perf_counter(), _if_bytes(a.interface), _if_bytes("lo")
         train(a.steps, measured=True)
         dist.barrier()
-        t1, (tx1, rx1) = time.perf_counter(), _if_bytes(a.interface)
+        t1, (tx1, rx1), (lo1, _) = time.perf_counter(), _if_bytes(a.interface), _if_bytes("lo")
         window = t1 - t0
+        digests.append(_param_digest(c))
         dist.barrier()  # idle window of the same length: rendezvous keep-alive, barriers
-        (ix0, irx0) = _if_bytes(a.interface)
+        (ix0, irx0), (ilo0, _) = _if_bytes(a.interface), _if_bytes("lo")
         time.sleep(window)
         dist.barrier()
-        (ix1, irx1) = _if_bytes(a.interface)
+        (ix1, irx1), (ilo1, _) = _if_bytes(a.interface), _if_bytes("lo")
         counted = sum(c.wire[-a.steps :]) / a.steps
         torch_bytes = torch_counter.total / a.steps
         mine = {
@@ -168,6 +217,8 @@ def _run(a, names, rank) -> None:
             "local_rank": local_rank,
             "counted_bytes_per_step": counted,
             "torch_collective_bytes_per_step": torch_bytes,
+            "counted_links": _mean_links(c.links[-a.steps :]),
+            "torch_collective_links": {k: v / a.steps for k, v in torch_counter.by_link().items()},
             "counted_breakdown": c.breakdown,
             "torch_breakdown": {k: v / a.steps for k, v in torch_counter.breakdown().items()},
             "step_s": sum(c.step_s[-a.steps :]) / a.steps,
@@ -176,8 +227,11 @@ def _run(a, names, rank) -> None:
             "rx": rx1 - rx0,
             "idle_tx": ix1 - ix0,
             "idle_rx": irx1 - irx0,
+            "lo_tx": lo1 - lo0,
+            "idle_lo_tx": ilo1 - ilo0,
             "window_s": window,
             "final_loss": c.losses[-1],
+            "param_digests": digests,
         }
         everyone = [None] * world
         dist.all_gather_object(everyone, mine)
@@ -190,6 +244,7 @@ def _run(a, names, rank) -> None:
             "host": host,
             "world_size": world,
             "n_params": n_params,
+            "muon_fraction": muon_fraction,
             "steps": a.steps,
             "tokens_per_step": a.global_batch * cfg.context_length,
             "contenders": rows,

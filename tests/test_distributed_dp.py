@@ -442,17 +442,26 @@ def test_fill_levels_owner_streams_exactly(world_size):
         "control/all_reduce": control,
     }
     # bf16 reduce: no fill (AdamW gradients keep their dtype): the owners' streams are padded
-    # to the longest (128 / 64 elements) and the vector goes in a flat bucket
+    # to the longest (128 / 64 elements), the padding stays off the wire (rank r sends every
+    # other owner its elements, and its own a_r to every other rank), and the vector goes in a
+    # flat bucket
     longest = 128 if n == 2 else 64
-    bf16 = {
-        "muon/reduce_scatter": f * n * longest * 2,
-        "muon/all_gather": f * n * longest * 4,
-        "adamw/reduce_scatter": f * 80 * 4,
-        "adamw/all_gather": f * 80 * 4,
-        "control/all_reduce": control,
-    }
-    for precision, want in (("fp32", fp32), ("bf16", bf16)):
-        for breakdown, stats, bitwise, state_equal in shared_pool(n).run(_uneven, precision):
+    owned = [128, 64] if n == 2 else [64, 64, 64, 0]
+    for precision in ("fp32", "bf16"):
+        for rank, (breakdown, stats, bitwise, state_equal) in enumerate(
+            shared_pool(n).run(_uneven, precision)
+        ):
+            want = fp32
+            if precision == "bf16":
+                assert sorted(stats["muon_elements"]) == sorted(owned)
+                a = stats["muon_elements"]
+                want = {
+                    "muon/reduce_scatter": (sum(a) - a[rank]) * 2,
+                    "muon/all_gather": (n - 1) * a[rank] * 4,
+                    "adamw/reduce_scatter": f * 80 * 4,
+                    "adamw/all_gather": f * 80 * 4,
+                    "control/all_reduce": control,
+                }
             assert breakdown == {k: int(v) for k, v in want.items()}
             if precision == "fp32":
                 assert stats["padding_elements"] == 0 and stats["fill_elements"] == 80

@@ -19,7 +19,7 @@ from netns_cluster import unavailable_reason  # noqa: E402
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_bytes_on_veth_match_the_count(tmp_path):
+def _run_bytes(tmp_path, procs: int, contenders: str) -> dict[str, dict]:
     reason = unavailable_reason()
     if reason:
         if os.environ.get("CI") == "true":
@@ -33,7 +33,7 @@ def test_bytes_on_veth_match_the_count(tmp_path):
         "--hosts",
         "2",
         "--procs",
-        "1",
+        str(procs),
         "--links",
         "veth",
         "--faults",
@@ -43,7 +43,7 @@ def test_bytes_on_veth_match_the_count(tmp_path):
         "--d-model",
         "128",
         "--contenders",
-        "muon,muon-bf16reduce,adamw-zero1,adamw-ddp",
+        contenders,
         "--timeout-s",
         "150",
         "--python",
@@ -51,9 +51,12 @@ def test_bytes_on_veth_match_the_count(tmp_path):
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {
-        r["optimizer"]: r for r in json.loads((tmp_path / "multihost.json").read_text())["rows"]
-    }
+    rows = json.loads((tmp_path / "multihost.json").read_text())["rows"]
+    return {r["optimizer"]: r for r in rows}
+
+
+def test_bytes_on_veth_match_the_count(tmp_path):
+    rows = _run_bytes(tmp_path, 1, "muon,muon-bf16reduce,adamw-zero1,adamw-ddp")
     assert set(rows) == {"muon", "muon-bf16reduce", "adamw-zero1", "adamw-ddp"}
     for name, r in rows.items():
         # headers of GSO-sized TCP segments, ACKs and the barrier closing the window: ~0.2-0.5%
@@ -67,6 +70,23 @@ def test_bytes_on_veth_match_the_count(tmp_path):
     assert round(counted / rows["adamw-ddp"]["counted_bytes_per_step_per_host"], 2) <= 1.00
     assert rows["muon"]["measured_tx_bytes_per_step_per_host"] <= 1.01 * ddp
     assert rows["muon-bf16reduce"]["measured_tx_bytes_per_step_per_host"] <= 0.92 * ddp
+
+
+def test_two_hosts_of_two_ranks_cross_each_link_once(tmp_path):
+    rows = _run_bytes(tmp_path, 2, "muon,adamw-ddp")
+    for name, r in rows.items():
+        # the host's link (eth0) and its loopback (lo), each against its own count
+        assert abs(r["agreement_pct"]) <= 5.0, (name, r["agreement_pct"])
+        assert abs(r["intra_host_agreement_pct"]) <= 5.0, (name, r["intra_host_agreement_pct"])
+    # DDP's ring all-reduce: 2 (N-1)/N S = 1.5 S per host at N = 4; the two-level
+    # reduce-scatter and all-gather: 2 (H-1)/H S = S, plus a few hundred bytes of control
+    # traffic: 2/3 of DDP's, and the 5% the count must meet on top
+    ratio = (
+        rows["muon"]["measured_tx_bytes_per_step_per_host"]
+        / rows["adamw-ddp"]["measured_tx_bytes_per_step_per_host"]
+    )
+    assert ratio <= 2 / 3 * 1.05, ratio
+    assert rows["muon"]["replicas_bitwise_identical"] is True
 
 
 def _run_faults(tmp_path, faults: str, timeout_s: int) -> list[dict]:

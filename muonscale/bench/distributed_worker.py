@@ -82,6 +82,7 @@ class _Contender:
         self.opt_s: list[float] = []
         self.wire: list[int] = []
         self.breakdown: dict[str, int] = {}
+        self.links: list[dict[str, int]] = []  # per step: bytes by link class
 
     def train_step(self, inputs, targets, lr_factor: float) -> None:
         for group, base in zip(self.opt.param_groups, self.base_lrs, strict=True):
@@ -100,10 +101,14 @@ class _Contender:
         self.step_s.append(end - start)
         self.opt_s.append(end - opt_start)
         if self.counter is not None:
+            links = self.counter.by_link()
             total, self.breakdown = self.counter.take()
         else:
             total, self.breakdown = self.opt.last_step_wire_bytes, self.opt.last_step_wire_breakdown
+            links = getattr(self.opt, "last_step_wire_links", None)
+            links = links or {"intra_host": 0, "inter_host": int(total)}  # hosts unknown
         self.wire.append(int(total))
+        self.links.append(dict(links))
 
     @torch.no_grad()
     def evaluate(self, batches) -> float:
@@ -142,7 +147,9 @@ def _torch_adamw(model, lr: float, foreach: bool | None = None) -> torch.optim.A
     return torch.optim.AdamW(groups, lr=lr, betas=ADAMW_BETAS, eps=1e-8, foreach=foreach)
 
 
-def _dp_contenders(model_config, lrs, seed, reduce_dtypes) -> list[_Contender]:
+def _dp_contenders(model_config, lrs, seed, reduce_dtypes, hosts=None) -> list[_Contender]:
+    """DistributedMuon per reduce dtype, ZeRO-1 AdamW and DDP AdamW (``hosts``: the
+    :class:`~muonscale.distributed.hosts.HostMap` that DDP's all-reduce is counted with)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from muonscale.distributed import Communicator, DistributedMuon
@@ -174,7 +181,7 @@ def _dp_contenders(model_config, lrs, seed, reduce_dtypes) -> list[_Contender]:
     out.append(_Contender("adamw-zero1", model, opt))
 
     model = fresh()
-    comm = Communicator()
+    comm = Communicator(hosts=hosts)
 
     def all_reduce_hook(state, bucket):  # DDP's default: pre-divide + all-reduce, counted
         buf = bucket.buffer().div_(comm.world_size)

@@ -23,7 +23,9 @@ and cut into one range per rank, rank r's range placed right after its owned ele
     stream_r = [ owned Muon parameters (T_r) | AdamW fill range r | padding ]  (length T)
 
 with T = max(max_r T_r, ⌈(Σ_r T_r + F)/N⌉) for F fill elements, so the padding left is below
-N elements whenever the fillers cover the gap (otherwise it is the gap minus F). Each rank
+N elements whenever the fillers cover the gap (otherwise it is the gap minus F). On NCCL the
+native collectives send the padding; on the other backends the collectives take each slice's
+data length (:meth:`OwnerStreams.data_lengths`) and leave the padding off the wire. Each rank
 holds one contiguous range of the fill, hence at most one segment of each AdamW parameter, and
 updates it as it would a ZeRO-1 shard. The fill must share the stream's dtype (a
 ``reduce_dtype`` other than the parameters' disables it: AdamW gradients are reduced in their
@@ -124,6 +126,15 @@ class OwnerStreams:
     def padding(self) -> int:
         """Padding elements over all ranks (Σ_r T − T_r − fill_r)."""
         return sum(self.length - self.stream_numel(r) for r in range(len(self.owned)))
+
+    def data_lengths(self, k: int) -> list[int]:
+        """Per rank: the elements of its slice of bucket ``k`` that carry data (the slice
+        starts with them; the rest is padding)."""
+        b = self.buckets[k]
+        return [
+            max(0, min(b.length, self.stream_numel(r) - b.stream_start))
+            for r in range(len(self.owned))
+        ]
 
 
 def plan_owner_streams(

@@ -20,7 +20,16 @@ whole all-reduce (measured on veth: 1.02 / 1.51 tensor sizes per rank at 2 / 4 r
 0.50 / 0.75), so on every other backend the reduce-scatter is an ``all_to_all_single`` (which
 does send (N-1)/N * S) followed by a local sum over the received chunks in rank order 0..N-1
 (deterministic; accumulated in float32 for 16-bit dtypes). ``reduce_scatter_impl`` picks it
-explicitly.
+explicitly. Given a :class:`~.hosts.HostMap` of H > 1 hosts with L > 1 ranks each, the
+reduce-scatter and all-gather on those backends are two-level instead (:class:`~.hosts.TwoLevel`:
+within the host, then across hosts between the ranks of one local rank), which cross each host
+link with (H-1)/H * S per host instead of L times that.
+
+Bytes are also counted per link class (:meth:`WireCounter.by_link`): ``"intra_host"`` (to a rank
+of the same host) and ``"inter_host"``, for the algorithm that runs: an all-to-all by
+destination, a ring collective (gloo's all-reduce and all-gather; NCCL's, modelled with ring
+order = rank order) by this rank's ring successor ``rank + 1``. Without a host map every rank
+counts as a host of its own.
 
 Backend notes (torch 2.13 gloo, checked): ``reduce_scatter_single`` / ``all_gather_single``
 (the replacements of the deprecated ``reduce_scatter_tensor`` / ``all_gather_into_tensor``) and
@@ -32,134 +41,37 @@ does not work (callers pad, and the padding is counted). torch 2.11 lacks the
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-RING_FACTORS = {
-    # op -> (numerator multiplier k) in k * (N-1)/N * S
-    "all_reduce": 2,
-    "reduce_scatter": 1,
-    "all_gather": 1,
-    "all_to_all": 1,
-    "broadcast": 1,
-}
+from .handles import CompletedWork as _CompletedWork
+from .handles import SumAfterWork as _SumAfterWork
+from .handles import ThenWork as _ThenWork
+from .handles import place_uneven
+from .handles import sum_chunks as _sum_chunks
+from .hosts import INTER, INTRA, HostGroups, HostMap, TwoLevel
+from .wire import (  # noqa: F401 (re-exported: imported from here)
+    RING_FACTORS,
+    WireCounter,
+    counting_torch_collectives,
+    native_wire_bytes,
+    ring_wire_bytes,
+    tensor_bytes,
+)
 
-
-def ring_wire_bytes(op: str, full_bytes: int, world_size: int) -> int:
-    """Bytes one rank sends for collective ``op`` on a full tensor of ``full_bytes`` bytes."""
-    if op not in RING_FACTORS:
-        raise ValueError(f"unknown collective {op!r}; known: {sorted(RING_FACTORS)}")
-    if world_size <= 1:
-        return 0
-    return RING_FACTORS[op] * (world_size - 1) * int(full_bytes) // world_size
-
-
-def tensor_bytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-@dataclass
-class WireCounter:
-    """Bytes on the wire sent by this rank, broken down by ``"<tag>/<op>"``.
-
-    ``tag`` says what the traffic is for (``"muon"``, ``"adamw"``, ``"control"``, ...), ``op``
-    is the collective. :meth:`take` returns the totals since the last ``take`` and resets them,
-    which is how the optimizer reports bytes per step.
-    """
-
-    bytes_by_key: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    calls_by_key: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-
-    def record(self, op: str, full_bytes: int, world_size: int, tag: str = "other") -> int:
-        """Count ``op`` on a full tensor of ``full_bytes`` with the ring model."""
-        return self.add(op, ring_wire_bytes(op, full_bytes, world_size), tag)
-
-    def add(self, op: str, nbytes: int, tag: str = "other") -> int:
-        """Count ``nbytes`` sent by this rank (already computed)."""
-        key = f"{tag}/{op}"
-        self.bytes_by_key[key] += nbytes
-        self.calls_by_key[key] += 1
-        return nbytes
-
-    @property
-    def total(self) -> int:
-        return sum(self.bytes_by_key.values())
-
-    def breakdown(self) -> dict[str, int]:
-        return dict(sorted(self.bytes_by_key.items()))
-
-    def by_op(self) -> dict[str, int]:
-        out: dict[str, int] = defaultdict(int)
-        for key, nbytes in self.bytes_by_key.items():
-            out[key.split("/", 1)[1]] += nbytes
-        return dict(sorted(out.items()))
-
-    def reset(self) -> None:
-        self.bytes_by_key = defaultdict(int)
-        self.calls_by_key = defaultdict(int)
-
-    def take(self) -> tuple[int, dict[str, int]]:
-        """(total, breakdown) since the last call; resets the counter."""
-        total, breakdown = self.total, self.breakdown()
-        self.reset()
-        return total, breakdown
-
-
-ReduceScatterImpl = Literal["auto", "native", "all_to_all"]
+ReduceScatterImpl = Literal["auto", "native", "all_to_all", "two_level"]
 """How :meth:`Communicator.reduce_scatter` runs: ``"native"`` is the backend's reduce-scatter,
-``"all_to_all"`` an all-to-all plus a local sum, ``"auto"`` native on NCCL only."""
+``"all_to_all"`` an all-to-all plus a local sum, ``"two_level"`` within hosts then across them
+(the all-gather too), ``"auto"``: native on NCCL, else two-level where the host map allows it,
+else the all-to-all."""
+REDUCE_SCATTER_IMPLS = ("auto", "native", "all_to_all", "two_level")
 
 
 class CollectiveError(RuntimeError):
     """A collective failed or timed out (usually: another rank raised or died)."""
-
-
-class _CompletedWork:
-    """Stands in for a ``Work`` handle when no collective was issued (world size 1)."""
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
-def _sum_chunks(output: torch.Tensor, received: torch.Tensor, world_size: int) -> None:
-    """``output`` <- sum of the ``world_size`` equal chunks of ``received``, in rank order."""
-    chunks = received.view(world_size, -1)
-    low_precision = received.dtype in (torch.float16, torch.bfloat16)
-    acc = chunks[0].float() if low_precision else chunks[0].clone()
-    for r in range(1, world_size):
-        acc.add_(chunks[r])
-    output.copy_(acc.view(output.shape))
-
-
-class _SumAfterWork:
-    """The async handle of an all-to-all reduce-scatter: waiting also does the local sum."""
-
-    def __init__(self, work, output: torch.Tensor, received: torch.Tensor, world_size: int):
-        self._work, self._output, self._received = work, output, received
-        self._world_size = world_size
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        if self._received is not None:
-            if timeout is None:
-                self._work.wait()
-            else:
-                self._work.wait(timeout)
-            _sum_chunks(self._output, self._received, self._world_size)
-            self._received = None
-        return True
-
-    def is_completed(self) -> bool:
-        return self._received is None
 
 
 # torch >= 2.13 names them *_single; older versions only have *_tensor. Resolved once, at
@@ -184,7 +96,9 @@ class Communicator:
     """Collectives over one process group, each counted in a :class:`WireCounter`.
 
     ``group=None`` means the default group when ``torch.distributed`` is initialized, and a
-    single-rank "group" (no collectives at all) when it is not.
+    single-rank "group" (no collectives at all) when it is not. ``hosts``: the
+    :class:`~.hosts.HostMap` of the group (:func:`~.hosts.discover_host_map`); None: every rank
+    a host of its own. A two-level map makes the intra- and inter-host subgroups here.
     """
 
     def __init__(
@@ -193,13 +107,15 @@ class Communicator:
         counter: WireCounter | None = None,
         *,
         reduce_scatter_impl: ReduceScatterImpl = "auto",
+        hosts: HostMap | None = None,
     ):
-        if reduce_scatter_impl not in ("auto", "native", "all_to_all"):
+        if reduce_scatter_impl not in REDUCE_SCATTER_IMPLS:
             raise ValueError(
-                "reduce_scatter_impl must be 'auto', 'native' or 'all_to_all', "
+                f"reduce_scatter_impl must be one of {REDUCE_SCATTER_IMPLS}, "
                 f"got {reduce_scatter_impl!r}"
             )
         self.group = group
+        self.two_level: TwoLevel | None = None
         self.counter = counter if counter is not None else WireCounter()
         if _is_initialized():
             self.world_size = dist.get_world_size(group)
@@ -210,10 +126,52 @@ class Communicator:
                     "a process_group was given but torch.distributed is not initialized"
                 )
             self.world_size, self.rank = 1, 0
+        if hosts is not None and len(hosts.host_of) != self.world_size:
+            raise ValueError(
+                f"hosts maps {len(hosts.host_of)} ranks, but the group has {self.world_size}"
+            )
+        self.hosts = hosts if hosts is not None else HostMap.unknown(self.world_size)
         if reduce_scatter_impl == "auto":
             nccl = self.active and dist.get_backend(group) == "nccl"
-            reduce_scatter_impl = "native" if nccl else "all_to_all"
+            two_level = self.active and self.hosts.two_level
+            reduce_scatter_impl = "native" if nccl else "two_level" if two_level else "all_to_all"
+        if reduce_scatter_impl == "two_level" and not (self.active and self.hosts.two_level):
+            raise ValueError(
+                "reduce_scatter_impl='two_level' needs a host map of more than one host with "
+                f"the same number (> 1) of ranks each, got hosts {self.hosts.host_of}"
+            )
         self.reduce_scatter_impl = reduce_scatter_impl
+        if reduce_scatter_impl == "two_level":
+            groups = HostGroups(group, self.hosts, self.rank)
+            one_host = HostMap((0,) * groups.L, self.hosts.source)
+            intra = Communicator(groups.intra, self.counter, hosts=one_host)
+            inter = Communicator(groups.inter, self.counter, hosts=HostMap.unknown(groups.H))
+            self.two_level = TwoLevel(groups, intra, inter)
+
+    @property
+    def counter(self) -> WireCounter:
+        """Where this communicator's bytes are counted (its subgroups' too)."""
+        return self._counter
+
+    @counter.setter
+    def counter(self, counter: WireCounter) -> None:
+        self._counter = counter
+        if self.two_level is not None:
+            self.two_level.intra.counter = self.two_level.inter.counter = counter
+
+    def _ring_link(self) -> str:
+        """Link class of this rank's ring successor (where a ring collective sends)."""
+        successor = (self.rank + 1) % self.world_size
+        return INTRA if self.hosts.same_host(self.rank, successor) else INTER
+
+    def _count_to_peers(self, op: str, chunk_bytes: Sequence[int], tag: str) -> None:
+        """Count ``chunk_bytes[j]`` sent to rank ``j`` (not to itself), by link class."""
+        by_link = {INTRA: 0, INTER: 0}
+        for j, nbytes in enumerate(chunk_bytes):
+            if j != self.rank:
+                by_link[INTRA if self.hosts.same_host(self.rank, j) else INTER] += nbytes
+        self.counter.add(op, by_link[INTER], tag, INTER)
+        self.counter.add(op, by_link[INTRA], tag, INTRA, calls=0)
 
     @property
     def active(self) -> bool:
@@ -236,7 +194,9 @@ class Communicator:
         tag: str = "control",
         async_op: bool = False,
     ):
-        self.counter.record("all_reduce", tensor_bytes(tensor), self.world_size, tag)
+        self.counter.record(
+            "all_reduce", tensor_bytes(tensor), self.world_size, tag, self._ring_link()
+        )
         if not self.active:
             return _CompletedWork() if async_op else None
         return self._call(
@@ -251,19 +211,42 @@ class Communicator:
         op=dist.ReduceOp.SUM,
         tag: str = "other",
         async_op: bool = False,
+        lengths: Sequence[int] | None = None,
     ):
-        """``output`` (S/N) <- shard ``rank`` of the sum over ranks of ``input`` (S, contiguous)."""
+        """``output`` (S/N) <- shard ``rank`` of the sum over ranks of ``input`` (S, contiguous).
+        ``lengths``: the elements of each rank's shard that carry data (the rest is padding:
+        neither sent nor written, except by the native reduce-scatter, which sends it)."""
         if input.numel() != output.numel() * self.world_size:
             raise ValueError(
                 f"reduce_scatter: input has {input.numel()} elements, "
                 f"expected {self.world_size} x {output.numel()}"
             )
-        self.counter.record("reduce_scatter", tensor_bytes(input), self.world_size, tag)
         if not self.active:
+            self.counter.record("reduce_scatter", 0, 1, tag)
             output.copy_(input)
             return _CompletedWork() if async_op else None
+        if self.reduce_scatter_impl != "native" and op != dist.ReduceOp.SUM:
+            raise ValueError(
+                f"reduce_scatter: op must be ReduceOp.SUM with reduce_scatter_impl="
+                f"{self.reduce_scatter_impl!r}, got {op}"
+            )
+        if lengths is not None and all(n == output.numel() for n in lengths):
+            lengths = None  # no padding
+        if self.two_level is not None:  # counted by the two subgroups' collectives
+            if lengths is not None:
+                return self.two_level.reduce_scatter_uneven(
+                    output, input, lengths, tag=tag, async_op=async_op
+                )
+            return self.two_level.reduce_scatter(output, input, tag=tag, async_op=async_op)
+        if self.reduce_scatter_impl == "all_to_all" and lengths is not None:
+            return self._reduce_scatter_uneven(output, input, lengths, tag=tag, async_op=async_op)
         if self.reduce_scatter_impl == "all_to_all":
+            chunk = tensor_bytes(input) // self.world_size
+            self._count_to_peers("reduce_scatter", [chunk] * self.world_size, tag)
             return self._reduce_scatter_by_all_to_all(output, input, op=op, async_op=async_op)
+        self.counter.record(
+            "reduce_scatter", tensor_bytes(input), self.world_size, tag, self._ring_link()
+        )
         return self._call(
             "reduce_scatter",
             _reduce_scatter_fn(),
@@ -281,18 +264,35 @@ class Communicator:
         *,
         tag: str = "other",
         async_op: bool = False,
+        lengths: Sequence[int] | None = None,
     ):
-        """``output`` (N*S) <- concatenation over ranks of ``input`` (S); equal sizes only."""
+        """``output`` (N*S) <- concatenation over ranks of ``input`` (S); equal sizes only.
+        ``lengths``: the elements of each rank's ``input`` that carry data (the rest, padding,
+        is neither sent nor written; on NCCL the native all-gather sends it)."""
         if output.numel() != input.numel() * self.world_size:
             raise ValueError(
                 f"all_gather: output has {output.numel()} elements, "
                 f"expected {self.world_size} x {input.numel()}"
             )
-        self.counter.record("all_gather", tensor_bytes(output), self.world_size, tag)
         if not self.active:
+            self.counter.record("all_gather", 0, 1, tag)
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _CompletedWork() if async_op else None
+        if lengths is not None and all(n == input.numel() for n in lengths):
+            lengths = None  # no padding
+        nccl = dist.get_backend(self.group) == "nccl"
+        if self.two_level is not None and lengths is not None:
+            return self.two_level.all_gather_uneven(
+                output, input, lengths, tag=tag, async_op=async_op
+            )
+        if self.two_level is not None:  # counted by the two subgroups' collectives
+            return self.two_level.all_gather(output, input, tag=tag, async_op=async_op)
+        if lengths is not None and not nccl:
+            return self._all_gather_uneven(output, input, lengths, tag=tag, async_op=async_op)
+        self.counter.record(
+            "all_gather", tensor_bytes(output), self.world_size, tag, self._ring_link()
+        )
         return self._call(
             "all_gather", _all_gather_fn(), output, input, group=self.group, async_op=async_op
         )
@@ -305,16 +305,19 @@ class Communicator:
         input_split_sizes: Sequence[int] | None = None,
         *,
         tag: str = "other",
+        count_as: str = "all_to_all",
         async_op: bool = False,
     ):
-        """Chunk ``i`` of ``input`` (dim 0, ``input_split_sizes``) goes to rank ``i``."""
-        if input_split_sizes is None or self.world_size == 1:
-            self.counter.record("all_to_all", tensor_bytes(input), self.world_size, tag)
+        """Chunk ``i`` of ``input`` (dim 0, ``input_split_sizes``) goes to rank ``i``; the
+        bytes are counted under ``count_as`` (the collective this one is a phase of)."""
+        n = self.world_size
+        if n == 1:
+            self.counter.record(count_as, 0, 1, tag)
+        elif input_split_sizes is None:  # equal chunks: (N-1)/N of the input leaves
+            self._count_to_peers(count_as, [tensor_bytes(input) // n] * n, tag)
         else:  # exact: everything but the chunk this rank keeps
             row_bytes = tensor_bytes(input) // max(1, input.shape[0]) if input.dim() else 0
-            self.counter.add(
-                "all_to_all", tensor_bytes(input) - input_split_sizes[self.rank] * row_bytes, tag
-            )
+            self._count_to_peers(count_as, [k * row_bytes for k in input_split_sizes], tag)
         if not self.active:
             output.copy_(input)
             return _CompletedWork() if async_op else None
@@ -333,7 +336,9 @@ class Communicator:
         self, tensor: torch.Tensor, src: int, *, tag: str = "other", async_op: bool = False
     ):
         """``src`` is a rank in this group."""
-        self.counter.record("broadcast", tensor_bytes(tensor), self.world_size, tag)
+        self.counter.record(
+            "broadcast", tensor_bytes(tensor), self.world_size, tag, self._ring_link()
+        )
         if not self.active:
             return _CompletedWork() if async_op else None
         return self._call(
@@ -387,12 +392,56 @@ class Communicator:
             raise self._error(what, exc) from exc
 
     # ---- internals ---------------------------------------------------------------------
+    def _reduce_scatter_uneven(self, output, input, lengths, *, tag: str, async_op: bool):
+        """All-to-all of each shard's first ``lengths[j]`` elements, then the local sum."""
+        n, size = self.world_size, output.numel()
+        chunks = input.reshape(n, size)
+        send = torch.cat([chunks[j, : lengths[j]] for j in range(n)])
+        mine = lengths[self.rank]
+        self._count_to_peers("reduce_scatter", [k * input.element_size() for k in lengths], tag)
+        received = torch.empty(n * mine, dtype=input.dtype, device=input.device)
+        work = self._call(
+            "reduce_scatter",
+            dist.all_to_all_single,
+            received,
+            send,
+            [mine] * n,
+            list(lengths),
+            group=self.group,
+            async_op=async_op,
+        )
+        target = output.view(-1)[:mine]
+        if async_op:
+            return _SumAfterWork(work, target, received, n)
+        _sum_chunks(target, received, n)
+        return None
+
+    def _all_gather_uneven(self, output, input, lengths, *, tag: str, async_op: bool):
+        """Each rank's first ``lengths[rank]`` elements to every rank (an all-to-all)."""
+        n, size, mine = self.world_size, input.numel(), lengths[self.rank]
+        self._count_to_peers("all_gather", [mine * input.element_size()] * n, tag)
+        send = input.reshape(-1)[:mine].repeat(n)
+        received = torch.empty(sum(lengths), dtype=input.dtype, device=input.device)
+        work = self._call(
+            "all_gather",
+            dist.all_to_all_single,
+            received,
+            send,
+            list(lengths),
+            [mine] * n,
+            group=self.group,
+            async_op=async_op,
+        )
+
+        def finish():
+            place_uneven(output.view(n, size), received, lengths)
+
+        if async_op:
+            return _ThenWork(work, finish)
+        finish()
+        return None
+
     def _reduce_scatter_by_all_to_all(self, output, input, *, op, async_op: bool):
-        if op != dist.ReduceOp.SUM:
-            raise ValueError(
-                f"reduce_scatter: op must be ReduceOp.SUM with reduce_scatter_impl='all_to_all', "
-                f"got {op}"
-            )
         received = torch.empty(input.numel(), dtype=input.dtype, device=input.device)
         work = self._call(
             "reduce_scatter",
@@ -420,49 +469,6 @@ class Communicator:
             "it give up after at most the process-group timeout, set with "
             "init_process_group(timeout=...) (torch default: 30 min for gloo, 10 min for NCCL)."
         )
-
-
-def native_wire_bytes(op: str, full_bytes: int, world_size: int, backend: str) -> int:
-    """Bytes one rank sends for torch's own collective ``op`` on ``backend`` (for traffic that
-    does not go through :class:`Communicator`, such as FSDP2's): the ring model, except gloo's
-    native reduce-scatter, which sends a whole all-reduce (see the module docstring)."""
-    if op == "reduce_scatter" and backend == "gloo":
-        return ring_wire_bytes("all_reduce", full_bytes, world_size)
-    return ring_wire_bytes(op, full_bytes, world_size)
-
-
-@contextlib.contextmanager
-def counting_torch_collectives(counter: WireCounter, *, tag: str = "torch"):
-    """Count, with :func:`native_wire_bytes`, the all-gathers and reduce-scatters that torch
-    itself issues (FSDP2 looks ``torch.distributed.<name>`` up at call time) while inside."""
-    wrapped = {
-        "all_gather_single": "all_gather",
-        "all_gather_into_tensor": "all_gather",
-        "reduce_scatter_single": "reduce_scatter",
-        "reduce_scatter_tensor": "reduce_scatter",
-    }
-    originals = {name: getattr(dist, name) for name in wrapped if hasattr(dist, name)}
-
-    def counted(name, fn):
-        op = wrapped[name]
-
-        def call(output, input, *args, group=None, **kwargs):
-            full = output if op == "all_gather" else input
-            n = dist.get_world_size(group)
-            counter.add(
-                op, native_wire_bytes(op, tensor_bytes(full), n, dist.get_backend(group)), tag
-            )
-            return fn(output, input, *args, group=group, **kwargs)
-
-        return call
-
-    try:
-        for name, fn in originals.items():
-            setattr(dist, name, counted(name, fn))
-        yield counter
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
 
 
 def gather_wire_stats(source, group: dist.ProcessGroup | None = None) -> dict[str, float]:

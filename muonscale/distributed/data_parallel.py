@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,11 +25,13 @@ from ..optimizer import Muon
 from . import dp_checkpoint, dp_grad_clip
 from .comm import Communicator, WireCounter
 from .dp_reduction import BucketedReduction, ReduceAt, ReductionOptions
+from .hosts import discover_host_map
 from .ownership import assign_owners, format_ownership_table, rank_loads
 from .setup_checks import (  # noqa: F401 (check_process_group, is_dtensor: imported from here)
     check_process_group,
     is_dtensor,
     require_same_parameters,
+    require_same_values,
     unwrap_ddp,
 )
 
@@ -99,6 +101,11 @@ class DistributedMuon(Muon):
             is updated (False). Results are bitwise equal; only the timing differs.
         wire_counter: the :class:`~muonscale.distributed.WireCounter` that counts this
             optimizer's bytes (None: a new one).
+        host_map: the host of each rank of the group (one label per rank, the same list on
+            every rank); None: torchrun's ``GROUP_RANK``, else the hostname
+            (:mod:`.hosts`). With several hosts of several ranks each, the reduce-scatter and
+            all-gather run within hosts first on backends other than NCCL, and bytes are
+            counted per link class (``last_step_wire_links``).
         reduce_at: when ``p.grad`` is read and averaged. ``"backward"`` (default for a plain
             model): gradient hooks launch each bucket as soon as it is full, overlapping
             backward; if ``p.grad`` changes after that (``torch.nn.utils.clip_grad_norm_``,
@@ -130,6 +137,10 @@ class DistributedMuon(Muon):
     A framework that saves on one rank only: every rank calls ``prepare_state_dict()`` (the
     collective part) first; ``state_dict()`` then needs no collectives until the next ``step()``.
 
+    Construction is collective: every rank must hold the same parameter list with the same
+    initial values (two checksums per parameter; a difference is refused by name), and each
+    rank's host is learned (``host_map``).
+
     A rank that fails inside ``step()`` makes the others fail in their next collective after
     at most the process-group timeout (``init_process_group(timeout=...)``), with a
     :class:`~muonscale.distributed.CollectiveError` that says so.
@@ -157,6 +168,7 @@ class DistributedMuon(Muon):
         overlap_gather: bool = True,
         wire_counter: WireCounter | None = None,
         reduce_at: ReduceAt | None = None,
+        host_map: Sequence[Hashable] | None = None,
         **muon_options: Any,
     ) -> None:
         if not isinstance(overlap_gather, bool):
@@ -175,7 +187,7 @@ class DistributedMuon(Muon):
         options = ReductionOptions(reduce_dtype, main_params_dtype, bucket_cap_mb, reduce_at)
         self._model_of: dict[int, torch.Tensor] = {}  # id(main copy) -> model parameter
         super().__init__(params, **muon_options)
-        self.comm = Communicator(process_group, wire_counter or WireCounter())
+        self.comm = self._communicator(process_group, wire_counter or WireCounter(), host_map)
         self.world_size, self.rank = self.comm.world_size, self.comm.rank
         self.params = [p for g in self.param_groups for p in g["params"]]
         """Every parameter, in param-group order: the indices of the attributes below."""
@@ -207,9 +219,23 @@ class DistributedMuon(Muon):
         self._init_local_state()
         self.last_step_wire_bytes = 0
         self.last_step_wire_breakdown: dict[str, int] = {}
+        self.last_step_wire_links: dict[str, int] = WireCounter().by_link()
         self._prepared_state: dict[int, dict[str, torch.Tensor]] | None = None
 
     # ================================================================ construction
+    @staticmethod
+    def _communicator(group, counter: WireCounter, host_map) -> Communicator:
+        """The group's communicator, knowing the host of every rank (collective)."""
+        comm = Communicator(group, counter)
+        if not comm.active or dist.get_backend(comm.group) == "fake":
+            if host_map is not None and len(host_map) != comm.world_size:
+                raise ValueError(
+                    f"host_map has {len(host_map)} entries, expected one per rank of the "
+                    f"group ({comm.world_size})"
+                )
+            return comm
+        return Communicator(group, counter, hosts=discover_host_map(comm, host_map))
+
     def _signature(self) -> list[tuple]:
         return [
             (self._name(p), tuple(p.shape), str(p.dtype), g["algorithm"])
@@ -217,11 +243,16 @@ class DistributedMuon(Muon):
         ]
 
     def _check_same_parameters(self) -> None:
-        """All ranks must hold the same parameter list; raise naming the first difference. Not on
-        torch's fake process group (one process alone: nothing to compare with)."""
+        """All ranks must hold the same parameter list with the same initial values; raise naming
+        the first difference. Not on torch's fake process group (one process alone)."""
         if not self.comm.active or dist.get_backend(self.comm.group) == "fake":
             return
-        require_same_parameters(self.comm, self.world_size, self._signature())
+        step_counter, self.comm.counter = self.comm.counter, WireCounter()  # not a step's
+        try:
+            require_same_parameters(self.comm, self.world_size, self._signature())
+            require_same_values(self.comm, self.params, [self._name(p) for p in self.params])
+        finally:
+            self.comm.counter = step_counter
 
     def _assign_owners(self) -> None:
         self.muon_indices = [i for i, g in enumerate(self.group_of) if g["algorithm"] == "muon"]
@@ -422,7 +453,7 @@ class DistributedMuon(Muon):
         """Owner layout figures: ``ns_flops`` and ``muon_elements`` per rank (owned Muon
         parameters), and over every owner stream: ``stream_elements`` (T per rank),
         ``fill_elements`` (AdamW elements riding in the streams) and ``padding_elements``
-        (zeros on the wire, Σ over ranks)."""
+        (zeros in the buffers, Σ over ranks; sent by NCCL's native collectives only)."""
         shapes = [self.matrix_shapes_by_index[i] for i in self.muon_indices]
         owners = [self.owner_rank[i] for i in self.muon_indices]
         elements = [0] * self.world_size
@@ -460,6 +491,7 @@ class DistributedMuon(Muon):
         finally:
             clear_workspaces()  # NS scratch is not held through the next forward/backward
             self.reduction.start_cycle()
+            self.last_step_wire_links = self.comm.counter.by_link()
             self.last_step_wire_bytes, self.last_step_wire_breakdown = self.comm.counter.take()
         return loss
 

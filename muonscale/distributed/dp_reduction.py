@@ -397,7 +397,12 @@ class BucketedReduction:
         else:
             if self.world_size > 1:
                 buf.div_(self.world_size)
-            bucket.work = self.comm.reduce_scatter(out, buf, tag=tag, async_op=True)
+            lengths = None  # padding of the owner streams stays off the wire
+            if bucket.kind == "muon":
+                lengths = bucket.stream.layout.data_lengths(bucket.index)
+            bucket.work = self.comm.reduce_scatter(
+                out, buf, tag=tag, async_op=True, lengths=lengths
+            )
         bucket.launched = True
 
     def grads_changed(self) -> list[int]:
@@ -509,7 +514,13 @@ class BucketedReduction:
         while k < len(buckets) and buckets[k].stream_start + buckets[k].length <= ready:
             bucket = buckets[k]
             mine = stream.gather_in[bucket.stream_start : bucket.stream_start + bucket.length]
-            work = self.comm.all_gather(stream.gather_out[k], mine, tag="muon", async_op=True)
+            work = self.comm.all_gather(
+                stream.gather_out[k],
+                mine,
+                tag="muon",
+                async_op=True,
+                lengths=stream.layout.data_lengths(k),
+            )
             pending.append(
                 (work, functools.partial(self._copy_back_owned, bucket, stream.gather_out[k]))
             )

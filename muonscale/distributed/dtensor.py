@@ -230,6 +230,7 @@ class DTensorMuon(Muon):
         self.wire_counter = WireCounter()
         self.last_step_wire_bytes = 0
         self.last_step_wire_breakdown: dict[str, int] = {}
+        self.last_step_wire_links: dict[str, int] = WireCounter().by_link()
         self.comm = Communicator(process_group, counter=self.wire_counter)
         if self.comm.active:
             self._group_ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
@@ -302,7 +303,11 @@ class DTensorMuon(Muon):
             costs = [self.matrix_view(p, g).matrix_shapes for p, g in entries]
             owners = default_owners(layouts, self.comm.world_size, matrix_shapes=costs)
             self._plans[key] = ShardedMatrices(
-                layouts, group=self.process_group, owners=owners, counter=self.wire_counter
+                layouts,
+                group=self.process_group,
+                owners=owners,
+                counter=self.wire_counter,
+                hosts=self.comm.hosts,
             )
         return self._plans[key]
 
@@ -370,6 +375,7 @@ class DTensorMuon(Muon):
                 self._adamw_on_shards(group, params, grads)
         if muon_entries:
             self._muon(muon_entries, grads)
+        self.last_step_wire_links = self.wire_counter.by_link()
         self.last_step_wire_bytes, self.last_step_wire_breakdown = self.wire_counter.take()
 
     def _adamw_on_shards(

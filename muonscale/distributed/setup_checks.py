@@ -66,3 +66,44 @@ def require_same_parameters(comm: Communicator, world_size: int, signature: list
                     "Every rank must build the same model and optimizer."
                 )
     raise ValueError("DistributedMuon: the parameter lists differ between ranks")
+
+
+_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHECKSUM_CHUNK = 1 << 22  # elements per pass (bounds the int64 temporaries)
+
+
+def value_checksum(t: torch.Tensor) -> torch.Tensor:
+    """Two int64 checksums of ``t``'s bits on its device: Σ w and Σ (k mod 65521 + 1)·w over its
+    machine words w (wrapping sums, so independent of the summation order)."""
+    flat = t.detach().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    words = flat.view(_WORD[flat.element_size()])
+    out = torch.zeros(2, dtype=torch.int64, device=flat.device)
+    for start in range(0, words.numel(), _CHECKSUM_CHUNK):
+        w = words[start : start + _CHECKSUM_CHUNK].to(torch.int64)
+        k = torch.arange(start, start + w.numel(), device=w.device) % 65521 + 1
+        out[0] += w.sum()
+        out[1] += (w * k).sum()
+    return out
+
+
+def require_same_values(comm: Communicator, params: list[torch.Tensor], names: list[str]) -> None:
+    """Raise naming the first parameter whose initial values differ between ranks: replicas
+    that start apart would never meet again once only updates are exchanged (collective: one
+    all-gather of two int64 per parameter)."""
+    if not params:
+        return
+    mine = torch.stack([value_checksum(p).to(comm.device) for p in params])  # (P, 2)
+    every = torch.empty(comm.world_size * mine.numel(), dtype=torch.int64, device=comm.device)
+    comm.all_gather(every, mine.reshape(-1), tag="setup")
+    every = every.view(comm.world_size, len(params), 2)
+    differs = (every != every[0]).any(dim=2)  # (N, P)
+    if bool(differs.any()):
+        first = int(differs.any(dim=0).nonzero()[0])
+        ranks = differs[:, first].nonzero().flatten().tolist()
+        raise ValueError(
+            f"DistributedMuon: parameter '{names[first]}' holds different initial values on "
+            f"rank(s) {ranks} than on rank 0. Replicas must start identical: seed every rank "
+            "alike, or broadcast the weights from rank 0, before building the optimizer."
+        )

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import Communicator, WireCounter, tensor_bytes
+from .hosts import HostMap
 from .ownership import assign_owners
 
 __all__ = [
@@ -195,12 +196,13 @@ def _all_to_all(
 ) -> None:
     """``all_to_all_single`` with split sizes through comm.py, counting the bytes this rank
     actually sends. Our inputs carry no chunk for the rank itself (kept local), so comm's
-    (N−1)/N · input model would under-count; ``comm`` records into a scratch counter and the
-    exact figure goes to ``counter``."""
+    (N−1)/N · input model would under-count; ``comm`` records into a scratch counter (whose
+    split by link class is kept) and the exact figure goes to ``counter``."""
+    comm.counter.reset()
     comm.all_to_all_single(output, input, output_split_sizes, input_split_sizes, tag=tag)
-    key = f"{tag}/all_to_all"
-    counter.bytes_by_key[key] += tensor_bytes(input)
-    counter.calls_by_key[key] += 1
+    inter = min(tensor_bytes(input), comm.counter.by_link()["inter_host"])
+    counter.add("all_to_all", inter, tag, "inter_host")
+    counter.add("all_to_all", tensor_bytes(input) - inter, tag, "intra_host", calls=0)
 
 
 class ShardedMatrices:
@@ -220,8 +222,12 @@ class ShardedMatrices:
         owners: Sequence[int] | None = None,
         counter: WireCounter | None = None,
         tag: str = "muon",
+        hosts: HostMap | None = None,
     ) -> None:
-        self.comm = Communicator(group, counter=WireCounter())  # scratch: see _all_to_all
+        # scratch counter: see _all_to_all; ``hosts`` classifies the bytes by link
+        self.comm = Communicator(
+            group, counter=WireCounter(), hosts=hosts, reduce_scatter_impl="all_to_all"
+        )
         self.counter = counter if counter is not None else WireCounter()
         self.tag = tag
         self._setup(layouts, owners, self.comm.rank, self.comm.world_size)
