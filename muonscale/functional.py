@@ -41,6 +41,7 @@ from .memory import (
 )
 from .newton_schulz import DEFAULT_EPS, CoefficientSpec, default_ns_dtype, resolve_schedule
 from .scaling import matrix_update_scales, update_scale
+from .settings import PLAIN_MUON, MuonSettings, NewtonSchulzSettings
 
 
 def update_momentum_(
@@ -147,14 +148,9 @@ def ns_method_for(
 
 def orthogonalize_matrices(
     matrices: Sequence[torch.Tensor],
+    ns: NewtonSchulzSettings,
     *,
-    ns_steps: int,
-    coefficients: CoefficientSpec,
-    ns_dtype: torch.dtype | None,
-    eps: float = DEFAULT_EPS,
-    method: NSMethodChoice = "auto",
     max_workspace_bytes: int = DEFAULT_NS_WORKSPACE_BYTES,
-    preconditioner: variants.Preconditioner = "frobenius",  # [variants]
 ) -> list[torch.Tensor]:
     """Newton–Schulz of every matrix, batched: matrices with the same shape are stacked (in
     their own orientation: tall stacks are iterated as transposed views) and orthogonalized in
@@ -162,7 +158,9 @@ def orthogonalize_matrices(
     products on CUDA; ``method="auto"``: :func:`~muonscale.kernels.choose_method`;
     ``max_workspace_bytes`` bounds its scratch). For matrices assembled one by one (split
     views, owners of sharded matrices); :func:`muon` writes its stacks directly. Returns
-    matrices in the input's shapes, in ``ns_dtype``."""
+    matrices in the input's shapes, in ``ns.dtype``."""
+    ns_steps, coefficients, ns_dtype, eps = ns.steps, ns.coefficients, ns.dtype, ns.eps
+    method, preconditioner = ns.method, ns.preconditioner
     buckets: dict[tuple, list[int]] = defaultdict(list)
     for i, mat in enumerate(matrices):
         dtype = ns_dtype if ns_dtype is not None else default_ns_dtype(mat.device)
@@ -230,11 +228,11 @@ def stack_key(
     param: torch.Tensor,
     view: MatrixView,
     ns_dtype: torch.dtype | None,
-    options: variants.VariantOptions = variants.PLAIN_MUON,
+    options: MuonSettings = PLAIN_MUON,
 ) -> tuple | None:
     """(matrix shape, device, Newton–Schulz dtype) of the stack :func:`muon` puts ``param`` in,
     or None when it takes the per-matrix path (split or transposed views, variants)."""
-    if options != variants.PLAIN_MUON or not _single_matrix(view):
+    if options.variant != PLAIN_MUON.variant or not _single_matrix(view):
         return None
     dtype = ns_dtype if ns_dtype is not None else default_ns_dtype(param.device)
     return (view.matrix_shapes[0], param.device, dtype)
@@ -298,7 +296,7 @@ def muon(
     max_chunk_bytes: ChunkBytes = PER_DEVICE,
     max_workspace_bytes: int = DEFAULT_NS_WORKSPACE_BYTES,
     elementwise_backend: ElementwiseBackend = DEFAULT_ELEMENTWISE_BACKEND,
-    options: variants.VariantOptions = variants.PLAIN_MUON,  # [variants]
+    options: MuonSettings = PLAIN_MUON,  # [variants] only its variant options are read
     row_moments: Sequence[torch.Tensor] | None = None,  # [variants] NorMuon state, (rows,) each
     qk_lr_scale: float = 1.0,
 ) -> None:
@@ -445,16 +443,10 @@ def muon(
             for mat in views[i].to_matrices(u):
                 matrices.append(mat)
                 owner.append(i)
-        orthogonal = orthogonalize_matrices(
-            matrices,
-            ns_steps=ns_steps,
-            coefficients=coefficients,
-            ns_dtype=ns_dtype,
-            eps=eps,
-            method=ns_method,
-            max_workspace_bytes=max_workspace_bytes,
-            preconditioner=options.preconditioner,  # [variants]
+        ns = NewtonSchulzSettings(
+            ns_steps, coefficients, ns_dtype, eps, ns_method, options.preconditioner
         )
+        orthogonal = orthogonalize_matrices(matrices, ns, max_workspace_bytes=max_workspace_bytes)
         if options.normalize == "row":  # [variants] NorMuon, per matrix, rows of each in turn
             variants.row_normalize_matrices_(
                 orthogonal, owner, row_moments, beta2=options.row_beta2
