@@ -100,7 +100,7 @@ class BackwardOrthogonalizer:
             for p in group["params"]:
                 if p.numel() == 0 or not p.requires_grad:  # frozen: no hook, step() as usual
                     continue
-                key = functional.stack_key(p, opt.matrix_view(p, group), group["ns_dtype"], options)
+                key = functional.stack_key(p, opt.matrix_view(p, group), options.ns, options)
                 if key is None:  # split/transposed views and variants: updated in step()
                     continue
                 shape, device, dtype = key
@@ -161,14 +161,10 @@ class BackwardOrthogonalizer:
             bucket.new_momentum = torch.empty(shape, dtype=olds[0].dtype, device=bucket.device)
         if bucket.workspace is None:
             bucket.workspace = NSWorkspace((k, rows, cols), bucket.ns_dtype, bucket.device)
-        schedule, margin = resolve_schedule(group["coefficients"], group["ns_steps"])
+        ns = MuonSettings.from_group(group).ns
+        schedule, margin = resolve_schedule(ns.coefficients, ns.steps)
         method = functional.ns_method_for(
-            rows,
-            cols,
-            bucket.ns_dtype,
-            group["ns_method"],
-            group["coefficients"],
-            group["ns_steps"],
+            rows, cols, bucket.ns_dtype, ns.method, ns.coefficients, ns.steps
         )
         bucket.alpha = -update_scale(group["scale"], rows, cols)
         bucket.options = tuple(group[key] for key in SNAPSHOT_KEYS)
@@ -184,7 +180,7 @@ class BackwardOrthogonalizer:
                 nesterov=group["nesterov"],
                 schedule=schedule,
                 margin=margin,
-                eps=group["ns_eps"],
+                eps=ns.eps,
                 method=method,
             )
 

@@ -39,7 +39,7 @@ from .memory import (
     group_by_budget,
     split_by_budget,
 )
-from .newton_schulz import DEFAULT_EPS, CoefficientSpec, default_ns_dtype, resolve_schedule
+from .newton_schulz import CoefficientSpec, default_ns_dtype, resolve_schedule
 from .scaling import matrix_update_scales, update_scale
 from .settings import PLAIN_MUON, MuonSettings, NewtonSchulzSettings
 
@@ -227,14 +227,15 @@ def _single_matrix(view: MatrixView) -> bool:
 def stack_key(
     param: torch.Tensor,
     view: MatrixView,
-    ns_dtype: torch.dtype | None,
+    ns: NewtonSchulzSettings,
     options: MuonSettings = PLAIN_MUON,
 ) -> tuple | None:
     """(matrix shape, device, Newton–Schulz dtype) of the stack :func:`muon` puts ``param`` in,
     or None when it takes the per-matrix path (split or transposed views, variants)."""
-    if options.variant != PLAIN_MUON.variant or not _single_matrix(view):
+    plain = options.variant == PLAIN_MUON.variant and ns.preconditioner == "frobenius"
+    if not plain or not _single_matrix(view):
         return None
-    dtype = ns_dtype if ns_dtype is not None else default_ns_dtype(param.device)
+    dtype = ns.dtype if ns.dtype is not None else default_ns_dtype(param.device)
     return (view.matrix_shapes[0], param.device, dtype)
 
 
@@ -287,16 +288,12 @@ def muon(
     weight_decay: float,
     momentum: float,
     nesterov: bool,
-    ns_steps: int,
-    coefficients: CoefficientSpec,
-    ns_dtype: torch.dtype | None,
     scale: str,
-    eps: float = DEFAULT_EPS,
-    ns_method: NSMethodChoice = "auto",
+    ns: NewtonSchulzSettings = PLAIN_MUON.ns,
     max_chunk_bytes: ChunkBytes = PER_DEVICE,
     max_workspace_bytes: int = DEFAULT_NS_WORKSPACE_BYTES,
     elementwise_backend: ElementwiseBackend = DEFAULT_ELEMENTWISE_BACKEND,
-    options: MuonSettings = PLAIN_MUON,  # [variants] only its variant options are read
+    options: MuonSettings = PLAIN_MUON,  # [variants] its normalize, row_beta2, cautious decay
     row_moments: Sequence[torch.Tensor] | None = None,  # [variants] NorMuon state, (rows,) each
     qk_lr_scale: float = 1.0,
 ) -> None:
@@ -323,10 +320,18 @@ def muon(
     step's peak memory does not grow with the model; ``max_workspace_bytes`` bounds the
     Newton–Schulz scratch. Every parameter's update is independent of the others, so chunking
     does not change the result. ``lr`` may be a 0-dim tensor on the parameters' device (a
-    capturable step: no host read of it).
+    capturable step: no host read of it). ``ns``: the Newton–Schulz settings (with the
+    preconditioner); ``options``: the group's settings, of which the variants are read.
     """
     if not params:
         return
+    ns_steps, coefficients, ns_dtype, eps, ns_method = (
+        ns.steps,
+        ns.coefficients,
+        ns.dtype,
+        ns.eps,
+        ns.method,
+    )
     budget = chunk_bytes_for(max_chunk_bytes, params[0].device)
     chunks = update_chunks(params, views, ns_dtype=ns_dtype, max_chunk_bytes=budget)
     if len(chunks) > 1:
@@ -343,12 +348,8 @@ def muon(
                 weight_decay=weight_decay,
                 momentum=momentum,
                 nesterov=nesterov,
-                ns_steps=ns_steps,
-                coefficients=coefficients,
-                ns_dtype=ns_dtype,
+                ns=ns,
                 scale=scale,
-                eps=eps,
-                ns_method=ns_method,
                 max_chunk_bytes=None,
                 max_workspace_bytes=max_workspace_bytes,
                 elementwise_backend=elementwise_backend,
@@ -359,7 +360,7 @@ def muon(
     stacks: dict[tuple, list[int]] = defaultdict(list)
     split: list[int] = []
     for i, (p, view) in enumerate(zip(params, views)):
-        key = stack_key(p, view, ns_dtype, options)  # variants take the per-matrix path below
+        key = stack_key(p, view, ns, options)  # variants take the per-matrix path below
         if key is not None:
             stacks[key].append(i)
         else:
@@ -443,9 +444,6 @@ def muon(
             for mat in views[i].to_matrices(u):
                 matrices.append(mat)
                 owner.append(i)
-        ns = NewtonSchulzSettings(
-            ns_steps, coefficients, ns_dtype, eps, ns_method, options.preconditioner
-        )
         orthogonal = orthogonalize_matrices(matrices, ns, max_workspace_bytes=max_workspace_bytes)
         if options.normalize == "row":  # [variants] NorMuon, per matrix, rows of each in turn
             variants.row_normalize_matrices_(

@@ -515,7 +515,10 @@ class DTensorMuon(Muon):
     def _result_dtype(self, part, dtype: torch.dtype) -> torch.dtype:
         """Newton–Schulz's output dtype when all groups agree (bf16 on GPU halves the return
         traffic; adding it to the parameter promotes exactly as on one process)."""
-        ns = {g["ns_dtype"] or default_ns_dtype(local_tensor(p).device) for p, g in part}
+        ns = {
+            MuonSettings.from_group(g).ns_dtype or default_ns_dtype(local_tensor(p).device)
+            for p, g in part
+        }
         return ns.pop() if len(ns) == 1 else dtype
 
     def _orthogonalize(
