@@ -172,7 +172,9 @@ def restore_unpickled(opt: Muon, extra: dict[str, Any] | None) -> None:
     opt.nonfinite, opt.skipped_steps = extra["nonfinite"], extra["skipped_steps"]
     opt.capturable = extra.get("capturable", False)
     opt.routing = extra["routing"]
-    opt.muon_defaults, opt.adamw_defaults = extra["muon_defaults"], extra["adamw_defaults"]
+    # options added since the pickle was written: the table's defaults
+    opt.muon_defaults = {**OPTION_DEFAULTS, **extra["muon_defaults"]}
+    opt.adamw_defaults = extra["adamw_defaults"]
     opt.routing_rules, opt.matrix_views, opt.unnamed_to_muon = [], {}, 0
     opt.param_names, opt.split_rows, opt.split_roles = {}, {}, {}
     opt.transposed_names = set(extra.get("transposed", ()))

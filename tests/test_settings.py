@@ -86,3 +86,22 @@ def test_bad_options_are_named_with_the_range_they_accept(kw, name):
     assert "inf]" not in message  # a range must not seem to admit the value it refuses
     if kw.get("lr") == math.inf:
         assert "finite number >= 0" in message
+
+
+def test_a_pickle_from_before_an_option_gets_its_default_everywhere():
+    import copy
+
+    opt = _opt()
+    state = copy.deepcopy(opt.__getstate__())
+    for key in ("qk_lr_scale", "normalize", "preconditioner"):  # written before they existed
+        del state["_muonscale"]["muon_defaults"][key]
+        for group in state["param_groups"]:
+            group.pop(key, None)
+    restored = Muon.__new__(Muon)
+    restored.__setstate__(state)
+    assert restored.muon_defaults == opt.muon_defaults
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    restored.add_param_group({"params": [w], "param_names": ["extra.w"], "algorithm": "muon"})
+    assert MuonSettings.from_group(restored.param_groups[-1]) == MuonSettings.from_group(
+        {**OPTION_DEFAULTS, "lr": opt.param_groups[0]["lr"]}
+    )
