@@ -232,9 +232,19 @@ def stack_key(
 ) -> tuple | None:
     """(matrix shape, device, Newton–Schulz dtype) of the stack :func:`muon` puts ``param`` in,
     or None when it takes the per-matrix path (split or transposed views, variants)."""
-    plain = options.variant == PLAIN_MUON.variant and ns.preconditioner == "frobenius"
-    if not plain or not _single_matrix(view):
+    if not _plain_variant(options, ns) or not _single_matrix(view):
         return None
+    return _plain_stack_key(param, view, ns)
+
+
+def _plain_variant(options: MuonSettings, ns: NewtonSchulzSettings) -> bool:
+    return options.variant == _PLAIN_VARIANT and ns.preconditioner == "frobenius"
+
+
+_PLAIN_VARIANT = PLAIN_MUON.variant
+
+
+def _plain_stack_key(param: torch.Tensor, view: MatrixView, ns: NewtonSchulzSettings) -> tuple:
     dtype = ns.dtype if ns.dtype is not None else default_ns_dtype(param.device)
     return (view.matrix_shapes[0], param.device, dtype)
 
@@ -359,8 +369,9 @@ def muon(
     direction = dict(momentum=momentum, nesterov=nesterov)
     stacks: dict[tuple, list[int]] = defaultdict(list)
     split: list[int] = []
+    plain = _plain_variant(options, ns)  # variants take the per-matrix path below
     for i, (p, view) in enumerate(zip(params, views)):
-        key = stack_key(p, view, ns, options)  # variants take the per-matrix path below
+        key = _plain_stack_key(p, view, ns) if plain and _single_matrix(view) else None
         if key is not None:
             stacks[key].append(i)
         else:

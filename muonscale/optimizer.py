@@ -548,11 +548,15 @@ class Muon(torch.optim.Optimizer):
         return super().state_dict()
 
     # ---------------------------------------------------------------- state
-    def init_state(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        """Create (if missing) and return the state of ``p``."""
+    def init_state(
+        self, p: torch.Tensor, group: Mapping[str, Any], settings: MuonSettings | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Create (if missing) and return the state of ``p`` (``settings``: the group's, when
+        the caller has them)."""
         state = self.state[p]
         if group["algorithm"] == "muon":
-            settings = MuonSettings.from_group(group)
+            if settings is None:
+                settings = MuonSettings.from_group(group)
             if MOMENTUM.key not in state:  # laid out as the parameter (a DTensor's shards)
                 state[MOMENTUM.key] = torch.zeros_like(
                     p, dtype=MOMENTUM.dtype(settings, p.dtype), memory_format=torch.preserve_format
@@ -734,7 +738,8 @@ class Muon(torch.optim.Optimizer):
         tensors; the distributed optimizers call this on the matrices a rank owns)."""
         if not params:
             return
-        states = [self.init_state(p, group) for p in params]
+        settings = MuonSettings.from_group(group) if group["algorithm"] == "muon" else None
+        states = [self.init_state(p, group, settings) for p in params]
         if group["algorithm"] == "muon":
             # Zero-element matrices have state (as in torch) but nothing to orthogonalize.
             keep = [i for i, p in enumerate(params) if p.numel() > 0]
@@ -743,7 +748,6 @@ class Muon(torch.optim.Optimizer):
                 states = [states[i] for i in keep]
                 if not params:
                     return
-            settings = MuonSettings.from_group(group)
             buffers = self._stacked_momentum(group, params, states)
             if self._step_ok is not None:
                 # A gradient equal to the momentum leaves it unchanged (B.lerp(B, w) = B), and a

@@ -127,7 +127,9 @@ class MuonSettings:
     def from_group(cls, group: Mapping[str, Any]) -> MuonSettings:
         """The settings of a Muon param group; options it lacks (written by an older version)
         take their defaults."""
-        return cls(**{k: _hashable(group.get(k, v)) for k, v in OPTION_DEFAULTS.items()})
+        values = {k: group.get(k, v) for k, v in OPTION_DEFAULTS.items()}
+        values["coefficients"] = _hashable(values["coefficients"])
+        return cls(**values)
 
     @property
     def ns(self) -> NewtonSchulzSettings:

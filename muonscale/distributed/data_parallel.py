@@ -315,7 +315,9 @@ class DistributedMuon(Muon):
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.reduction.rebind(self.params)
 
-    def init_state(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    def init_state(
+        self, p: torch.Tensor, group: Mapping[str, Any], settings: MuonSettings | None = None
+    ) -> dict[str, torch.Tensor]:
         """State is created at construction (owned Muon matrices, local AdamW shards); a main
         copy's state is its model parameter's."""
         return self.state[self.model_param(p)]
