@@ -27,7 +27,7 @@ from . import functional
 from .kernels.process_state import NSWorkspace
 from .newton_schulz import resolve_schedule
 from .scaling import update_scale
-from .variants import VariantOptions
+from .settings import BACKWARD_SNAPSHOT, MuonSettings
 
 if TYPE_CHECKING:
     from .optimizer import Muon
@@ -36,17 +36,7 @@ BUCKET_BYTES = 32 * 2**20
 """Newton–Schulz input bytes of one bucket (a bucket holds at least one matrix): small enough
 that the first buckets start while most of backward remains, large enough to batch."""
 
-SNAPSHOT_KEYS = (
-    "momentum",
-    "nesterov",
-    "ns_steps",
-    "coefficients",
-    "ns_dtype",
-    "momentum_dtype",
-    "ns_eps",
-    "ns_method",
-    "scale",
-)
+SNAPSHOT_KEYS = BACKWARD_SNAPSHOT
 """Group options the hook's work depends on (``lr`` and ``weight_decay`` are read by step)."""
 
 
@@ -105,12 +95,12 @@ class BackwardOrthogonalizer:
         for group in opt.param_groups:
             if group["algorithm"] != "muon":
                 continue
-            options = VariantOptions.from_group(group)
+            options = MuonSettings.from_group(group)
             open_bucket: dict[tuple, Bucket] = {}
             for p in group["params"]:
                 if p.numel() == 0 or not p.requires_grad:  # frozen: no hook, step() as usual
                     continue
-                key = functional.stack_key(p, opt.matrix_view(p, group), group["ns_dtype"], options)
+                key = functional.stack_key(p, opt.matrix_view(p, group), options.ns, options)
                 if key is None:  # split/transposed views and variants: updated in step()
                     continue
                 shape, device, dtype = key
@@ -161,7 +151,7 @@ class BackwardOrthogonalizer:
         opt, group = self._opt(), bucket.group
         grads = [p.grad for p in bucket.params]
         olds = []
-        dtype = group["momentum_dtype"] or bucket.params[0].dtype
+        dtype = MuonSettings.from_group(group).momentum_dtype_for(bucket.params[0].dtype)
         for p in bucket.params:  # state is not touched here: a first step starts from zeros
             buf = opt.state.get(p, {}).get("momentum_buffer")
             olds.append(buf if buf is not None else torch.zeros_like(p, dtype=dtype))
@@ -171,14 +161,10 @@ class BackwardOrthogonalizer:
             bucket.new_momentum = torch.empty(shape, dtype=olds[0].dtype, device=bucket.device)
         if bucket.workspace is None:
             bucket.workspace = NSWorkspace((k, rows, cols), bucket.ns_dtype, bucket.device)
-        schedule, margin = resolve_schedule(group["coefficients"], group["ns_steps"])
+        ns = MuonSettings.from_group(group).ns
+        schedule, margin = resolve_schedule(ns.coefficients, ns.steps)
         method = functional.ns_method_for(
-            rows,
-            cols,
-            bucket.ns_dtype,
-            group["ns_method"],
-            group["coefficients"],
-            group["ns_steps"],
+            rows, cols, bucket.ns_dtype, ns.method, ns.coefficients, ns.steps
         )
         bucket.alpha = -update_scale(group["scale"], rows, cols)
         bucket.options = tuple(group[key] for key in SNAPSHOT_KEYS)
@@ -194,7 +180,7 @@ class BackwardOrthogonalizer:
                 nesterov=group["nesterov"],
                 schedule=schedule,
                 margin=margin,
-                eps=group["ns_eps"],
+                eps=ns.eps,
                 method=method,
             )
 

@@ -39,8 +39,9 @@ from .memory import (
     group_by_budget,
     split_by_budget,
 )
-from .newton_schulz import DEFAULT_EPS, CoefficientSpec, default_ns_dtype, resolve_schedule
+from .newton_schulz import CoefficientSpec, default_ns_dtype, resolve_schedule
 from .scaling import matrix_update_scales, update_scale
+from .settings import PLAIN_MUON, MuonSettings, NewtonSchulzSettings
 
 
 def update_momentum_(
@@ -147,14 +148,9 @@ def ns_method_for(
 
 def orthogonalize_matrices(
     matrices: Sequence[torch.Tensor],
+    ns: NewtonSchulzSettings,
     *,
-    ns_steps: int,
-    coefficients: CoefficientSpec,
-    ns_dtype: torch.dtype | None,
-    eps: float = DEFAULT_EPS,
-    method: NSMethodChoice = "auto",
     max_workspace_bytes: int = DEFAULT_NS_WORKSPACE_BYTES,
-    preconditioner: variants.Preconditioner = "frobenius",  # [variants]
 ) -> list[torch.Tensor]:
     """Newton–Schulz of every matrix, batched: matrices with the same shape are stacked (in
     their own orientation: tall stacks are iterated as transposed views) and orthogonalized in
@@ -162,7 +158,9 @@ def orthogonalize_matrices(
     products on CUDA; ``method="auto"``: :func:`~muonscale.kernels.choose_method`;
     ``max_workspace_bytes`` bounds its scratch). For matrices assembled one by one (split
     views, owners of sharded matrices); :func:`muon` writes its stacks directly. Returns
-    matrices in the input's shapes, in ``ns_dtype``."""
+    matrices in the input's shapes, in ``ns.dtype``."""
+    ns_steps, coefficients, ns_dtype, eps = ns.steps, ns.coefficients, ns.dtype, ns.eps
+    method, preconditioner = ns.method, ns.preconditioner
     buckets: dict[tuple, list[int]] = defaultdict(list)
     for i, mat in enumerate(matrices):
         dtype = ns_dtype if ns_dtype is not None else default_ns_dtype(mat.device)
@@ -229,14 +227,25 @@ def _single_matrix(view: MatrixView) -> bool:
 def stack_key(
     param: torch.Tensor,
     view: MatrixView,
-    ns_dtype: torch.dtype | None,
-    options: variants.VariantOptions = variants.PLAIN_MUON,
+    ns: NewtonSchulzSettings,
+    options: MuonSettings = PLAIN_MUON,
 ) -> tuple | None:
     """(matrix shape, device, Newton–Schulz dtype) of the stack :func:`muon` puts ``param`` in,
     or None when it takes the per-matrix path (split or transposed views, variants)."""
-    if options != variants.PLAIN_MUON or not _single_matrix(view):
+    if not _plain_variant(options, ns) or not _single_matrix(view):
         return None
-    dtype = ns_dtype if ns_dtype is not None else default_ns_dtype(param.device)
+    return _plain_stack_key(param, view, ns)
+
+
+def _plain_variant(options: MuonSettings, ns: NewtonSchulzSettings) -> bool:
+    return options.variant == _PLAIN_VARIANT and ns.preconditioner == "frobenius"
+
+
+_PLAIN_VARIANT = PLAIN_MUON.variant
+
+
+def _plain_stack_key(param: torch.Tensor, view: MatrixView, ns: NewtonSchulzSettings) -> tuple:
+    dtype = ns.dtype if ns.dtype is not None else default_ns_dtype(param.device)
     return (view.matrix_shapes[0], param.device, dtype)
 
 
@@ -289,16 +298,12 @@ def muon(
     weight_decay: float,
     momentum: float,
     nesterov: bool,
-    ns_steps: int,
-    coefficients: CoefficientSpec,
-    ns_dtype: torch.dtype | None,
     scale: str,
-    eps: float = DEFAULT_EPS,
-    ns_method: NSMethodChoice = "auto",
+    ns: NewtonSchulzSettings = PLAIN_MUON.ns,
     max_chunk_bytes: ChunkBytes = PER_DEVICE,
     max_workspace_bytes: int = DEFAULT_NS_WORKSPACE_BYTES,
     elementwise_backend: ElementwiseBackend = DEFAULT_ELEMENTWISE_BACKEND,
-    options: variants.VariantOptions = variants.PLAIN_MUON,  # [variants]
+    options: MuonSettings = PLAIN_MUON,  # [variants] its normalize, row_beta2, cautious decay
     row_moments: Sequence[torch.Tensor] | None = None,  # [variants] NorMuon state, (rows,) each
     qk_lr_scale: float = 1.0,
 ) -> None:
@@ -325,10 +330,18 @@ def muon(
     step's peak memory does not grow with the model; ``max_workspace_bytes`` bounds the
     Newton–Schulz scratch. Every parameter's update is independent of the others, so chunking
     does not change the result. ``lr`` may be a 0-dim tensor on the parameters' device (a
-    capturable step: no host read of it).
+    capturable step: no host read of it). ``ns``: the Newton–Schulz settings (with the
+    preconditioner); ``options``: the group's settings, of which the variants are read.
     """
     if not params:
         return
+    ns_steps, coefficients, ns_dtype, eps, ns_method = (
+        ns.steps,
+        ns.coefficients,
+        ns.dtype,
+        ns.eps,
+        ns.method,
+    )
     budget = chunk_bytes_for(max_chunk_bytes, params[0].device)
     chunks = update_chunks(params, views, ns_dtype=ns_dtype, max_chunk_bytes=budget)
     if len(chunks) > 1:
@@ -345,12 +358,8 @@ def muon(
                 weight_decay=weight_decay,
                 momentum=momentum,
                 nesterov=nesterov,
-                ns_steps=ns_steps,
-                coefficients=coefficients,
-                ns_dtype=ns_dtype,
+                ns=ns,
                 scale=scale,
-                eps=eps,
-                ns_method=ns_method,
                 max_chunk_bytes=None,
                 max_workspace_bytes=max_workspace_bytes,
                 elementwise_backend=elementwise_backend,
@@ -360,8 +369,9 @@ def muon(
     direction = dict(momentum=momentum, nesterov=nesterov)
     stacks: dict[tuple, list[int]] = defaultdict(list)
     split: list[int] = []
+    plain = _plain_variant(options, ns)  # variants take the per-matrix path below
     for i, (p, view) in enumerate(zip(params, views)):
-        key = stack_key(p, view, ns_dtype, options)  # variants take the per-matrix path below
+        key = _plain_stack_key(p, view, ns) if plain and _single_matrix(view) else None
         if key is not None:
             stacks[key].append(i)
         else:
@@ -445,16 +455,7 @@ def muon(
             for mat in views[i].to_matrices(u):
                 matrices.append(mat)
                 owner.append(i)
-        orthogonal = orthogonalize_matrices(
-            matrices,
-            ns_steps=ns_steps,
-            coefficients=coefficients,
-            ns_dtype=ns_dtype,
-            eps=eps,
-            method=ns_method,
-            max_workspace_bytes=max_workspace_bytes,
-            preconditioner=options.preconditioner,  # [variants]
-        )
+        orthogonal = orthogonalize_matrices(matrices, ns, max_workspace_bytes=max_workspace_bytes)
         if options.normalize == "row":  # [variants] NorMuon, per matrix, rows of each in turn
             variants.row_normalize_matrices_(
                 orthogonal, owner, row_moments, beta2=options.row_beta2

@@ -18,10 +18,11 @@ from . import functional
 from .backward_ns import BackwardOrthogonalizer
 from .capturable import DeviceNonFiniteGuard
 from .compile_boundary import eager_under_compile
+from .declared_state import MOMENTUM, ROW_MOMENT, kept_state, variant_state
 from .kernels import ElementwiseBackend, clear_workspaces, elementwise_backend_from_environment
 from .matrices import MatrixView
 from .memory import MemoryBudget
-from .newton_schulz import DEFAULT_EPS, Coefficients
+from .newton_schulz import Coefficients
 from .optimizer_groups import (
     PARAMS_TYPE_ERROR,
     expand_user_group,
@@ -44,6 +45,7 @@ from .optimizer_options import (  # noqa: F401 (NONFINITE_POLICIES, NS_METHODS: 
 from .optimizer_state import (
     MomentumStacks,
     check_loadable,
+    check_loaded_groups,
     keep_momentum_dtypes,
     parameter_states,
     pickled_extras,
@@ -54,12 +56,8 @@ from .optimizer_state import (
 from .params import ALGORITHMS, RouteDecision, Rule, format_routing_table, layout_note
 from .qkv import QKV_SPLIT_MODES, QKVLayout
 from .scaling import ADJUST_LR_FNS, SCALE_RULES
-from .variants import (  # [variants]
-    Normalize,
-    Preconditioner,
-    VariantOptions,
-    row_moment_shape,
-)
+from .settings import PLAIN_MUON, MuonSettings, schedule_defaults
+from .variants import Normalize, Preconditioner
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -158,7 +156,8 @@ class Muon(torch.optim.Optimizer):
             n = 4m. See :data:`muonscale.kernels.GRAM_POLICY`.
         normalize: ``"none"`` or ``"row"`` (NorMuon: each row of the orthogonalized update is
             divided by the root of its EMA second moment, then the matrix is rescaled to its
-            norm before; state ``row_second_moment``, one float32 per row).
+            norm before; its state, one float32 per row, is declared in
+            :mod:`muonscale.declared_state`).
         row_beta2: β₂ of that second moment (NorMuon's 0.95).
         cautious_weight_decay: decay only the entries where the update and the weight agree
             in sign (W ← W − ηλ 𝟙[u ⊙ W ≥ 0] ⊙ W).
@@ -189,10 +188,10 @@ class Muon(torch.optim.Optimizer):
     def __init__(
         self,
         params: Any,
-        lr: float | torch.Tensor = 1e-3,
-        weight_decay: float = 0.1,
-        momentum: float = 0.95,
-        nesterov: bool = True,
+        lr: float | torch.Tensor = PLAIN_MUON.lr,
+        weight_decay: float = PLAIN_MUON.weight_decay,
+        momentum: float = PLAIN_MUON.momentum,
+        nesterov: bool = PLAIN_MUON.nesterov,
         *,
         ns_coefficients: str | Coefficients | Sequence[Coefficients] | None = None,
         eps: float | None = None,
@@ -211,14 +210,14 @@ class Muon(torch.optim.Optimizer):
         nonfinite: str = "raise",
         splits: Mapping[str, QKVLayout | int | Sequence[int]] | None = None,
         qkv_split: str = "qkv",
-        matrix_mode: str = "flatten",
+        matrix_mode: str = PLAIN_MUON.matrix_mode,
         rules: Sequence[Rule] | None = None,
-        ns_method: str = "auto",
-        normalize: Normalize = "none",  # [variants]
-        row_beta2: float = 0.95,
-        cautious_weight_decay: bool = False,
-        preconditioner: Preconditioner = "frobenius",
-        qk_lr_scale: float = 1.0,
+        ns_method: str = PLAIN_MUON.ns_method,
+        normalize: Normalize = PLAIN_MUON.normalize,
+        row_beta2: float = PLAIN_MUON.row_beta2,
+        cautious_weight_decay: bool = PLAIN_MUON.cautious_weight_decay,
+        preconditioner: Preconditioner = PLAIN_MUON.preconditioner,
+        qk_lr_scale: float = PLAIN_MUON.qk_lr_scale,
         capturable: bool = False,
         transposed: Iterable[str] | None = None,
         orthogonalize_in_backward: bool = False,
@@ -236,32 +235,32 @@ class Muon(torch.optim.Optimizer):
                 f"must be one of {tuple(ADJUST_LR_FNS)} (or pass scale=one of {SCALE_RULES})"
             )
         scale = either(
-            "scale", scale, "adjust_lr_fn", ADJUST_LR_FNS.get(adjust_lr_fn), "match_rms_adamw"
+            "scale", scale, "adjust_lr_fn", ADJUST_LR_FNS.get(adjust_lr_fn), PLAIN_MUON.scale
         )
         if adamw_weight_decay is not None:
             check_range("adamw_weight_decay", adamw_weight_decay, 0.0, math.inf)
+        default_steps, default_coefficients = schedule_defaults(preconditioner)
         self.muon_defaults = dict(
             lr=lr,
             momentum=momentum,
             nesterov=nesterov,
             weight_decay=weight_decay,
-            # [variants] AOL's default schedule is Turbo-Muon's four steps
-            ns_steps=ns_steps if ns_steps is not None else 4 if preconditioner == "aol" else 5,
+            ns_steps=ns_steps if ns_steps is not None else default_steps,
             coefficients=either(
                 "coefficients",
                 coefficients,
                 "ns_coefficients",
                 ns_coefficients,
-                "turbo_muon" if preconditioner == "aol" else "keller",
+                default_coefficients,
             ),
             scale=scale,
             ns_dtype=ns_dtype,
             momentum_dtype=momentum_dtype,
             matrix_mode=matrix_mode,
-            ns_eps=either("ns_eps", ns_eps, "eps", eps, DEFAULT_EPS),
+            ns_eps=either("ns_eps", ns_eps, "eps", eps, PLAIN_MUON.ns_eps),
             ns_method=ns_method,
             normalize=normalize,
-            row_beta2=row_beta2,  # [variants]
+            row_beta2=row_beta2,
             cautious_weight_decay=cautious_weight_decay,
             preconditioner=preconditioner,
             qk_lr_scale=qk_lr_scale,
@@ -346,9 +345,9 @@ class Muon(torch.optim.Optimizer):
     def _warn_idle_qk_lr_scale(self) -> None:
         """Warn for each Muon group whose ``qk_lr_scale`` has no query or key block to act on."""
         for i, group in enumerate(self.param_groups):
-            factor = group.get("qk_lr_scale", 1.0)
-            if group["algorithm"] != "muon" or factor == 1.0:
+            if group["algorithm"] != "muon" or group["qk_lr_scale"] == 1.0:
                 continue
+            factor = group["qk_lr_scale"]
             roles = {r for p in group["params"] for r in self.split_roles.get(id(p), ())}
             if not roles & {"q", "k"}:
                 warnings.warn(
@@ -490,7 +489,8 @@ class Muon(torch.optim.Optimizer):
     def matrix_view(self, p: torch.Tensor, group: Mapping[str, Any]) -> MatrixView:
         """How ``p`` is split into matrices (cached)."""
         view = self.matrix_views.get(id(p))
-        if view is None or view.param_shape != tuple(p.shape):
+        stale = view is None or view.param_shape != tuple(p.shape)
+        if stale or view.mode != group["matrix_mode"]:
             view = MatrixView.build(
                 p.shape,
                 mode=group["matrix_mode"],
@@ -562,17 +562,23 @@ class Muon(torch.optim.Optimizer):
         return super().state_dict()
 
     # ---------------------------------------------------------------- state
-    def init_state(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        """Create (if missing) and return the state of ``p``."""
+    def init_state(
+        self, p: torch.Tensor, group: Mapping[str, Any], settings: MuonSettings | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Create (if missing) and return the state of ``p`` (``settings``: the group's, when
+        the caller has them)."""
         state = self.state[p]
         if group["algorithm"] == "muon":
-            if "momentum_buffer" not in state:
-                dtype = group["momentum_dtype"] or p.dtype
-                state["momentum_buffer"] = torch.zeros_like(
-                    p, dtype=dtype, memory_format=torch.preserve_format
+            if settings is None:
+                settings = MuonSettings.from_group(group)
+            if MOMENTUM.key not in state:  # laid out as the parameter (a DTensor's shards)
+                state[MOMENTUM.key] = torch.zeros_like(
+                    p, dtype=MOMENTUM.dtype(settings, p.dtype), memory_format=torch.preserve_format
                 )
-            if group.get("normalize") == "row" and "row_second_moment" not in state:
-                self.init_row_moment(p, group, state)  # [variants]
+            for spec in kept_state(settings, variants_only=True):
+                if spec.key not in state:
+                    view = self.matrix_view(p, group)
+                    state[spec.key] = spec.zeros(settings, view, p.dtype, p.device)
             return state
         elif state:
             return state
@@ -583,12 +589,6 @@ class Muon(torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
-
-    def init_row_moment(self, p: torch.Tensor, group: Mapping[str, Any], state: dict) -> None:
-        """[variants] NorMuon's row second moment of ``p``: one float32 per row of each of its
-        matrices, zero at the start."""
-        shape = row_moment_shape(self.matrix_view(p, group).matrix_shapes)
-        state["row_second_moment"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
 
     def _stacked_momentum(
         self, group: Mapping[str, Any], params: list[torch.Tensor], states: list[dict]
@@ -642,6 +642,7 @@ class Muon(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         check_loadable(state_dict, self.param_groups)
+        check_loaded_groups(self, state_dict)
         state_dict = with_group_defaults(state_dict, self.muon_defaults)
         lrs = [g["lr"] for g in self.param_groups] if self.capturable else []
         momentum_dtypes = [g.get("momentum_dtype") for g in self.param_groups]
@@ -758,7 +759,8 @@ class Muon(torch.optim.Optimizer):
         tensors; the distributed optimizers call this on the matrices a rank owns)."""
         if not params:
             return
-        states = [self.init_state(p, group) for p in params]
+        settings = MuonSettings.from_group(group) if group["algorithm"] == "muon" else None
+        states = [self.init_state(p, group, settings) for p in params]
         if group["algorithm"] == "muon":
             # Zero-element matrices have state (as in torch) but nothing to orthogonalize.
             keep = [i for i, p in enumerate(params) if p.numel() > 0]
@@ -767,7 +769,6 @@ class Muon(torch.optim.Optimizer):
                 states = [states[i] for i in keep]
                 if not params:
                     return
-            options = VariantOptions.from_group(group)  # [variants]
             buffers = self._stacked_momentum(group, params, states)
             if self._step_ok is not None:
                 # A gradient equal to the momentum leaves it unchanged (B.lerp(B, w) = B), and a
@@ -777,20 +778,16 @@ class Muon(torch.optim.Optimizer):
                 params,
                 grads,
                 buffers,
-                options=options,  # [variants]
-                row_moments=[s.get("row_second_moment") for s in states],
-                qk_lr_scale=group.get("qk_lr_scale", 1.0),
+                options=settings,
+                row_moments=variant_state(states)[ROW_MOMENT.key],
+                qk_lr_scale=settings.qk_lr_scale,
                 views=[self.matrix_view(p, group) for p in params],
                 lr=self._step_lr(group) if self.capturable else float(group["lr"]),
                 weight_decay=group["weight_decay"],
-                momentum=group["momentum"],
-                nesterov=group["nesterov"],
-                ns_steps=group["ns_steps"],
-                coefficients=group["coefficients"],
-                ns_dtype=group["ns_dtype"],
-                scale=group["scale"],
-                eps=group["ns_eps"],
-                ns_method=group["ns_method"],
+                momentum=settings.momentum,
+                nesterov=settings.nesterov,
+                ns=settings.ns,
+                scale=settings.scale,
                 max_chunk_bytes=self.memory.update_chunk_bytes,
                 max_workspace_bytes=self.memory.ns_workspace_bytes,
                 elementwise_backend=self.elementwise_backend,

@@ -10,67 +10,21 @@ from typing import Any
 import torch
 
 from .capturable import NonFinitePolicy
-from .matrices import MATRIX_MODES, row_blocks
-from .newton_schulz import validate_coefficients
+from .matrices import row_blocks
 from .qkv import QKVLayout
-from .scaling import SCALE_RULES
-from .variants import validate_variant_options  # [variants]
+from .settings import (  # noqa: F401 (check_*, NS_METHODS: re-exported)
+    NS_METHODS,
+    check_dtype,
+    check_flag,
+    check_lr,
+    check_range,
+    validate_muon_options,
+)
 
 NONFINITE_POLICIES: tuple[NonFinitePolicy, ...] = ("raise", "skip", "ignore")
-NS_METHODS = ("auto", "plain", "gram")
 
-
-def check_range(name: str, value: Any, low: float, high: float, *, high_open: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and low <= value and (value < high if high_open else value <= high)
-    if not ok:
-        bracket = ")" if high_open else "]"
-        expected = f"in [{low}, {high}{bracket}" if math.isfinite(high) else f">= {low}"
-        raise ValueError(f"{name} must be a finite number {expected}, got {value!r}")
-
-
-def check_flag(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-
-
-def check_dtype(name: str, value: Any) -> None:
-    if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
-        raise ValueError(f"{name} must be None or a floating torch.dtype, got {value!r}")
-
-
-def check_lr(name: str, lr: Any) -> None:
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        lr = float(lr)
-    check_range(name, lr, 0.0, math.inf)
-
-
-def validate_muon_group(group: Mapping[str, Any]) -> None:
-    check_lr("lr", group["lr"])
-    check_range("momentum", group["momentum"], 0.0, 1.0, high_open=True)
-    check_range("weight_decay", group["weight_decay"], 0.0, math.inf)
-    if not isinstance(group["nesterov"], bool):
-        raise ValueError(f"nesterov must be a bool, got {group['nesterov']!r}")
-    validate_coefficients(group["coefficients"], group["ns_steps"])  # also checks ns_steps
-    if group["scale"] not in SCALE_RULES:
-        raise ValueError(f"scale must be one of {SCALE_RULES}, got {group['scale']!r}")
-    check_dtype("ns_dtype", group["ns_dtype"])
-    check_dtype("momentum_dtype", group["momentum_dtype"])
-    if group["momentum_dtype"] == torch.float16:
-        raise ValueError(
-            "momentum_dtype=torch.float16 is refused: a gradient entry beyond its range "
-            "(65504) becomes inf in the buffer and turns every weight NaN although the "
-            "gradient is finite; torch.bfloat16 takes the same memory with float32's range"
-        )
-    if group["matrix_mode"] not in MATRIX_MODES:
-        raise ValueError(f"matrix_mode must be one of {MATRIX_MODES}, got {group['matrix_mode']!r}")
-    check_range("eps (ns_eps)", group["ns_eps"], 0.0, math.inf)
-    check_range("qk_lr_scale", group.get("qk_lr_scale", 1.0), 0.0, math.inf)
-    if group["ns_method"] not in NS_METHODS:
-        raise ValueError(f"ns_method must be one of {NS_METHODS}, got {group['ns_method']!r}")
-    validate_variant_options(group)  # [variants]
+validate_muon_group = validate_muon_options
+"""``ValueError`` naming the first invalid Muon option (see :mod:`muonscale.settings`)."""
 
 
 def validate_adamw_group(group: Mapping[str, Any]) -> None:

@@ -9,18 +9,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .declared_state import MOMENTUM, MUON_STATE, check_loaded_state, kept_state
 from .kernels.process_state import elementwise_backend_from_environment
 from .memory import MemoryBudget
-from .newton_schulz import DEFAULT_EPS
 from .optimizer_groups import _is_dtensor
 from .optimizer_options import AdamWGroup
-from .variants import VARIANT_DEFAULTS  # [variants]
+from .settings import OPTION_DEFAULTS, MuonSettings, changed_variant_options
 
 if TYPE_CHECKING:
     from .optimizer import Muon
 
 STATE_KEYS = {
-    "muon": {"momentum_buffer", "row_second_moment"},
+    "muon": {t.key for t in MUON_STATE},
     "adamw": {"step", "exp_avg", "exp_avg_sq"},
 }
 """The state keys :class:`muonscale.Muon` writes, per algorithm."""
@@ -164,13 +164,7 @@ def restore_unpickled(opt: Muon, extra: dict[str, Any] | None) -> None:
     for i, group in enumerate(opt.param_groups):
         group.setdefault("algorithm", "muon")
         if group["algorithm"] == "muon":
-            group.setdefault("matrix_mode", "flatten")
-            group.setdefault("ns_eps", DEFAULT_EPS)
-            group.setdefault("momentum_dtype", None)
-            group.setdefault("ns_dtype", None)
-            group.setdefault("ns_method", "auto")
-            group.setdefault("qk_lr_scale", 1.0)
-            for key, value in VARIANT_DEFAULTS.items():  # [variants]
+            for key, value in OPTION_DEFAULTS.items():
                 group.setdefault(key, value)
         elif not isinstance(group, AdamWGroup):
             opt.param_groups[i] = AdamWGroup.wrap(group)
@@ -180,7 +174,9 @@ def restore_unpickled(opt: Muon, extra: dict[str, Any] | None) -> None:
     opt.capturable = extra.get("capturable", False)
     opt.strict = extra.get("strict", False)  # pickled before strict existed: False
     opt.routing = extra["routing"]
-    opt.muon_defaults, opt.adamw_defaults = extra["muon_defaults"], extra["adamw_defaults"]
+    # options added since the pickle was written: the table's defaults
+    opt.muon_defaults = {**OPTION_DEFAULTS, **extra["muon_defaults"]}
+    opt.adamw_defaults = extra["adamw_defaults"]
     opt.routing_rules, opt.matrix_views, opt.unnamed_to_muon = [], {}, 0
     opt.param_names, opt.split_rows, opt.split_roles = {}, {}, {}
     opt.transposed_names = set(extra.get("transposed", ()))
@@ -268,16 +264,43 @@ def restore_loaded(opt: Muon, lrs: list[torch.Tensor]) -> None:
     for s in parameter_states(opt):  # AdamW's step saved as a Python number (older torch)
         if "step" in s and not torch.is_tensor(s["step"]):
             s["step"] = torch.tensor(float(s["step"]), dtype=torch.float32)
-    # torch casts floating state to the parameter's dtype; restore momentum_dtype.
-    for s in parameter_states(opt):  # [variants] NorMuon's row moment stays float32
-        if "row_second_moment" in s:
-            s["row_second_moment"] = s["row_second_moment"].float()
+    # torch casts floating state to the parameter's dtype; restore the declared dtypes.
     for group in opt.param_groups:
-        if group["algorithm"] == "muon" and group["momentum_dtype"] is not None:
-            for p in group["params"]:
-                buf = opt.state.get(p, {}).get("momentum_buffer")
-                if buf is not None and buf.dtype != group["momentum_dtype"]:
-                    opt.state[p]["momentum_buffer"] = buf.to(group["momentum_dtype"])
+        if group["algorithm"] != "muon":
+            continue
+        settings = MuonSettings.from_group(group)
+        for p in group["params"]:
+            state = opt.state.get(p, {})
+            for spec in kept_state(settings):
+                value = state.get(spec.key)
+                dtype = spec.dtype(settings, p.dtype)
+                if value is not None and value.dtype != dtype:
+                    state[spec.key] = value.to(dtype)
+
+
+def check_loaded_groups(opt: Muon, state_dict: Mapping[str, Any]) -> None:
+    """Before anything changes: refuse (naming the tensor) saved Muon state that does not fit
+    its parameter's matrix view under the options it is loaded with (the saved group's,
+    torch's rule), and warn naming each variant option the saved groups change."""
+    saved_state = state_dict["state"]
+    for i, (saved, group) in enumerate(zip(state_dict["param_groups"], opt.param_groups)):
+        if group["algorithm"] != "muon":
+            continue
+        merged = {**group, **saved}
+        settings = MuonSettings.from_group(merged)
+        for index, p in zip(saved.get("params", []), group["params"]):
+            entry = saved_state.get(index, {})
+            view = opt.matrix_view(p, merged)
+            check_loaded_state(entry, settings, view, name=opt._name(p), explicit=saved)
+        changes = changed_variant_options(saved, group)
+        if changes:
+            warnings.warn(
+                f"load_state_dict: the saved param group {i} changes {', '.join(changes)}; the "
+                "saved options replace the ones this optimizer was built with (torch's rule), "
+                "so the loaded run continues with the saved algorithm",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def keep_momentum_dtypes(opt: Muon, wanted: list[torch.dtype | None]) -> None:
@@ -293,9 +316,9 @@ def keep_momentum_dtypes(opt: Muon, wanted: list[torch.dtype | None]) -> None:
             changed.append(f"group {i}: {group['momentum_dtype']} -> {dtype}")
         group["momentum_dtype"] = dtype
         for p in group["params"]:
-            buf = opt.state.get(p, {}).get("momentum_buffer")
+            buf = opt.state.get(p, {}).get(MOMENTUM.key)
             if buf is not None and buf.dtype != (dtype or p.dtype):
-                opt.state[p]["momentum_buffer"] = buf.to(dtype or p.dtype)
+                opt.state[p][MOMENTUM.key] = buf.to(dtype or p.dtype)
     if changed:
         warnings.warn(
             "load_state_dict: momentum_dtype differs from the state dict's "

@@ -16,9 +16,8 @@ these functions on the tensors they hold.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
@@ -40,50 +39,6 @@ github.com/zichongli5/NorMuon ``normuon.py``, ``beta2=0.95``)."""
 
 NORMUON_EPS = 1e-10
 """ε of NorMuon's divisions (the official implementation: ``add_(1e-10)``)."""
-
-
-@dataclass(frozen=True)
-class VariantOptions:
-    """The variant options of one Muon param group (keyword-only in :class:`muonscale.Muon`)."""
-
-    normalize: Normalize = "none"
-    """``"row"``: NorMuon's row normalisation after Newton–Schulz (keeps a row second moment)."""
-    row_beta2: float = NORMUON_BETA2
-    """β₂ of that row second moment."""
-    cautious_weight_decay: bool = False
-    """Decay only where the update and the weight agree in sign."""
-    preconditioner: Preconditioner = "frobenius"
-    """Newton–Schulz input scaling: ``"frobenius"`` or Turbo-Muon's ``"aol"``."""
-
-    @classmethod
-    def from_group(cls, group: Mapping[str, Any]) -> VariantOptions:
-        """The options stored in a param group (defaults for groups written before them)."""
-        return cls(**{k: group.get(k, v) for k, v in VARIANT_DEFAULTS.items()})
-
-
-PLAIN_MUON = VariantOptions()
-VARIANT_DEFAULTS: dict[str, Any] = {
-    f.name: getattr(PLAIN_MUON, f.name) for f in fields(VariantOptions)
-}
-"""Param-group keys of the variant options and their defaults (plain Muon)."""
-
-
-def validate_variant_options(group: Mapping[str, Any]) -> None:
-    """``ValueError`` naming the option unless every variant option of ``group`` is valid."""
-    if group.get("normalize", "none") not in NORMALIZE_MODES:
-        raise ValueError(f"normalize must be one of {NORMALIZE_MODES}, got {group['normalize']!r}")
-    beta2 = group.get("row_beta2", NORMUON_BETA2)
-    ok = isinstance(beta2, (int, float)) and not isinstance(beta2, bool)
-    if not (ok and math.isfinite(beta2) and 0 <= beta2 < 1):
-        raise ValueError(f"row_beta2 must be a number in [0, 1), got {beta2!r}")
-    if not isinstance(group.get("cautious_weight_decay", False), bool):
-        raise ValueError(
-            f"cautious_weight_decay must be a bool, got {group['cautious_weight_decay']!r}"
-        )
-    if group.get("preconditioner", "frobenius") not in PRECONDITIONERS:
-        raise ValueError(
-            f"preconditioner must be one of {PRECONDITIONERS}, got {group['preconditioner']!r}"
-        )
 
 
 # ---------------------------------------------------------------------------------- NorMuon

@@ -114,6 +114,7 @@ def test_chunked_update_equals_one_chunk():
     (every parameter's update is independent of the others)."""
     from muonscale import functional
     from muonscale.matrices import MatrixView
+    from muonscale.settings import NewtonSchulzSettings
 
     shapes = [(16, 24), (24, 16), (32, 32), (16, 24), (8, 40), (32, 32), (3, 16, 8)]
     g = torch.Generator().manual_seed(5)
@@ -138,9 +139,7 @@ def test_chunked_update_equals_one_chunk():
                 weight_decay=0.1,
                 momentum=0.95,
                 nesterov=True,
-                ns_steps=5,
-                coefficients="keller",
-                ns_dtype=torch.float32,
+                ns=NewtonSchulzSettings(steps=5, coefficients="keller", dtype=torch.float32),
                 scale="match_rms_adamw",
                 max_chunk_bytes=max_chunk_bytes,
             )

@@ -15,6 +15,7 @@ import muonscale
 from muonscale import functional
 from muonscale.matrices import MatrixView, row_blocks
 from muonscale.params import transposed_weights
+from muonscale.settings import NewtonSchulzSettings
 
 
 class Conv1D(nn.Module):
@@ -41,9 +42,7 @@ def _step(param, grad, view, scale):
         weight_decay=0.0,
         momentum=0.9,
         nesterov=True,
-        ns_steps=5,
-        coefficients="keller",
-        ns_dtype=torch.float64,
+        ns=NewtonSchulzSettings(steps=5, coefficients="keller", dtype=torch.float64),
         scale=scale,
         max_chunk_bytes=None,
     )

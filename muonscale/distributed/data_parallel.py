@@ -18,10 +18,12 @@ import torch.distributed as dist
 
 from .. import functional
 from ..compile_boundary import eager_under_compile
+from ..declared_state import MOMENTUM, kept_state
 from ..kernels import clear_workspaces
 from ..matrices import MatrixView
 from ..memory import chunk_bytes_for, group_by_budget
 from ..optimizer import Muon
+from ..settings import MuonSettings
 from . import dp_checkpoint, dp_grad_clip
 from .comm import Communicator, WireCounter
 from .dp_reduction import BucketedReduction, ReduceAt, ReductionOptions
@@ -277,12 +279,16 @@ class DistributedMuon(Muon):
             state["owner_rank"] = self.owner_rank[i]
             if self.owner_rank[i] == self.rank:
                 main_dtype = self.reduction.main_dtype(p.dtype)
-                dtype = group["momentum_dtype"] or main_dtype or p.dtype
-                state["momentum_buffer"] = torch.zeros_like(
-                    p, dtype=dtype, memory_format=torch.preserve_format
+                settings = MuonSettings.from_group(group)
+                state[MOMENTUM.key] = torch.zeros_like(
+                    p,
+                    dtype=MOMENTUM.dtype(settings, main_dtype or p.dtype),
+                    memory_format=torch.preserve_format,
                 )
-                if group.get("normalize") == "row":  # [variants] NorMuon state, on the owner
-                    self.init_row_moment(p, group, state)
+                for spec in kept_state(settings, variants_only=True):  # on the owner
+                    state[spec.key] = spec.zeros(
+                        settings, self.matrix_view(p, group), p.dtype, p.device
+                    )
                 if main_dtype is not None:  # the whole matrix: this rank updates it
                     main = torch.empty_like(p, dtype=main_dtype).copy_(p)
                     state["main_param"] = main
@@ -341,7 +347,9 @@ class DistributedMuon(Muon):
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.reduction.rebind(self.params)
 
-    def init_state(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    def init_state(
+        self, p: torch.Tensor, group: Mapping[str, Any], settings: MuonSettings | None = None
+    ) -> dict[str, torch.Tensor]:
         """State is created at construction (owned Muon matrices, local AdamW shards); a main
         copy's state is its model parameter's."""
         return self.state[self.model_param(p)]

@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..variants import row_moment_shape  # [variants]
+from ..declared_state import MOMENTUM, VARIANT_STATE, kept_state
+from ..optimizer_state import check_loaded_groups
+from ..settings import MuonSettings
 
 if TYPE_CHECKING:
     from .data_parallel import DistributedMuon
@@ -46,19 +48,18 @@ def gather_full_state(opt: DistributedMuon) -> dict[int, dict[str, torch.Tensor]
     for i in opt.muon_indices:  # momentum (and main copy) live on the owner only
         p, group, owner = opt.params[i], opt.group_of[i], opt.owner_rank[i]
         main_dtype = opt.reduction.main_dtype(p.dtype)
-        dtypes = {"momentum_buffer": group["momentum_dtype"] or main_dtype or p.dtype}
+        settings, view = MuonSettings.from_group(group), opt.matrix_view(p, group)
+        specs = {MOMENTUM.key: (p.shape, MOMENTUM.dtype(settings, main_dtype or p.dtype))}
         if main_dtype is not None:
-            dtypes["main_param"] = main_dtype
-        shapes = {}
-        if group.get("normalize") == "row":  # [variants] NorMuon's row second moment
-            dtypes["row_second_moment"] = torch.float32
-            shapes["row_second_moment"] = row_moment_shape(opt.matrix_shapes_by_index[i])
+            specs["main_param"] = (p.shape, main_dtype)
+        for spec in kept_state(settings, variants_only=True):  # on the owner, whole
+            specs[spec.key] = (spec.shape(view), spec.dtype(settings, p.dtype))
         full[i] = {}
-        for name, dtype in dtypes.items():
+        for name, (shape, dtype) in specs.items():
             if owner == opt.rank:
                 buf = opt.state[p][name].clone()
             else:
-                buf = torch.empty(shapes.get(name, p.shape), dtype=dtype, device=p.device)
+                buf = torch.empty(shape, dtype=dtype, device=p.device)
             opt.comm.broadcast(buf, src=owner, tag="checkpoint")
             full[i][name] = buf
     for shards in opt.reduction.flat_shards:  # AdamW moments: shard r of every flat bucket
@@ -123,6 +124,7 @@ def load_full_state(opt: DistributedMuon, state_dict: dict[str, Any]) -> None:
             f"loaded state has {len(saved_groups)} param groups, "
             f"the optimizer {len(opt.param_groups)}"
         )
+    check_loaded_groups(opt, state_dict)  # before anything changes
     key_of: dict[int, Any] = {}
     for group, saved in zip(opt.param_groups, saved_groups):
         if len(saved["params"]) != len(group["params"]):
@@ -151,12 +153,20 @@ def load_full_state(opt: DistributedMuon, state_dict: dict[str, Any]) -> None:
             buf.copy_(source.view(p.shape))
         if "main_param" in state:
             _load_main(state["main_param"], p, entry.get("main_param"))
-        if "row_second_moment" in state:  # [variants] NorMuon's row second moment
-            moment = entry.get("row_second_moment")
+        settings = MuonSettings.from_group(opt.group_of[i])  # the loaded options
+        kept = kept_state(settings, variants_only=True)
+        for spec in VARIANT_STATE:
+            if spec not in kept:
+                state.pop(spec.key, None)
+                continue
+            if spec.key not in state:  # built without it: the loaded options keep it
+                view = opt.matrix_view(p, opt.group_of[i])
+                state[spec.key] = spec.zeros(settings, view, p.dtype, p.device)
+            moment = entry.get(spec.key)
             if moment is None:
-                state["row_second_moment"].zero_()
+                state[spec.key].zero_()
             else:
-                state["row_second_moment"].copy_(moment)
+                state[spec.key].copy_(moment)
     for i in opt.adamw_indices:
         entry = saved_state.get(key_of[i], {})
         p = opt.params[i]

@@ -53,10 +53,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import functional
+from ..declared_state import ROW_MOMENT, kept_state
 from ..newton_schulz import default_ns_dtype
 from ..optimizer import Muon
 from ..optimizer_state import parameter_states
 from ..scaling import matrix_update_scales, update_scale
+from ..settings import MuonSettings, NewtonSchulzSettings
 from ..variants import (  # [variants]
     row_factors,
     row_statistics,
@@ -188,7 +190,7 @@ class DTensorMuon(Muon):
     all-reduce of non-finite flags, unless ``nonfinite="ignore"``) → momentum on shards →
     all-to-all to owners → Newton–Schulz on whole matrices → all-to-all back → update shards →
     AdamW on shards. NorMuon (``normalize="row"``) normalises rows on the owner and shares the
-    owners' row statistics in one all-reduce, so its ``row_second_moment`` is replicated.
+    owners' row statistics in one all-reduce, so its row second moment is replicated.
     ``last_step_wire_bytes`` / ``last_step_wire_breakdown`` give the bytes this rank sent in the
     last step (``"muon/all_to_all"``, ``"muon/all_reduce"``, ``"control/all_reduce"``), counted
     by :mod:`.comm` as for :class:`~muonscale.distributed.DistributedMuon`. Construction checks
@@ -455,7 +457,7 @@ class DTensorMuon(Muon):
                 alphas,
                 lr=float(group["lr"]),
                 weight_decay=group["weight_decay"],
-                cautious=bool(group.get("cautious_weight_decay")),  # [variants]
+                cautious=MuonSettings.from_group(group).cautious_weight_decay,
             )
 
     @staticmethod
@@ -479,9 +481,9 @@ class DTensorMuon(Muon):
         used their own statistics, with no traffic."""
         shared = []
         for p, group in entries:
-            if group.get("normalize", "none") != "row":
+            if ROW_MOMENT not in kept_state(MuonSettings.from_group(group)):
                 continue
-            v = self.state[p]["row_second_moment"]
+            v = self.state[p][ROW_MOMENT.key]
             if id(p) in whole_here:
                 update_row_moments_(v, self._row_stats.pop(id(p)), group["row_beta2"])
             else:
@@ -507,7 +509,7 @@ class DTensorMuon(Muon):
         """[variants] NorMuon on the owner's whole matrices of ``p``, in place: each matrix's
         rows scaled by :func:`~muonscale.variants.row_factors` of the moment after this step
         (computed on a copy; every replica is stepped by :meth:`_share_row_statistics`)."""
-        v, offset, stats = self.state[p]["row_second_moment"], 0, []
+        v, offset, stats = self.state[p][ROW_MOMENT.key], 0, []
         for mat in mats:
             rows = mat.shape[0]
             s = row_statistics(mat)
@@ -520,7 +522,10 @@ class DTensorMuon(Muon):
     def _result_dtype(self, part, dtype: torch.dtype) -> torch.dtype:
         """Newton–Schulz's output dtype when all groups agree (bf16 on GPU halves the return
         traffic; adding it to the parameter promotes exactly as on one process)."""
-        ns = {g["ns_dtype"] or default_ns_dtype(local_tensor(p).device) for p, g in part}
+        ns = {
+            MuonSettings.from_group(g).ns_dtype or default_ns_dtype(local_tensor(p).device)
+            for p, g in part
+        }
         return ns.pop() if len(ns) == 1 else dtype
 
     def _orthogonalize(
@@ -529,33 +534,18 @@ class DTensorMuon(Muon):
         """On the owner: whole U (2-D) → view's matrices → batched NS per setting → the update
         as a 2-D matrix; unscaled for a single matrix (scaled at the shard, as on one process),
         scaled per block for split / batched views."""
-        by_setting: dict[tuple, list[tuple[int, int, torch.Tensor]]] = {}
+        by_setting: dict[NewtonSchulzSettings, list[tuple[int, int, torch.Tensor]]] = {}
         per_param: list[list[torch.Tensor | None]] = []
         for slot, (i, u) in enumerate(zip(indices, whole)):
             p, group = part[i]
             mats = self.matrix_view(p, group).to_matrices(u.reshape(p.shape))
             per_param.append([None] * len(mats))
-            key = (
-                group["ns_steps"],
-                repr(group["coefficients"]),
-                group["ns_dtype"],
-                group["ns_eps"],
-                group.get("preconditioner", "frobenius"),  # [variants]
-                group["ns_method"],
-            )
+            ns = MuonSettings.from_group(group).ns
             for j, mat in enumerate(mats):
-                by_setting.setdefault(key, []).append((slot, j, mat))
-        for (steps, _, ns_dtype, eps, preconditioner, method), items in by_setting.items():
-            group = part[indices[items[0][0]]][1]
+                by_setting.setdefault(ns, []).append((slot, j, mat))
+        for ns, items in by_setting.items():
             ortho = functional.orthogonalize_matrices(
-                [m for _, _, m in items],
-                ns_steps=steps,
-                coefficients=group["coefficients"],
-                ns_dtype=ns_dtype,
-                eps=eps,
-                method=method,
-                max_workspace_bytes=self.memory.ns_workspace_bytes,
-                preconditioner=preconditioner,  # [variants]
+                [m for _, _, m in items], ns, max_workspace_bytes=self.memory.ns_workspace_bytes
             )
             for (slot, j, _), o in zip(items, ortho):
                 per_param[slot][j] = o
@@ -563,12 +553,13 @@ class DTensorMuon(Muon):
         for slot, i in enumerate(indices):
             p, group = part[i]
             view, mats = self.matrix_view(p, group), per_param[slot]
-            if group.get("normalize", "none") == "row":  # [variants]
+            settings = MuonSettings.from_group(group)
+            if ROW_MOMENT in kept_state(settings):  # [variants] NorMuon
                 self._row_normalize_on_owner(p, group, mats)
             if len(mats) == 1 and view.row_partition is None and not view.transposed:
                 out.append(mats[0].reshape(whole[slot].shape))
             else:
-                scales = matrix_update_scales(group["scale"], view, group.get("qk_lr_scale", 1.0))
+                scales = matrix_update_scales(settings.scale, view, settings.qk_lr_scale)
                 scaled = [m * s for m, s in zip(mats, scales)]
                 out.append(view.from_matrices(scaled).reshape(whole[slot].shape))
         return out
@@ -591,13 +582,8 @@ class DTensorMuon(Muon):
                 continue
             (o,) = functional.orthogonalize_matrices(
                 [u],
-                ns_steps=group["ns_steps"],
-                coefficients=group["coefficients"],
-                ns_dtype=group["ns_dtype"],
-                eps=group["ns_eps"],
-                method=group["ns_method"],
+                MuonSettings.from_group(group).ns,
                 max_workspace_bytes=self.memory.ns_workspace_bytes,
-                preconditioner=group.get("preconditioner", "frobenius"),  # [variants]
             )
             out[id(p)] = (o, -update_scale(group["scale"], p.shape[0], math.prod(p.shape[1:])))
         return out

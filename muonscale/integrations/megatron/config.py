@@ -10,10 +10,10 @@ from typing import Any
 import torch
 
 from muonscale.newton_schulz import COEFFICIENT_PRESETS, Coefficients
-from muonscale.optimizer_options import check_range
 from muonscale.qkv import QKV_SPLIT_MODES
 from muonscale.scaling import SCALE_RULES
-from muonscale.variants import NORMUON_BETA2, Normalize, Preconditioner, validate_variant_options
+from muonscale.settings import check_range, schedule_defaults, validate_muon_options
+from muonscale.variants import NORMUON_BETA2, Normalize, Preconditioner
 
 TP_MODES = ("exact", "approximate_blockwise")
 """``"exact"``: every TP-sharded matrix is orthogonalized whole (at one owner rank).
@@ -197,7 +197,7 @@ class MegatronMuonConfig:
     unless Megatron's DDP reduces the gradients, or expert / pipeline parallelism is used."""
 
     def __post_init__(self) -> None:
-        validate_variant_options(
+        validate_muon_options(
             dict(
                 normalize=self.normalize,
                 row_beta2=self.row_beta2,
@@ -205,11 +205,11 @@ class MegatronMuonConfig:
                 preconditioner=self.preconditioner,
             )
         )
-        aol = self.preconditioner == "aol"  # muonscale.Muon's defaults for each preconditioner
+        steps, coefficients = schedule_defaults(self.preconditioner)  # as muonscale.Muon's
         if self.muon_num_ns_steps is None:
-            object.__setattr__(self, "muon_num_ns_steps", 4 if aol else 5)
+            object.__setattr__(self, "muon_num_ns_steps", steps)
         if self.coefficients is None:
-            object.__setattr__(self, "coefficients", "turbo_muon" if aol else "keller")
+            object.__setattr__(self, "coefficients", coefficients)
         if self.muon_tp_mode not in TP_MODES:
             hint = ""
             if self.muon_tp_mode in ("duplicated", "distributed"):

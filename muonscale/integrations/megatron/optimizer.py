@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from muonscale.declared_state import ROW_MOMENT, variant_state
 from muonscale.distributed.comm import Communicator, WireCounter
 from muonscale.distributed.data_parallel import DistributedMuon
 from muonscale.memory import MemoryBudget
@@ -143,7 +144,7 @@ class MegatronMuon(Muon):
             [self._plan_by_id[id(p)] for p in params],
             group,
             self.orthogonalizer,
-            [s.get("row_second_moment") for s in states],  # [variants] NorMuon
+            variant_state(states)[ROW_MOMENT.key],
         )
 
     @torch.no_grad()
@@ -256,7 +257,7 @@ class MegatronDistributedMuon(DistributedMuon):
             [self._plan_by_id[id(self.model_param(p))] for p in params],
             group,
             self.orthogonalizer,
-            [s.get("row_second_moment") for s in states],  # [variants] NorMuon
+            variant_state(states)[ROW_MOMENT.key],
         )
 
     @torch.no_grad()

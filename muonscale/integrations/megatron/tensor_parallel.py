@@ -10,11 +10,13 @@ import torch
 import torch.distributed as dist
 
 from muonscale import functional, variants
+from muonscale.declared_state import ROW_MOMENT, kept_state
 from muonscale.distributed.comm import Communicator, WireCounter
 from muonscale.distributed.sharded import MatrixLayout, ShardedMatrices
 from muonscale.matrices import MatrixView
 from muonscale.memory import MemoryBudget
 from muonscale.scaling import update_scale
+from muonscale.settings import MuonSettings
 
 from .config import MegatronMuonConfig
 from .plan import MegatronGroups, ParamPlan
@@ -129,18 +131,13 @@ class TensorParallelOrthogonalizer:
                 split_dims[kind].append(plan.partition_dim if sharded and exact else None)
             slots.append(entries)
 
-        ns = dict(
-            ns_steps=group["ns_steps"],
-            coefficients=group["coefficients"],
-            ns_dtype=group["ns_dtype"],
-            eps=group["ns_eps"],
-            method=group["ns_method"],
-            max_workspace_bytes=self.memory.ns_workspace_bytes,
-            preconditioner=group.get("preconditioner", "frobenius"),
-        )
+        settings = MuonSettings.from_group(group)
+        workspace = self.memory.ns_workspace_bytes
 
         def orthogonalize(_indices: list[int], matrices: list[torch.Tensor]) -> list[torch.Tensor]:
-            return functional.orthogonalize_matrices(matrices, **ns)
+            return functional.orthogonalize_matrices(
+                matrices, settings.ns, max_workspace_bytes=workspace
+            )
 
         results: dict[bool, list[torch.Tensor]] = {}
         for kind, items in batches.items():
@@ -159,7 +156,7 @@ class TensorParallelOrthogonalizer:
                 self._exchanges[key] = exchange
             results[kind] = exchange.apply([mat for mat, _ in items], orthogonalize)
 
-        if group.get("normalize", "none") == "row":
+        if ROW_MOMENT in kept_state(settings):
             if row_moments is None or any(v is None for v in row_moments):
                 raise ValueError("normalize='row' needs each parameter's row second moment")
             moments: dict[bool, list[torch.Tensor]] = {False: [], True: []}  # per matrix
@@ -177,7 +174,7 @@ class TensorParallelOrthogonalizer:
         # s(m, n) from the matrix's *global* shape
         extra = self.config.muon_extra_scale_factor
         updates = []
-        qk_lr_scale = group.get("qk_lr_scale", 1.0)
+        qk_lr_scale = settings.qk_lr_scale
         for direction, view, entries in zip(directions, views, slots):
             scaled = [
                 results[kind][slot].to(direction.dtype)
@@ -260,7 +257,7 @@ def muon_update_(
     )
     updates = orthogonalize(directions, views, plans, group, row_moments)
     lr, decay = float(group["lr"]), group["weight_decay"]
-    if decay != 0 and group.get("cautious_weight_decay", False):
+    if decay != 0 and MuonSettings.from_group(group).cautious_weight_decay:
         for param, update in zip(params, updates):
             update = update.view(param.shape)
             variants.cautious_weight_decay_(param, update, lr=lr, weight_decay=decay)

@@ -1,0 +1,143 @@
+"""The state a Muon parameter holds, declared once: each tensor's key, its shape as a function
+of the parameter's matrix view, its dtype, its placement, and which settings keep it.
+
+Creating state, checking loaded state, DCP gathering and the distributed optimizers read
+these declarations instead of naming the tensors themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from .matrices import MatrixView
+from .settings import MuonSettings
+from .variants import row_moment_shape
+
+Placement = Literal["parameter", "replicated"]
+"""``"parameter"``: laid out as the parameter (a DTensor parameter's state is a DTensor with
+its placements; in ``DistributedMuon`` it lives with the matrix's owner); ``"replicated"``:
+the whole tensor wherever the matrix is updated (with the owner, or on every rank that holds
+a shard of a sharded matrix)."""
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One state tensor of a Muon parameter."""
+
+    key: str
+    """Its key in the parameter's state (and in ``state_dict()``)."""
+    what: str
+    """What it holds, for messages."""
+    kept: Callable[[MuonSettings], bool]
+    """Whether a group with these settings keeps it."""
+    shape: Callable[[MatrixView], tuple[int, ...]]
+    """Its (global) shape, from the parameter's matrix view."""
+    dtype: Callable[[MuonSettings, torch.dtype], torch.dtype]
+    """Its dtype, from the settings and the dtype of the parameter (or of its main copy)."""
+    placement: Placement
+
+    def zeros(
+        self, settings: MuonSettings, view: MatrixView, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A zero tensor of this state for a plain (whole) parameter of ``dtype``."""
+        return torch.zeros(self.shape(view), dtype=self.dtype(settings, dtype), device=device)
+
+
+MOMENTUM = StateTensor(
+    key="momentum_buffer",
+    what="the momentum buffer, shaped as the parameter",
+    kept=lambda settings: True,
+    shape=lambda view: view.param_shape,
+    dtype=lambda settings, dtype: settings.momentum_dtype or dtype,
+    placement="parameter",
+)
+ROW_MOMENT = StateTensor(
+    key="row_second_moment",
+    what="NorMuon's row second moment, one float32 per row of the parameter's matrices",
+    kept=lambda settings: settings.normalize == "row",
+    shape=lambda view: row_moment_shape(view.matrix_shapes),
+    dtype=lambda settings, dtype: torch.float32,
+    placement="replicated",
+)
+MUON_STATE: tuple[StateTensor, ...] = (MOMENTUM, ROW_MOMENT)
+"""Every state tensor a Muon parameter may hold."""
+
+VARIANT_STATE: tuple[StateTensor, ...] = (ROW_MOMENT,)
+"""The state of the variants (beyond the momentum every Muon parameter holds)."""
+
+
+def kept_state(settings: MuonSettings, *, variants_only: bool = False) -> list[StateTensor]:
+    """The state tensors a group with ``settings`` keeps."""
+    return [t for t in (VARIANT_STATE if variants_only else MUON_STATE) if t.kept(settings)]
+
+
+def variant_state(states: list[Mapping[str, Any]]) -> dict[str, list[torch.Tensor | None]]:
+    """``{key: [that tensor of each state, or None]}`` for every variant state tensor: what
+    the matrix step takes besides the momentum."""
+    return {t.key: [s.get(t.key) for s in states] for t in VARIANT_STATE}
+
+
+def check_loaded_state(
+    entry: Mapping[str, Any],
+    settings: MuonSettings,
+    view: MatrixView,
+    *,
+    name: str,
+    explicit: Mapping[str, Any],
+) -> None:
+    """``ValueError`` naming the parameter and the tensor unless the loaded state ``entry`` of a
+    Muon parameter fits the declaration: each declared tensor it holds has the shape of the
+    parameter's matrix view and a floating dtype; a tensor the settings keep is missing only
+    from a state that was never created, or when ``explicit`` (the saved group's own options)
+    does not state the option that keeps it (a checkpoint from before that option)."""
+    for spec in MUON_STATE:
+        value = entry.get(spec.key)
+        if value is None:
+            if spec.kept(settings) and entry and spec is not MOMENTUM:
+                if spec.kept(MuonSettings.from_group(explicit)):  # not a filled-in default
+                    raise ValueError(
+                        f"load_state_dict: the state of parameter '{name}' has no "
+                        f"{spec.key!r} ({spec.what}), which its saved param group needs "
+                        f"({_keeping_options(spec, settings)}). A checkpoint read into this "
+                        "optimizer's own state dict (torch.distributed.checkpoint) only has "
+                        "room for the state this optimizer keeps: build it with the saved "
+                        "options. Nothing was changed."
+                    )
+            continue
+        if not torch.is_tensor(value):
+            raise ValueError(
+                f"load_state_dict: state {spec.key!r} of parameter '{name}' is a "
+                f"{type(value).__name__}, expected a tensor ({spec.what}). Nothing was changed."
+            )
+        want = tuple(spec.shape(view))
+        # torch keeps no shapes: a momentum of the parameter's size is read in its shape
+        fits = tuple(value.shape) == want or (spec is MOMENTUM and value.numel() == _numel(want))
+        if not fits:
+            raise ValueError(
+                f"load_state_dict: state {spec.key!r} of parameter '{name}' has shape "
+                f"{tuple(value.shape)}, expected {want} ({spec.what}; its matrices: "
+                f"{list(view.matrix_shapes)}). Was it saved from a model whose weights are "
+                "stored otherwise (transposed, split, another matrix_mode)? Nothing was changed."
+            )
+        if not value.is_floating_point():
+            raise ValueError(
+                f"load_state_dict: state {spec.key!r} of parameter '{name}' has dtype "
+                f"{value.dtype}, expected a floating dtype ({spec.what}). Nothing was changed."
+            )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for s in shape:
+        out *= int(s)
+    return out
+
+
+def _keeping_options(spec: StateTensor, settings: MuonSettings) -> str:
+    if spec is ROW_MOMENT:
+        return f"normalize={settings.normalize!r}"
+    return "its options"

@@ -1,0 +1,227 @@
+"""Muon's options in one place: the table of defaults, the checks, and :class:`MuonSettings`,
+the frozen value of one Muon param group's options (its Newton–Schulz part one
+:class:`NewtonSchulzSettings`).
+
+Param groups stay dicts (torch's ``state_dict`` and schedulers read and write them by key);
+every reader turns a group into a :class:`MuonSettings` with :meth:`MuonSettings.from_group`,
+which also fills in the options that groups written by older versions lack.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from .matrices import MATRIX_MODES
+from .newton_schulz import DEFAULT_EPS, CoefficientSpec, validate_coefficients
+from .scaling import SCALE_RULES
+from .variants import NORMALIZE_MODES, NORMUON_BETA2, PRECONDITIONERS, Normalize, Preconditioner
+
+NS_METHODS = ("auto", "plain", "gram")
+
+PRECONDITIONER_SCHEDULES: dict[str, tuple[int, str]] = {
+    "frobenius": (5, "keller"),
+    "aol": (4, "turbo_muon"),
+}
+"""Default (``ns_steps``, ``coefficients``) of each preconditioner: Keller Jordan's five steps
+for X/‖X‖_F, Turbo-Muon's four for AOL (``docs/variants.md``)."""
+
+STEP_SCALARS = ("lr", "weight_decay")
+"""Options read by every step itself (schedulers change them between steps)."""
+
+VARIANT_OPTIONS = ("normalize", "row_beta2", "cautious_weight_decay", "preconditioner")
+"""Options that choose the algorithm's variant (``load_state_dict`` warns when they change)."""
+
+
+# ------------------------------------------------------------------------------ checks
+def check_range(name: str, value: Any, low: float, high: float, *, high_open: bool = False) -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is a finite number in the range."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and low <= value and (value < high if high_open else value <= high)
+    if not ok:
+        if math.isinf(high):
+            accepts = f"a finite number >= {low}"
+        else:
+            accepts = f"a number in [{low}, {high}{')' if high_open else ']'}"
+        raise ValueError(f"{name} must be {accepts}, got {value!r}")
+
+
+def check_flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def check_dtype(name: str, value: Any) -> None:
+    if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+        raise ValueError(f"{name} must be None or a floating torch.dtype, got {value!r}")
+
+
+def check_lr(name: str, lr: Any) -> None:
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        lr = float(lr)
+    check_range(name, lr, 0.0, math.inf)
+
+
+def check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+
+
+# ------------------------------------------------------------------------------ values
+def _hashable(value: Any) -> Any:
+    """Lists (of coefficient tuples) as tuples, so that settings hash."""
+    if isinstance(value, list):
+        return tuple(_hashable(v) for v in value)
+    return value
+
+
+@dataclass(frozen=True)
+class NewtonSchulzSettings:
+    """How a Muon group orthogonalizes: the Newton–Schulz iteration and its input scaling."""
+
+    steps: int = PRECONDITIONER_SCHEDULES["frobenius"][0]
+    """Iterations (``ns_steps``)."""
+    coefficients: CoefficientSpec = PRECONDITIONER_SCHEDULES["frobenius"][1]
+    """A preset name, one (a, b, c) or one per step."""
+    dtype: torch.dtype | None = None
+    """dtype of the iteration (``ns_dtype``); None: bfloat16 on CUDA, float32 elsewhere."""
+    eps: float = DEFAULT_EPS
+    """Floor of the input's norm (``ns_eps``)."""
+    method: str = "auto"
+    """``"plain"``, ``"gram"`` or ``"auto"`` (``ns_method``)."""
+    preconditioner: Preconditioner = "frobenius"
+    """Input scaling: ``"frobenius"`` (X/‖X‖_F) or ``"aol"`` (Turbo-Muon)."""
+
+
+@dataclass(frozen=True)
+class MuonSettings:
+    """The options of one Muon param group, under their param-group keys; the class defaults
+    are the defaults of :class:`muonscale.Muon` (see its docstring for each option)."""
+
+    lr: float | torch.Tensor = 1e-3
+    momentum: float = 0.95
+    weight_decay: float = 0.1
+    nesterov: bool = True
+    ns_steps: int = PRECONDITIONER_SCHEDULES["frobenius"][0]
+    coefficients: CoefficientSpec = PRECONDITIONER_SCHEDULES["frobenius"][1]
+    scale: str = "match_rms_adamw"
+    ns_dtype: torch.dtype | None = None
+    momentum_dtype: torch.dtype | None = None
+    """dtype of the momentum buffer; None: the parameter's (or its main copy's)."""
+    matrix_mode: str = "flatten"
+    ns_eps: float = DEFAULT_EPS
+    ns_method: str = "auto"
+    normalize: Normalize = "none"
+    row_beta2: float = NORMUON_BETA2
+    cautious_weight_decay: bool = False
+    preconditioner: Preconditioner = "frobenius"
+    qk_lr_scale: float = 1.0
+
+    @classmethod
+    def from_group(cls, group: Mapping[str, Any]) -> MuonSettings:
+        """The settings of a Muon param group; options it lacks (written by an older version)
+        take their defaults."""
+        values = {k: group.get(k, v) for k, v in OPTION_DEFAULTS.items()}
+        values["coefficients"] = _hashable(values["coefficients"])
+        return cls(**values)
+
+    @property
+    def ns(self) -> NewtonSchulzSettings:
+        """The Newton–Schulz settings, as one value."""
+        return NewtonSchulzSettings(
+            steps=self.ns_steps,
+            coefficients=self.coefficients,
+            dtype=self.ns_dtype,
+            eps=self.ns_eps,
+            method=self.ns_method,
+            preconditioner=self.preconditioner,
+        )
+
+    @property
+    def variant(self) -> tuple:
+        """The variant options (:data:`VARIANT_OPTIONS`) as a tuple: equal to
+        ``PLAIN_MUON.variant`` for plain Muon."""
+        return tuple(getattr(self, k) for k in VARIANT_OPTIONS)
+
+    def momentum_dtype_for(self, dtype: torch.dtype) -> torch.dtype:
+        """dtype of the momentum of a parameter (or main copy) of ``dtype``."""
+        return self.momentum_dtype or dtype
+
+
+PLAIN_MUON = MuonSettings()
+OPTION_DEFAULTS: dict[str, Any] = {
+    f.name: getattr(PLAIN_MUON, f.name) for f in fields(MuonSettings)
+}
+"""The one table of Muon's option defaults, by param-group key."""
+
+BACKWARD_SNAPSHOT = tuple(k for k in OPTION_DEFAULTS if k not in STEP_SCALARS)
+"""Options that work done during backward (``orthogonalize_in_backward``) depends on."""
+
+
+def schedule_defaults(preconditioner: Any) -> tuple[int, str]:
+    """(``ns_steps``, ``coefficients``) defaults for ``preconditioner``."""
+    return PRECONDITIONER_SCHEDULES.get(preconditioner, PRECONDITIONER_SCHEDULES["frobenius"])
+
+
+def validate_muon_options(group: Mapping[str, Any]) -> None:
+    """``ValueError`` naming the first invalid Muon option of ``group`` (a param group or the
+    constructor's defaults; options it lacks are not checked)."""
+    for name, check in _CHECKS.items():
+        if name in group:
+            check(group[name])
+    if "coefficients" in group or "ns_steps" in group:
+        validate_coefficients(  # also checks ns_steps
+            group.get("coefficients", PLAIN_MUON.coefficients),
+            group.get("ns_steps", PLAIN_MUON.ns_steps),
+        )
+
+
+def _check_momentum_dtype(value: Any) -> None:
+    check_dtype("momentum_dtype", value)
+    if value == torch.float16:
+        raise ValueError(
+            "momentum_dtype=torch.float16 is refused: a gradient entry beyond its range "
+            "(65504) becomes inf in the buffer and turns every weight NaN although the "
+            "gradient is finite; torch.bfloat16 takes the same memory with float32's range"
+        )
+
+
+def _check_nesterov(value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"nesterov must be a bool, got {value!r}")
+
+
+_CHECKS = {
+    "lr": lambda v: check_lr("lr", v),
+    "momentum": lambda v: check_range("momentum", v, 0.0, 1.0, high_open=True),
+    "weight_decay": lambda v: check_range("weight_decay", v, 0.0, math.inf),
+    "nesterov": _check_nesterov,
+    "scale": lambda v: check_choice("scale", v, SCALE_RULES),
+    "ns_dtype": lambda v: check_dtype("ns_dtype", v),
+    "momentum_dtype": _check_momentum_dtype,
+    "matrix_mode": lambda v: check_choice("matrix_mode", v, MATRIX_MODES),
+    "ns_eps": lambda v: check_range("eps (ns_eps)", v, 0.0, math.inf),
+    "qk_lr_scale": lambda v: check_range("qk_lr_scale", v, 0.0, math.inf),
+    "ns_method": lambda v: check_choice("ns_method", v, NS_METHODS),
+    "normalize": lambda v: check_choice("normalize", v, NORMALIZE_MODES),
+    "row_beta2": lambda v: check_range("row_beta2", v, 0.0, 1.0, high_open=True),
+    "cautious_weight_decay": lambda v: check_flag("cautious_weight_decay", v),
+    "preconditioner": lambda v: check_choice("preconditioner", v, PRECONDITIONERS),
+}
+"""One check per option (``coefficients`` with ``ns_steps``: they are checked together)."""
+
+
+def changed_variant_options(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """``"name: current → saved"`` for each variant option a saved param group states with
+    another value than ``current`` (the group it is loaded into)."""
+    out = []
+    for key in VARIANT_OPTIONS:
+        if key in saved and key in current and saved[key] != current[key]:
+            out.append(f"{key}: {current[key]!r} → {saved[key]!r}")
+    return out

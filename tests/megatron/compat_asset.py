@@ -1,0 +1,93 @@
+"""The Megatron TP=2 NorMuon asset of ``tests/assets/compat/megatron/``: written once from an
+earlier version of the code (``write``), loaded and continued by the current one (``resume``).
+Write it from the repo root in the Megatron venv::
+
+    PYTHONPATH=.:tests:tests/megatron .venv-megatron/bin/python tests/megatron/compat_asset.py
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import sys
+
+import megatron_workers as W
+import torch
+
+FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "assets", "compat")
+FOLDER = os.path.normpath(os.path.join(FOLDER, "megatron"))
+SAVE_AT = 2
+SHAPE = dict(W.TINY, num_layers=1, hidden_size=32, ffn_hidden_size=64, vocab_size=64)
+CONFIG = dict(lr=0.02, weight_decay=0.1, adam_lr=0.01, ns_dtype=torch.float32, normalize="row")
+
+
+def _build():
+    from muonscale.integrations.megatron import MegatronMuonConfig, megatron_muon
+
+    W.setup_parallel(2)
+    model = W.build_gpt(SHAPE, seed=0)
+    return model, megatron_muon([model], MegatronMuonConfig(**CONFIG))
+
+
+def _train(model, opt, steps) -> None:
+    for step in steps:
+        W.inject_gradients(model, step)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _local(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _platform() -> dict[str, str]:
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def write(rank: int, world_size: int) -> None:
+    from megatron.core import parallel_state as ps
+
+    model, opt = _build()
+    _train(model, opt, range(SAVE_AT))
+    saved = io.BytesIO()  # written now: the next step changes the state in place
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, saved)
+    saved.seek(0)
+    record = dict(torch.load(saved, weights_only=False), params=_local(model))
+    _train(model, opt, range(SAVE_AT, SAVE_AT + 1))
+    record.update(next_params=_local(model), platform=_platform())
+    torch.save(record, os.path.join(FOLDER, f"tp{ps.get_tensor_model_parallel_rank()}.pt"))
+    ps.destroy_model_parallel()
+
+
+def resume(rank: int, world_size: int) -> dict:
+    """A fresh model and optimizer loaded from the asset: (saved, loaded) state tensors of
+    this rank, and (recorded, computed) next parameters."""
+    from megatron.core import parallel_state as ps
+
+    model, opt = _build()
+    path = os.path.join(FOLDER, f"tp{ps.get_tensor_model_parallel_rank()}.pt")
+    record = torch.load(path, weights_only=False)
+    saved = copy.deepcopy(record["optimizer"]["state"])  # loading may keep these tensors
+    model.load_state_dict(record["model"])
+    opt.load_state_dict(record["optimizer"])
+    loaded = copy.deepcopy(opt.state_dict())  # the next step changes it in place
+    _train(model, opt, range(SAVE_AT, SAVE_AT + 1))
+    out = dict(
+        saved=saved,
+        loaded=loaded["state"],
+        recorded=record["next_params"],
+        computed=_local(model),
+        platform=record["platform"],
+    )
+    ps.destroy_model_parallel()
+    return out
+
+
+if __name__ == "__main__":
+    from distributed_harness import WorkerPool
+
+    os.makedirs(FOLDER, exist_ok=True)
+    with WorkerPool(2, pg_timeout_s=180) as pool:
+        pool.run(write)
+    sys.exit(0)

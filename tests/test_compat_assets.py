@@ -1,0 +1,125 @@
+"""Saved state keeps loading: the assets of ``tests/assets/compat/`` (written by an earlier
+version, see ``make_assets.py`` there) load into today's optimizers. Every loaded state tensor
+equals the saved one bitwise; one continued step equals the recorded one bitwise on the
+recording's torch and CPU kernels, and within 1e-6 relative elsewhere."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from compat_cases import (
+    BASE,
+    DISTRIBUTED,
+    SAVE_AT,
+    SINGLE_PROCESS,
+    Tiny,
+    build_distributed,
+    gradients,
+    local_state,
+    params_of,
+    recorded_platform,
+    train,
+)
+from distributed_harness import shared_pool
+
+import muonscale
+
+ASSETS = Path(__file__).parent / "assets" / "compat"
+pytestmark = pytest.mark.timeout(120)
+
+
+def state_mismatches(saved: dict, loaded: dict) -> list[str]:
+    """What differs between two ``state_dict()["state"]`` (keys, dtypes, shapes or bits)."""
+    if saved.keys() != loaded.keys():
+        return [f"parameter indices {sorted(saved)} != {sorted(loaded)}"]
+    out = []
+    for i in saved:
+        if saved[i].keys() != loaded[i].keys():
+            out.append(f"state {i}: keys {sorted(saved[i])} != {sorted(loaded[i])}")
+            continue
+        for key, want in saved[i].items():
+            got = loaded[i][key]
+            if not torch.is_tensor(want):
+                if got != want:
+                    out.append(f"state {i}[{key!r}]: {got!r} != {want!r}")
+            elif got.dtype != want.dtype or not torch.equal(got, want):
+                out.append(f"state {i}[{key!r}]: {got.dtype} {tuple(got.shape)} != saved")
+    return out
+
+
+def step_mismatches(recorded: dict, computed: dict, platform: dict) -> list[str]:
+    """Parameters of the continued step that differ from the recording: any bit on the
+    recording's platform, more than 1e-6 relative (to the tensor's max) elsewhere."""
+    bitwise = platform == recorded_platform()
+    out = []
+    for name, want in recorded.items():
+        got = computed[name]
+        if bitwise:
+            ok = torch.equal(got, want)
+        else:
+            scale = want.abs().max().clamp_min(torch.finfo(want.dtype).tiny)
+            ok = bool(((got - want).abs().max() / scale) <= 1e-6)
+        if not ok:
+            out.append(f"{name}: max |dW| {(got - want).abs().max().item():.3g}")
+    return out
+
+
+def _record(case: str) -> dict:
+    return torch.load(ASSETS / "single" / f"{case}.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("case", sorted(SINGLE_PROCESS))
+def test_single_process_state_dict_loads_and_continues(case):
+    record = _record(case)
+    saved = copy.deepcopy(record["state_dict"])
+    model = Tiny(seed=1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(record["params"][n])
+    opt = muonscale.Muon(model, **BASE, **SINGLE_PROCESS[case])
+    opt.load_state_dict(record["state_dict"])
+    assert state_mismatches(saved["state"], opt.state_dict()["state"]) == []
+    train(model, opt, range(SAVE_AT, SAVE_AT + 1))
+    assert step_mismatches(record["next_params"], params_of(model), record["platform"]) == []
+
+
+@pytest.mark.parametrize("case", sorted(SINGLE_PROCESS))
+def test_single_process_pickle_loads_and_continues(case):
+    record = _record(case)
+    saved = copy.deepcopy(record["state_dict"]["state"])
+    opt = record["optimizer"]
+    assert type(opt) is muonscale.Muon
+    assert state_mismatches(saved, opt.state_dict()["state"]) == []
+    params = {opt.param_names[id(p)]: p for g in opt.param_groups for p in g["params"]}
+    for name, grad in gradients(Tiny(), SAVE_AT).items():
+        params[name].grad = grad
+    opt.step()
+    computed = {n: p.detach() for n, p in params.items()}
+    assert step_mismatches(record["next_params"], computed, record["platform"]) == []
+
+
+def _resume_dcp(rank: int, world_size: int, kind: str, case: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    folder = ASSETS / "dcp" / f"{kind}-{case}"
+    record = torch.load(folder / f"rank{rank}.pt", weights_only=False)
+    model, opt = build_distributed(kind, case, seed=1)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loaded = state_mismatches(record["state"], local_state(opt))
+    train(model, opt, range(SAVE_AT, SAVE_AT + 1))
+    stepped = step_mismatches(record["next_params"], params_of(model), record["platform"])
+    return {"state": loaded, "step": stepped}
+
+
+@pytest.mark.parametrize("kind", ["distributed", "dtensor"])
+@pytest.mark.parametrize("case", sorted(DISTRIBUTED))
+def test_dcp_checkpoint_at_2_ranks_loads_and_continues(kind, case):
+    for rank, result in enumerate(shared_pool(2).run(_resume_dcp, kind, case)):
+        assert result == {"state": [], "step": []}, (kind, case, rank)
