@@ -28,7 +28,7 @@ PRECONDITIONER_SCHEDULES: dict[str, tuple[int, str]] = {
     "aol": (4, "turbo_muon"),
 }
 """Default (``ns_steps``, ``coefficients``) of each preconditioner: Keller Jordan's five steps
-for X/‖X‖_F, Turbo-Muon's four for AOL (``docs/variants.md``)."""
+for X/‖X‖_F, Turbo-Muon's four for AOL (see *Variants* in the docs)."""
 
 STEP_SCALARS = ("lr", "weight_decay")
 """Options read by every step itself (schedulers change them between steps)."""
