@@ -55,6 +55,9 @@ def _run_bytes(tmp_path, procs: int, contenders: str) -> dict[str, dict]:
     return {r["optimizer"]: r for r in rows}
 
 
+# TCP retransmissions on a loaded machine add a few percent to the measured side once in a
+# while (seen once in a full suite, 1.9% over DDP; 0 in 4 runs alone): one rerun measures again
+@pytest.mark.flaky(reruns=1)
 def test_bytes_on_veth_match_the_count(tmp_path):
     rows = _run_bytes(tmp_path, 1, "muon,muon-bf16reduce,adamw-zero1,adamw-ddp")
     assert set(rows) == {"muon", "muon-bf16reduce", "adamw-zero1", "adamw-ddp"}
