@@ -171,13 +171,13 @@ def test_sigterm_saves_a_checkpoint_and_exits_nonzero_naming_it(tmp_path):
 def test_a_signal_during_the_final_save_is_deferred_until_it_is_written(
     corpus, tmp_path, monkeypatch
 ):
-    write = checkpoint_module._write_durably
+    write = checkpoint_module.write_durably
 
     def signalled_write(path, *chunks):
         os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C while saving
         write(path, *chunks)
 
-    monkeypatch.setattr(checkpoint_module, "_write_durably", signalled_write)
+    monkeypatch.setattr(checkpoint_module, "write_durably", signalled_write)
     run = TrainingRun(_config(out_dir=str(tmp_path)), text=corpus)
     original_step = run.step
 
@@ -380,7 +380,7 @@ def test_full_disk_on_save_names_the_file_and_keeps_the_previous_checkpoint(
         temporary.write_bytes(bytes(chunks[0][:100]))  # a partial file, as a real ENOSPC leaves
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(checkpoint_module, "_write_durably", full_disk)
+    monkeypatch.setattr(checkpoint_module, "write_durably", full_disk)
     run.step()
     with pytest.raises(OSError, match=f"could not write checkpoint {path}: No space left"):
         run.save_checkpoint(path)

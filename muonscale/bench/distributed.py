@@ -49,8 +49,8 @@ from typing import Any
 from muonscale.bench.config import PARALLEL_MODES
 from muonscale.bench.distributed_worker import (  # noqa: F401 - public names re-exported here
     DTYPES,
-    _mesh_shape,
-    _worker,
+    mesh_shape,
+    run_worker,
     single_process_muon_state_bytes,
     zero_redundancy_broadcast_bytes,
 )
@@ -74,7 +74,7 @@ def _check_parallel(parallel: str, nproc: int, model_config=None) -> None:
     if parallel == "fsdp+tp" and nproc != 4:
         raise ValueError(f"parallel='fsdp+tp' runs on a 2 x 2 mesh: nproc must be 4, got {nproc}")
     if parallel in ("tp", "fsdp+tp") and model_config is not None:
-        tp = _mesh_shape(parallel, nproc)[1]
+        tp = mesh_shape(parallel, nproc)[1]
         if model_config.mlp != "gelu":
             raise NotImplementedError(
                 f"the TP plan of the distributed bench covers the gelu MLP (fc, proj), not "
@@ -142,7 +142,7 @@ def run_distributed_bench(
 
     overrides = {**DEFAULT_MODEL, **(model_overrides or {})}
     _check_parallel(parallel, nproc, model_preset(preset, **overrides))
-    dp_size = _mesh_shape(parallel, nproc)[0]
+    dp_size = mesh_shape(parallel, nproc)[0]
     if global_batch % dp_size:
         raise ValueError(
             f"global_batch={global_batch} must be divisible by the {dp_size} data-parallel ranks"
@@ -191,7 +191,7 @@ def _launch(nproc: int, spec: dict, timeout_s: float) -> dict:
     port = _free_port()
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=_worker, args=(r, nproc, port, spec, results), daemon=True)
+        ctx.Process(target=run_worker, args=(r, nproc, port, spec, results), daemon=True)
         for r in range(nproc)
     ]
     for p in procs:
@@ -277,7 +277,7 @@ def _build_report(result: dict, spec: dict, nproc: int, seconds: float) -> dict:
                     1.0, muon["wire_bytes_per_step"]["mean"]
                 )
     else:
-        dp_size, tp_size = _mesh_shape(spec["parallel"], nproc)
+        dp_size, tp_size = mesh_shape(spec["parallel"], nproc)
         report["mesh"] = {"dp": dp_size, "tp": tp_size}
         notes.append(
             "wire bytes are the optimizer's own (DTensorMuon's owner all-to-all + a non-finite "

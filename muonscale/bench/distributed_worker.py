@@ -19,7 +19,7 @@ ADAMW_BETAS = (0.9, 0.95)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _mesh_shape(parallel: str, nproc: int) -> tuple[int, int]:
+def mesh_shape(parallel: str, nproc: int) -> tuple[int, int]:
     """(data-parallel size, tensor-parallel size) of ``parallel`` on ``nproc`` ranks (mesh
     ``(dp, tp)`` row-major: the TP ranks of one replica are consecutive)."""
     if parallel == "tp":
@@ -267,7 +267,7 @@ def _tp_contenders(model_config, lrs, seed, world_size, parallel) -> list[_Conte
     from muonscale.distributed import distributed_muon
     from muonscale.train.model import GPT
 
-    dp, tp = _mesh_shape(parallel, world_size)
+    dp, tp = mesh_shape(parallel, world_size)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     plan = {
         "attn.qkv": ColwiseParallel(),
@@ -307,7 +307,7 @@ def _tp_contenders(model_config, lrs, seed, world_size, parallel) -> list[_Conte
     return out
 
 
-def _worker(rank: int, world_size: int, port: int, spec: dict, queue) -> None:
+def run_worker(rank: int, world_size: int, port: int, spec: dict, queue) -> None:
     import warnings
 
     import torch.distributed as dist
@@ -356,7 +356,7 @@ def _run_rank(rank: int, world_size: int, spec: dict, contenders: list) -> dict 
     )
     val = dataset.validation_batches(n_batches=spec["eval_batches"], batch_size=8)
     seed, steps, batch = spec["seed"], spec["steps"], spec["global_batch"]
-    dp_size, tp_size = _mesh_shape(spec["parallel"], world_size)
+    dp_size, tp_size = mesh_shape(spec["parallel"], world_size)
     per_rank, dp_rank = batch // dp_size, rank // tp_size  # TP ranks of one replica: same data
     if spec["parallel"] == "dp":
         contenders.extend(_dp_contenders(model_config, spec["lrs"], seed, spec["reduce_dtypes"]))

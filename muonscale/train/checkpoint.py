@@ -60,7 +60,8 @@ def remove_stale_temporaries(path: Path) -> list[Path]:
     return removed
 
 
-def _write_durably(path: Path, *chunks: bytes | memoryview) -> None:
+def write_durably(path: Path, *chunks: bytes | memoryview) -> None:
+    """Write ``chunks`` to ``path`` and fsync the file."""
     with open(path, "wb") as file:
         for chunk in chunks:
             file.write(chunk)
@@ -68,7 +69,8 @@ def _write_durably(path: Path, *chunks: bytes | memoryview) -> None:
         os.fsync(file.fileno())
 
 
-def _fsync_folder(folder: Path) -> None:
+def fsync_folder(folder: Path) -> None:
+    """Fsync ``folder`` (a rename in it is then durable)."""
     descriptor = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(descriptor)
@@ -87,9 +89,9 @@ def write_checkpoint(state: dict[str, Any], path: str | os.PathLike) -> Path:
     remove_stale_temporaries(path)
     temporary = path.with_name(f"{_temporary_prefix(path)}{os.getpid()}")
     try:
-        _write_durably(temporary, payload, trailer)
+        write_durably(temporary, payload, trailer)
         os.replace(temporary, path)
-        _fsync_folder(path.parent)
+        fsync_folder(path.parent)
     except OSError as error:
         reason = error.strerror or str(error)
         raise OSError(

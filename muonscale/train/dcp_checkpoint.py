@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from muonscale.train.checkpoint import CheckpointError, _fsync_folder, _write_durably
+from muonscale.train.checkpoint import CheckpointError, fsync_folder, write_durably
 from muonscale.train.parallel import Parallelism
 
 __all__ = [
@@ -71,9 +71,9 @@ def _sha256(path: Path) -> str:
 def _replace_durably(path: Path, data: bytes) -> None:
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        _write_durably(temporary, data)
+        write_durably(temporary, data)
         os.replace(temporary, path)
-        _fsync_folder(path.parent)
+        fsync_folder(path.parent)
     finally:
         temporary.unlink(missing_ok=True)
 
@@ -90,13 +90,13 @@ def _finish_on_rank0(
 ) -> None:
     buffer = io.BytesIO()
     torch.save(trainer_state, buffer)
-    _write_durably(temporary / TRAINER_STATE, buffer.getvalue())
+    write_durably(temporary / TRAINER_STATE, buffer.getvalue())
     files = {p.name: _sha256(p) for p in sorted(temporary.iterdir()) if p.is_file()}
     manifest = json.dumps({"format": FORMAT, "step": step, "files": files}, indent=1).encode()
-    _write_durably(temporary / MANIFEST, manifest)
-    _fsync_folder(temporary)
+    write_durably(temporary / MANIFEST, manifest)
+    fsync_folder(temporary)
     os.rename(temporary, final)
-    _fsync_folder(root)
+    fsync_folder(root)
     pointer = {
         "folder": final.name,
         "step": step,
@@ -124,7 +124,7 @@ def _save_failure(temporary: Path, root: Path, exc: CheckpointException) -> str:
     reasons = [f.strerror for f in failures if isinstance(f, OSError) and f.strerror]
     if not reasons:
         try:
-            _write_durably(temporary / ".space-probe", bytes(1 << 16))
+            write_durably(temporary / ".space-probe", bytes(1 << 16))
         except OSError as probe:
             reasons = [probe.strerror or str(probe)]
     reason = reasons[0] if reasons else f"{type(failures[0]).__name__}: {failures[0]}"
