@@ -206,6 +206,16 @@ def test_injected_2_ranks(injected2, kind):
     assert injected2[kind]["max_diff"] <= TOL
 
 
+def test_bf16_newton_schulz_halves_the_exchange(injected2):
+    """fp32 NS sends fp32 U to the owners and fp32 O back; bf16 NS sends both legs in bf16
+    (the owner casts U to bf16 first either way), so the same exchange moves half the bytes."""
+    fp32 = injected2["fsdp"]["wire"][1]["muon/all_to_all"]
+    bf16 = injected2["fsdp_bf16"]["wire"][1]["muon/all_to_all"]
+    print(f"\nmuon/all_to_all per step, 2 ranks: fp32 NS {fp32} B, bf16 NS {bf16} B")
+    assert fp32 > 0
+    assert bf16 * 2 == fp32
+
+
 @pytest.mark.parametrize("kind", ["fsdp", "tp0", "tp1", "2d"])
 def test_injected_4_ranks(injected4, kind):
     print(

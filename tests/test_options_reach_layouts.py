@@ -46,6 +46,7 @@ CASES = {  # option -> value different from the default, chosen to change the re
     "ns_method": {"ns_method": "gram"},  # 'auto' takes Gram for 'wide' only
     "ns_method_plain": {"ns_method": "plain"},
     "ns_dtype": {"ns_dtype": torch.float64},  # default on CPU: float32
+    "ns_dtype_bf16": {"ns_dtype": torch.bfloat16},  # DTensorMuon: bf16 U on the wire
     "coefficients": {"coefficients": "polar_express"},
     "ns_steps": {"ns_steps": 3},
     "scale": {"scale": "shape", "adamw_lr": 0.01},

@@ -8,6 +8,8 @@ Meshes and placements are read from the parameters. Per step (``DTensorMuon.step
       ▼
     U shards ──all_to_all──▶ owner: whole U → matrices (QKV split) → NS → scale   (sharded.py)
       ◀──all_to_all── O shards
+    (both legs in Newton–Schulz's dtype where it is narrower than the gradient's: bf16 NS
+    sends bf16 U, since the owner's first step casts U to it anyway)
       │  W ← W(1 − ηλ) − η s O                             elementwise on the local shard
       ▼
     AdamW params: the whole AdamW step elementwise on local shards (exact, no traffic)
@@ -170,6 +172,11 @@ def dtensor_layout(name: str, param: DTensor, group_ranks: Sequence[int]) -> Mat
             cols = cols.index_select(d, sel)
         pieces[group_rank_of[int(mesh_ranks[coord])]] = (idx[0], cols.reshape(-1))
     return MatrixLayout.from_indices((shape[0], math.prod(rest)), pieces)
+
+
+def _narrower(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """The floating dtype of fewer bits (``b`` on a tie)."""
+    return a if torch.finfo(a).bits < torch.finfo(b).bits else b
 
 
 def _as_2d(t: torch.Tensor) -> torch.Tensor:
@@ -429,9 +436,12 @@ class DTensorMuon(Muon):
                 part = [(p, g) for p, g in entries if local_grads[id(p)].dtype == dtype]
                 plan = self._plan(part, dtype)
                 result_dtype = self._result_dtype(part, dtype)
-                # U written straight where the all-to-all sends it from (no packing copy)
+                # U written straight where the all-to-all sends it from (no packing copy), in
+                # Newton–Schulz's dtype where that is narrower: the owner's first step casts
+                # the whole U to it, so the cast moves before the wire with the same bits
+                wire_dtype = _narrower(result_dtype, dtype)
                 device = local_grads[id(part[0][0])].device
-                packed, pieces = plan.piece_buffer(dtype, device)
+                packed, pieces = plan.piece_buffer(wire_dtype, device)
                 self._write_directions(
                     part, local_grads, momenta, {id(p): x for (p, _), x in zip(part, pieces)}
                 )
