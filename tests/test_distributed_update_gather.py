@@ -250,3 +250,18 @@ def test_ns_dtype_leaving_bfloat16_is_refused_at_step():
             group["ns_dtype"] = torch.float32
     with pytest.raises(ValueError, match="gather_updates=True"):
         _step(model, opt, 0)
+
+
+def _disagree(rank, world_size):
+    try:
+        DistributedMuon(make_model(), **BASE, **FP32_NS, gather_updates=True if rank else None)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_that_disagree_on_sending_updates_are_refused_by_name():
+    for message in shared_pool(2).run(_disagree):
+        assert (
+            message is not None and "blocks.0.weight" in message and "sends its update" in message
+        )

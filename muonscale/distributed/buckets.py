@@ -10,7 +10,8 @@ last bucket), and its buffer holds N such slices side by side::
     reduce-scatter  ->  rank r receives stream_r[bL : bL+L_b] summed over ranks = exactly the
                         gradients of the matrices it owns (a parameter may span two buckets)
 
-The all-gather of updated parameters uses the same layout in reverse.
+The all-gather of updated parameters (or of the owners' bf16 updates, then without fill) uses
+the same layout in reverse.
 
 **Fill: AdamW elements level the streams.** Whole-matrix owners rarely own equal numbers of
 elements (8 matrices of 3 sizes cannot be split evenly over 4 ranks), and a reduce-scatter gives

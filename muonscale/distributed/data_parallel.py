@@ -27,7 +27,7 @@ from ..settings import MuonSettings
 from . import dp_checkpoint, dp_grad_clip
 from .comm import Communicator, WireCounter
 from .dp_reduction import BucketedReduction, ReduceAt, ReductionOptions
-from .dp_update_gather import UPDATE_DTYPE, UpdateGather, check_gather_updates, update_matrices
+from .dp_update_gather import UPDATE_DTYPE, UpdateGather, check_gather_updates, sends_update
 from .hosts import discover_host_map
 from .ownership import assign_owners, format_ownership_table, rank_loads
 from .setup_checks import (  # noqa: F401 (check_process_group, is_dtensor: imported from here)
@@ -198,6 +198,7 @@ class DistributedMuon(Muon):
         if reduce_at is None:
             reduce_at = "never" if wrapped else "backward"
         options = ReductionOptions(reduce_dtype, main_params_dtype, bucket_cap_mb, reduce_at)
+        self._sends_update = lambda p, g: sends_update(p, g, gather_updates, options.main_dtype)
         self._model_of: dict[int, torch.Tensor] = {}  # id(main copy) -> model parameter
         super().__init__(params, **muon_options)
         self.comm = self._communicator(process_group, wire_counter or WireCounter(), host_map)
@@ -228,7 +229,9 @@ class DistributedMuon(Muon):
             owner_rank=self.owner_rank,
             comm=self.comm,
             name_of=self._name,
-            update_params=update_matrices(self, options.main_dtype, gather_updates),
+            update_params=frozenset(
+                i for i in self.muon_indices if self._sends_update(self.params[i], self.group_of[i])
+            ),
             update_dtype=UPDATE_DTYPE,
         )
         self.update_gather = UpdateGather(self.reduction, gather_updates, self._name)
@@ -257,7 +260,7 @@ class DistributedMuon(Muon):
 
     def _signature(self) -> list[tuple]:
         return [
-            (self._name(p), tuple(p.shape), str(p.dtype), g["algorithm"])
+            (self._name(p), tuple(p.shape), str(p.dtype), g["algorithm"], self._sends_update(p, g))
             for p, g in zip(self.params, self.group_of)
         ]
 
@@ -497,7 +500,7 @@ class DistributedMuon(Muon):
     @torch.no_grad()
     def step(self, closure=None):
         """Reduce (if backward did not finish it), agree on non-finite gradients, update owned
-        matrices and AdamW shards, gather the updated parameters."""
+        matrices and AdamW shards, gather the updated parameters (or the owners' updates)."""
         loss = None
         self._prepared_state = None  # the state is about to change
         if closure is not None:

@@ -1,7 +1,8 @@
 """The bucketed gradient reduction that :class:`~muonscale.distributed.DistributedMuon` owns:
 the buffers laid out by :mod:`.buckets` (owner streams with their AdamW fill, flat ZeRO-1
 buckets), the gradient hooks that launch each bucket's reduce-scatter during backward, and the
-all-gathers that bring updated parameters back. Every collective goes through :mod:`.comm`.
+all-gathers that bring updated parameters (or owners' updates) back. Every collective goes
+through :mod:`.comm`.
 
 The AdamW state of this rank's shards lives beside the buffers it updates (``exp_avg``,
 ``exp_avg_sq`` and, with ``main_params_dtype``, ``main_param`` in the main dtype); gradient and

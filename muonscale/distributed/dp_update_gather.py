@@ -57,21 +57,17 @@ def gathers_updates(
     return option is True or ns_dtype == UPDATE_DTYPE
 
 
-def update_matrices(
-    opt: Any, main_dtype: Callable[[torch.dtype], torch.dtype | None], option: bool | None
-) -> frozenset[int]:
-    """Muon indices of ``opt`` (its ``params``, ``group_of``, ``muon_indices``) whose owner may
-    send its update (:func:`gathers_updates`)."""
-    return frozenset(
-        i
-        for i in opt.muon_indices
-        if gathers_updates(
-            option,
-            resolved_ns_dtype(opt.group_of[i], opt.params[i].device),
-            opt.params[i].dtype,
-            main_dtype(opt.params[i].dtype),
-        )
-    )
+def sends_update(
+    p: torch.Tensor,
+    group: dict[str, Any],
+    option: bool | None,
+    main_dtype: Callable[[torch.dtype], torch.dtype | None],
+) -> bool:
+    """Whether the owner of ``p`` (in ``group``) sends its update (:func:`gathers_updates`)."""
+    if group["algorithm"] != "muon":
+        return False
+    ns_dtype = resolved_ns_dtype(group, p.device)
+    return gathers_updates(option, ns_dtype, p.dtype, main_dtype(p.dtype))
 
 
 def resolved_ns_dtype(group: dict[str, Any], device: torch.device) -> torch.dtype:
