@@ -13,7 +13,7 @@ The owner applies the update exactly as it sent it, so the replicas stay bitwise
 With fp32 Newton–Schulz this is an opt-in (``gather_updates=True``): the update is rounded to
 bfloat16, and the owner applies the rounded update too. Matrices with main copies
 (``main_params_dtype``) still gather their rounded parameters: non-owners hold no main copy.
-The bytes are derived in docs/hosts.md.
+The bytes are derived in *Across hosts* in the docs.
 """
 
 from __future__ import annotations
