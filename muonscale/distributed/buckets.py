@@ -30,7 +30,7 @@ data length (:meth:`OwnerStreams.data_lengths`) and leave the padding off the wi
 holds one contiguous range of the fill, hence at most one segment of each AdamW parameter, and
 updates it as it would a ZeRO-1 shard. The fill must share the stream's dtype (a
 ``reduce_dtype`` other than the parameters' disables it: AdamW gradients are reduced in their
-own dtype).
+own dtype; so does a gather of bf16 updates: AdamW parameters travel in their own dtype).
 
 **Flat buckets (AdamW, ZeRO-1).** The remaining AdamW parameters, concatenated in readiness order
 into buckets of about ``bucket_elems``, each padded to a multiple of N; rank r holds shard r

@@ -6,7 +6,8 @@ through :mod:`.comm`.
 
 The AdamW state of this rank's shards lives beside the buffers it updates (``exp_avg``,
 ``exp_avg_sq`` and, with ``main_params_dtype``, ``main_param`` in the main dtype); gradient and
-gather buffers keep the parameters' dtype (the Muon reduction: ``reduce_dtype``).
+gather buffers keep the parameters' dtype (the Muon reduction: ``reduce_dtype``; the gather of a
+stream that carries the owners' updates: the update dtype).
 
 When the reduction reads ``p.grad`` (``reduce_at``): ``"backward"`` launches each bucket from a
 gradient hook as soon as it is full, overlapping backward; a gradient changed after its bucket
