@@ -22,6 +22,7 @@ from torch import nn
 import muonscale
 from muonscale import functional
 from muonscale.distributed import DistributedMuon
+from muonscale.qkv import QKVLayout
 from muonscale.scaling import update_scale
 from muonscale.settings import PLAIN_MUON
 
@@ -30,10 +31,17 @@ pytestmark = pytest.mark.timeout(300)
 BASE = dict(lr=0.02, weight_decay=0.1)
 BF16_NS = dict(ns_dtype=torch.bfloat16)
 FP32_NS = dict(ns_dtype=torch.float32)
+QKV = QKVLayout(n_query_groups=1, q_per_group=3, head_dim=2)  # a (10, 10) weight: Q, K, V rows
 CASES = {  # name: (Muon options, DistributedMuon options, reference rounds the updates)
     "bf16-ns": (BF16_NS, {}, False),
     "bf16-ns-cautious": ({**BF16_NS, "cautious_weight_decay": True}, {}, False),
     "bf16-ns-normuon": ({**BF16_NS, "normalize": "row"}, {}, False),
+    "bf16-ns-row-splits": (
+        {**BF16_NS, "splits": {"blocks.1.weight": 2, "blocks.2.weight": [3, 7]}},
+        {},
+        False,
+    ),
+    "bf16-ns-qkv": ({**BF16_NS, "splits": {"blocks.1.weight": QKV}, "qk_lr_scale": 2.0}, {}, False),
     "fp32-ns-opt-in": (FP32_NS, {"gather_updates": True}, True),
     "fp32-ns-opt-in-normuon": ({**FP32_NS, "normalize": "row"}, {"gather_updates": True}, True),
 }
