@@ -47,14 +47,14 @@ def _if_bytes(ifname: str) -> tuple[int, int]:
     return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
 
 
-def _build(names, model_config, seed, world_size, hosts):
+def _build(names, model_config, seed, world_size, hosts, ns_dtype):
     from muonscale.bench.distributed_worker import _dp_contenders, _fsdp_contenders
 
     out = {}
     for name in (n for n in names if n.endswith(NO_OVERLAP)):
         base = name.removesuffix(NO_OVERLAP)
         dtypes = ["bfloat16"] if base == "muon-bf16reduce" else ["float32"]
-        for c in _dp_contenders(model_config, LRS, seed, dtypes, hosts):
+        for c in _dp_contenders(model_config, LRS, seed, dtypes, hosts, ns_dtype):
             if c.name == base:
                 c.name, c.opt.overlap_gather = name, False
                 out[name] = c
@@ -63,7 +63,7 @@ def _build(names, model_config, seed, world_size, hosts):
     names_with_overlap = [n for n in names if not n.endswith(NO_OVERLAP)]
     if any(not n.startswith("fsdp-") for n in names_with_overlap):
         dtypes = ["float32"] + (["bfloat16"] if "muon-bf16reduce" in names else [])
-        for c in _dp_contenders(model_config, LRS, seed, dtypes, hosts):
+        for c in _dp_contenders(model_config, LRS, seed, dtypes, hosts, ns_dtype):
             if c.name in names_with_overlap:
                 out[c.name] = c
             else:
@@ -167,11 +167,12 @@ def _run(a, names, rank) -> None:
     if per_rank < 1:
         raise ValueError(f"--global-batch {a.global_batch} is smaller than the world size {world}")
     hosts = discover_host_map(Communicator())
-    contenders = _build(names, cfg, seed=0, world_size=world, hosts=hosts)
+    ns_dtype = getattr(torch, a.ns_dtype)  # at construction: it decides the update gather
+    contenders = _build(names, cfg, seed=0, world_size=world, hosts=hosts, ns_dtype=ns_dtype)
     for c in contenders:
         for group in c.opt.param_groups:
             if group.get("algorithm") == "muon":
-                group["ns_dtype"] = getattr(torch, a.ns_dtype)
+                group["ns_dtype"] = ns_dtype
     n_params = sum(p.numel() for p in contenders[0].model.parameters())
     muon_fraction = _muon_fraction(contenders)
     rows = []

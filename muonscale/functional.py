@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -95,6 +95,11 @@ def momentum_directions_(
     directions = [torch.empty_like(g) for g in grads]
     write_directions_(grads, momentum_buffers, directions, momentum=momentum, nesterov=nesterov)
     return directions
+
+
+ApplyUpdates = Callable[..., None]
+"""A function with :func:`apply_updates_`'s arguments (params, updates, alphas, lr=,
+weight_decay=, cautious=)."""
 
 
 def apply_updates_(
@@ -237,6 +242,23 @@ def stack_key(
     return _plain_stack_key(param, view, ns)
 
 
+def update_rule(
+    param: torch.Tensor,
+    view: MatrixView,
+    ns: NewtonSchulzSettings,
+    options: MuonSettings = PLAIN_MUON,
+    scale: str = PLAIN_MUON.scale,
+) -> tuple[float, bool]:
+    """(α, cautious) with which :func:`muon` applies ``param``'s update O through
+    :func:`apply_updates_`: α = −s(m, n) and no cautious decay on the stacked path, α = −1
+    (scaled per matrix already) and the group's cautious decay on the per-matrix path."""
+    key = stack_key(param, view, ns, options)
+    if key is None:
+        return -1.0, options.cautious_weight_decay
+    (rows, cols), _, _ = key
+    return -update_scale(scale, rows, cols), False
+
+
 def _plain_variant(options: MuonSettings, ns: NewtonSchulzSettings) -> bool:
     return options.variant == _PLAIN_VARIANT and ns.preconditioner == "frobenius"
 
@@ -306,6 +328,7 @@ def muon(
     options: MuonSettings = PLAIN_MUON,  # [variants] its normalize, row_beta2, cautious decay
     row_moments: Sequence[torch.Tensor] | None = None,  # [variants] NorMuon state, (rows,) each
     qk_lr_scale: float = 1.0,
+    apply_updates: ApplyUpdates | None = None,
 ) -> None:
     """One Muon step, in place on ``params`` and ``momentum_buffers``::
 
@@ -332,6 +355,8 @@ def muon(
     does not change the result. ``lr`` may be a 0-dim tensor on the parameters' device (a
     capturable step: no host read of it). ``ns``: the Newton–Schulz settings (with the
     preconditioner); ``options``: the group's settings, of which the variants are read.
+    ``apply_updates``: called instead of :func:`apply_updates_` (same arguments; the Triton
+    apply pass then does not run), for a caller that also sends the updates elsewhere.
     """
     if not params:
         return
@@ -363,6 +388,7 @@ def muon(
                 max_chunk_bytes=None,
                 max_workspace_bytes=max_workspace_bytes,
                 elementwise_backend=elementwise_backend,
+                apply_updates=apply_updates,
             )
         return
     schedule, margin = resolve_schedule(coefficients, ns_steps)
@@ -431,7 +457,7 @@ def muon(
                 **direction,
             )
             p_part = [params[i] for i in members]
-            if key in fused and kernels is not None:
+            if key in fused and kernels is not None and apply_updates is None:
                 try:
                     kernels.apply_update_(
                         p_part, result, lr=lr, weight_decay=weight_decay, alpha=alpha
@@ -440,7 +466,7 @@ def muon(
                 except Exception as exc:  # fails to compile: before anything is written
                     disable_triton_elementwise(exc, elementwise_backend)
                     kernels = None
-            apply_updates_(
+            (apply_updates or apply_updates_)(
                 p_part,
                 list(result.unbind(0)),
                 [alpha] * len(members),
@@ -465,7 +491,7 @@ def muon(
         for i, mat in zip(owner, orthogonal):
             per_param[i].append(mat * scales[i][len(per_param[i])])
         for i in split:  # one at a time: a single split update alive at once
-            apply_updates_(
+            (apply_updates or apply_updates_)(
                 [params[i]],
                 [views[i].from_matrices(per_param[i])],
                 [-1.0],  # scaled above, per matrix

@@ -753,10 +753,16 @@ class Muon(torch.optim.Optimizer):
             self.update_group(group, params, [p.grad for p in params])
 
     def update_group(
-        self, group: Mapping[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]
+        self,
+        group: Mapping[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        apply_updates: functional.ApplyUpdates | None = None,
     ) -> None:
         """Apply one step of ``group``'s algorithm to ``params`` with ``grads`` (plain local
-        tensors; the distributed optimizers call this on the matrices a rank owns)."""
+        tensors; the distributed optimizers call this on the matrices a rank owns).
+        ``apply_updates``: Muon's last pass, instead of :func:`~muonscale.functional.apply_updates_`
+        (:func:`muonscale.functional.muon`)."""
         if not params:
             return
         settings = MuonSettings.from_group(group) if group["algorithm"] == "muon" else None
@@ -791,6 +797,7 @@ class Muon(torch.optim.Optimizer):
                 max_chunk_bytes=self.memory.update_chunk_bytes,
                 max_workspace_bytes=self.memory.ns_workspace_bytes,
                 elementwise_backend=self.elementwise_backend,
+                apply_updates=apply_updates,
             )
         else:
             beta1, beta2 = group["betas"]

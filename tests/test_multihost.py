@@ -19,7 +19,7 @@ from netns_cluster import unavailable_reason  # noqa: E402
 pytestmark = pytest.mark.timeout(240)
 
 
-def _run_bytes(tmp_path, procs: int, contenders: str) -> dict[str, dict]:
+def _run_bytes(tmp_path, procs: int, contenders: str, ns_dtype: str = "float32") -> dict[str, dict]:
     reason = unavailable_reason()
     if reason:
         if os.environ.get("CI") == "true":
@@ -44,6 +44,8 @@ def _run_bytes(tmp_path, procs: int, contenders: str) -> dict[str, dict]:
         "128",
         "--contenders",
         contenders,
+        "--ns-dtype",
+        ns_dtype,
         "--timeout-s",
         "150",
         "--python",
@@ -76,20 +78,22 @@ def test_bytes_on_veth_match_the_count(tmp_path):
 
 
 def test_two_hosts_of_two_ranks_cross_each_link_once(tmp_path):
-    rows = _run_bytes(tmp_path, 2, "muon,adamw-ddp")
+    # bf16 Newton-Schulz: DistributedMuon gathers the owners' bf16 updates
+    rows = _run_bytes(tmp_path, 2, "muon,adamw-ddp", ns_dtype="bfloat16")
     for name, r in rows.items():
         # the host's link (eth0) and its loopback (lo), each against its own count
         assert abs(r["agreement_pct"]) <= 5.0, (name, r["agreement_pct"])
         assert abs(r["intra_host_agreement_pct"]) <= 5.0, (name, r["intra_host_agreement_pct"])
     # DDP's ring all-reduce: 2 (N-1)/N S = 1.5 S per host at N = 4; the two-level
-    # reduce-scatter and all-gather: 2 (H-1)/H S = S, plus a few hundred bytes of control
-    # traffic: 2/3 of DDP's, and the 5% the count must meet on top
-    ratio = (
-        rows["muon"]["measured_tx_bytes_per_step_per_host"]
-        / rows["adamw-ddp"]["measured_tx_bytes_per_step_per_host"]
-    )
-    assert ratio <= 2 / 3 * 1.05, ratio
-    assert rows["muon"]["replicas_bitwise_identical"] is True
+    # reduce-scatter of fp32 gradients and gather of the updates (Muon's in bf16):
+    # (H-1)/H (2 - f/2) S, plus a few hundred bytes of control traffic, and the 5% the count
+    # must meet on top
+    muon = rows["muon"]
+    measured = muon["measured_tx_bytes_per_step_per_host"]
+    assert measured <= 1.05 * muon["lower_bound_bytes_per_step_per_host"], muon
+    assert measured < 2 / 3 * rows["adamw-ddp"]["measured_tx_bytes_per_step_per_host"]
+    # the same weights on every rank after every step, though every rank applies the updates
+    assert muon["replicas_bitwise_identical"] is True
 
 
 def _run_faults(tmp_path, faults: str, timeout_s: int) -> list[dict]:

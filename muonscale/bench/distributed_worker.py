@@ -147,8 +147,11 @@ def _torch_adamw(model, lr: float, foreach: bool | None = None) -> torch.optim.A
     return torch.optim.AdamW(groups, lr=lr, betas=ADAMW_BETAS, eps=1e-8, foreach=foreach)
 
 
-def _dp_contenders(model_config, lrs, seed, reduce_dtypes, hosts=None) -> list[_Contender]:
-    """DistributedMuon per reduce dtype, ZeRO-1 AdamW and DDP AdamW (``hosts``: the
+def _dp_contenders(
+    model_config, lrs, seed, reduce_dtypes, hosts=None, ns_dtype=torch.float32
+) -> list[_Contender]:
+    """DistributedMuon per reduce dtype (Newton–Schulz in ``ns_dtype``: in bfloat16 it
+    gathers the owners' bf16 updates), ZeRO-1 AdamW and DDP AdamW (``hosts``: the
     :class:`~muonscale.distributed.hosts.HostMap` that DDP's all-reduce is counted with)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -167,7 +170,7 @@ def _dp_contenders(model_config, lrs, seed, reduce_dtypes, hosts=None) -> list[_
         opt = DistributedMuon(
             model.named_parameters(),
             reduce_dtype=reduce_dtype,
-            **_muon_options(model, lrs["muon"]),
+            **{**_muon_options(model, lrs["muon"]), "ns_dtype": ns_dtype},
         )
         out.append(_Contender(name, model, opt))
     model = fresh()

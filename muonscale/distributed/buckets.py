@@ -10,7 +10,8 @@ last bucket), and its buffer holds N such slices side by side::
     reduce-scatter  ->  rank r receives stream_r[bL : bL+L_b] summed over ranks = exactly the
                         gradients of the matrices it owns (a parameter may span two buckets)
 
-The all-gather of updated parameters uses the same layout in reverse.
+The all-gather of updated parameters (or of the owners' bf16 updates, then without fill) uses
+the same layout in reverse.
 
 **Fill: AdamW elements level the streams.** Whole-matrix owners rarely own equal numbers of
 elements (8 matrices of 3 sizes cannot be split evenly over 4 ranks), and a reduce-scatter gives
@@ -29,7 +30,7 @@ data length (:meth:`OwnerStreams.data_lengths`) and leave the padding off the wi
 holds one contiguous range of the fill, hence at most one segment of each AdamW parameter, and
 updates it as it would a ZeRO-1 shard. The fill must share the stream's dtype (a
 ``reduce_dtype`` other than the parameters' disables it: AdamW gradients are reduced in their
-own dtype).
+own dtype; so does a gather of bf16 updates: AdamW parameters travel in their own dtype).
 
 **Flat buckets (AdamW, ZeRO-1).** The remaining AdamW parameters, concatenated in readiness order
 into buckets of about ``bucket_elems``, each padded to a multiple of N; rank r holds shard r

@@ -27,6 +27,7 @@ from ..settings import MuonSettings
 from . import dp_checkpoint, dp_grad_clip
 from .comm import Communicator, WireCounter
 from .dp_reduction import BucketedReduction, ReduceAt, ReductionOptions
+from .dp_update_gather import UPDATE_DTYPE, UpdateGather, check_gather_updates, sends_update
 from .hosts import discover_host_map
 from .ownership import assign_owners, format_ownership_table, rank_loads
 from .setup_checks import (  # noqa: F401 (check_process_group, is_dtensor: imported from here)
@@ -61,7 +62,8 @@ class DistributedMuon(Muon):
           4. Muon on owned matrices in waves along the owner stream (momentum, batched
              Newton–Schulz, update); each bucket's all-gather starts (async) as soon as its
              slice is final, overlapping the later waves          (N−1)/N · S
-          5. wait, copy gathered parameters back
+          5. wait, copy gathered parameters back (or, for gathered bf16 updates, every rank
+             applies W ← W·(1 − lr λ) + lr α U with the step's lr: ``gather_updates``)
 
     Total ≈ reduce-scatter + all-gather of every parameter = the volume of ZeRO-1 AdamW
     (DDP's all-reduce costs the same; all-reduce + broadcast/all-gather costs 1.5×). Owners
@@ -108,6 +110,13 @@ class DistributedMuon(Muon):
             (:mod:`.hosts`). With several hosts of several ranks each, the reduce-scatter and
             all-gather run within hosts first on backends other than NCCL, and bytes are
             counted per link class (``last_step_wire_links``).
+        gather_updates: what the owner of a Muon matrix sends back (:mod:`.dp_update_gather`).
+            None (default): its bfloat16 update where Newton–Schulz runs in bfloat16 (the
+            default on GPU), and every rank applies it to its own copy; else the updated
+            parameter. True: the update at any Newton–Schulz dtype, **rounded to bfloat16**
+            (the owner applies the rounded update as well, so the step differs from
+            :class:`muonscale.Muon`'s by that rounding). False: always the parameter.
+            Matrices with main copies, or no wider than bfloat16, always send the parameter.
         reduce_at: when ``p.grad`` is read and averaged. ``"backward"`` (default for a plain
             model): gradient hooks launch each bucket as soon as it is full, overlapping
             backward; if ``p.grad`` changes after that (``torch.nn.utils.clip_grad_norm_``,
@@ -171,8 +180,10 @@ class DistributedMuon(Muon):
         wire_counter: WireCounter | None = None,
         reduce_at: ReduceAt | None = None,
         host_map: Sequence[Hashable] | None = None,
+        gather_updates: bool | None = None,
         **muon_options: Any,
     ) -> None:
+        check_gather_updates(gather_updates)
         if not isinstance(overlap_gather, bool):
             raise ValueError(f"overlap_gather must be True or False, got {overlap_gather!r}")
         self.overlap_gather = overlap_gather
@@ -187,6 +198,7 @@ class DistributedMuon(Muon):
         if reduce_at is None:
             reduce_at = "never" if wrapped else "backward"
         options = ReductionOptions(reduce_dtype, main_params_dtype, bucket_cap_mb, reduce_at)
+        self._sends_update = lambda p, g: sends_update(p, g, gather_updates, options.main_dtype)
         self._model_of: dict[int, torch.Tensor] = {}  # id(main copy) -> model parameter
         super().__init__(params, **muon_options)
         self.comm = self._communicator(process_group, wire_counter or WireCounter(), host_map)
@@ -217,7 +229,15 @@ class DistributedMuon(Muon):
             owner_rank=self.owner_rank,
             comm=self.comm,
             name_of=self._name,
+            update_params=frozenset(
+                i for i in self.muon_indices if self._sends_update(self.params[i], self.group_of[i])
+            ),
+            update_dtype=UPDATE_DTYPE,
         )
+        self.update_gather = UpdateGather(self.reduction, gather_updates, self._name)
+        self._owner_apply = None  # Muon's last pass on owners: as usual, or sending updates
+        if self.update_gather.matrices:
+            self._owner_apply = self.update_gather.owner_apply(lambda t: self._index.get(id(t)))
         self._init_local_state()
         self.last_step_wire_bytes = 0
         self.last_step_wire_breakdown: dict[str, int] = {}
@@ -240,7 +260,7 @@ class DistributedMuon(Muon):
 
     def _signature(self) -> list[tuple]:
         return [
-            (self._name(p), tuple(p.shape), str(p.dtype), g["algorithm"])
+            (self._name(p), tuple(p.shape), str(p.dtype), g["algorithm"], self._sends_update(p, g))
             for p, g in zip(self.params, self.group_of)
         ]
 
@@ -480,7 +500,7 @@ class DistributedMuon(Muon):
     @torch.no_grad()
     def step(self, closure=None):
         """Reduce (if backward did not finish it), agree on non-finite gradients, update owned
-        matrices and AdamW shards, gather the updated parameters."""
+        matrices and AdamW shards, gather the updated parameters (or the owners' updates)."""
         loss = None
         self._prepared_state = None  # the state is about to change
         if closure is not None:
@@ -492,6 +512,7 @@ class DistributedMuon(Muon):
             if bad is not None:
                 self._handle_nonfinite(bad)  # raises on every rank, or counts a skip
                 return loss
+            self.update_gather.capture(self, present)  # lr, weight decay of this step
             self._update_adamw_shards(present)
             adamw_gathers = self.reduction.launch_flat_gathers()
             muon_gathers = self._update_owned_and_gather(present)
@@ -569,17 +590,19 @@ class DistributedMuon(Muon):
                 last = wave[-1]
                 ready = stream.layout.offsets[last] + stream.layout.numels[last]
                 launched, next_bucket = self.reduction.launch_stream_gathers(
-                    stream, next_bucket, ready
+                    stream, next_bucket, ready, self.update_gather.apply_gathered
                 )
                 pending += launched
             if self.overlap_gather:
                 launched, _ = self.reduction.launch_stream_gathers(
-                    stream, next_bucket, stream.layout.length
+                    stream, next_bucket, stream.layout.length, self.update_gather.apply_gathered
                 )
                 pending += launched
         if not self.overlap_gather:
             for stream in self.reduction.streams:
-                launched, _ = self.reduction.launch_stream_gathers(stream, 0, stream.layout.length)
+                launched, _ = self.reduction.launch_stream_gathers(
+                    stream, 0, stream.layout.length, self.update_gather.apply_gathered
+                )
                 pending += launched
         return pending
 
@@ -597,7 +620,7 @@ class DistributedMuon(Muon):
             # the tensors updated: main copies where kept, else the parameters themselves
             targets = [self.state[self.params[i]].get("main_param", self.params[i]) for i in mine]
             grads = [self.reduction.reduced_grad(i, t.dtype) for i, t in zip(mine, targets)]
-            self.update_group(group, targets, grads)
+            self.update_group(group, targets, grads, apply_updates=self._owner_apply)
             for i, target in zip(mine, targets):
                 if target is not self.params[i]:
                     self.params[i].copy_(target)  # rounded into the model's parameter

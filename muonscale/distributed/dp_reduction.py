@@ -1,11 +1,13 @@
 """The bucketed gradient reduction that :class:`~muonscale.distributed.DistributedMuon` owns:
 the buffers laid out by :mod:`.buckets` (owner streams with their AdamW fill, flat ZeRO-1
 buckets), the gradient hooks that launch each bucket's reduce-scatter during backward, and the
-all-gathers that bring updated parameters back. Every collective goes through :mod:`.comm`.
+all-gathers that bring updated parameters (or owners' updates) back. Every collective goes
+through :mod:`.comm`.
 
 The AdamW state of this rank's shards lives beside the buffers it updates (``exp_avg``,
 ``exp_avg_sq`` and, with ``main_params_dtype``, ``main_param`` in the main dtype); gradient and
-gather buffers keep the parameters' dtype (the Muon reduction: ``reduce_dtype``).
+gather buffers keep the parameters' dtype (the Muon reduction: ``reduce_dtype``; the gather of a
+stream that carries the owners' updates: the update dtype).
 
 When the reduction reads ``p.grad`` (``reduce_at``): ``"backward"`` launches each bucket from a
 gradient hook as soon as it is full, overlapping backward; a gradient changed after its bucket
@@ -58,9 +60,11 @@ class StreamBuffers:
     layout: OwnerStreams
     recv: torch.Tensor  # (T,) reduce dtype: this rank's reduced gradients
     send: list[torch.Tensor]  # per bucket (N·L_b,) reduce dtype
-    gather_in: torch.Tensor  # (T,) param dtype: this rank's updated parameters
-    gather_out: list[torch.Tensor]  # per bucket (N·L_b,) param dtype
+    gather_in: torch.Tensor  # (T,) param dtype: this rank's updated parameters (or updates)
+    gather_out: list[torch.Tensor]  # per bucket (N·L_b,) param dtype (or update dtype)
     fill: FillShard | None
+    carries_updates: bool = False  # the gather sends the owners' updates (update dtype), not
+    #                                the parameters: every rank applies them (.dp_update_gather)
 
 
 @dataclass
@@ -124,6 +128,13 @@ class ReductionOptions:
     """When ``p.grad`` is read and reduced: ``"backward"`` (hooks), ``"step"``, or ``"never"``
     (gradients arrive averaged, e.g. by DDP)."""
 
+    def main_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
+        """dtype of the main copies of parameters of ``dtype`` (None: updated in their own)."""
+        main = self.main_params_dtype
+        if main is None or not dtype.is_floating_point:
+            return None
+        return main if torch.finfo(dtype).bits < torch.finfo(main).bits else None
+
     def __post_init__(self) -> None:
         if self.reduce_at not in REDUCE_AT:
             raise ValueError(f"reduce_at must be one of {REDUCE_AT}, got {self.reduce_at!r}")
@@ -144,6 +155,9 @@ class BucketedReduction:
         owner_rank: owner rank of each Muon index.
         comm: the data-parallel :class:`~muonscale.distributed.comm.Communicator`.
         name_of: a parameter's name, for error messages.
+        update_params: Muon indices whose owner's update may be gathered instead of the
+            parameter; a stream whose every matrix is one gathers updates in ``update_dtype``
+            and carries no AdamW fill (:mod:`.dp_update_gather`).
 
     Attributes:
         streams: one :class:`StreamBuffers` per (dtype, device) of Muon parameters.
@@ -163,8 +177,11 @@ class BucketedReduction:
         owner_rank: dict[int, int],
         comm: Communicator,
         name_of: Callable[[torch.Tensor], str] = lambda p: "<parameter>",
+        update_params: frozenset[int] = frozenset(),
+        update_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         self.params, self.options, self.comm, self.owner_rank = params, options, comm, owner_rank
+        self._update_params, self._update_dtype = update_params, update_dtype
         self.rank, self.world_size = comm.rank, comm.world_size
         self.muon, self.adamw = muon, adamw
         self._name_of = name_of
@@ -197,10 +214,7 @@ class BucketedReduction:
     # ================================================================ construction
     def main_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
         """dtype of the main copies of parameters of ``dtype`` (None: updated in their own)."""
-        main = self.options.main_params_dtype
-        if main is None or not dtype.is_floating_point:
-            return None
-        return main if torch.finfo(dtype).bits < torch.finfo(main).bits else None
+        return self.options.main_dtype(dtype)
 
     def _by_dtype_and_device(self, indices: list[int]) -> dict[tuple, list[int]]:
         """``indices`` in readiness order (reverse registration: backward's order), grouped by
@@ -223,19 +237,23 @@ class BucketedReduction:
         for (dtype, device), members in self._by_dtype_and_device(self.muon).items():
             rdtype = self.options.reduce_dtype or dtype
             cap = cap_bytes * 8 // torch.finfo(rdtype).bits
+            updates = all(i in self._update_params for i in members)
+            gdtype = self._update_dtype if updates else dtype  # what the gather sends
             # Fill candidates: AdamW parameters of the stream's dtype, the last ready in
             # backward first (they pair with the stream ends, which wait for the first layers).
-            fillers = sorted(adamw_groups.get((dtype, device), [])) if rdtype == dtype else []
+            # None in a stream of updates: AdamW parameters keep their own dtype on the wire.
+            same = rdtype == dtype and not updates
+            fillers = sorted(adamw_groups.get((dtype, device), [])) if same else []
             layout = plan_owner_streams(members, numels, self.owner_rank, N, cap, fillers)
             filled.update(layout.fill.params)
             recv = torch.zeros(layout.length, dtype=rdtype, device=device)  # (T,)
             send = [torch.zeros(b.numel, dtype=rdtype, device=device) for b in layout.buckets]
-            if rdtype == dtype:  # reuse: gradients are consumed before parameters are sent
+            if rdtype == gdtype:  # reuse: gradients are consumed before parameters are sent
                 gather_in, gather_out = recv, send
             else:
-                gather_in = torch.zeros(layout.length, dtype=dtype, device=device)
+                gather_in = torch.zeros(layout.length, dtype=gdtype, device=device)
                 gather_out = [
-                    torch.zeros(b.numel, dtype=dtype, device=device) for b in layout.buckets
+                    torch.zeros(b.numel, dtype=gdtype, device=device) for b in layout.buckets
                 ]
             fill = None
             if layout.fill.params:
@@ -248,7 +266,7 @@ class BucketedReduction:
                     None if main_dtype is None else torch.zeros(n, dtype=main_dtype, device=device)
                 )
                 fill = FillShard(layout.fill, recv[start : start + n], *moments, main)
-            stream = StreamBuffers(layout, recv, send, gather_in, gather_out, fill)
+            stream = StreamBuffers(layout, recv, send, gather_in, gather_out, fill, updates)
             self.streams.append(stream)
             buckets += [
                 _Bucket("muon", b.params, stream=stream, index=k)
@@ -497,17 +515,28 @@ class BucketedReduction:
                 )
 
     def write_owned_for_gather(self, stream: StreamBuffers, indices: list[int]) -> None:
-        """Updated owned parameters ``indices`` into the stream's gather buffer."""
+        """Updated owned parameters ``indices`` into the stream's gather buffer (a stream that
+        carries updates has them already: the owner's apply wrote them)."""
+        if stream.carries_updates:
+            return
         for i in indices:
             off, p = stream.layout.offsets[i], self.params[i]
             stream.gather_in[off : off + p.numel()].copy_(p.view(-1))
 
     def launch_stream_gathers(
-        self, stream: StreamBuffers, first: int, ready: int
+        self,
+        stream: StreamBuffers,
+        first: int,
+        ready: int,
+        apply_gathered: Callable[[StreamBuffers, int], None] | None = None,
     ) -> tuple[list[tuple[Any, Callable[[], None]]], int]:
         """Launch the all-gathers of buckets ``first, first + 1, …`` whose slice of this rank's
         stream ends at or before ``ready`` (everything before it is final). Returns the (work,
-        copy back) pairs and the first bucket not launched."""
+        copy back) pairs and the first bucket not launched. ``apply_gathered(stream, k)``: what
+        a stream that carries updates does once bucket ``k`` arrived (instead of copying
+        parameters back)."""
+        if stream.carries_updates and apply_gathered is None:
+            raise ValueError("a stream that carries updates needs apply_gathered")
         pending = []
         buckets = stream.layout.buckets
         k = first
@@ -521,9 +550,11 @@ class BucketedReduction:
                 async_op=True,
                 lengths=stream.layout.data_lengths(k),
             )
-            pending.append(
-                (work, functools.partial(self._copy_back_owned, bucket, stream.gather_out[k]))
-            )
+            if stream.carries_updates:
+                copy_back = functools.partial(apply_gathered, stream, k)
+            else:
+                copy_back = functools.partial(self._copy_back_owned, bucket, stream.gather_out[k])
+            pending.append((work, copy_back))
             k += 1
         return pending, k
 

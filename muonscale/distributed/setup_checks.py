@@ -44,7 +44,7 @@ def unwrap_ddp(params: Any) -> tuple[Any, bool]:
 
 def require_same_parameters(comm: Communicator, world_size: int, signature: list[tuple]) -> None:
     """Raise naming the first difference unless every rank holds the same parameter list
-    (``signature``: one (name, shape, dtype, algorithm) per parameter)."""
+    (``signature``: one (name, shape, dtype, algorithm, sends its update) per parameter)."""
     digest = hashlib.sha256(repr(signature).encode()).digest()
     mine = torch.tensor(
         [int.from_bytes(digest[:7], "little")], dtype=torch.int64, device=comm.device
@@ -62,8 +62,8 @@ def require_same_parameters(comm: Communicator, world_size: int, signature: list
             if a != b:
                 raise ValueError(
                     f"DistributedMuon: the parameter lists differ between ranks: parameter #{i} "
-                    f"is {a} on rank 0 but {b} on rank {rank} (name, shape, dtype, algorithm). "
-                    "Every rank must build the same model and optimizer."
+                    f"is {a} on rank 0 but {b} on rank {rank} (name, shape, dtype, algorithm, "
+                    "sends its update). Every rank must build the same model and optimizer."
                 )
     raise ValueError("DistributedMuon: the parameter lists differ between ranks")
 

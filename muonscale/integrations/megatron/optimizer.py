@@ -216,9 +216,15 @@ class MegatronDistributedMuon(DistributedMuon):
         self._plan_by_id = {id(pl.param): pl for pl in self.plans}
         self.wire_counter = wire_counter if wire_counter is not None else WireCounter()
         param_groups, options = muon_arguments(self.plans, config)
+        if dp_options.pop("gather_updates", None):  # its Muon step runs in the orthogonalizer
+            raise ValueError(
+                "MegatronDistributedMuon gathers the updated parameters: gather_updates must be "
+                "None or False"
+            )
         super().__init__(
             param_groups,
             process_group=groups.dp,
+            gather_updates=False,
             main_params_dtype=config.main_params_dtype,
             wire_counter=self.wire_counter,
             **options,

@@ -1,0 +1,194 @@
+"""Gathering each owner's update instead of its updated parameter (``DistributedMuon``).
+
+With Newton–Schulz in bfloat16 an owner's update of a Muon matrix (the Newton–Schulz output,
+split Q/K/V scales and NorMuon's row scale applied) is bfloat16 already. The owner sends that
+update instead of the fp32 parameter, and every rank applies the same decay-and-add
+(:func:`muonscale.functional.apply_updates_`, whole matrix by whole matrix) to its own copy,
+with the lr and weight decay captured at ``step()``::
+
+    W ← W · (1 − lr λ) + lr α U        (U: bfloat16 on the wire; α, cautious decay: the rule
+                                        of :func:`muonscale.functional.update_rule`)
+
+The owner applies the update exactly as it sent it, so the replicas stay bitwise identical.
+With fp32 Newton–Schulz this is an opt-in (``gather_updates=True``): the update is rounded to
+bfloat16, and the owner applies the rounded update too. Matrices with main copies
+(``main_params_dtype``) still gather their rounded parameters: non-owners hold no main copy.
+The bytes are derived in *Across hosts* in the docs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..functional import ApplyUpdates, apply_updates_, update_rule
+from ..newton_schulz import default_ns_dtype
+from ..settings import MuonSettings
+from .dp_reduction import BucketedReduction, StreamBuffers
+
+UPDATE_DTYPE = torch.bfloat16
+"""dtype of the updates on the wire."""
+
+
+def check_gather_updates(value: Any) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(
+            "gather_updates must be None (gather bfloat16 updates where Newton–Schulz runs in "
+            f"bfloat16), True (also at other dtypes, rounding) or False, got {value!r}"
+        )
+
+
+def gathers_updates(
+    option: bool | None,
+    ns_dtype: torch.dtype,
+    param_dtype: torch.dtype,
+    main_dtype: torch.dtype | None,
+) -> bool:
+    """Whether a Muon matrix's owner sends its update: not with a main copy (non-owners hold
+    none) or for a parameter no wider than the update (no byte to save); else where
+    Newton–Schulz runs in bfloat16 (``option`` None) or whenever ``option`` is True."""
+    if option is False or main_dtype is not None:
+        return False
+    if torch.finfo(param_dtype).bits <= torch.finfo(UPDATE_DTYPE).bits:
+        return False
+    return option is True or ns_dtype == UPDATE_DTYPE
+
+
+def sends_update(
+    p: torch.Tensor,
+    group: dict[str, Any],
+    option: bool | None,
+    main_dtype: Callable[[torch.dtype], torch.dtype | None],
+) -> bool:
+    """Whether the owner of ``p`` (in ``group``) sends its update (:func:`gathers_updates`)."""
+    if group["algorithm"] != "muon":
+        return False
+    ns_dtype = resolved_ns_dtype(group, p.device)
+    return gathers_updates(option, ns_dtype, p.dtype, main_dtype(p.dtype))
+
+
+def resolved_ns_dtype(group: dict[str, Any], device: torch.device) -> torch.dtype:
+    """The dtype Newton–Schulz runs in for ``group`` on ``device``."""
+    dtype = MuonSettings.from_group(group).ns.dtype
+    return dtype if dtype is not None else default_ns_dtype(device)
+
+
+@dataclass(frozen=True)
+class UpdateRule:
+    """How one matrix's gathered update is applied this step (captured at ``step()``)."""
+
+    lr: float
+    weight_decay: float
+    alpha: float
+    cautious: bool
+
+
+class UpdateGather:
+    """Where each matrix's update lands in the gathered buckets of the streams that carry
+    updates, the owner's apply (which writes the update into the gather buffer), and every
+    other rank's apply once a matrix's last bucket arrived.
+
+    Args:
+        reduction: the :class:`~.dp_reduction.BucketedReduction` (its streams and parameters).
+        option: ``gather_updates`` as given (None, True or False).
+    """
+
+    def __init__(
+        self,
+        reduction: BucketedReduction,
+        option: bool | None,
+        name_of: Callable[[torch.Tensor], str] = lambda p: "<parameter>",
+    ) -> None:
+        self.reduction, self.option, self._name_of = reduction, option, name_of
+        self.rank = reduction.rank
+        self._offset: dict[int, tuple[StreamBuffers, int]] = {}  # i -> (stream, offset)
+        self._pieces: dict[int, list[tuple[int, int, int]]] = {}  # i -> [(k, start, length)]
+        self._ending: dict[tuple[int, int], list[int]] = {}  # (id(stream), k) -> matrices
+        for stream in reduction.streams:
+            if not stream.carries_updates:
+                continue
+            for i, off in stream.layout.offsets.items():
+                self._offset[i], self._pieces[i] = (stream, off), []
+            for k, bucket in enumerate(stream.layout.buckets):
+                for piece in sorted(bucket.pieces, key=lambda q: q.param_start):
+                    self._pieces[piece.param].append((k, piece.buffer_start, piece.length))
+            for i in stream.layout.offsets:
+                last = max((k for k, _, _ in self._pieces[i]), default=0)
+                self._ending.setdefault((id(stream), last), []).append(i)
+        self._rules: dict[int, UpdateRule] = {}
+
+    @property
+    def matrices(self) -> frozenset[int]:
+        """Muon indices whose update is gathered."""
+        return frozenset(self._offset)
+
+    def capture(self, opt: Any, present: list[bool]) -> None:
+        """The lr, weight decay and update rule of every gathered matrix with a gradient this
+        step (the same on every rank). Raises on every rank if a group's Newton–Schulz dtype
+        left bfloat16 after construction without ``gather_updates=True``."""
+        self._rules = {}
+        for i in self._offset:
+            p, group = opt.params[i], opt.group_of[i]
+            if self.option is None and resolved_ns_dtype(group, p.device) != UPDATE_DTYPE:
+                raise ValueError(
+                    f"parameter '{self._name_of(p)}': its group's ns_dtype is no longer bfloat16, "
+                    "but DistributedMuon chose at construction to gather its bfloat16 update: "
+                    "pass gather_updates=True (rounds each update to bfloat16) or False"
+                )
+            if not present[i] or p.numel() == 0:
+                continue
+            settings = MuonSettings.from_group(group)
+            view = opt.matrix_view(p, group)
+            alpha, cautious = update_rule(p, view, settings.ns, settings, settings.scale)
+            lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
+            self._rules[i] = UpdateRule(lr, weight_decay, alpha, cautious)
+
+    def owner_apply(self, index_of: Callable[[torch.Tensor], int | None]) -> ApplyUpdates:
+        """Muon's last pass on the owner: each gathered matrix's update goes into the gather
+        buffer (rounded to :data:`UPDATE_DTYPE`), then is applied from there as every other
+        rank applies it; other matrices are applied as usual."""
+
+        def apply(params, updates, alphas, *, lr, weight_decay, cautious=False):
+            rest: list[list] = [[], [], []]
+            for p, u, alpha in zip(params, updates, alphas):
+                i = index_of(p)
+                if i not in self._offset:
+                    for column, x in zip(rest, (p, u, alpha)):
+                        column.append(x)
+                    continue
+                stream, off = self._offset[i]
+                wire = stream.gather_in[off : off + p.numel()]
+                wire.copy_(u.reshape(-1))
+                apply_updates_(
+                    [p],
+                    [wire.view(p.shape)],
+                    [alpha],
+                    lr=lr,
+                    weight_decay=weight_decay,
+                    cautious=cautious,
+                )
+            apply_updates_(*rest, lr=lr, weight_decay=weight_decay, cautious=cautious)
+
+        return apply
+
+    def apply_gathered(self, stream: StreamBuffers, k: int) -> None:
+        """Bucket ``k`` of ``stream`` arrived: apply the update of every matrix this rank does
+        not own whose last piece it holds (the whole matrix at once, as its owner did)."""
+        for i in self._ending.get((id(stream), k), []):
+            rule = self._rules.get(i)
+            if rule is None or self.reduction.owner_rank[i] == self.rank:
+                continue  # no gradient this step, or applied by the owner already
+            pieces = [stream.gather_out[kk][s : s + n] for kk, s, n in self._pieces[i]]
+            update = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            p = self.reduction.params[i]
+            apply_updates_(
+                [p],
+                [update.view(p.shape)],
+                [rule.alpha],
+                lr=rule.lr,
+                weight_decay=rule.weight_decay,
+                cautious=rule.cautious,
+            )
