@@ -15,6 +15,7 @@ from torch import nn
 from muonscale.declared_state import ROW_MOMENT, variant_state
 from muonscale.distributed.comm import Communicator, WireCounter
 from muonscale.distributed.data_parallel import DistributedMuon
+from muonscale.functional import ApplyUpdates
 from muonscale.memory import MemoryBudget
 from muonscale.optimizer import Muon
 from muonscale.params import RouteDecision
@@ -130,11 +131,17 @@ class MegatronMuon(Muon):
         return self.grad_norm.last_norm
 
     def update_group(
-        self, group: Mapping[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]
+        self,
+        group: Mapping[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        apply_updates: ApplyUpdates | None = None,
     ) -> None:
         """AdamW as :class:`muonscale.Muon`; Muon through the orthogonalizer."""
         if group["algorithm"] != "muon" or not params:
             return super().update_group(group, params, grads)
+        if apply_updates is not None:  # the orthogonalizer applies its own updates
+            raise NotImplementedError("the Megatron Muon step takes no apply_updates")
         states = [self.init_state(p, group) for p in params]
         muon_update_(
             params,
@@ -248,12 +255,18 @@ class MegatronDistributedMuon(DistributedMuon):
         return self.grad_norm.last_norm
 
     def update_group(
-        self, group: Mapping[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]
+        self,
+        group: Mapping[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        apply_updates: ApplyUpdates | None = None,
     ) -> None:
         """AdamW as :class:`muonscale.Muon`; Muon (owned matrices or their main copies) through
         the orthogonalizer."""
         if group["algorithm"] != "muon" or not params:
             return super().update_group(group, params, grads)
+        if apply_updates is not None:  # the orthogonalizer applies its own updates
+            raise NotImplementedError("the Megatron Muon step takes no apply_updates")
         states = [self.init_state(p, group) for p in params]
         muon_update_(
             params,
