@@ -28,7 +28,7 @@ from .optimizer_groups import (
     expand_user_group,
     groups_from,
     named_entries,
-    rebind_parameters,
+    rebind_slots,
     warn_unnamed,
 )
 from .optimizer_options import (  # noqa: F401 (NONFINITE_POLICIES, NS_METHODS: re-exported)
@@ -48,15 +48,15 @@ from .optimizer_state import (
     check_loaded_groups,
     keep_momentum_dtypes,
     parameter_states,
-    pickled_extras,
     restore_loaded,
-    restore_unpickled,
+    upgraded_groups,
     with_group_defaults,
 )
+from .param_table import ParamTable
 from .params import ALGORITHMS, RouteDecision, Rule, format_routing_table, layout_note
 from .qkv import QKV_SPLIT_MODES, QKVLayout
 from .scaling import ADJUST_LR_FNS, SCALE_RULES
-from .settings import PLAIN_MUON, MuonSettings, schedule_defaults
+from .settings import OPTION_DEFAULTS, PLAIN_MUON, MuonSettings, schedule_defaults
 from .variants import Normalize, Preconditioner
 
 
@@ -292,21 +292,14 @@ class Muon(torch.optim.Optimizer):
                 "Newton–Schulz work would run in backward hooks, outside the captured step"
             )
         self._backward_ns: BackwardOrthogonalizer | None = None
-        self._from_backward: list = []  # buckets a step applies (orthogonalize_in_backward)
         self.nonfinite = nonfinite
         self.capturable = capturable
         self._guard: DeviceNonFiniteGuard | None = None
-        self._step_ok: torch.Tensor | None = None
         self.skipped_steps = 0
         # The environment is read here only; every step passes these on.
         self.memory = MemoryBudget.from_environment()
         self.elementwise_backend: ElementwiseBackend = elementwise_backend_from_environment()
-        self.param_names: dict[int, str] = {}
-        self.routing: dict[str, RouteDecision] = {}
-        self.routing_rules = list(rules or ())
-        self.matrix_views: dict[int, MatrixView] = {}
         self.momentum_stacks = MomentumStacks()
-        self.unnamed_to_muon = 0
         check_flag("strict", strict)
         self.strict = strict
         """Whether routing unnamed parameters by tensor rank alone is an error."""
@@ -314,10 +307,12 @@ class Muon(torch.optim.Optimizer):
             raise TypeError(
                 f"transposed must be a collection of parameter names, got {transposed!r}"
             )
-        self.transposed_names: set[str] = set(transposed or ())
-        """Names of the weights stored (in, out) (see ``transposed``)."""
+        self.param_table = ParamTable(rules or (), transposed or ())
+        """Names, routing, ``splits`` and matrix views of the parameters."""
 
-        groups = groups_from(self, params)
+        groups = groups_from(
+            self.param_table, params, weight_decay, self.adamw_defaults["weight_decay"]
+        )
         if adamw_lr is None and scale != "match_rms_adamw":
             if any(g["algorithm"] == "adamw" and "lr" not in g for g in groups):
                 adamw_params = [n for n, d in self.routing.items() if d.algorithm == "adamw"]
@@ -330,17 +325,46 @@ class Muon(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         if not self._ACCEPTS_DTENSOR:
             self._refuse_dtensors()
-        warn_unnamed(self)
+        warn_unnamed(self.param_table, strict)
         self._check_transposed()
-        by_name = {
-            self.param_names.get(id(p)): (p, g) for g in self.param_groups for p in g["params"]
-        }
-        self.split_rows, self.split_roles = resolve_splits(
-            splits or {}, qkv_split, by_name, self.is_transposed
+        table = self.param_table
+        by_name = {table.name(p): (p, g) for g in self.param_groups for p in g["params"]}
+        table.split_rows, table.split_roles = resolve_splits(
+            splits or {}, qkv_split, by_name, table.is_transposed
         )
         self._warn_idle_qk_lr_scale()
         if orthogonalize_in_backward:
-            self._backward_ns = BackwardOrthogonalizer(self)
+            self._backward_ns = BackwardOrthogonalizer(self, table)
+
+    # The tables' facts under the names they have always had on the optimizer.
+    @property
+    def param_names(self) -> dict[int, str]:
+        """``id(param)`` -> name."""
+        return self.param_table.names
+
+    @property
+    def routing(self) -> dict[str, RouteDecision]:
+        """name -> where :func:`muonscale.route` (or a param group) sent the parameter."""
+        return self.param_table.routing
+
+    @routing.setter
+    def routing(self, decisions: dict[str, RouteDecision]) -> None:
+        self.param_table.routing = decisions
+
+    @property
+    def split_rows(self) -> dict[int, list[torch.Tensor]]:
+        """``id(param)`` -> the row blocks ``splits`` gave it."""
+        return self.param_table.split_rows
+
+    @property
+    def split_roles(self) -> dict[int, tuple[str, ...]]:
+        """``id(param)`` -> the roles (``"q"``, ``"k"``, ``"v"``) of its row blocks."""
+        return self.param_table.split_roles
+
+    @property
+    def transposed_names(self) -> set[str]:
+        """Names of the weights stored (in, out) (see ``transposed``)."""
+        return self.param_table.transposed
 
     def _warn_idle_qk_lr_scale(self) -> None:
         """Warn for each Muon group whose ``qk_lr_scale`` has no query or key block to act on."""
@@ -348,7 +372,9 @@ class Muon(torch.optim.Optimizer):
             if group["algorithm"] != "muon" or group["qk_lr_scale"] == 1.0:
                 continue
             factor = group["qk_lr_scale"]
-            roles = {r for p in group["params"] for r in self.split_roles.get(id(p), ())}
+            roles = {
+                r for p in group["params"] for r in self.param_table.split_roles.get(id(p), ())
+            }
             if not roles & {"q", "k"}:
                 warnings.warn(
                     f"qk_lr_scale={factor} (param group {i}) acts on no parameter: it scales "
@@ -370,7 +396,7 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if isinstance(p, DTensor):
-                    name = self.param_names.get(id(p), f"a {tuple(p.shape)} parameter")
+                    name = self.param_table.names.get(id(p), f"a {tuple(p.shape)} parameter")
                     raise ValueError(
                         f"{type(self).__name__} got DTensor parameter {name!r} (FSDP2 or tensor "
                         "parallel); build the optimizer with muonscale.distributed_muon(...), "
@@ -390,13 +416,18 @@ class Muon(torch.optim.Optimizer):
         if resolved:  # the constructor's groups, or a group pinned with its options
             self._add_resolved_group(dict(param_group))
             return
-        groups = expand_user_group(self, dict(param_group))
-        warn_unnamed(self)  # strict: raises before a group is added
+        groups = expand_user_group(
+            self.param_table,
+            dict(param_group),
+            self.muon_defaults["weight_decay"],
+            self.adamw_defaults["weight_decay"],
+        )
+        warn_unnamed(self.param_table, self.strict)  # strict: raises before a group is added
         for group in groups:
             self._add_resolved_group(group)
 
     def _add_resolved_group(self, param_group: dict[str, Any]) -> None:
-        named, has_names = named_entries(self, param_group)
+        named, has_names = named_entries(self.param_table, param_group)
         params = [p for _, p in named]
         param_group["params"] = params
         if has_names:  # (name, tensor) pairs: torch checks names against the other groups'
@@ -447,10 +478,22 @@ class Muon(torch.optim.Optimizer):
         (accelerate's FSDP2 preparation; a model re-created from a checkpoint). A group slot
         that already holds one of the model's parameters (the framework swapped the group) is
         named by the model."""
-        moved = rebind_parameters(self, named_parameters)
+        table = self.param_table
+        slots = rebind_slots(table, self.param_groups, named_parameters)
+        self.check_rebind([(old, new) for old, new, _ in slots])
+        new_of_name = {name: new for _, new, name in slots}
+        for key in list(self.state):  # state keys are alive, so their ids name them exactly
+            name = table.names.get(id(key))
+            if name in new_of_name and new_of_name[name] is not key:
+                self.state[new_of_name[name]] = self.state.pop(key)
+        flat = iter(slots)
+        for group in self.param_groups:
+            group["params"] = [next(flat)[1] for _ in group["params"]]
+        table.rebind(slots)
+        self.after_rebind([(old, new) for old, new, _ in slots])
         if self._backward_ns is not None:
             self._backward_ns.rebuild()
-        return moved
+        return sum(old is not new for old, new, _ in slots)
 
     def check_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Raise before anything changes if a subclass cannot follow ``slots`` (see below)."""
@@ -460,21 +503,15 @@ class Muon(torch.optim.Optimizer):
         in param-group order (the same object when nothing moved)."""
 
     def _name(self, p: torch.Tensor) -> str:
-        if id(p) in self.param_names:
-            return self.param_names[id(p)]
-        for gi, g in enumerate(self.param_groups):
-            for pi, q in enumerate(g["params"]):
-                if q is p:
-                    return f"param_groups[{gi}]['params'][{pi}]"
-        return "<unknown parameter>"
+        return self.param_table.label(p, self.param_groups)
 
     def is_transposed(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is a 2-D weight stored (in, out) (its matrix is ``p.T``)."""
-        return bool(self.transposed_names) and self.param_names.get(id(p)) in self.transposed_names
+        return self.param_table.is_transposed(p)
 
     def _check_transposed(self) -> None:
         muon = {
-            self.param_names.get(id(p)): p
+            self.param_table.name(p): p
             for g in self.param_groups
             if g["algorithm"] == "muon"
             for p in g["params"]
@@ -488,18 +525,7 @@ class Muon(torch.optim.Optimizer):
 
     def matrix_view(self, p: torch.Tensor, group: Mapping[str, Any]) -> MatrixView:
         """How ``p`` is split into matrices (cached)."""
-        view = self.matrix_views.get(id(p))
-        stale = view is None or view.param_shape != tuple(p.shape)
-        if stale or view.mode != group["matrix_mode"]:
-            view = MatrixView.build(
-                p.shape,
-                mode=group["matrix_mode"],
-                row_partition=self.split_rows.get(id(p)),
-                block_roles=self.split_roles.get(id(p)),
-                transposed=self.is_transposed(p),
-            )
-            self.matrix_views[id(p)] = view
-        return view
+        return self.param_table.view(p, group["matrix_mode"])
 
     # ---------------------------------------------------------------- capturable
     @property
@@ -532,10 +558,10 @@ class Muon(torch.optim.Optimizer):
         group["lr"] = lr
         return lr
 
-    def _step_lr(self, group: dict[str, Any]) -> torch.Tensor:
+    def _step_lr(self, group: dict[str, Any], step_ok: torch.Tensor | None) -> torch.Tensor:
         """The lr of this capturable step: 0 on the device when the step must be a no-op."""
         lr = self._device_lr(group)
-        return lr if self._step_ok is None else torch.where(self._step_ok, lr, 0.0)
+        return lr if step_ok is None else torch.where(step_ok, lr, 0.0)
 
     def check_finite(self) -> None:
         """Raise :class:`NonFiniteGradientError` if a capturable step since the last check saw
@@ -607,7 +633,7 @@ class Muon(torch.optim.Optimizer):
         """Exact bytes held by state tensors."""
         return sum(
             v.numel() * v.element_size()
-            for s in parameter_states(self)
+            for s in parameter_states(self.state)
             for v in s.values()
             if isinstance(v, torch.Tensor)
         )
@@ -615,15 +641,16 @@ class Muon(torch.optim.Optimizer):
     def summary(self) -> str:
         """Routing table: tensors and elements per algorithm, then one line per parameter,
         with the weights Muon treats as transposed or splits into row blocks (and how)."""
+        table = self.param_table
         params = {self._name(p): p for g in self.param_groups for p in g["params"]}
         decisions = {
-            n: self.routing.get(n, RouteDecision(g["algorithm"], "param group"))
+            n: table.routing.get(n, RouteDecision(g["algorithm"], "param group"))
             for g in self.param_groups
             for n in [self._name(p) for p in g["params"]]
         }
         notes = {
             self._name(p): layout_note(
-                self.is_transposed(p), self.split_rows.get(id(p)), self.split_roles.get(id(p))
+                table.is_transposed(p), table.split_rows.get(id(p)), table.split_roles.get(id(p))
             )
             for g in self.param_groups
             for p in g["params"]
@@ -632,23 +659,54 @@ class Muon(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["_muonscale"] = pickled_extras(self)
+        # The rest is keyed by id(param), which a copy changes: the table travels by position.
+        state["_muonscale"] = dict(
+            self.param_table.pickled(self.param_groups),
+            nonfinite=self.nonfinite,
+            skipped_steps=self.skipped_steps,
+            capturable=self.capturable,
+            muon_defaults=self.muon_defaults,
+            adamw_defaults=self.adamw_defaults,
+            orthogonalize_in_backward=self.orthogonalize_in_backward,
+            strict=self.__dict__.get("strict", False),
+        )
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        """torch's, then defaults for options added after a checkpoint was written, and (from
+        a pickle) the extras of :meth:`__getstate__`, keyed by the copied parameters."""
         extra = state.pop("_muonscale", None)
         super().__setstate__(state)
-        restore_unpickled(self, extra)
+        self.__dict__.setdefault("memory", MemoryBudget.from_environment())
+        if "elementwise_backend" not in self.__dict__:  # not pickled, as memory: read here once
+            self.elementwise_backend = elementwise_backend_from_environment()
+        for key, value in dict(
+            capturable=False, strict=False, _guard=None, _backward_ns=None
+        ).items():
+            self.__dict__.setdefault(key, value)
+        self.momentum_stacks = MomentumStacks()  # new state tensors: restacked at the next step
+        upgraded_groups(self.param_groups)
+        if extra is None:  # load_state_dict: same parameters, same attributes
+            return
+        self.nonfinite, self.skipped_steps = extra["nonfinite"], extra["skipped_steps"]
+        self.capturable = extra.get("capturable", False)
+        self.strict = extra.get("strict", False)  # pickled before strict existed: False
+        # options added since the pickle was written: the table's defaults
+        self.muon_defaults = {**OPTION_DEFAULTS, **extra["muon_defaults"]}
+        self.adamw_defaults = extra["adamw_defaults"]
+        self.param_table = ParamTable.unpickled(self.param_groups, extra)
+        if extra.get("orthogonalize_in_backward"):  # hooks on the copied parameters
+            self._backward_ns = BackwardOrthogonalizer(self, self.param_table)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         check_loadable(state_dict, self.param_groups)
-        check_loaded_groups(self, state_dict)
+        check_loaded_groups(self.param_groups, self.param_table, state_dict)
         state_dict = with_group_defaults(state_dict, self.muon_defaults)
         lrs = [g["lr"] for g in self.param_groups] if self.capturable else []
         momentum_dtypes = [g.get("momentum_dtype") for g in self.param_groups]
         super().load_state_dict(state_dict)
-        restore_loaded(self, lrs)
-        keep_momentum_dtypes(self, momentum_dtypes)
+        restore_loaded(self.param_groups, self.state, lrs)
+        keep_momentum_dtypes(self.param_groups, self.state, momentum_dtypes)
         if self._backward_ns is not None:
             self._backward_ns.reset()  # work done from the replaced state is void
 
@@ -710,15 +768,14 @@ class Muon(torch.optim.Optimizer):
             self._capturable_step()
             return loss
         engine = self._backward_ns
-        self._from_backward = [] if engine is None else engine.collect()
+        from_backward = [] if engine is None else engine.collect()
         try:
             bad = self._check_gradients()
             if bad is not None:
                 self._handle_nonfinite(bad)
                 return loss
-            self._apply_updates()
+            self._apply_updates(from_backward)
         finally:
-            self._from_backward = []
             if engine is not None:
                 engine.reset()
             clear_workspaces()  # NS scratch is not held through the next forward/backward
@@ -731,32 +788,41 @@ class Muon(torch.optim.Optimizer):
         if guard is not None:
             self._raise_recorded_nonfinite(guard.poll())  # only a record already on the host
         grads, owners = self._validated_gradients()
+        step_ok = None  # a device flag: False when a gradient is not finite
         if self.nonfinite != "ignore" and grads:
             if guard is None:
                 guard = self._guard = DeviceNonFiniteGuard(self.nonfinite, grads[0].device)
-            self._step_ok = guard.gate(grads, [self._name(p) for p in owners])
+            step_ok = guard.gate(grads, [self._name(p) for p in owners])
         try:
-            self._apply_updates()
+            self._apply_updates(step_ok=step_ok)
         finally:
-            self._step_ok = None
             clear_workspaces()
         if guard is not None:
             guard.publish()
 
-    def _apply_updates(self) -> None:
+    def _apply_updates(
+        self, from_backward: Sequence[Any] = (), step_ok: torch.Tensor | None = None
+    ) -> None:
         """The update phase of :meth:`step`, after the gradients were checked (subclasses that
-        lay parameters out differently override this, not ``step``)."""
+        lay parameters out differently override this, not ``step``): ``from_backward``, the
+        buckets orthogonalized during backward; ``step_ok``, a capturable step's device flag."""
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            if self._from_backward:  # orthogonalize_in_backward: buckets done in backward
-                params = self._backward_ns.apply(group, self._from_backward, params)
-            self.update_group(group, params, [p.grad for p in params])
+            if from_backward:  # orthogonalize_in_backward: buckets done in backward
+                params = self._backward_ns.apply(group, from_backward, params, self.init_state)
+            self.update_group(group, params, [p.grad for p in params], step_ok=step_ok)
 
     def update_group(
-        self, group: Mapping[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]
+        self,
+        group: Mapping[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        *,
+        step_ok: torch.Tensor | None = None,
     ) -> None:
         """Apply one step of ``group``'s algorithm to ``params`` with ``grads`` (plain local
-        tensors; the distributed optimizers call this on the matrices a rank owns)."""
+        tensors; the distributed optimizers call this on the matrices a rank owns). ``step_ok``
+        (capturable): a device flag, False to make the step a no-op."""
         if not params:
             return
         settings = MuonSettings.from_group(group) if group["algorithm"] == "muon" else None
@@ -770,10 +836,10 @@ class Muon(torch.optim.Optimizer):
                 if not params:
                     return
             buffers = self._stacked_momentum(group, params, states)
-            if self._step_ok is not None:
+            if step_ok is not None:
                 # A gradient equal to the momentum leaves it unchanged (B.lerp(B, w) = B), and a
                 # zero lr leaves the parameter unchanged: the step is a no-op on the device.
-                grads = [torch.where(self._step_ok, g, b) for g, b in zip(grads, buffers)]
+                grads = [torch.where(step_ok, g, b) for g, b in zip(grads, buffers)]
             functional.muon(
                 params,
                 grads,
@@ -782,7 +848,7 @@ class Muon(torch.optim.Optimizer):
                 row_moments=variant_state(states)[ROW_MOMENT.key],
                 qk_lr_scale=settings.qk_lr_scale,
                 views=[self.matrix_view(p, group) for p in params],
-                lr=self._step_lr(group) if self.capturable else float(group["lr"]),
+                lr=self._step_lr(group, step_ok) if self.capturable else float(group["lr"]),
                 weight_decay=group["weight_decay"],
                 momentum=settings.momentum,
                 nesterov=settings.nesterov,
@@ -818,5 +884,5 @@ class Muon(torch.optim.Optimizer):
                 eps=group["eps"],
                 weight_decay=group["weight_decay"],
                 max_chunk_bytes=self.memory.update_chunk_bytes,
-                finite=self._step_ok,
+                finite=step_ok,
             )

@@ -269,10 +269,10 @@ def test_interrupt_inside_optimizer_step_saves_no_half_step(tmp_path):
     run = TrainingRun(config, text=corpus)
     update_group = run.optimizer.update_group
 
-    def interrupted_update(group, params, grads):
+    def interrupted_update(group, params, grads, **options):
         if run.step_count == 4 and group is not run.optimizer.param_groups[0]:
             raise KeyboardInterrupt  # after the first group was updated
-        update_group(group, params, grads)
+        update_group(group, params, grads, **options)
 
     run.optimizer.update_group = interrupted_update
     with pytest.raises(KeyboardInterrupt) as info:

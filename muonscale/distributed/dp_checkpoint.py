@@ -21,16 +21,41 @@ part it holds). Both use the optimizer's public layout (``params``, ``group_of``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from ..declared_state import MOMENTUM, VARIANT_STATE, kept_state
+from ..matrices import MatrixView
 from ..optimizer_state import check_loaded_groups
+from ..param_table import ParamTable
 from ..settings import MuonSettings
+from .comm import Communicator
+from .dp_reduction import BucketedReduction
 
-if TYPE_CHECKING:
-    from .data_parallel import DistributedMuon
+
+class DistributedMuon(Protocol):
+    """The layout of :class:`~muonscale.distributed.DistributedMuon` this module reads (named
+    here by what it uses: that class builds on this module)."""
+
+    params: list[torch.Tensor]
+    group_of: list[dict[str, Any]]
+    muon_indices: list[int]
+    adamw_indices: list[int]
+    owner_rank: Sequence[int]
+    rank: int
+    world_size: int
+    comm: Communicator
+    reduction: BucketedReduction
+    param_groups: list[dict[str, Any]]
+    param_table: ParamTable
+    state: Mapping[torch.Tensor, dict[str, Any]]
+
+    def index_of(self, p: torch.Tensor) -> int: ...
+
+    def matrix_view(self, p: torch.Tensor, group: Mapping[str, Any]) -> MatrixView: ...
+
 
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -124,7 +149,7 @@ def load_full_state(opt: DistributedMuon, state_dict: dict[str, Any]) -> None:
             f"loaded state has {len(saved_groups)} param groups, "
             f"the optimizer {len(opt.param_groups)}"
         )
-    check_loaded_groups(opt, state_dict)  # before anything changes
+    check_loaded_groups(opt.param_groups, opt.param_table, state_dict)  # before anything changes
     key_of: dict[int, Any] = {}
     for group, saved in zip(opt.param_groups, saved_groups):
         if len(saved["params"]) != len(group["params"]):

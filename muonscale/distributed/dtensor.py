@@ -326,7 +326,7 @@ class DTensorMuon(Muon):
         """Exact bytes of state tensors held by this rank (local shards)."""
         return sum(
             local_tensor(v).numel() * local_tensor(v).element_size()
-            for s in parameter_states(self)
+            for s in parameter_states(self.state)
             for v in s.values()
             if isinstance(v, torch.Tensor)
         )
@@ -364,9 +364,12 @@ class DTensorMuon(Muon):
         return None if bad.numel() == 0 else self._name(owners[int(bad[0])])
 
     # ---------------------------------------------------------------- step
-    def _apply_updates(self) -> None:
+    def _apply_updates(
+        self, from_backward: Sequence[Any] = (), step_ok: torch.Tensor | None = None
+    ) -> None:
         """The update phases of :meth:`step` (see the class docstring); ``Muon.step`` runs the
-        closure and the collective non-finite check first."""
+        closure and the collective non-finite check first (neither ``capturable`` nor
+        ``orthogonalize_in_backward``: ``from_backward`` is empty, ``step_ok`` None)."""
         grads, self._step_grads = self._step_grads, {}
         muon_entries: list[tuple[torch.Tensor, Mapping[str, Any]]] = []
         for group in self.param_groups:

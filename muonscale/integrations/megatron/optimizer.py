@@ -130,11 +130,16 @@ class MegatronMuon(Muon):
         return self.grad_norm.last_norm
 
     def update_group(
-        self, group: Mapping[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]
+        self,
+        group: Mapping[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        *,
+        step_ok: torch.Tensor | None = None,
     ) -> None:
         """AdamW as :class:`muonscale.Muon`; Muon through the orthogonalizer."""
         if group["algorithm"] != "muon" or not params:
-            return super().update_group(group, params, grads)
+            return super().update_group(group, params, grads, step_ok=step_ok)
         states = [self.init_state(p, group) for p in params]
         muon_update_(
             params,
@@ -242,12 +247,17 @@ class MegatronDistributedMuon(DistributedMuon):
         return self.grad_norm.last_norm
 
     def update_group(
-        self, group: Mapping[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]
+        self,
+        group: Mapping[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        *,
+        step_ok: torch.Tensor | None = None,
     ) -> None:
         """AdamW as :class:`muonscale.Muon`; Muon (owned matrices or their main copies) through
         the orthogonalizer."""
         if group["algorithm"] != "muon" or not params:
-            return super().update_group(group, params, grads)
+            return super().update_group(group, params, grads, step_ok=step_ok)
         states = [self.init_state(p, group) for p in params]
         muon_update_(
             params,
