@@ -85,6 +85,18 @@ class Muon(torch.optim.Optimizer):
     :func:`muonscale.route`) live in their own param groups with their own ``lr``, ``betas``,
     ``eps`` and ``weight_decay``, so LR and momentum schedulers reach both halves.
 
+    Example (a user calls ``step``, ``zero_grad``, ``state_dict`` / ``load_state_dict`` as with
+    any torch optimizer, and ``summary`` to see the routing):
+
+    .. code-block:: python
+
+        model = torch.nn.Sequential(torch.nn.Embedding(100, 32), torch.nn.Linear(32, 32))
+        opt = muonscale.Muon(model, lr=0.02, weight_decay=0.01)
+        print(opt.summary())  # the embedding and the bias go to AdamW, the matrix to Muon
+        model(torch.randint(100, (8,))).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
     Args:
         params: ``model.named_parameters()`` (routed by name and shape), the model itself
             (also detects embeddings by module type), plain tensors (≥ 2-D → Muon, with a
@@ -480,7 +492,7 @@ class Muon(torch.optim.Optimizer):
         named by the model."""
         table = self.param_table
         slots = rebind_slots(table, self.param_groups, named_parameters)
-        self.check_rebind([(old, new) for old, new, _ in slots])
+        self._check_rebind([(old, new) for old, new, _ in slots])
         new_of_name = {name: new for _, new, name in slots}
         for key in list(self.state):  # state keys are alive, so their ids name them exactly
             name = table.names.get(id(key))
@@ -490,24 +502,20 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             group["params"] = [next(flat)[1] for _ in group["params"]]
         table.rebind(slots)
-        self.after_rebind([(old, new) for old, new, _ in slots])
+        self._after_rebind([(old, new) for old, new, _ in slots])
         if self._backward_ns is not None:
             self._backward_ns.rebuild()
         return sum(old is not new for old, new, _ in slots)
 
-    def check_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _check_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Raise before anything changes if a subclass cannot follow ``slots`` (see below)."""
 
-    def after_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _after_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Re-key what a subclass holds by parameter: ``slots`` are (bound before, bound now)
         in param-group order (the same object when nothing moved)."""
 
     def _name(self, p: torch.Tensor) -> str:
         return self.param_table.label(p, self.param_groups)
-
-    def is_transposed(self, p: torch.Tensor) -> bool:
-        """Whether ``p`` is a 2-D weight stored (in, out) (its matrix is ``p.T``)."""
-        return self.param_table.is_transposed(p)
 
     def _check_transposed(self) -> None:
         muon = {
@@ -523,7 +531,7 @@ class Muon(torch.optim.Optimizer):
                     "weights can be stored transposed"
                 )
 
-    def matrix_view(self, p: torch.Tensor, group: Mapping[str, Any]) -> MatrixView:
+    def _matrix_view(self, p: torch.Tensor, group: Mapping[str, Any]) -> MatrixView:
         """How ``p`` is split into matrices (cached)."""
         return self.param_table.view(p, group["matrix_mode"])
 
@@ -588,7 +596,7 @@ class Muon(torch.optim.Optimizer):
         return super().state_dict()
 
     # ---------------------------------------------------------------- state
-    def init_state(
+    def _init_state(
         self, p: torch.Tensor, group: Mapping[str, Any], settings: MuonSettings | None = None
     ) -> dict[str, torch.Tensor]:
         """Create (if missing) and return the state of ``p`` (``settings``: the group's, when
@@ -603,7 +611,7 @@ class Muon(torch.optim.Optimizer):
                 )
             for spec in kept_state(settings, variants_only=True):
                 if spec.key not in state:
-                    view = self.matrix_view(p, group)
+                    view = self._matrix_view(p, group)
                     state[spec.key] = spec.zeros(settings, view, p.dtype, p.device)
             return state
         elif state:
@@ -627,7 +635,7 @@ class Muon(torch.optim.Optimizer):
         """Create every parameter's state now (instead of at its first step)."""
         for group in self.param_groups:
             for p in group["params"]:
-                self.init_state(p, group)
+                self._init_state(p, group)
 
     def optimizer_state_bytes(self) -> int:
         """Exact bytes held by state tensors."""
@@ -809,10 +817,10 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if from_backward:  # orthogonalize_in_backward: buckets done in backward
-                params = self._backward_ns.apply(group, from_backward, params, self.init_state)
-            self.update_group(group, params, [p.grad for p in params], step_ok=step_ok)
+                params = self._backward_ns.apply(group, from_backward, params, self._init_state)
+            self._update_group(group, params, [p.grad for p in params], step_ok=step_ok)
 
-    def update_group(
+    def _update_group(
         self,
         group: Mapping[str, Any],
         params: list[torch.Tensor],
@@ -826,7 +834,7 @@ class Muon(torch.optim.Optimizer):
         if not params:
             return
         settings = MuonSettings.from_group(group) if group["algorithm"] == "muon" else None
-        states = [self.init_state(p, group, settings) for p in params]
+        states = [self._init_state(p, group, settings) for p in params]
         if group["algorithm"] == "muon":
             # Zero-element matrices have state (as in torch) but nothing to orthogonalize.
             keep = [i for i, p in enumerate(params) if p.numel() > 0]
@@ -847,7 +855,7 @@ class Muon(torch.optim.Optimizer):
                 options=settings,
                 row_moments=variant_state(states)[ROW_MOMENT.key],
                 qk_lr_scale=settings.qk_lr_scale,
-                views=[self.matrix_view(p, group) for p in params],
+                views=[self._matrix_view(p, group) for p in params],
                 lr=self._step_lr(group, step_ok) if self.capturable else float(group["lr"]),
                 weight_decay=group["weight_decay"],
                 momentum=settings.momentum,

@@ -27,7 +27,6 @@ from typing import Any, Protocol
 import torch
 
 from ..declared_state import MOMENTUM, VARIANT_STATE, kept_state
-from ..matrices import MatrixView
 from ..optimizer_state import check_loaded_groups
 from ..param_table import ParamTable
 from ..settings import MuonSettings
@@ -54,8 +53,6 @@ class DistributedMuon(Protocol):
 
     def index_of(self, p: torch.Tensor) -> int: ...
 
-    def matrix_view(self, p: torch.Tensor, group: Mapping[str, Any]) -> MatrixView: ...
-
 
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -73,7 +70,8 @@ def gather_full_state(opt: DistributedMuon) -> dict[int, dict[str, torch.Tensor]
     for i in opt.muon_indices:  # momentum (and main copy) live on the owner only
         p, group, owner = opt.params[i], opt.group_of[i], opt.owner_rank[i]
         main_dtype = opt.reduction.main_dtype(p.dtype)
-        settings, view = MuonSettings.from_group(group), opt.matrix_view(p, group)
+        settings = MuonSettings.from_group(group)
+        view = opt.param_table.view(p, group["matrix_mode"])
         specs = {MOMENTUM.key: (p.shape, MOMENTUM.dtype(settings, main_dtype or p.dtype))}
         if main_dtype is not None:
             specs["main_param"] = (p.shape, main_dtype)
@@ -185,7 +183,7 @@ def load_full_state(opt: DistributedMuon, state_dict: dict[str, Any]) -> None:
                 state.pop(spec.key, None)
                 continue
             if spec.key not in state:  # built without it: the loaded options keep it
-                view = opt.matrix_view(p, opt.group_of[i])
+                view = opt.param_table.view(p, opt.group_of[i]["matrix_mode"])
                 state[spec.key] = spec.zeros(settings, view, p.dtype, p.device)
             moment = entry.get(spec.key)
             if moment is None:

@@ -262,7 +262,7 @@ class DTensorMuon(Muon):
             )
             for p in group["params"]:
                 shapes = (
-                    tuple(self.matrix_view(p, group).matrix_shapes)
+                    tuple(self._matrix_view(p, group).matrix_shapes)
                     if group["algorithm"] == "muon"
                     else ()
                 )
@@ -302,7 +302,7 @@ class DTensorMuon(Muon):
         key = (tuple(id(p) for p, _ in entries), dtype)
         if key not in self._plans:
             layouts = [self.matrix_layout(p) for p, _ in entries]
-            costs = [self.matrix_view(p, g).matrix_shapes for p, g in entries]
+            costs = [self._matrix_view(p, g).matrix_shapes for p, g in entries]
             owners = default_owners(layouts, self.comm.world_size, matrix_shapes=costs)
             self._plans[key] = ShardedMatrices(
                 layouts,
@@ -313,7 +313,7 @@ class DTensorMuon(Muon):
             )
         return self._plans[key]
 
-    def after_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _after_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """New parameter objects: lay them out again (and fail fast on unsupported ones)."""
         self._layouts.clear()
         self._plans.clear()
@@ -388,7 +388,7 @@ class DTensorMuon(Muon):
     ) -> None:
         if not params:
             return
-        states = [self.init_state(p, group) for p in params]
+        states = [self._init_state(p, group) for p in params]
         beta1, beta2 = group["betas"]
         functional.adamw(
             [local_tensor(p) for p in params],
@@ -414,7 +414,7 @@ class DTensorMuon(Muon):
         momenta: dict[int, torch.Tensor] = {}
         for group in groups:
             params = [p for p, g in entries if g is group]
-            states = [self.init_state(p, group) for p in params]
+            states = [self._init_state(p, group) for p in params]
             bufs = [local_tensor(b) for b in self._stacked_momentum(group, params, states)]
             functional.update_momentum_(
                 [local_grads[id(p)] for p in params], bufs, momentum=group["momentum"]
@@ -541,7 +541,7 @@ class DTensorMuon(Muon):
         per_param: list[list[torch.Tensor | None]] = []
         for slot, (i, u) in enumerate(zip(indices, whole)):
             p, group = part[i]
-            mats = self.matrix_view(p, group).to_matrices(u.reshape(p.shape))
+            mats = self._matrix_view(p, group).to_matrices(u.reshape(p.shape))
             per_param.append([None] * len(mats))
             ns = MuonSettings.from_group(group).ns
             for j, mat in enumerate(mats):
@@ -555,7 +555,7 @@ class DTensorMuon(Muon):
         out = []
         for slot, i in enumerate(indices):
             p, group = part[i]
-            view, mats = self.matrix_view(p, group), per_param[slot]
+            view, mats = self._matrix_view(p, group), per_param[slot]
             settings = MuonSettings.from_group(group)
             if ROW_MOMENT in kept_state(settings):  # [variants] NorMuon
                 self._row_normalize_on_owner(p, group, mats)
@@ -569,7 +569,7 @@ class DTensorMuon(Muon):
 
     def _alpha(self, p: torch.Tensor, group: Mapping[str, Any]) -> float:
         """−s(m, n) for an unscaled single-matrix update, −1 for one scaled on the owner."""
-        view = self.matrix_view(p, group)
+        view = self._matrix_view(p, group)
         shapes = view.matrix_shapes
         if len(shapes) == 1 and view.row_partition is None and not view.transposed:
             return -update_scale(group["scale"], *shapes[0])

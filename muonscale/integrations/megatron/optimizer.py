@@ -129,7 +129,7 @@ class MegatronMuon(Muon):
         """Global gradient norm of the latest step, before clipping."""
         return self.grad_norm.last_norm
 
-    def update_group(
+    def _update_group(
         self,
         group: Mapping[str, Any],
         params: list[torch.Tensor],
@@ -139,13 +139,13 @@ class MegatronMuon(Muon):
     ) -> None:
         """AdamW as :class:`muonscale.Muon`; Muon through the orthogonalizer."""
         if group["algorithm"] != "muon" or not params:
-            return super().update_group(group, params, grads, step_ok=step_ok)
-        states = [self.init_state(p, group) for p in params]
+            return super()._update_group(group, params, grads, step_ok=step_ok)
+        states = [self._init_state(p, group) for p in params]
         muon_update_(
             params,
             grads,
             self._stacked_momentum(group, params, states),
-            [self.matrix_view(p, group) for p in params],
+            [self._matrix_view(p, group) for p in params],
             [self._plan_by_id[id(p)] for p in params],
             group,
             self.orthogonalizer,
@@ -246,7 +246,7 @@ class MegatronDistributedMuon(DistributedMuon):
         """Global gradient norm of the latest step, before clipping."""
         return self.grad_norm.last_norm
 
-    def update_group(
+    def _update_group(
         self,
         group: Mapping[str, Any],
         params: list[torch.Tensor],
@@ -257,13 +257,13 @@ class MegatronDistributedMuon(DistributedMuon):
         """AdamW as :class:`muonscale.Muon`; Muon (owned matrices or their main copies) through
         the orthogonalizer."""
         if group["algorithm"] != "muon" or not params:
-            return super().update_group(group, params, grads, step_ok=step_ok)
-        states = [self.init_state(p, group) for p in params]
+            return super()._update_group(group, params, grads, step_ok=step_ok)
+        states = [self._init_state(p, group) for p in params]
         muon_update_(
             params,
             grads,
             self._stacked_momentum(group, params, states),
-            [self.matrix_view(p, group) for p in params],
+            [self._matrix_view(p, group) for p in params],
             [self._plan_by_id[id(self.model_param(p))] for p in params],
             group,
             self.orthogonalizer,
