@@ -8,7 +8,6 @@ tensors; :mod:`muonscale.newton_schulz` the orthogonalization.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -16,7 +15,7 @@ import torch
 
 from . import functional
 from .backward_ns import BackwardOrthogonalizer
-from .capturable import DeviceNonFiniteGuard
+from .capturable import DeviceNonFiniteGuard, device_lr, step_lr
 from .compile_boundary import eager_under_compile
 from .declared_state import MOMENTUM, ROW_MOMENT, kept_state, variant_state
 from .kernels import ElementwiseBackend, clear_workspaces, elementwise_backend_from_environment
@@ -25,10 +24,13 @@ from .memory import MemoryBudget
 from .newton_schulz import Coefficients
 from .optimizer_groups import (
     PARAMS_TYPE_ERROR,
+    check_transposed,
     expand_user_group,
     groups_from,
-    named_entries,
     rebind_slots,
+    refuse_dtensors,
+    resolved_group,
+    warn_idle_qk_lr_scale,
     warn_unnamed,
 )
 from .optimizer_options import (  # noqa: F401 (NONFINITE_POLICIES, NS_METHODS: re-exported)
@@ -53,7 +55,7 @@ from .optimizer_state import (
     with_group_defaults,
 )
 from .param_table import ParamTable
-from .params import ALGORITHMS, RouteDecision, Rule, format_routing_table, layout_note
+from .params import RouteDecision, Rule
 from .qkv import QKV_SPLIT_MODES, QKVLayout
 from .scaling import ADJUST_LR_FNS, SCALE_RULES
 from .settings import OPTION_DEFAULTS, PLAIN_MUON, MuonSettings, schedule_defaults
@@ -160,12 +162,9 @@ class Muon(torch.optim.Optimizer):
             the model (:func:`muonscale.params.transposed_weights`), else none.
         ns_method: ``"plain"`` (the reference iteration), ``"gram"`` (iterate on the m×m Gram
             matrix, restarting every 2 steps) or ``"auto"`` (Gram for float32/float64 matrices
-            with n ≥ 3m, where it is 17–22% cheaper, and for bfloat16 ones with Keller's
-            coefficients and n ≥ 4m; plain otherwise). Same function either way, not the same
-            rounding: in float32 the Gram form's relative error was measured at 0.7–2× the
-            plain iteration's (Keller) and up to 2.73× (Polar Express, σᵢ ∝ 1/i), about 1e-6 to
-            5e-6 either way; in bfloat16 on an H200 at 0.95–1.01× with Keller's coefficients at
-            n = 4m. See :data:`muonscale.kernels.GRAM_POLICY`.
+            with n ≥ 3m, and for bfloat16 ones with Keller's coefficients and n ≥ 4m; plain
+            otherwise). Same function either way, not the same rounding; the costs and errors
+            measured are in *Newton–Schulz* in the docs (:data:`muonscale.kernels.GRAM_POLICY`).
         normalize: ``"none"`` or ``"row"`` (NorMuon: each row of the orthogonalized update is
             divided by the root of its EMA second moment, then the matrix is rescaled to its
             norm before; its state, one float32 per row, is declared in
@@ -336,15 +335,15 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(self.muon_defaults, algorithm="muon")
         super().__init__(groups, defaults)
         if not self._ACCEPTS_DTENSOR:
-            self._refuse_dtensors()
+            refuse_dtensors(self.param_table, self.param_groups, type(self).__name__)
         warn_unnamed(self.param_table, strict)
-        self._check_transposed()
+        check_transposed(self.param_table, self.param_groups)
         table = self.param_table
         by_name = {table.name(p): (p, g) for g in self.param_groups for p in g["params"]}
         table.split_rows, table.split_roles = resolve_splits(
             splits or {}, qkv_split, by_name, table.is_transposed
         )
-        self._warn_idle_qk_lr_scale()
+        warn_idle_qk_lr_scale(table, self.param_groups)
         if orthogonalize_in_backward:
             self._backward_ns = BackwardOrthogonalizer(self, table)
 
@@ -378,42 +377,10 @@ class Muon(torch.optim.Optimizer):
         """Names of the weights stored (in, out) (see ``transposed``)."""
         return self.param_table.transposed
 
-    def _warn_idle_qk_lr_scale(self) -> None:
-        """Warn for each Muon group whose ``qk_lr_scale`` has no query or key block to act on."""
-        for i, group in enumerate(self.param_groups):
-            if group["algorithm"] != "muon" or group["qk_lr_scale"] == 1.0:
-                continue
-            factor = group["qk_lr_scale"]
-            roles = {
-                r for p in group["params"] for r in self.param_table.split_roles.get(id(p), ())
-            }
-            if not roles & {"q", "k"}:
-                warnings.warn(
-                    f"qk_lr_scale={factor} (param group {i}) acts on no parameter: it scales "
-                    "the query and key blocks of fused QKV weights given in splits with a "
-                    "QKVLayout. Give separate q/k projections a param group with their own lr.",
-                    UserWarning,
-                    stacklevel=3,
-                )
-
     @property
     def orthogonalize_in_backward(self) -> bool:
         """Whether Newton–Schulz runs during backward (see the class docstring)."""
         return self.__dict__.get("_backward_ns") is not None
-
-    def _refuse_dtensors(self) -> None:
-        """DTensor (FSDP2 / tensor-parallel) parameters need the DTensor optimizer."""
-        from torch.distributed.tensor import DTensor
-
-        for group in self.param_groups:
-            for p in group["params"]:
-                if isinstance(p, DTensor):
-                    name = self.param_table.names.get(id(p), f"a {tuple(p.shape)} parameter")
-                    raise ValueError(
-                        f"{type(self).__name__} got DTensor parameter {name!r} (FSDP2 or tensor "
-                        "parallel); build the optimizer with muonscale.distributed_muon(...), "
-                        "which returns the DTensor optimizer for such parameters"
-                    )
 
     # ---------------------------------------------------------------- param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -439,44 +406,17 @@ class Muon(torch.optim.Optimizer):
             self._add_resolved_group(group)
 
     def _add_resolved_group(self, param_group: dict[str, Any]) -> None:
-        named, has_names = named_entries(self.param_table, param_group)
-        params = [p for _, p in named]
-        param_group["params"] = params
-        if has_names:  # (name, tensor) pairs: torch checks names against the other groups'
-            param_group["param_names"] = [name for name, _ in named]
-        algorithm = param_group["algorithm"]
-        if algorithm not in ALGORITHMS:
-            raise ValueError(
-                f"param group 'algorithm' must be one of {ALGORITHMS}, got {algorithm!r}"
+        super().add_param_group(
+            resolved_group(
+                self.param_table,
+                param_group,
+                self.muon_defaults,
+                self.adamw_defaults,
+                self.param_groups,
             )
-        if algorithm == "muon":
-            for key, value in self.muon_defaults.items():
-                param_group.setdefault(key, value)
-            validate_muon_group(param_group)
-            for p in params:
-                if p.is_complex():
-                    raise ValueError(
-                        f"Muon cannot orthogonalize complex parameter '{self._name(p)}'; "
-                        "route it to AdamW"
-                    )
-                if p.ndim < 2:
-                    raise ValueError(
-                        f"Muon parameter '{self._name(p)}' has shape {tuple(p.shape)}; "
-                        "Muon needs >= 2 dims (route it to AdamW)"
-                    )
-        else:
-            for key, value in self.adamw_defaults.items():
-                param_group.setdefault(key, value)
-            if param_group["weight_decay"] is None:
-                param_group["weight_decay"] = self.muon_defaults["weight_decay"]
-            param_group = AdamWGroup.wrap(param_group)
-            validate_adamw_group(param_group)
-        lr = param_group["lr"]
-        if isinstance(lr, torch.Tensor) and any(g["lr"] is lr for g in self.param_groups):
-            param_group["lr"] = lr.clone()  # each group's schedule acts on its own tensor
-        super().add_param_group(param_group)
+        )
         if self.capturable:
-            self._device_lr(self.param_groups[-1])
+            device_lr(self.param_groups[-1])
         if self.__dict__.get("_backward_ns") is not None:
             self._backward_ns.rebuild()
 
@@ -517,20 +457,6 @@ class Muon(torch.optim.Optimizer):
     def _name(self, p: torch.Tensor) -> str:
         return self.param_table.label(p, self.param_groups)
 
-    def _check_transposed(self) -> None:
-        muon = {
-            self.param_table.name(p): p
-            for g in self.param_groups
-            if g["algorithm"] == "muon"
-            for p in g["params"]
-        }
-        for name in sorted(self.transposed_names & muon.keys()):
-            if muon[name].ndim != 2:
-                raise ValueError(
-                    f"transposed: {name!r} has shape {tuple(muon[name].shape)}; only 2-D (in, out) "
-                    "weights can be stored transposed"
-                )
-
     def _matrix_view(self, p: torch.Tensor, group: Mapping[str, Any]) -> MatrixView:
         """How ``p`` is split into matrices (cached)."""
         return self.param_table.view(p, group["matrix_mode"])
@@ -550,26 +476,6 @@ class Muon(torch.optim.Optimizer):
         guard = self.__dict__.get("_guard")
         if guard is not None:
             guard.clear(skipped=True)
-
-    def _device_lr(self, group: dict[str, Any]) -> torch.Tensor:
-        """``group["lr"]`` as a 0-dim tensor on the group's device (capturable steps). A float
-        or a tensor elsewhere is replaced once, in the group, by a float64 tensor there, so a
-        scheduler's in-place writes reach every later (and every captured) step."""
-        lr = group["lr"]
-        device = group["params"][0].device if group["params"] else torch.device("cpu")
-        if isinstance(lr, torch.Tensor) and lr.device == device:
-            return lr
-        if isinstance(lr, torch.Tensor):
-            lr = lr.to(device=device, dtype=torch.float64)  # device copy: no host read
-        else:
-            lr = torch.full((), lr, dtype=torch.float64, device=device)
-        group["lr"] = lr
-        return lr
-
-    def _step_lr(self, group: dict[str, Any], step_ok: torch.Tensor | None) -> torch.Tensor:
-        """The lr of this capturable step: 0 on the device when the step must be a no-op."""
-        lr = self._device_lr(group)
-        return lr if step_ok is None else torch.where(step_ok, lr, 0.0)
 
     def check_finite(self) -> None:
         """Raise :class:`NonFiniteGradientError` if a capturable step since the last check saw
@@ -649,21 +555,7 @@ class Muon(torch.optim.Optimizer):
     def summary(self) -> str:
         """Routing table: tensors and elements per algorithm, then one line per parameter,
         with the weights Muon treats as transposed or splits into row blocks (and how)."""
-        table = self.param_table
-        params = {self._name(p): p for g in self.param_groups for p in g["params"]}
-        decisions = {
-            n: table.routing.get(n, RouteDecision(g["algorithm"], "param group"))
-            for g in self.param_groups
-            for n in [self._name(p) for p in g["params"]]
-        }
-        notes = {
-            self._name(p): layout_note(
-                table.is_transposed(p), table.split_rows.get(id(p)), table.split_roles.get(id(p))
-            )
-            for g in self.param_groups
-            for p in g["params"]
-        }
-        return format_routing_table(decisions, params, notes)
+        return self.param_table.summary(self.param_groups)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -856,7 +748,7 @@ class Muon(torch.optim.Optimizer):
                 row_moments=variant_state(states)[ROW_MOMENT.key],
                 qk_lr_scale=settings.qk_lr_scale,
                 views=[self._matrix_view(p, group) for p in params],
-                lr=self._step_lr(group, step_ok) if self.capturable else float(group["lr"]),
+                lr=step_lr(group, step_ok) if self.capturable else float(group["lr"]),
                 weight_decay=group["weight_decay"],
                 momentum=settings.momentum,
                 nesterov=settings.nesterov,
@@ -886,7 +778,7 @@ class Muon(torch.optim.Optimizer):
                 exp_avgs,
                 exp_avg_sqs,
                 [s["step"] for s in states],
-                lr=self._device_lr(group) if self.capturable else float(group["lr"]),
+                lr=device_lr(group) if self.capturable else float(group["lr"]),
                 beta1=beta1,
                 beta2=beta2,
                 eps=group["eps"],

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .optimizer_options import AdamWGroup, validate_adamw_group, validate_muon_group
 from .param_table import ParamTable
 from .params import ALGORITHMS, RouteDecision, route, route_one, transposed_weights
 
@@ -173,6 +174,94 @@ def split_by_algorithm(
             if vectors:
                 out.append(make(vectors, "adamw", weight_decay=0.0))
     return out
+
+
+def resolved_group(
+    table: ParamTable,
+    param_group: dict[str, Any],
+    muon_defaults: Mapping[str, Any],
+    adamw_defaults: Mapping[str, Any],
+    param_groups: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """``param_group`` (one algorithm) ready for torch's ``add_param_group``: named in
+    ``table``, completed from the optimizer's defaults and checked; an lr tensor another of
+    ``param_groups`` (the groups added so far) holds is copied."""
+    named, has_names = named_entries(table, param_group)
+    params = [p for _, p in named]
+    param_group["params"] = params
+    if has_names:  # (name, tensor) pairs: torch checks names against the other groups'
+        param_group["param_names"] = [name for name, _ in named]
+    algorithm = param_group["algorithm"]
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"param group 'algorithm' must be one of {ALGORITHMS}, got {algorithm!r}")
+    if algorithm == "muon":
+        for key, value in muon_defaults.items():
+            param_group.setdefault(key, value)
+        validate_muon_group(param_group)
+        for p in params:
+            if p.is_complex():
+                raise ValueError(
+                    f"Muon cannot orthogonalize complex parameter "
+                    f"'{table.label(p, param_groups)}'; route it to AdamW"
+                )
+            if p.ndim < 2:
+                raise ValueError(
+                    f"Muon parameter '{table.label(p, param_groups)}' has shape "
+                    f"{tuple(p.shape)}; Muon needs >= 2 dims (route it to AdamW)"
+                )
+    else:
+        for key, value in adamw_defaults.items():
+            param_group.setdefault(key, value)
+        if param_group["weight_decay"] is None:
+            param_group["weight_decay"] = muon_defaults["weight_decay"]
+        param_group = AdamWGroup.wrap(param_group)
+        validate_adamw_group(param_group)
+    lr = param_group["lr"]
+    if isinstance(lr, torch.Tensor) and any(g["lr"] is lr for g in param_groups):
+        param_group["lr"] = lr.clone()  # each group's schedule acts on its own tensor
+    return param_group
+
+
+def check_transposed(table: ParamTable, param_groups: list[dict[str, Any]]) -> None:
+    """Refuse a ``transposed`` name of a Muon parameter that is not 2-D."""
+    muon = {table.name(p): p for g in param_groups if g["algorithm"] == "muon" for p in g["params"]}
+    for name in sorted(table.transposed & muon.keys()):
+        if muon[name].ndim != 2:
+            raise ValueError(
+                f"transposed: {name!r} has shape {tuple(muon[name].shape)}; only 2-D (in, out) "
+                "weights can be stored transposed"
+            )
+
+
+def refuse_dtensors(table: ParamTable, param_groups: list[dict[str, Any]], optimizer: str) -> None:
+    """DTensor (FSDP2 / tensor-parallel) parameters need the DTensor optimizer (``optimizer``:
+    the class name of the one that got them)."""
+    for group in param_groups:
+        for p in group["params"]:
+            if is_dtensor(p):
+                name = table.names.get(id(p), f"a {tuple(p.shape)} parameter")
+                raise ValueError(
+                    f"{optimizer} got DTensor parameter {name!r} (FSDP2 or tensor "
+                    "parallel); build the optimizer with muonscale.distributed_muon(...), "
+                    "which returns the DTensor optimizer for such parameters"
+                )
+
+
+def warn_idle_qk_lr_scale(table: ParamTable, param_groups: list[dict[str, Any]]) -> None:
+    """Warn for each Muon group whose ``qk_lr_scale`` has no query or key block to act on."""
+    for i, group in enumerate(param_groups):
+        if group["algorithm"] != "muon" or group["qk_lr_scale"] == 1.0:
+            continue
+        factor = group["qk_lr_scale"]
+        roles = {r for p in group["params"] for r in table.split_roles.get(id(p), ())}
+        if not roles & {"q", "k"}:
+            warnings.warn(
+                f"qk_lr_scale={factor} (param group {i}) acts on no parameter: it scales "
+                "the query and key blocks of fused QKV weights given in splits with a "
+                "QKVLayout. Give separate q/k projections a param group with their own lr.",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 _LIGHTNING_FIX = (

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .matrices import MatrixView
-from .params import RouteDecision, Rule
+from .params import RouteDecision, Rule, format_routing_table, layout_note
 
 
 class ParamTable:
@@ -61,6 +61,23 @@ class ParamTable:
             )
             self.views[id(p)] = view
         return view
+
+    def summary(self, param_groups: Sequence[Mapping[str, Any]]) -> str:
+        """The routing table of ``param_groups`` (see :meth:`muonscale.Muon.summary`)."""
+        names = [self.label(p, param_groups) for g in param_groups for p in g["params"]]
+        params = [p for g in param_groups for p in g["params"]]
+        algorithms = [g["algorithm"] for g in param_groups for _ in g["params"]]
+        decisions = {
+            n: self.routing.get(n, RouteDecision(a, "param group"))
+            for n, a in zip(names, algorithms)
+        }
+        notes = {
+            n: layout_note(
+                self.is_transposed(p), self.split_rows.get(id(p)), self.split_roles.get(id(p))
+            )
+            for n, p in zip(names, params)
+        }
+        return format_routing_table(decisions, dict(zip(names, params)), notes)
 
     def rebind(self, slots: Sequence[tuple[torch.Tensor, torch.Tensor, str]]) -> None:
         """Key every fact by the parameters now bound: ``slots`` are (bound before, bound now,
