@@ -17,20 +17,18 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from . import functional
 from .kernels.process_state import NSWorkspace
 from .newton_schulz import resolve_schedule
+from .param_table import ParamTable
 from .scaling import update_scale
 from .settings import BACKWARD_SNAPSHOT, MuonSettings
-
-if TYPE_CHECKING:
-    from .optimizer import Muon
 
 BUCKET_BYTES = 32 * 2**20
 """Newton–Schulz input bytes of one bucket (a bucket holds at least one matrix): small enough
@@ -70,10 +68,12 @@ def _on_grad(engine_ref: weakref.ref, param: torch.Tensor) -> None:
 
 
 class BackwardOrthogonalizer:
-    """The hooks, buckets and side streams of one optimizer (owned by it)."""
+    """The hooks, buckets and side streams of one optimizer (owned by it; ``table``: its
+    :class:`~muonscale.param_table.ParamTable`)."""
 
-    def __init__(self, opt: Muon) -> None:
+    def __init__(self, opt: torch.optim.Optimizer, table: ParamTable) -> None:
         self._opt = weakref.ref(opt)
+        self.table = table
         self.buckets: list[Bucket] = []
         self.slot: dict[int, tuple[Bucket, int]] = {}  # id(param) -> (bucket, index)
         self.handles: list[Any] = []
@@ -100,7 +100,8 @@ class BackwardOrthogonalizer:
             for p in group["params"]:
                 if p.numel() == 0 or not p.requires_grad:  # frozen: no hook, step() as usual
                     continue
-                key = functional.stack_key(p, opt.matrix_view(p, group), options.ns, options)
+                view = self.table.view(p, group["matrix_mode"])
+                key = functional.stack_key(p, view, options.ns, options)
                 if key is None:  # split/transposed views and variants: updated in step()
                     continue
                 shape, device, dtype = key
@@ -137,7 +138,7 @@ class BackwardOrthogonalizer:
             return
         bucket, index = slot
         if id(p) in self.fired:  # a second backward (accumulation) or a new one after edits
-            self.repeated = self._opt()._name(p)
+            self.repeated = self._label(p)
             for b in self.buckets:
                 b.discard()
             return
@@ -203,7 +204,6 @@ class BackwardOrthogonalizer:
     def collect(self) -> list[Bucket]:
         """The buckets whose results ``step()`` may apply (and, when a gradient changed after
         its hook, none: a one-time warning says why); the device waits for them."""
-        opt = self._opt()
         ready = [b for b in self.buckets if b.result is not None]
         problem = None
         if self.repeated is not None:
@@ -221,7 +221,7 @@ class BackwardOrthogonalizer:
                     "averaged (DistributedDataParallel) after the hooks saw them",
                 )
         if problem is None:
-            problem = next((m for b in ready if (m := self._changed(opt, b))), None)
+            problem = next((m for b in ready if (m := self._changed(b))), None)
         if problem is not None:
             self._warn_once(problem)
             self.reset()
@@ -231,15 +231,18 @@ class BackwardOrthogonalizer:
                 torch.cuda.current_stream(bucket.device).wait_event(bucket.done)
         return ready
 
-    def _changed(self, opt: Muon, bucket: Bucket) -> tuple[str, str] | None:
+    def _label(self, p: torch.Tensor) -> str:
+        return self.table.label(p, self._opt().param_groups)
+
+    def _changed(self, bucket: Bucket) -> tuple[str, str] | None:
         """(kind, why) when ``bucket``'s result no longer matches its gradients and options."""
         for p, seen in zip(bucket.params, bucket.seen):
             grad = p.grad
             if grad is None or seen is None or seen[0]() is not grad:
-                return "replaced", f"the gradient of {opt._name(p)!r} was replaced after backward"
+                return "replaced", f"the gradient of {self._label(p)!r} was replaced after backward"
             if grad._version != seen[1]:
                 return "modified", (
-                    f"the gradient of {opt._name(p)!r} was modified in place after backward "
+                    f"the gradient of {self._label(p)!r} was modified in place after backward "
                     "(gradient clipping such as clip_grad_norm_, unscaling, masking)"
                 )
         if bucket.options != tuple(bucket.group[key] for key in SNAPSHOT_KEYS):
@@ -261,11 +264,15 @@ class BackwardOrthogonalizer:
         )
 
     def apply(
-        self, group: Mapping[str, Any], ready: list[Bucket], params: list[torch.Tensor]
+        self,
+        group: Mapping[str, Any],
+        ready: list[Bucket],
+        params: list[torch.Tensor],
+        init_state: Callable[[torch.Tensor, Mapping[str, Any]], dict[str, torch.Tensor]],
     ) -> list[torch.Tensor]:
-        """Commit the momentum and apply the updates of ``group``'s ready buckets; return the
-        parameters of ``params`` they do not cover (``step()`` updates those as usual)."""
-        opt = self._opt()
+        """Commit the momentum and apply the updates of ``group``'s ready buckets (``init_state``:
+        the optimizer's); return the parameters of ``params`` they do not cover (``step()``
+        updates those as usual)."""
         covered: set[int] = set()
         lr = float(group["lr"])
         for bucket in ready:
@@ -275,7 +282,7 @@ class BackwardOrthogonalizer:
                 main = torch.cuda.current_stream(bucket.device)
                 bucket.result.record_stream(main)
                 bucket.new_momentum.record_stream(main)
-            states = [opt.init_state(p, group) for p in bucket.params]
+            states = [init_state(p, group) for p in bucket.params]
             buffers = [s["momentum_buffer"] for s in states]
             torch._foreach_copy_(buffers, list(bucket.new_momentum.unbind(0)))
             functional.apply_updates_(

@@ -24,6 +24,29 @@ def is_capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def device_lr(group: dict) -> torch.Tensor:
+    """``group["lr"]`` as a 0-dim tensor on the group's device (capturable steps). A float or
+    a tensor elsewhere is replaced once, in the group, by a float64 tensor there, so a
+    scheduler's in-place writes reach every later (and every captured) step."""
+    lr = group["lr"]
+    device = group["params"][0].device if group["params"] else torch.device("cpu")
+    if isinstance(lr, torch.Tensor) and lr.device == device:
+        return lr
+    if isinstance(lr, torch.Tensor):
+        lr = lr.to(device=device, dtype=torch.float64)  # device copy: no host read
+    else:
+        lr = torch.full((), lr, dtype=torch.float64, device=device)
+    group["lr"] = lr
+    return lr
+
+
+def step_lr(group: dict, step_ok: torch.Tensor | None) -> torch.Tensor:
+    """The lr of this capturable step: 0 on the device when the step must be a no-op
+    (``step_ok``: :meth:`DeviceNonFiniteGuard.gate`'s flag, None without a check)."""
+    lr = device_lr(group)
+    return lr if step_ok is None else torch.where(step_ok, lr, 0.0)
+
+
 class DeviceNonFiniteGuard:
     """Non-finite gradients recorded on ``device`` for the policy ``"raise"`` or ``"skip"``.
 

@@ -8,7 +8,6 @@ tensors; :mod:`muonscale.newton_schulz` the orthogonalization.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -16,7 +15,7 @@ import torch
 
 from . import functional
 from .backward_ns import BackwardOrthogonalizer
-from .capturable import DeviceNonFiniteGuard
+from .capturable import DeviceNonFiniteGuard, device_lr, step_lr
 from .compile_boundary import eager_under_compile
 from .declared_state import MOMENTUM, ROW_MOMENT, kept_state, variant_state
 from .kernels import ElementwiseBackend, clear_workspaces, elementwise_backend_from_environment
@@ -25,10 +24,13 @@ from .memory import MemoryBudget
 from .newton_schulz import Coefficients
 from .optimizer_groups import (
     PARAMS_TYPE_ERROR,
+    check_transposed,
     expand_user_group,
     groups_from,
-    named_entries,
-    rebind_parameters,
+    rebind_slots,
+    refuse_dtensors,
+    resolved_group,
+    warn_idle_qk_lr_scale,
     warn_unnamed,
 )
 from .optimizer_options import (  # noqa: F401 (NONFINITE_POLICIES, NS_METHODS: re-exported)
@@ -48,15 +50,15 @@ from .optimizer_state import (
     check_loaded_groups,
     keep_momentum_dtypes,
     parameter_states,
-    pickled_extras,
     restore_loaded,
-    restore_unpickled,
+    upgraded_groups,
     with_group_defaults,
 )
-from .params import ALGORITHMS, RouteDecision, Rule, format_routing_table, layout_note
+from .param_table import ParamTable
+from .params import RouteDecision, Rule
 from .qkv import QKV_SPLIT_MODES, QKVLayout
 from .scaling import ADJUST_LR_FNS, SCALE_RULES
-from .settings import PLAIN_MUON, MuonSettings, schedule_defaults
+from .settings import OPTION_DEFAULTS, PLAIN_MUON, MuonSettings, schedule_defaults
 from .variants import Normalize, Preconditioner
 
 
@@ -84,6 +86,18 @@ class Muon(torch.optim.Optimizer):
     routed to AdamW (embeddings, output head, norms, biases, complex tensors; see
     :func:`muonscale.route`) live in their own param groups with their own ``lr``, ``betas``,
     ``eps`` and ``weight_decay``, so LR and momentum schedulers reach both halves.
+
+    Example (a user calls ``step``, ``zero_grad``, ``state_dict`` / ``load_state_dict`` as with
+    any torch optimizer, and ``summary`` to see the routing):
+
+    .. code-block:: python
+
+        model = torch.nn.Sequential(torch.nn.Embedding(100, 32), torch.nn.Linear(32, 32))
+        opt = muonscale.Muon(model, lr=0.02, weight_decay=0.01)
+        print(opt.summary())  # the embedding and the bias go to AdamW, the matrix to Muon
+        model(torch.randint(100, (8,))).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
 
     Args:
         params: ``model.named_parameters()`` (routed by name and shape), the model itself
@@ -148,12 +162,9 @@ class Muon(torch.optim.Optimizer):
             the model (:func:`muonscale.params.transposed_weights`), else none.
         ns_method: ``"plain"`` (the reference iteration), ``"gram"`` (iterate on the m×m Gram
             matrix, restarting every 2 steps) or ``"auto"`` (Gram for float32/float64 matrices
-            with n ≥ 3m, where it is 17–22% cheaper, and for bfloat16 ones with Keller's
-            coefficients and n ≥ 4m; plain otherwise). Same function either way, not the same
-            rounding: in float32 the Gram form's relative error was measured at 0.7–2× the
-            plain iteration's (Keller) and up to 2.73× (Polar Express, σᵢ ∝ 1/i), about 1e-6 to
-            5e-6 either way; in bfloat16 on an H200 at 0.95–1.01× with Keller's coefficients at
-            n = 4m. See :data:`muonscale.kernels.GRAM_POLICY`.
+            with n ≥ 3m, and for bfloat16 ones with Keller's coefficients and n ≥ 4m; plain
+            otherwise). Same function either way, not the same rounding; the costs and errors
+            measured are in *Newton–Schulz* in the docs (:data:`muonscale.kernels.GRAM_POLICY`).
         normalize: ``"none"`` or ``"row"`` (NorMuon: each row of the orthogonalized update is
             divided by the root of its EMA second moment, then the matrix is rescaled to its
             norm before; its state, one float32 per row, is declared in
@@ -292,21 +303,14 @@ class Muon(torch.optim.Optimizer):
                 "Newton–Schulz work would run in backward hooks, outside the captured step"
             )
         self._backward_ns: BackwardOrthogonalizer | None = None
-        self._from_backward: list = []  # buckets a step applies (orthogonalize_in_backward)
         self.nonfinite = nonfinite
         self.capturable = capturable
         self._guard: DeviceNonFiniteGuard | None = None
-        self._step_ok: torch.Tensor | None = None
         self.skipped_steps = 0
         # The environment is read here only; every step passes these on.
         self.memory = MemoryBudget.from_environment()
         self.elementwise_backend: ElementwiseBackend = elementwise_backend_from_environment()
-        self.param_names: dict[int, str] = {}
-        self.routing: dict[str, RouteDecision] = {}
-        self.routing_rules = list(rules or ())
-        self.matrix_views: dict[int, MatrixView] = {}
         self.momentum_stacks = MomentumStacks()
-        self.unnamed_to_muon = 0
         check_flag("strict", strict)
         self.strict = strict
         """Whether routing unnamed parameters by tensor rank alone is an error."""
@@ -314,10 +318,12 @@ class Muon(torch.optim.Optimizer):
             raise TypeError(
                 f"transposed must be a collection of parameter names, got {transposed!r}"
             )
-        self.transposed_names: set[str] = set(transposed or ())
-        """Names of the weights stored (in, out) (see ``transposed``)."""
+        self.param_table = ParamTable(rules or (), transposed or ())
+        """Names, routing, ``splits`` and matrix views of the parameters."""
 
-        groups = groups_from(self, params)
+        groups = groups_from(
+            self.param_table, params, weight_decay, self.adamw_defaults["weight_decay"]
+        )
         if adamw_lr is None and scale != "match_rms_adamw":
             if any(g["algorithm"] == "adamw" and "lr" not in g for g in groups):
                 adamw_params = [n for n, d in self.routing.items() if d.algorithm == "adamw"]
@@ -329,53 +335,52 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(self.muon_defaults, algorithm="muon")
         super().__init__(groups, defaults)
         if not self._ACCEPTS_DTENSOR:
-            self._refuse_dtensors()
-        warn_unnamed(self)
-        self._check_transposed()
-        by_name = {
-            self.param_names.get(id(p)): (p, g) for g in self.param_groups for p in g["params"]
-        }
-        self.split_rows, self.split_roles = resolve_splits(
-            splits or {}, qkv_split, by_name, self.is_transposed
+            refuse_dtensors(self.param_table, self.param_groups, type(self).__name__)
+        warn_unnamed(self.param_table, strict)
+        check_transposed(self.param_table, self.param_groups)
+        table = self.param_table
+        by_name = {table.name(p): (p, g) for g in self.param_groups for p in g["params"]}
+        table.split_rows, table.split_roles = resolve_splits(
+            splits or {}, qkv_split, by_name, table.is_transposed
         )
-        self._warn_idle_qk_lr_scale()
+        warn_idle_qk_lr_scale(table, self.param_groups)
         if orthogonalize_in_backward:
-            self._backward_ns = BackwardOrthogonalizer(self)
+            self._backward_ns = BackwardOrthogonalizer(self, table)
 
-    def _warn_idle_qk_lr_scale(self) -> None:
-        """Warn for each Muon group whose ``qk_lr_scale`` has no query or key block to act on."""
-        for i, group in enumerate(self.param_groups):
-            if group["algorithm"] != "muon" or group["qk_lr_scale"] == 1.0:
-                continue
-            factor = group["qk_lr_scale"]
-            roles = {r for p in group["params"] for r in self.split_roles.get(id(p), ())}
-            if not roles & {"q", "k"}:
-                warnings.warn(
-                    f"qk_lr_scale={factor} (param group {i}) acts on no parameter: it scales "
-                    "the query and key blocks of fused QKV weights given in splits with a "
-                    "QKVLayout. Give separate q/k projections a param group with their own lr.",
-                    UserWarning,
-                    stacklevel=3,
-                )
+    # The tables' facts under the names they have always had on the optimizer.
+    @property
+    def param_names(self) -> dict[int, str]:
+        """``id(param)`` -> name."""
+        return self.param_table.names
+
+    @property
+    def routing(self) -> dict[str, RouteDecision]:
+        """name -> where :func:`muonscale.route` (or a param group) sent the parameter."""
+        return self.param_table.routing
+
+    @routing.setter
+    def routing(self, decisions: dict[str, RouteDecision]) -> None:
+        self.param_table.routing = decisions
+
+    @property
+    def split_rows(self) -> dict[int, list[torch.Tensor]]:
+        """``id(param)`` -> the row blocks ``splits`` gave it."""
+        return self.param_table.split_rows
+
+    @property
+    def split_roles(self) -> dict[int, tuple[str, ...]]:
+        """``id(param)`` -> the roles (``"q"``, ``"k"``, ``"v"``) of its row blocks."""
+        return self.param_table.split_roles
+
+    @property
+    def transposed_names(self) -> set[str]:
+        """Names of the weights stored (in, out) (see ``transposed``)."""
+        return self.param_table.transposed
 
     @property
     def orthogonalize_in_backward(self) -> bool:
         """Whether Newton–Schulz runs during backward (see the class docstring)."""
         return self.__dict__.get("_backward_ns") is not None
-
-    def _refuse_dtensors(self) -> None:
-        """DTensor (FSDP2 / tensor-parallel) parameters need the DTensor optimizer."""
-        from torch.distributed.tensor import DTensor
-
-        for group in self.param_groups:
-            for p in group["params"]:
-                if isinstance(p, DTensor):
-                    name = self.param_names.get(id(p), f"a {tuple(p.shape)} parameter")
-                    raise ValueError(
-                        f"{type(self).__name__} got DTensor parameter {name!r} (FSDP2 or tensor "
-                        "parallel); build the optimizer with muonscale.distributed_muon(...), "
-                        "which returns the DTensor optimizer for such parameters"
-                    )
 
     # ---------------------------------------------------------------- param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -390,50 +395,28 @@ class Muon(torch.optim.Optimizer):
         if resolved:  # the constructor's groups, or a group pinned with its options
             self._add_resolved_group(dict(param_group))
             return
-        groups = expand_user_group(self, dict(param_group))
-        warn_unnamed(self)  # strict: raises before a group is added
+        groups = expand_user_group(
+            self.param_table,
+            dict(param_group),
+            self.muon_defaults["weight_decay"],
+            self.adamw_defaults["weight_decay"],
+        )
+        warn_unnamed(self.param_table, self.strict)  # strict: raises before a group is added
         for group in groups:
             self._add_resolved_group(group)
 
     def _add_resolved_group(self, param_group: dict[str, Any]) -> None:
-        named, has_names = named_entries(self, param_group)
-        params = [p for _, p in named]
-        param_group["params"] = params
-        if has_names:  # (name, tensor) pairs: torch checks names against the other groups'
-            param_group["param_names"] = [name for name, _ in named]
-        algorithm = param_group["algorithm"]
-        if algorithm not in ALGORITHMS:
-            raise ValueError(
-                f"param group 'algorithm' must be one of {ALGORITHMS}, got {algorithm!r}"
+        super().add_param_group(
+            resolved_group(
+                self.param_table,
+                param_group,
+                self.muon_defaults,
+                self.adamw_defaults,
+                self.param_groups,
             )
-        if algorithm == "muon":
-            for key, value in self.muon_defaults.items():
-                param_group.setdefault(key, value)
-            validate_muon_group(param_group)
-            for p in params:
-                if p.is_complex():
-                    raise ValueError(
-                        f"Muon cannot orthogonalize complex parameter '{self._name(p)}'; "
-                        "route it to AdamW"
-                    )
-                if p.ndim < 2:
-                    raise ValueError(
-                        f"Muon parameter '{self._name(p)}' has shape {tuple(p.shape)}; "
-                        "Muon needs >= 2 dims (route it to AdamW)"
-                    )
-        else:
-            for key, value in self.adamw_defaults.items():
-                param_group.setdefault(key, value)
-            if param_group["weight_decay"] is None:
-                param_group["weight_decay"] = self.muon_defaults["weight_decay"]
-            param_group = AdamWGroup.wrap(param_group)
-            validate_adamw_group(param_group)
-        lr = param_group["lr"]
-        if isinstance(lr, torch.Tensor) and any(g["lr"] is lr for g in self.param_groups):
-            param_group["lr"] = lr.clone()  # each group's schedule acts on its own tensor
-        super().add_param_group(param_group)
+        )
         if self.capturable:
-            self._device_lr(self.param_groups[-1])
+            device_lr(self.param_groups[-1])
         if self.__dict__.get("_backward_ns") is not None:
             self._backward_ns.rebuild()
 
@@ -447,59 +430,36 @@ class Muon(torch.optim.Optimizer):
         (accelerate's FSDP2 preparation; a model re-created from a checkpoint). A group slot
         that already holds one of the model's parameters (the framework swapped the group) is
         named by the model."""
-        moved = rebind_parameters(self, named_parameters)
+        table = self.param_table
+        slots = rebind_slots(table, self.param_groups, named_parameters)
+        self._check_rebind([(old, new) for old, new, _ in slots])
+        new_of_name = {name: new for _, new, name in slots}
+        for key in list(self.state):  # state keys are alive, so their ids name them exactly
+            name = table.names.get(id(key))
+            if name in new_of_name and new_of_name[name] is not key:
+                self.state[new_of_name[name]] = self.state.pop(key)
+        flat = iter(slots)
+        for group in self.param_groups:
+            group["params"] = [next(flat)[1] for _ in group["params"]]
+        table.rebind(slots)
+        self._after_rebind([(old, new) for old, new, _ in slots])
         if self._backward_ns is not None:
             self._backward_ns.rebuild()
-        return moved
+        return sum(old is not new for old, new, _ in slots)
 
-    def check_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _check_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Raise before anything changes if a subclass cannot follow ``slots`` (see below)."""
 
-    def after_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _after_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Re-key what a subclass holds by parameter: ``slots`` are (bound before, bound now)
         in param-group order (the same object when nothing moved)."""
 
     def _name(self, p: torch.Tensor) -> str:
-        if id(p) in self.param_names:
-            return self.param_names[id(p)]
-        for gi, g in enumerate(self.param_groups):
-            for pi, q in enumerate(g["params"]):
-                if q is p:
-                    return f"param_groups[{gi}]['params'][{pi}]"
-        return "<unknown parameter>"
+        return self.param_table.label(p, self.param_groups)
 
-    def is_transposed(self, p: torch.Tensor) -> bool:
-        """Whether ``p`` is a 2-D weight stored (in, out) (its matrix is ``p.T``)."""
-        return bool(self.transposed_names) and self.param_names.get(id(p)) in self.transposed_names
-
-    def _check_transposed(self) -> None:
-        muon = {
-            self.param_names.get(id(p)): p
-            for g in self.param_groups
-            if g["algorithm"] == "muon"
-            for p in g["params"]
-        }
-        for name in sorted(self.transposed_names & muon.keys()):
-            if muon[name].ndim != 2:
-                raise ValueError(
-                    f"transposed: {name!r} has shape {tuple(muon[name].shape)}; only 2-D (in, out) "
-                    "weights can be stored transposed"
-                )
-
-    def matrix_view(self, p: torch.Tensor, group: Mapping[str, Any]) -> MatrixView:
+    def _matrix_view(self, p: torch.Tensor, group: Mapping[str, Any]) -> MatrixView:
         """How ``p`` is split into matrices (cached)."""
-        view = self.matrix_views.get(id(p))
-        stale = view is None or view.param_shape != tuple(p.shape)
-        if stale or view.mode != group["matrix_mode"]:
-            view = MatrixView.build(
-                p.shape,
-                mode=group["matrix_mode"],
-                row_partition=self.split_rows.get(id(p)),
-                block_roles=self.split_roles.get(id(p)),
-                transposed=self.is_transposed(p),
-            )
-            self.matrix_views[id(p)] = view
-        return view
+        return self.param_table.view(p, group["matrix_mode"])
 
     # ---------------------------------------------------------------- capturable
     @property
@@ -516,26 +476,6 @@ class Muon(torch.optim.Optimizer):
         guard = self.__dict__.get("_guard")
         if guard is not None:
             guard.clear(skipped=True)
-
-    def _device_lr(self, group: dict[str, Any]) -> torch.Tensor:
-        """``group["lr"]`` as a 0-dim tensor on the group's device (capturable steps). A float
-        or a tensor elsewhere is replaced once, in the group, by a float64 tensor there, so a
-        scheduler's in-place writes reach every later (and every captured) step."""
-        lr = group["lr"]
-        device = group["params"][0].device if group["params"] else torch.device("cpu")
-        if isinstance(lr, torch.Tensor) and lr.device == device:
-            return lr
-        if isinstance(lr, torch.Tensor):
-            lr = lr.to(device=device, dtype=torch.float64)  # device copy: no host read
-        else:
-            lr = torch.full((), lr, dtype=torch.float64, device=device)
-        group["lr"] = lr
-        return lr
-
-    def _step_lr(self, group: dict[str, Any]) -> torch.Tensor:
-        """The lr of this capturable step: 0 on the device when the step must be a no-op."""
-        lr = self._device_lr(group)
-        return lr if self._step_ok is None else torch.where(self._step_ok, lr, 0.0)
 
     def check_finite(self) -> None:
         """Raise :class:`NonFiniteGradientError` if a capturable step since the last check saw
@@ -562,7 +502,7 @@ class Muon(torch.optim.Optimizer):
         return super().state_dict()
 
     # ---------------------------------------------------------------- state
-    def init_state(
+    def _init_state(
         self, p: torch.Tensor, group: Mapping[str, Any], settings: MuonSettings | None = None
     ) -> dict[str, torch.Tensor]:
         """Create (if missing) and return the state of ``p`` (``settings``: the group's, when
@@ -577,7 +517,7 @@ class Muon(torch.optim.Optimizer):
                 )
             for spec in kept_state(settings, variants_only=True):
                 if spec.key not in state:
-                    view = self.matrix_view(p, group)
+                    view = self._matrix_view(p, group)
                     state[spec.key] = spec.zeros(settings, view, p.dtype, p.device)
             return state
         elif state:
@@ -601,13 +541,13 @@ class Muon(torch.optim.Optimizer):
         """Create every parameter's state now (instead of at its first step)."""
         for group in self.param_groups:
             for p in group["params"]:
-                self.init_state(p, group)
+                self._init_state(p, group)
 
     def optimizer_state_bytes(self) -> int:
         """Exact bytes held by state tensors."""
         return sum(
             v.numel() * v.element_size()
-            for s in parameter_states(self)
+            for s in parameter_states(self.state)
             for v in s.values()
             if isinstance(v, torch.Tensor)
         )
@@ -615,40 +555,58 @@ class Muon(torch.optim.Optimizer):
     def summary(self) -> str:
         """Routing table: tensors and elements per algorithm, then one line per parameter,
         with the weights Muon treats as transposed or splits into row blocks (and how)."""
-        params = {self._name(p): p for g in self.param_groups for p in g["params"]}
-        decisions = {
-            n: self.routing.get(n, RouteDecision(g["algorithm"], "param group"))
-            for g in self.param_groups
-            for n in [self._name(p) for p in g["params"]]
-        }
-        notes = {
-            self._name(p): layout_note(
-                self.is_transposed(p), self.split_rows.get(id(p)), self.split_roles.get(id(p))
-            )
-            for g in self.param_groups
-            for p in g["params"]
-        }
-        return format_routing_table(decisions, params, notes)
+        return self.param_table.summary(self.param_groups)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["_muonscale"] = pickled_extras(self)
+        # The rest is keyed by id(param), which a copy changes: the table travels by position.
+        state["_muonscale"] = dict(
+            self.param_table.pickled(self.param_groups),
+            nonfinite=self.nonfinite,
+            skipped_steps=self.skipped_steps,
+            capturable=self.capturable,
+            muon_defaults=self.muon_defaults,
+            adamw_defaults=self.adamw_defaults,
+            orthogonalize_in_backward=self.orthogonalize_in_backward,
+            strict=self.__dict__.get("strict", False),
+        )
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        """torch's, then defaults for options added after a checkpoint was written, and (from
+        a pickle) the extras of :meth:`__getstate__`, keyed by the copied parameters."""
         extra = state.pop("_muonscale", None)
         super().__setstate__(state)
-        restore_unpickled(self, extra)
+        self.__dict__.setdefault("memory", MemoryBudget.from_environment())
+        if "elementwise_backend" not in self.__dict__:  # not pickled, as memory: read here once
+            self.elementwise_backend = elementwise_backend_from_environment()
+        for key, value in dict(
+            capturable=False, strict=False, _guard=None, _backward_ns=None
+        ).items():
+            self.__dict__.setdefault(key, value)
+        self.momentum_stacks = MomentumStacks()  # new state tensors: restacked at the next step
+        upgraded_groups(self.param_groups)
+        if extra is None:  # load_state_dict: same parameters, same attributes
+            return
+        self.nonfinite, self.skipped_steps = extra["nonfinite"], extra["skipped_steps"]
+        self.capturable = extra.get("capturable", False)
+        self.strict = extra.get("strict", False)  # pickled before strict existed: False
+        # options added since the pickle was written: the table's defaults
+        self.muon_defaults = {**OPTION_DEFAULTS, **extra["muon_defaults"]}
+        self.adamw_defaults = extra["adamw_defaults"]
+        self.param_table = ParamTable.unpickled(self.param_groups, extra)
+        if extra.get("orthogonalize_in_backward"):  # hooks on the copied parameters
+            self._backward_ns = BackwardOrthogonalizer(self, self.param_table)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         check_loadable(state_dict, self.param_groups)
-        check_loaded_groups(self, state_dict)
+        check_loaded_groups(self.param_groups, self.param_table, state_dict)
         state_dict = with_group_defaults(state_dict, self.muon_defaults)
         lrs = [g["lr"] for g in self.param_groups] if self.capturable else []
         momentum_dtypes = [g.get("momentum_dtype") for g in self.param_groups]
         super().load_state_dict(state_dict)
-        restore_loaded(self, lrs)
-        keep_momentum_dtypes(self, momentum_dtypes)
+        restore_loaded(self.param_groups, self.state, lrs)
+        keep_momentum_dtypes(self.param_groups, self.state, momentum_dtypes)
         if self._backward_ns is not None:
             self._backward_ns.reset()  # work done from the replaced state is void
 
@@ -710,15 +668,14 @@ class Muon(torch.optim.Optimizer):
             self._capturable_step()
             return loss
         engine = self._backward_ns
-        self._from_backward = [] if engine is None else engine.collect()
+        from_backward = [] if engine is None else engine.collect()
         try:
             bad = self._check_gradients()
             if bad is not None:
                 self._handle_nonfinite(bad)
                 return loss
-            self._apply_updates()
+            self._apply_updates(from_backward)
         finally:
-            self._from_backward = []
             if engine is not None:
                 engine.reset()
             clear_workspaces()  # NS scratch is not held through the next forward/backward
@@ -731,42 +688,48 @@ class Muon(torch.optim.Optimizer):
         if guard is not None:
             self._raise_recorded_nonfinite(guard.poll())  # only a record already on the host
         grads, owners = self._validated_gradients()
+        step_ok = None  # a device flag: False when a gradient is not finite
         if self.nonfinite != "ignore" and grads:
             if guard is None:
                 guard = self._guard = DeviceNonFiniteGuard(self.nonfinite, grads[0].device)
-            self._step_ok = guard.gate(grads, [self._name(p) for p in owners])
+            step_ok = guard.gate(grads, [self._name(p) for p in owners])
         try:
-            self._apply_updates()
+            self._apply_updates(step_ok=step_ok)
         finally:
-            self._step_ok = None
             clear_workspaces()
         if guard is not None:
             guard.publish()
 
-    def _apply_updates(self) -> None:
+    def _apply_updates(
+        self, from_backward: Sequence[Any] = (), step_ok: torch.Tensor | None = None
+    ) -> None:
         """The update phase of :meth:`step`, after the gradients were checked (subclasses that
-        lay parameters out differently override this, not ``step``)."""
+        lay parameters out differently override this, not ``step``): ``from_backward``, the
+        buckets orthogonalized during backward; ``step_ok``, a capturable step's device flag."""
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            if self._from_backward:  # orthogonalize_in_backward: buckets done in backward
-                params = self._backward_ns.apply(group, self._from_backward, params)
-            self.update_group(group, params, [p.grad for p in params])
+            if from_backward:  # orthogonalize_in_backward: buckets done in backward
+                params = self._backward_ns.apply(group, from_backward, params, self._init_state)
+            self._update_group(group, params, [p.grad for p in params], step_ok=step_ok)
 
-    def update_group(
+    def _update_group(
         self,
         group: Mapping[str, Any],
         params: list[torch.Tensor],
         grads: list[torch.Tensor],
+        *,
+        step_ok: torch.Tensor | None = None,
         apply_updates: functional.ApplyUpdates | None = None,
     ) -> None:
         """Apply one step of ``group``'s algorithm to ``params`` with ``grads`` (plain local
-        tensors; the distributed optimizers call this on the matrices a rank owns).
-        ``apply_updates``: Muon's last pass, instead of :func:`~muonscale.functional.apply_updates_`
+        tensors; the distributed optimizers call this on the matrices a rank owns). ``step_ok``
+        (capturable): a device flag, False to make the step a no-op. ``apply_updates``: Muon's
+        last pass, instead of :func:`~muonscale.functional.apply_updates_`
         (:func:`muonscale.functional.muon`)."""
         if not params:
             return
         settings = MuonSettings.from_group(group) if group["algorithm"] == "muon" else None
-        states = [self.init_state(p, group, settings) for p in params]
+        states = [self._init_state(p, group, settings) for p in params]
         if group["algorithm"] == "muon":
             # Zero-element matrices have state (as in torch) but nothing to orthogonalize.
             keep = [i for i, p in enumerate(params) if p.numel() > 0]
@@ -776,10 +739,10 @@ class Muon(torch.optim.Optimizer):
                 if not params:
                     return
             buffers = self._stacked_momentum(group, params, states)
-            if self._step_ok is not None:
+            if step_ok is not None:
                 # A gradient equal to the momentum leaves it unchanged (B.lerp(B, w) = B), and a
                 # zero lr leaves the parameter unchanged: the step is a no-op on the device.
-                grads = [torch.where(self._step_ok, g, b) for g, b in zip(grads, buffers)]
+                grads = [torch.where(step_ok, g, b) for g, b in zip(grads, buffers)]
             functional.muon(
                 params,
                 grads,
@@ -787,8 +750,8 @@ class Muon(torch.optim.Optimizer):
                 options=settings,
                 row_moments=variant_state(states)[ROW_MOMENT.key],
                 qk_lr_scale=settings.qk_lr_scale,
-                views=[self.matrix_view(p, group) for p in params],
-                lr=self._step_lr(group) if self.capturable else float(group["lr"]),
+                views=[self._matrix_view(p, group) for p in params],
+                lr=step_lr(group, step_ok) if self.capturable else float(group["lr"]),
                 weight_decay=group["weight_decay"],
                 momentum=settings.momentum,
                 nesterov=settings.nesterov,
@@ -819,11 +782,11 @@ class Muon(torch.optim.Optimizer):
                 exp_avgs,
                 exp_avg_sqs,
                 [s["step"] for s in states],
-                lr=self._device_lr(group) if self.capturable else float(group["lr"]),
+                lr=device_lr(group) if self.capturable else float(group["lr"]),
                 beta1=beta1,
                 beta2=beta2,
                 eps=group["eps"],
                 weight_decay=group["weight_decay"],
                 max_chunk_bytes=self.memory.update_chunk_bytes,
-                finite=self._step_ok,
+                finite=step_ok,
             )

@@ -7,15 +7,14 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from .optimizer_options import AdamWGroup, validate_adamw_group, validate_muon_group
+from .param_table import ParamTable
 from .params import ALGORITHMS, RouteDecision, route, route_one, transposed_weights
-
-if TYPE_CHECKING:
-    from .optimizer import Muon
 
 PARAMS_TYPE_ERROR = (
     "params argument given to the optimizer should be an iterable of Tensors or dicts"
@@ -30,33 +29,40 @@ GENERIC_FIX = (
 )
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def is_dtensor(t: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
 
 
-def groups_from(opt: Muon, params: Any) -> list[dict[str, Any]]:
-    """Normalize every accepted ``params`` form into groups with an ``algorithm`` each."""
+def groups_from(
+    table: ParamTable, params: Any, weight_decay: float, adamw_weight_decay: float | None
+) -> list[dict[str, Any]]:
+    """Normalize every accepted ``params`` form into groups with an ``algorithm`` each, named
+    and routed in ``table`` (``weight_decay``, ``adamw_weight_decay``: the optimizer's, for
+    :func:`split_by_algorithm`)."""
+    decays = dict(weight_decay=weight_decay, adamw_weight_decay=adamw_weight_decay)
     if isinstance(params, nn.Module):
-        decisions = route(params, opt.routing_rules)
+        decisions = route(params, table.rules)
         named = dict(params.named_parameters())
-        opt.transposed_names |= transposed_weights(params)
-        opt.routing.update(decisions)
+        table.transposed |= transposed_weights(params)
+        table.routing.update(decisions)
         group = {"params": [(n, named[n]) for n in decisions]}
-        return split_by_algorithm(opt, group, decisions, named=True)
+        return split_by_algorithm(group, decisions, named=True, **decays)
     params = list(params)
     if not params:
         raise ValueError("params: the optimizer got an empty parameter list")
     if all(isinstance(p, Mapping) for p in params):
         groups = []
         for g in params:
-            groups.extend(expand_user_group(opt, dict(g)))
+            groups.extend(expand_user_group(table, dict(g), **decays))
         return groups
-    return expand_user_group(opt, {"params": params})
+    return expand_user_group(table, {"params": params}, **decays)
 
 
-def named_entries(opt: Muon, group: dict[str, Any]) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+def named_entries(
+    table: ParamTable, group: dict[str, Any]
+) -> tuple[list[tuple[str, torch.Tensor]], bool]:
     """``group``'s parameters as (name, tensor) pairs, and whether the user named them."""
     entries = group["params"]
     if isinstance(entries, (set, frozenset)):
@@ -92,18 +98,24 @@ def named_entries(opt: Muon, group: dict[str, Any]) -> tuple[list[tuple[str, tor
             name, p = entry
         else:
             p = entry
-            name = opt.param_names.get(id(p), f"param{len(opt.param_names)}")
+            name = table.names.get(id(p), f"param{len(table.names)}")
         if not isinstance(p, torch.Tensor):
             raise TypeError(
                 "optimizer can only optimize Tensors, but one of the params is " + torch.typename(p)
             )
-        opt.param_names.setdefault(id(p), name)
+        table.names.setdefault(id(p), name)
         named.append((name, p))
     return named, bool(pairs)
 
 
-def expand_user_group(opt: Muon, group: dict[str, Any]) -> list[dict[str, Any]]:
-    named, has_names = named_entries(opt, group)
+def expand_user_group(
+    table: ParamTable,
+    group: dict[str, Any],
+    weight_decay: float,
+    adamw_weight_decay: float | None,
+) -> list[dict[str, Any]]:
+    """One user group, named and routed in ``table``, split by :func:`split_by_algorithm`."""
+    named, has_names = named_entries(table, group)
     algorithm = group.get("algorithm")
     if algorithm is not None:
         if algorithm not in ALGORITHMS:
@@ -112,20 +124,32 @@ def expand_user_group(opt: Muon, group: dict[str, Any]) -> list[dict[str, Any]]:
             )
         decisions = {n: RouteDecision(algorithm, "param group") for n, _ in named}
     else:
-        decisions = {n: route_one(n, p, opt.routing_rules) for n, p in named}
+        decisions = {n: route_one(n, p, table.rules) for n, p in named}
         if not has_names:
             by_rank = [n for n, _ in named if not decisions[n].reason.startswith("user")]
-            opt.unnamed_to_muon += sum(decisions[n].algorithm == "muon" for n in by_rank)
+            table.unnamed_to_muon += sum(decisions[n].algorithm == "muon" for n in by_rank)
     for name, decision in decisions.items():
-        opt.routing.setdefault(name, decision)
-    return split_by_algorithm(opt, dict(group, params=named), decisions, named=has_names)
+        table.routing.setdefault(name, decision)
+    return split_by_algorithm(
+        dict(group, params=named),
+        decisions,
+        named=has_names,
+        weight_decay=weight_decay,
+        adamw_weight_decay=adamw_weight_decay,
+    )
 
 
 def split_by_algorithm(
-    opt: Muon, group: dict[str, Any], decisions: Mapping[str, RouteDecision], *, named: bool
+    group: dict[str, Any],
+    decisions: Mapping[str, RouteDecision],
+    *,
+    named: bool,
+    weight_decay: float,
+    adamw_weight_decay: float | None,
 ) -> list[dict[str, Any]]:
-    """One group per algorithm; AdamW without an explicit weight decay further splits by
-    dimensionality (≥ 2-D decays, 0/1-D does not). ``param_names`` stay aligned."""
+    """One group per algorithm; AdamW without an explicit weight decay (in ``group`` or
+    ``adamw_weight_decay``) further splits by dimensionality (≥ 2-D decays by
+    ``weight_decay``, 0/1-D does not). ``param_names`` stay aligned."""
     pairs = group["params"]
     rest = {k: v for k, v in group.items() if k not in ("params", "algorithm", "param_names")}
 
@@ -139,10 +163,10 @@ def split_by_algorithm(
     adamw = [(n, p) for n, p in pairs if decisions[n].algorithm == "adamw"]
     out = [make(muon, "muon")] if muon else []
     if adamw:
-        if "weight_decay" in rest or opt.adamw_defaults["weight_decay"] is not None:
+        if "weight_decay" in rest or adamw_weight_decay is not None:
             out.append(make(adamw, "adamw"))
         else:
-            wd = opt.muon_defaults["weight_decay"]
+            wd = weight_decay
             matrices = [(n, p) for n, p in adamw if p.ndim >= 2]
             vectors = [(n, p) for n, p in adamw if p.ndim < 2]
             if matrices:
@@ -150,6 +174,94 @@ def split_by_algorithm(
             if vectors:
                 out.append(make(vectors, "adamw", weight_decay=0.0))
     return out
+
+
+def resolved_group(
+    table: ParamTable,
+    param_group: dict[str, Any],
+    muon_defaults: Mapping[str, Any],
+    adamw_defaults: Mapping[str, Any],
+    param_groups: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """``param_group`` (one algorithm) ready for torch's ``add_param_group``: named in
+    ``table``, completed from the optimizer's defaults and checked; an lr tensor another of
+    ``param_groups`` (the groups added so far) holds is copied."""
+    named, has_names = named_entries(table, param_group)
+    params = [p for _, p in named]
+    param_group["params"] = params
+    if has_names:  # (name, tensor) pairs: torch checks names against the other groups'
+        param_group["param_names"] = [name for name, _ in named]
+    algorithm = param_group["algorithm"]
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"param group 'algorithm' must be one of {ALGORITHMS}, got {algorithm!r}")
+    if algorithm == "muon":
+        for key, value in muon_defaults.items():
+            param_group.setdefault(key, value)
+        validate_muon_group(param_group)
+        for p in params:
+            if p.is_complex():
+                raise ValueError(
+                    f"Muon cannot orthogonalize complex parameter "
+                    f"'{table.label(p, param_groups)}'; route it to AdamW"
+                )
+            if p.ndim < 2:
+                raise ValueError(
+                    f"Muon parameter '{table.label(p, param_groups)}' has shape "
+                    f"{tuple(p.shape)}; Muon needs >= 2 dims (route it to AdamW)"
+                )
+    else:
+        for key, value in adamw_defaults.items():
+            param_group.setdefault(key, value)
+        if param_group["weight_decay"] is None:
+            param_group["weight_decay"] = muon_defaults["weight_decay"]
+        param_group = AdamWGroup.wrap(param_group)
+        validate_adamw_group(param_group)
+    lr = param_group["lr"]
+    if isinstance(lr, torch.Tensor) and any(g["lr"] is lr for g in param_groups):
+        param_group["lr"] = lr.clone()  # each group's schedule acts on its own tensor
+    return param_group
+
+
+def check_transposed(table: ParamTable, param_groups: list[dict[str, Any]]) -> None:
+    """Refuse a ``transposed`` name of a Muon parameter that is not 2-D."""
+    muon = {table.name(p): p for g in param_groups if g["algorithm"] == "muon" for p in g["params"]}
+    for name in sorted(table.transposed & muon.keys()):
+        if muon[name].ndim != 2:
+            raise ValueError(
+                f"transposed: {name!r} has shape {tuple(muon[name].shape)}; only 2-D (in, out) "
+                "weights can be stored transposed"
+            )
+
+
+def refuse_dtensors(table: ParamTable, param_groups: list[dict[str, Any]], optimizer: str) -> None:
+    """DTensor (FSDP2 / tensor-parallel) parameters need the DTensor optimizer (``optimizer``:
+    the class name of the one that got them)."""
+    for group in param_groups:
+        for p in group["params"]:
+            if is_dtensor(p):
+                name = table.names.get(id(p), f"a {tuple(p.shape)} parameter")
+                raise ValueError(
+                    f"{optimizer} got DTensor parameter {name!r} (FSDP2 or tensor "
+                    "parallel); build the optimizer with muonscale.distributed_muon(...), "
+                    "which returns the DTensor optimizer for such parameters"
+                )
+
+
+def warn_idle_qk_lr_scale(table: ParamTable, param_groups: list[dict[str, Any]]) -> None:
+    """Warn for each Muon group whose ``qk_lr_scale`` has no query or key block to act on."""
+    for i, group in enumerate(param_groups):
+        if group["algorithm"] != "muon" or group["qk_lr_scale"] == 1.0:
+            continue
+        factor = group["qk_lr_scale"]
+        roles = {r for p in group["params"] for r in table.split_roles.get(id(p), ())}
+        if not roles & {"q", "k"}:
+            warnings.warn(
+                f"qk_lr_scale={factor} (param group {i}) acts on no parameter: it scales "
+                "the query and key blocks of fused QKV weights given in splits with a "
+                "QKVLayout. Give separate q/k projections a param group with their own lr.",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 _LIGHTNING_FIX = (
@@ -182,14 +294,14 @@ def framework_fix(max_depth: int = 64) -> str | None:
     return None
 
 
-def warn_unnamed(opt: Muon) -> None:
-    """Warn (``opt.strict``: raise ``ValueError``) when unnamed parameters went to Muon by
-    rank alone."""
-    if opt.unnamed_to_muon:
+def warn_unnamed(table: ParamTable, strict: bool) -> None:
+    """Warn (``strict``: raise ``ValueError``) when unnamed parameters went to Muon by rank
+    alone."""
+    if table.unnamed_to_muon:
         fix = framework_fix() or GENERIC_FIX  # a framework's users cannot pass names
-        message = FALLBACK_WARNING.format(n=opt.unnamed_to_muon, fix=fix)
-        opt.unnamed_to_muon = 0
-        if opt.__dict__.get("strict", False):  # pickles from before strict lack it
+        message = FALLBACK_WARNING.format(n=table.unnamed_to_muon, fix=fix)
+        table.unnamed_to_muon = 0
+        if strict:
             raise ValueError(f"strict=True: {message}")
         warnings.warn(message, UserWarning, stacklevel=3)
 
@@ -214,26 +326,28 @@ def _named_tensors(named_parameters: Any) -> dict[str, torch.Tensor]:
     return current
 
 
-def rebind_parameters(opt: Muon, named_parameters: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """:meth:`muonscale.Muon.rebind_parameters` (see there)."""
+def rebind_slots(
+    table: ParamTable,
+    param_groups: list[dict[str, Any]],
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | nn.Module,
+) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
+    """(bound now, bound next, name) for every param-group slot, matched by the names in
+    ``table`` (see :meth:`muonscale.Muon.rebind_parameters`); nothing changes here."""
     current = _named_tensors(named_parameters)
     model_name = {id(p): n for n, p in current.items()}
-    old_names = dict(opt.param_names)
-    split_by_name = {old_names[i]: rows for i, rows in opt.split_rows.items() if i in old_names}
-    roles_by_name = {old_names[i]: r for i, r in opt.split_roles.items() if i in old_names}
-    slots: list[tuple[torch.Tensor, torch.Tensor, str]] = []  # (bound now, new, name)
-    for group in opt.param_groups:
+    slots: list[tuple[torch.Tensor, torch.Tensor, str]] = []
+    for group in param_groups:
         for p in group["params"]:
             name = model_name.get(id(p))
             if name is None or current[name] is not p:
-                name = old_names.get(id(p))
+                name = table.names.get(id(p))
             if name is None or name not in current:
                 raise KeyError(
                     f"rebind_parameters: optimizer parameter {name or '<unnamed>'!r} is not "
                     f"among the model's parameters (first names there: {list(current)[:3]})"
                 )
             new = current[name]
-            if tuple(new.shape) != tuple(p.shape) and not _is_dtensor(new):
+            if tuple(new.shape) != tuple(p.shape) and not is_dtensor(new):
                 raise ValueError(
                     f"rebind_parameters: {name!r} changed shape {tuple(p.shape)} -> "
                     f"{tuple(new.shape)}"
@@ -245,24 +359,4 @@ def rebind_parameters(opt: Muon, named_parameters: Iterable[tuple[str, torch.Ten
                     "optimizer (or build a new optimizer and load its state_dict)."
                 )
             slots.append((p, new, name))
-    opt.check_rebind([(old, new) for old, new, _ in slots])
-    new_of_name = {name: new for _, new, name in slots}
-    for key in list(opt.state):  # state keys are alive, so their ids name them exactly
-        name = old_names.get(id(key))
-        if name in new_of_name and new_of_name[name] is not key:
-            opt.state[new_of_name[name]] = opt.state.pop(key)
-    flat = iter(slots)
-    for group in opt.param_groups:
-        group["params"] = [next(flat)[1] for _ in group["params"]]
-    opt.param_names.clear()
-    opt.param_names.update({id(new): name for _, new, name in slots})
-    opt.split_rows = {
-        id(new): split_by_name[name] for _, new, name in slots if name in split_by_name
-    }
-    opt.split_roles = {
-        id(new): roles_by_name[name] for _, new, name in slots if name in roles_by_name
-    }
-    opt.matrix_views.clear()
-    moved = [(old, new) for old, new, _ in slots if old is not new]
-    opt.after_rebind([(old, new) for old, new, _ in slots])
-    return len(moved)
+    return slots

@@ -5,19 +5,15 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .declared_state import MOMENTUM, MUON_STATE, check_loaded_state, kept_state
-from .kernels.process_state import elementwise_backend_from_environment
-from .memory import MemoryBudget
-from .optimizer_groups import _is_dtensor
+from .optimizer_groups import is_dtensor
 from .optimizer_options import AdamWGroup
+from .param_table import ParamTable
 from .settings import OPTION_DEFAULTS, MuonSettings, changed_variant_options
-
-if TYPE_CHECKING:
-    from .optimizer import Muon
 
 STATE_KEYS = {
     "muon": {t.key for t in MUON_STATE},
@@ -85,7 +81,7 @@ class MomentumStacks:
 
 def _local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (in-place ops on it update the DTensor), else ``t``."""
-    return t.to_local() if _is_dtensor(t) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def _stack_key(buf: torch.Tensor) -> tuple:
@@ -99,7 +95,7 @@ def _like(old: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
     """``view`` (a slot of a stack) standing in for ``old``: for a DTensor, a DTensor with
     ``old``'s mesh, placements, global shape and stride over the slot's memory (no copy),
     else ``view``."""
-    if not _is_dtensor(old):
+    if not is_dtensor(old):
         return view
     from torch.distributed.tensor import DTensor
 
@@ -127,74 +123,15 @@ def _at_offset_zero(view: torch.Tensor) -> torch.Tensor:
     return out.set_(memory, 0, view.shape, view.stride())
 
 
-def pickled_extras(opt: Muon) -> dict[str, Any]:
-    """What a pickle of ``opt`` carries besides torch's defaults/state/param_groups. The rest is
-    keyed by id(param), which a copy changes, so it travels by position (group, index)."""
-    return dict(
-        nonfinite=opt.nonfinite,
-        skipped_steps=opt.skipped_steps,
-        routing=opt.routing,
-        capturable=opt.capturable,
-        muon_defaults=opt.muon_defaults,
-        adamw_defaults=opt.adamw_defaults,
-        names=[[opt.param_names.get(id(p)) for p in g["params"]] for g in opt.param_groups],
-        split_rows=[[opt.split_rows.get(id(p)) for p in g["params"]] for g in opt.param_groups],
-        split_roles=[[opt.split_roles.get(id(p)) for p in g["params"]] for g in opt.param_groups],
-        transposed=sorted(opt.transposed_names),
-        orthogonalize_in_backward=opt.orthogonalize_in_backward,
-        strict=opt.__dict__.get("strict", False),
-    )
-
-
-def restore_unpickled(opt: Muon, extra: dict[str, Any] | None) -> None:
-    """Complete ``opt`` after torch's ``__setstate__``: defaults for options added after a
-    checkpoint was written, and (from a pickle) ``extra`` re-keyed to the new parameters."""
-    opt.__dict__.setdefault("memory", MemoryBudget.from_environment())
-    if "elementwise_backend" not in opt.__dict__:  # not pickled, as memory: read here once
-        opt.elementwise_backend = elementwise_backend_from_environment()
-    opt.__dict__.setdefault("capturable", False)
-    opt.__dict__.setdefault("_guard", None)
-    opt.__dict__.setdefault("_step_ok", None)
-    opt.__dict__.setdefault("transposed_names", set())
-    opt.__dict__.setdefault("_backward_ns", None)
-    opt.__dict__.setdefault("_from_backward", [])
-    opt.__dict__.setdefault("split_roles", {})
-    opt.momentum_stacks = MomentumStacks()  # new state tensors: stacks rebuilt at the next step
-    # Options added after a checkpoint was written get their defaults here.
-    for i, group in enumerate(opt.param_groups):
+def upgraded_groups(param_groups: list[dict[str, Any]]) -> None:
+    """Give groups unpickled from older versions every option added since (in place)."""
+    for i, group in enumerate(param_groups):
         group.setdefault("algorithm", "muon")
         if group["algorithm"] == "muon":
             for key, value in OPTION_DEFAULTS.items():
                 group.setdefault(key, value)
         elif not isinstance(group, AdamWGroup):
-            opt.param_groups[i] = AdamWGroup.wrap(group)
-    if extra is None:  # load_state_dict: same parameters, same attributes
-        return
-    opt.nonfinite, opt.skipped_steps = extra["nonfinite"], extra["skipped_steps"]
-    opt.capturable = extra.get("capturable", False)
-    opt.strict = extra.get("strict", False)  # pickled before strict existed: False
-    opt.routing = extra["routing"]
-    # options added since the pickle was written: the table's defaults
-    opt.muon_defaults = {**OPTION_DEFAULTS, **extra["muon_defaults"]}
-    opt.adamw_defaults = extra["adamw_defaults"]
-    opt.routing_rules, opt.matrix_views, opt.unnamed_to_muon = [], {}, 0
-    opt.param_names, opt.split_rows, opt.split_roles = {}, {}, {}
-    opt.transposed_names = set(extra.get("transposed", ()))
-    no_roles = [[None] * len(g["params"]) for g in opt.param_groups]  # pickled before roles
-    for group, names, rows, roles in zip(
-        opt.param_groups, extra["names"], extra["split_rows"], extra.get("split_roles", no_roles)
-    ):
-        for p, name, parts, role in zip(group["params"], names, rows, roles):
-            if name is not None:
-                opt.param_names[id(p)] = name
-            if parts is not None:
-                opt.split_rows[id(p)] = parts
-            if role is not None:
-                opt.split_roles[id(p)] = role
-    if extra.get("orthogonalize_in_backward"):  # hooks on the copied parameters
-        from .backward_ns import BackwardOrthogonalizer
-
-        opt._backward_ns = BackwardOrthogonalizer(opt)
+            param_groups[i] = AdamWGroup.wrap(group)
 
 
 def check_loadable(state_dict: Mapping[str, Any], param_groups: list[Mapping[str, Any]]) -> None:
@@ -243,55 +180,60 @@ def with_group_defaults(
     return state_dict
 
 
-def parameter_states(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """The per-parameter entries of ``opt.state``. torch lets other keys in (a
+def parameter_states(state: Mapping[Any, dict]) -> list[dict[str, Any]]:
+    """The per-parameter entries of an optimizer's ``state``. torch lets other keys in (a
     ``load_state_dict`` post-hook may write ``opt.state["flag"] = True``): they are kept, and
     skipped here."""
-    return [s for k, s in opt.state.items() if isinstance(k, torch.Tensor)]
+    return [s for k, s in state.items() if isinstance(k, torch.Tensor)]
 
 
-def restore_loaded(opt: Muon, lrs: list[torch.Tensor]) -> None:
+def restore_loaded(
+    param_groups: list[dict[str, Any]], state: Mapping[Any, dict], lrs: list[torch.Tensor]
+) -> None:
     """Undo what torch's ``load_state_dict`` changes: capturable lr tensors (``lrs``, the ones a
     graph captured) are written in place, step counters become tensors, and buffers get back
     their dtypes (torch casts floating state to the parameter's dtype)."""
-    for group, lr in zip(opt.param_groups, lrs):  # keep the tensors a graph captured
+    for group, lr in zip(param_groups, lrs):  # keep the tensors a graph captured
         loaded = group["lr"]
         if isinstance(loaded, torch.Tensor):
             lr.copy_(loaded)
         else:
             lr.fill_(loaded)
         group["lr"] = lr
-    for s in parameter_states(opt):  # AdamW's step saved as a Python number (older torch)
+    for s in parameter_states(state):  # AdamW's step saved as a Python number (older torch)
         if "step" in s and not torch.is_tensor(s["step"]):
             s["step"] = torch.tensor(float(s["step"]), dtype=torch.float32)
     # torch casts floating state to the parameter's dtype; restore the declared dtypes.
-    for group in opt.param_groups:
+    for group in param_groups:
         if group["algorithm"] != "muon":
             continue
         settings = MuonSettings.from_group(group)
         for p in group["params"]:
-            state = opt.state.get(p, {})
+            entry = state.get(p, {})
             for spec in kept_state(settings):
-                value = state.get(spec.key)
+                value = entry.get(spec.key)
                 dtype = spec.dtype(settings, p.dtype)
                 if value is not None and value.dtype != dtype:
-                    state[spec.key] = value.to(dtype)
+                    entry[spec.key] = value.to(dtype)
 
 
-def check_loaded_groups(opt: Muon, state_dict: Mapping[str, Any]) -> None:
+def check_loaded_groups(
+    param_groups: list[dict[str, Any]], table: ParamTable, state_dict: Mapping[str, Any]
+) -> None:
     """Before anything changes: refuse (naming the tensor) saved Muon state that does not fit
     its parameter's matrix view under the options it is loaded with (the saved group's,
     torch's rule), and warn naming each variant option the saved groups change."""
     saved_state = state_dict["state"]
-    for i, (saved, group) in enumerate(zip(state_dict["param_groups"], opt.param_groups)):
+    for i, (saved, group) in enumerate(zip(state_dict["param_groups"], param_groups)):
         if group["algorithm"] != "muon":
             continue
         merged = {**group, **saved}
         settings = MuonSettings.from_group(merged)
         for index, p in zip(saved.get("params", []), group["params"]):
             entry = saved_state.get(index, {})
-            view = opt.matrix_view(p, merged)
-            check_loaded_state(entry, settings, view, name=opt._name(p), explicit=saved)
+            view = table.view(p, merged["matrix_mode"])
+            name = table.label(p, param_groups)
+            check_loaded_state(entry, settings, view, name=name, explicit=saved)
         changes = changed_variant_options(saved, group)
         if changes:
             warnings.warn(
@@ -303,22 +245,24 @@ def check_loaded_groups(opt: Muon, state_dict: Mapping[str, Any]) -> None:
             )
 
 
-def keep_momentum_dtypes(opt: Muon, wanted: list[torch.dtype | None]) -> None:
+def keep_momentum_dtypes(
+    param_groups: list[dict[str, Any]], state: Mapping[Any, dict], wanted: list[torch.dtype | None]
+) -> None:
     """After ``load_state_dict``: each Muon group keeps this optimizer's ``momentum_dtype``
     (``wanted``, per group: a storage choice of the run, not a hyperparameter of the
     checkpoint), its buffers are cast to it, and a warning names every group whose state
     dict said otherwise."""
     changed = []
-    for i, (group, dtype) in enumerate(zip(opt.param_groups, wanted)):
+    for i, (group, dtype) in enumerate(zip(param_groups, wanted)):
         if group["algorithm"] != "muon":
             continue
         if group["momentum_dtype"] != dtype:
             changed.append(f"group {i}: {group['momentum_dtype']} -> {dtype}")
         group["momentum_dtype"] = dtype
         for p in group["params"]:
-            buf = opt.state.get(p, {}).get(MOMENTUM.key)
+            buf = state.get(p, {}).get(MOMENTUM.key)
             if buf is not None and buf.dtype != (dtype or p.dtype):
-                opt.state[p][MOMENTUM.key] = buf.to(dtype or p.dtype)
+                state[p][MOMENTUM.key] = buf.to(dtype or p.dtype)
     if changed:
         warnings.warn(
             "load_state_dict: momentum_dtype differs from the state dict's "

@@ -267,14 +267,14 @@ def test_interrupt_inside_optimizer_step_saves_no_half_step(tmp_path):
 
     config = _config(out_dir=str(tmp_path), checkpoint_every=2, resume="auto")
     run = TrainingRun(config, text=corpus)
-    update_group = run.optimizer.update_group
+    update_group = run.optimizer._update_group
 
-    def interrupted_update(group, params, grads):
+    def interrupted_update(group, params, grads, **options):
         if run.step_count == 4 and group is not run.optimizer.param_groups[0]:
             raise KeyboardInterrupt  # after the first group was updated
-        update_group(group, params, grads)
+        update_group(group, params, grads, **options)
 
-    run.optimizer.update_group = interrupted_update
+    run.optimizer._update_group = interrupted_update
     with pytest.raises(KeyboardInterrupt) as info:
         run.run(progress=False)
     assert "inside optimizer.step() of step 5" in "".join(info.value.__notes__)

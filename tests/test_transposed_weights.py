@@ -127,9 +127,9 @@ def test_muon_routes_conv1d_as_its_transpose(scale, split):
     splits = {"c_attn.weight": split} if split else None
     opt_conv = muonscale.Muon(conv, splits=splits, **kwargs)
     opt_linear = muonscale.Muon(linear, splits=splits, **kwargs)
-    assert opt_conv.is_transposed(conv.c_attn.weight) and not opt_linear.is_transposed(
-        linear.c_attn.weight
-    )
+    assert opt_conv.param_table.is_transposed(
+        conv.c_attn.weight
+    ) and not opt_linear.param_table.is_transposed(linear.c_attn.weight)
     for step in range(3):
         g = torch.Generator().manual_seed(step)
         for c, lin in ((conv.c_attn, linear.c_attn), (conv.c_proj, linear.c_proj)):
@@ -152,7 +152,7 @@ def test_conv1d_splits_count_output_features():
     with pytest.raises(ValueError, match="do not divide 12"):  # 8 divides the input rows only
         muonscale.Muon(conv, splits={"c_attn.weight": 8}, adamw_lr=0.01)
     opt = muonscale.Muon(conv, splits={"c_attn.weight": 3}, adamw_lr=0.01)
-    view = opt.matrix_view(conv.c_attn.weight, opt.param_groups[0])
+    view = opt.param_table.view(conv.c_attn.weight, opt.param_groups[0]["matrix_mode"])
     assert view.matrix_shapes == [(4, 8)] * 3  # Q, K, V: output features × input features
     copy = pickle.loads(pickle.dumps(opt))
-    assert copy.is_transposed(copy.param_groups[0]["params"][0])
+    assert copy.param_table.is_transposed(copy.param_groups[0]["params"][0])

@@ -280,7 +280,7 @@ class DistributedMuon(Muon):
         self.muon_indices = [i for i, g in enumerate(self.group_of) if g["algorithm"] == "muon"]
         self.adamw_indices = [i for i, g in enumerate(self.group_of) if g["algorithm"] == "adamw"]
         shapes = [
-            self.matrix_view(self.params[i], self.group_of[i]).matrix_shapes
+            self._matrix_view(self.params[i], self.group_of[i]).matrix_shapes
             for i in self.muon_indices
         ]
         sizes = [self.params[i].numel() * self.params[i].element_size() for i in self.muon_indices]
@@ -307,7 +307,7 @@ class DistributedMuon(Muon):
                 )
                 for spec in kept_state(settings, variants_only=True):  # on the owner
                     state[spec.key] = spec.zeros(
-                        settings, self.matrix_view(p, group), p.dtype, p.device
+                        settings, self._matrix_view(p, group), p.dtype, p.device
                     )
                 if main_dtype is not None:  # the whole matrix: this rank updates it
                     main = torch.empty_like(p, dtype=main_dtype).copy_(p)
@@ -339,7 +339,7 @@ class DistributedMuon(Muon):
             )
         super().add_param_group(param_group)
 
-    def check_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _check_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for old, (_, new) in zip(self.params, slots):  # self.params: bound at construction
             if new is old:
                 continue
@@ -357,7 +357,7 @@ class DistributedMuon(Muon):
                     "buffers were planned for the old one: build a new optimizer"
                 )
 
-    def after_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _after_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Follow new parameter objects: indices, main copies' model parameters, the
         reduction's parameters and its gradient hooks."""
         new_of = {id(old): new for old, (_, new) in zip(self.params, slots)}
@@ -367,7 +367,7 @@ class DistributedMuon(Muon):
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.reduction.rebind(self.params)
 
-    def init_state(
+    def _init_state(
         self, p: torch.Tensor, group: Mapping[str, Any], settings: MuonSettings | None = None
     ) -> dict[str, torch.Tensor]:
         """State is created at construction (owned Muon matrices, local AdamW shards); a main
@@ -378,8 +378,8 @@ class DistributedMuon(Muon):
         """The model parameter that ``p`` (a main copy, or the parameter itself) stands for."""
         return self._model_of.get(id(p), p)
 
-    def matrix_view(self, p: torch.Tensor, group: Mapping[str, Any]) -> MatrixView:
-        return super().matrix_view(self.model_param(p), group)
+    def _matrix_view(self, p: torch.Tensor, group: Mapping[str, Any]) -> MatrixView:
+        return super()._matrix_view(self.model_param(p), group)
 
     def _name(self, p: torch.Tensor) -> str:
         return super()._name(self.model_param(p))
@@ -620,7 +620,7 @@ class DistributedMuon(Muon):
             # the tensors updated: main copies where kept, else the parameters themselves
             targets = [self.state[self.params[i]].get("main_param", self.params[i]) for i in mine]
             grads = [self.reduction.reduced_grad(i, t.dtype) for i, t in zip(mine, targets)]
-            self.update_group(group, targets, grads, apply_updates=self._owner_apply)
+            self._update_group(group, targets, grads, apply_updates=self._owner_apply)
             for i, target in zip(mine, targets):
                 if target is not self.params[i]:
                     self.params[i].copy_(target)  # rounded into the model's parameter

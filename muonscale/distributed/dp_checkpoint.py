@@ -21,16 +21,38 @@ part it holds). Both use the optimizer's public layout (``params``, ``group_of``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from ..declared_state import MOMENTUM, VARIANT_STATE, kept_state
 from ..optimizer_state import check_loaded_groups
+from ..param_table import ParamTable
 from ..settings import MuonSettings
+from .comm import Communicator
+from .dp_reduction import BucketedReduction
 
-if TYPE_CHECKING:
-    from .data_parallel import DistributedMuon
+
+class DistributedMuon(Protocol):
+    """The layout of :class:`~muonscale.distributed.DistributedMuon` this module reads (named
+    here by what it uses: that class builds on this module)."""
+
+    params: list[torch.Tensor]
+    group_of: list[dict[str, Any]]
+    muon_indices: list[int]
+    adamw_indices: list[int]
+    owner_rank: Sequence[int]
+    rank: int
+    world_size: int
+    comm: Communicator
+    reduction: BucketedReduction
+    param_groups: list[dict[str, Any]]
+    param_table: ParamTable
+    state: Mapping[torch.Tensor, dict[str, Any]]
+
+    def index_of(self, p: torch.Tensor) -> int: ...
+
 
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -48,7 +70,8 @@ def gather_full_state(opt: DistributedMuon) -> dict[int, dict[str, torch.Tensor]
     for i in opt.muon_indices:  # momentum (and main copy) live on the owner only
         p, group, owner = opt.params[i], opt.group_of[i], opt.owner_rank[i]
         main_dtype = opt.reduction.main_dtype(p.dtype)
-        settings, view = MuonSettings.from_group(group), opt.matrix_view(p, group)
+        settings = MuonSettings.from_group(group)
+        view = opt.param_table.view(p, group["matrix_mode"])
         specs = {MOMENTUM.key: (p.shape, MOMENTUM.dtype(settings, main_dtype or p.dtype))}
         if main_dtype is not None:
             specs["main_param"] = (p.shape, main_dtype)
@@ -124,7 +147,7 @@ def load_full_state(opt: DistributedMuon, state_dict: dict[str, Any]) -> None:
             f"loaded state has {len(saved_groups)} param groups, "
             f"the optimizer {len(opt.param_groups)}"
         )
-    check_loaded_groups(opt, state_dict)  # before anything changes
+    check_loaded_groups(opt.param_groups, opt.param_table, state_dict)  # before anything changes
     key_of: dict[int, Any] = {}
     for group, saved in zip(opt.param_groups, saved_groups):
         if len(saved["params"]) != len(group["params"]):
@@ -160,7 +183,7 @@ def load_full_state(opt: DistributedMuon, state_dict: dict[str, Any]) -> None:
                 state.pop(spec.key, None)
                 continue
             if spec.key not in state:  # built without it: the loaded options keep it
-                view = opt.matrix_view(p, opt.group_of[i])
+                view = opt.param_table.view(p, opt.group_of[i]["matrix_mode"])
                 state[spec.key] = spec.zeros(settings, view, p.dtype, p.device)
             moment = entry.get(spec.key)
             if moment is None:

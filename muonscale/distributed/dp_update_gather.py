@@ -141,7 +141,7 @@ class UpdateGather:
             if not present[i] or p.numel() == 0:
                 continue
             settings = MuonSettings.from_group(group)
-            view = opt.matrix_view(p, group)
+            view = opt.param_table.view(p, group["matrix_mode"])
             alpha, cautious = update_rule(p, view, settings.ns, settings, settings.scale)
             lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
             self._rules[i] = UpdateRule(lr, weight_decay, alpha, cautious)

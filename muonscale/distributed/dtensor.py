@@ -269,7 +269,7 @@ class DTensorMuon(Muon):
             )
             for p in group["params"]:
                 shapes = (
-                    tuple(self.matrix_view(p, group).matrix_shapes)
+                    tuple(self._matrix_view(p, group).matrix_shapes)
                     if group["algorithm"] == "muon"
                     else ()
                 )
@@ -309,7 +309,7 @@ class DTensorMuon(Muon):
         key = (tuple(id(p) for p, _ in entries), dtype)
         if key not in self._plans:
             layouts = [self.matrix_layout(p) for p, _ in entries]
-            costs = [self.matrix_view(p, g).matrix_shapes for p, g in entries]
+            costs = [self._matrix_view(p, g).matrix_shapes for p, g in entries]
             owners = default_owners(layouts, self.comm.world_size, matrix_shapes=costs)
             self._plans[key] = ShardedMatrices(
                 layouts,
@@ -320,7 +320,7 @@ class DTensorMuon(Muon):
             )
         return self._plans[key]
 
-    def after_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _after_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """New parameter objects: lay them out again (and fail fast on unsupported ones)."""
         self._layouts.clear()
         self._plans.clear()
@@ -333,7 +333,7 @@ class DTensorMuon(Muon):
         """Exact bytes of state tensors held by this rank (local shards)."""
         return sum(
             local_tensor(v).numel() * local_tensor(v).element_size()
-            for s in parameter_states(self)
+            for s in parameter_states(self.state)
             for v in s.values()
             if isinstance(v, torch.Tensor)
         )
@@ -371,9 +371,12 @@ class DTensorMuon(Muon):
         return None if bad.numel() == 0 else self._name(owners[int(bad[0])])
 
     # ---------------------------------------------------------------- step
-    def _apply_updates(self) -> None:
+    def _apply_updates(
+        self, from_backward: Sequence[Any] = (), step_ok: torch.Tensor | None = None
+    ) -> None:
         """The update phases of :meth:`step` (see the class docstring); ``Muon.step`` runs the
-        closure and the collective non-finite check first."""
+        closure and the collective non-finite check first (neither ``capturable`` nor
+        ``orthogonalize_in_backward``: ``from_backward`` is empty, ``step_ok`` None)."""
         grads, self._step_grads = self._step_grads, {}
         muon_entries: list[tuple[torch.Tensor, Mapping[str, Any]]] = []
         for group in self.param_groups:
@@ -392,7 +395,7 @@ class DTensorMuon(Muon):
     ) -> None:
         if not params:
             return
-        states = [self.init_state(p, group) for p in params]
+        states = [self._init_state(p, group) for p in params]
         beta1, beta2 = group["betas"]
         functional.adamw(
             [local_tensor(p) for p in params],
@@ -418,7 +421,7 @@ class DTensorMuon(Muon):
         momenta: dict[int, torch.Tensor] = {}
         for group in groups:
             params = [p for p, g in entries if g is group]
-            states = [self.init_state(p, group) for p in params]
+            states = [self._init_state(p, group) for p in params]
             bufs = [local_tensor(b) for b in self._stacked_momentum(group, params, states)]
             functional.update_momentum_(
                 [local_grads[id(p)] for p in params], bufs, momentum=group["momentum"]
@@ -548,7 +551,7 @@ class DTensorMuon(Muon):
         per_param: list[list[torch.Tensor | None]] = []
         for slot, (i, u) in enumerate(zip(indices, whole)):
             p, group = part[i]
-            mats = self.matrix_view(p, group).to_matrices(u.reshape(p.shape))
+            mats = self._matrix_view(p, group).to_matrices(u.reshape(p.shape))
             per_param.append([None] * len(mats))
             ns = MuonSettings.from_group(group).ns
             for j, mat in enumerate(mats):
@@ -562,7 +565,7 @@ class DTensorMuon(Muon):
         out = []
         for slot, i in enumerate(indices):
             p, group = part[i]
-            view, mats = self.matrix_view(p, group), per_param[slot]
+            view, mats = self._matrix_view(p, group), per_param[slot]
             settings = MuonSettings.from_group(group)
             if ROW_MOMENT in kept_state(settings):  # [variants] NorMuon
                 self._row_normalize_on_owner(p, group, mats)
@@ -576,7 +579,7 @@ class DTensorMuon(Muon):
 
     def _alpha(self, p: torch.Tensor, group: Mapping[str, Any]) -> float:
         """−s(m, n) for an unscaled single-matrix update, −1 for one scaled on the owner."""
-        view = self.matrix_view(p, group)
+        view = self._matrix_view(p, group)
         shapes = view.matrix_shapes
         if len(shapes) == 1 and view.row_partition is None and not view.transposed:
             return -update_scale(group["scale"], *shapes[0])

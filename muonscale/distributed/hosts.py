@@ -31,16 +31,44 @@ import os
 import socket
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from .comm import Communicator
-
 INTRA, INTER = "intra_host", "inter_host"
 """Link classes of :class:`~.comm.WireCounter`: bytes that stay on a host, bytes that leave it."""
+
+
+class Communicator(Protocol):
+    """What this module calls on a :class:`~.comm.Communicator` (which builds on this module,
+    so it is named here by the methods used, not imported)."""
+
+    rank: int
+    world_size: int
+
+    @property
+    def active(self) -> bool: ...
+
+    def all_gather_object(self, obj: object, *, tag: str = ...) -> list[object]: ...
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, *, tag: str = ..., async_op: bool = ...
+    ) -> Any: ...
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int] | None = ...,
+        input_split_sizes: Sequence[int] | None = ...,
+        *,
+        tag: str = ...,
+        count_as: str = ...,
+        async_op: bool = ...,
+    ) -> Any: ...
+
+    def wait(self, work: Any, what: str = ...) -> None: ...
 
 
 @dataclass(frozen=True)

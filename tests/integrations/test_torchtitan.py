@@ -76,7 +76,7 @@ def test_routing_by_canonical_fqn_with_aligned_param_names(kind):
     assert bool(experts) == (kind == "qwen3_moe")
     for name in experts:  # (E, F, D): E separate F×D matrices
         group = next(g for g in optimizer.param_groups if name in g.get("param_names", ()))
-        view = optimizer.matrix_view(named[name], group)
+        view = optimizer.param_table.view(named[name], group["matrix_mode"])
         assert view.matrix_shapes == [tuple(named[name].shape[1:])] * named[name].shape[0]
 
 

@@ -130,24 +130,26 @@ class MegatronMuon(Muon):
         """Global gradient norm of the latest step, before clipping."""
         return self.grad_norm.last_norm
 
-    def update_group(
+    def _update_group(
         self,
         group: Mapping[str, Any],
         params: list[torch.Tensor],
         grads: list[torch.Tensor],
+        *,
+        step_ok: torch.Tensor | None = None,
         apply_updates: ApplyUpdates | None = None,
     ) -> None:
         """AdamW as :class:`muonscale.Muon`; Muon through the orthogonalizer."""
         if group["algorithm"] != "muon" or not params:
-            return super().update_group(group, params, grads)
+            return super()._update_group(group, params, grads, step_ok=step_ok)
         if apply_updates is not None:  # the orthogonalizer applies its own updates
             raise NotImplementedError("the Megatron Muon step takes no apply_updates")
-        states = [self.init_state(p, group) for p in params]
+        states = [self._init_state(p, group) for p in params]
         muon_update_(
             params,
             grads,
             self._stacked_momentum(group, params, states),
-            [self.matrix_view(p, group) for p in params],
+            [self._matrix_view(p, group) for p in params],
             [self._plan_by_id[id(p)] for p in params],
             group,
             self.orthogonalizer,
@@ -254,25 +256,27 @@ class MegatronDistributedMuon(DistributedMuon):
         """Global gradient norm of the latest step, before clipping."""
         return self.grad_norm.last_norm
 
-    def update_group(
+    def _update_group(
         self,
         group: Mapping[str, Any],
         params: list[torch.Tensor],
         grads: list[torch.Tensor],
+        *,
+        step_ok: torch.Tensor | None = None,
         apply_updates: ApplyUpdates | None = None,
     ) -> None:
         """AdamW as :class:`muonscale.Muon`; Muon (owned matrices or their main copies) through
         the orthogonalizer."""
         if group["algorithm"] != "muon" or not params:
-            return super().update_group(group, params, grads)
+            return super()._update_group(group, params, grads, step_ok=step_ok)
         if apply_updates is not None:  # the orthogonalizer applies its own updates
             raise NotImplementedError("the Megatron Muon step takes no apply_updates")
-        states = [self.init_state(p, group) for p in params]
+        states = [self._init_state(p, group) for p in params]
         muon_update_(
             params,
             grads,
             self._stacked_momentum(group, params, states),
-            [self.matrix_view(p, group) for p in params],
+            [self._matrix_view(p, group) for p in params],
             [self._plan_by_id[id(self.model_param(p))] for p in params],
             group,
             self.orthogonalizer,
