@@ -58,7 +58,11 @@ DEFAULT_MUON_ADAMW_LR = 1e-3
 
 @dataclass(kw_only=True)
 class BenchConfig:
-    """One side-by-side benchmark: same model, data, seed, schedule and tokens per contender."""
+    """One side-by-side benchmark: same model, data, seed, schedule and tokens per contender.
+
+    ``parsed_variants`` (set on construction, not a field): ``{NAME: {OPTION: VALUE}}`` of
+    ``variants``, parsed once by :func:`parse_variant`, in the order given.
+    """
 
     steps: int = 320
     """Optimizer steps per contender (token budget: steps x tokens per step, same for all)."""
@@ -186,12 +190,14 @@ class BenchConfig:
                 raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
         if len(set(self.baselines)) != len(self.baselines):
             raise ValueError(f"--baselines lists a contender twice: {self.baselines}")
-        names = [parse_variant(spec)[0] for spec in self.variants]
+        parsed = [parse_variant(spec) for spec in self.variants]
+        names = [name for name, _ in parsed]
         for name in names:
             if name in (*CONTENDERS, *BASELINES):
                 raise ValueError(f"--variants: name {name!r} is taken by a built-in contender")
         if len(set(names)) != len(names):
             raise ValueError(f"--variants names a contender twice: {names}")
+        self.parsed_variants: dict[str, dict[str, Any]] = dict(parsed)
         if self.corpus is not None and self.corpus not in CORPORA:
             raise ValueError(f"--corpus must be one of {CORPORA}, got {self.corpus!r}")
         if self.corpus is not None and self.data is not None:
@@ -247,24 +253,20 @@ class BenchConfig:
     @property
     def contenders(self) -> list[str]:
         """Contender names in execution order (adamw first: it is the reference)."""
-        return [*CONTENDERS, *self.baselines, *(parse_variant(s)[0] for s in self.variants)]
+        return [*CONTENDERS, *self.baselines, *self.parsed_variants]
 
     def variant_options(self, contender: str) -> dict[str, Any] | None:
         """The muonscale.Muon options of a --variants contender (without the bench's own
         :data:`TRAINING_OPTIONS`); None otherwise."""
-        for spec in self.variants:
-            name, options = parse_variant(spec)
-            if name == contender:
-                return {k: v for k, v in options.items() if k not in TRAINING_OPTIONS}
-        return None
+        options = self.parsed_variants.get(contender)
+        if options is None:
+            return None
+        return {k: v for k, v in options.items() if k not in TRAINING_OPTIONS}
 
     def qk_clip_for(self, contender: str) -> float | None:
         """The QK-clip threshold tau of a contender (``qk_clip:TAU`` of a variant); None: off."""
-        for spec in self.variants:
-            name, options = parse_variant(spec)
-            if name == contender and options.get("qk_clip") is not None:
-                return float(options["qk_clip"])
-        return None
+        tau = self.parsed_variants.get(contender, {}).get("qk_clip")
+        return None if tau is None else float(tau)
 
     def tracks_max_logit(self, contender: str) -> bool:
         """Whether a contender's runs measure the maximum attention logit (QK-clip on, or
@@ -273,10 +275,8 @@ class BenchConfig:
 
     def lr_for(self, contender: str) -> float:
         """The starting (unswept) peak learning rate of a contender."""
-        for spec in self.variants:
-            name, options = parse_variant(spec)
-            if name == contender:
-                return float(options.get("lr", self.lr_muon))
+        if contender in self.parsed_variants:
+            return float(self.parsed_variants[contender].get("lr", self.lr_muon))
         if contender == "torch-muon-bf16":
             return self.lr_torch_muon
         return getattr(self, "lr_" + contender.replace("-", "_"))
