@@ -167,8 +167,10 @@ class BenchConfig:
     """Show a progress bar on stderr."""
     nproc: int = 1
     """Processes (gloo ranks) to run on. > 1 runs the distributed side-by-side bench
-    (muonscale.bench.distributed: a 2-layer d=128 model unless --n-layer/--d-model/--n-head say
-    otherwise, 8 windows per step; use e.g. --steps 30) and adds bytes on the wire per step."""
+    (muonscale.bench.distributed): the same contenders, model, data and flags in distributed
+    form (a few flags that mean nothing there are refused, see REFUSED_WITH_NPROC), plus bytes
+    on the wire per step; on 2 CPU cores use a small model, e.g. --n-layer 2 --d-model 128
+    --steps 30."""
     parallel: str = "dp"
     """With --nproc > 1: dp (DistributedMuon vs ZeRO-1 AdamW vs DDP AdamW), fsdp, tp or
     fsdp+tp (DTensorMuon vs AdamW on the same FSDP2 / tensor-parallel model; fsdp+tp: --nproc 4)."""
@@ -237,18 +239,28 @@ class BenchConfig:
         if self.tokenizer not in ("byte", "bpe"):
             raise ValueError(f"--tokenizer must be byte or bpe, got {self.tokenizer!r}")
         if self.nproc > 1:
-            defaults = {f.name: f for f in dataclasses.fields(BenchConfig)}
-            for name in UNUSED_WITH_NPROC:
-                f = defaults[name]
-                default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-                if getattr(self, name) != default:
-                    raise ValueError(
-                        f"--{_flag(name)} is not used by the distributed bench (--nproc > 1), "
-                        f"which runs its own model and schedule (muonscale.bench.distributed): "
-                        f"leave it at its default ({default!r}) or use --nproc 1"
-                    )
+            self._check_nproc_flags()
         if self.nproc == 1 and self.parallel != "dp":
             raise ValueError(f"--parallel {self.parallel} needs --nproc >= 2")
+
+    def _check_nproc_flags(self) -> None:
+        """Refuse the flags that have no meaning in the distributed bench, naming why."""
+        defaults = {f.name: f for f in dataclasses.fields(BenchConfig)}
+        for name, why in REFUSED_WITH_NPROC.items():
+            f = defaults[name]
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            if getattr(self, name) != default:
+                raise ValueError(
+                    f"--{_flag(name)} {getattr(self, name)!r} does not apply with --nproc > 1: "
+                    f"{why}; leave it at its default ({default!r}) or use --nproc 1"
+                )
+        if self.parallel in ("tp", "fsdp+tp"):
+            clipped = [n for n, o in self.parsed_variants.items() if o.get("qk_clip") is not None]
+            for flag, used in (("--track-max-logit", self.track_max_logit), ("qk_clip", clipped)):
+                if used:
+                    raise ValueError(
+                        f"{flag} does not apply with --parallel {self.parallel}: {TP_MAX_LOGIT}"
+                    )
 
     @property
     def contenders(self) -> list[str]:
@@ -297,34 +309,27 @@ class BenchConfig:
         return cls(**json.loads(text))
 
 
-UNUSED_WITH_NPROC = (
-    "data",
-    "corpus",
-    "tokenizer",
-    "variants",
-    "seeds",
-    "tensorboard",
-    "model",
-    "tokens_per_step",
-    "micro_batch_size",
-    "lr_torch_muon",
-    "baselines",
-    "track_max_logit",
-    "schedule",
-    "lr_warmup_steps",
-    "weight_decay",
-    "muon_weight_decay",
-    "momentum",
-    "muon_adamw_lr",
-    "sweep",
-    "ns_dtype",
-    "momentum_dtype",
-    "device",
-    "workers",
-    "eval_interval",
-    "eval_batches",
+REFUSED_WITH_NPROC = {
+    "baselines": "torch.optim.Muon has no distributed form (muonscale train refuses torch-muon "
+    "with --parallel for the same reason); the distributed Muon contenders are DistributedMuon "
+    "and DTensorMuon",
+    "lr_torch_muon": "it is the learning rate of the torch-muon baselines, which the "
+    "distributed bench does not train (see --baselines)",
+    "workers": "it spreads the contenders over single-process worker processes; with --nproc "
+    "every rank trains every contender, steps interleaved",
+    "device": "the distributed bench's ranks are gloo processes on the CPU",
+    "memory_probe_steps": "the memory probes train each contender alone in one process; the "
+    "distributed report gives each rank's optimizer-state bytes instead",
+}
+"""Flags that mean nothing in the distributed bench (``--nproc > 1``), and why: refused unless
+at their default. Every other flag means there what it means in the single-process bench."""
+
+TP_MAX_LOGIT = (
+    "each tensor-parallel rank's attention computes only its own heads, and the per-head "
+    "maxima that QK-clip and --track-max-logit read are not gathered across the TP ranks "
+    "(use --parallel dp or fsdp)"
 )
-"""Options the distributed bench (``--nproc > 1``) does not read: refused unless at default."""
+"""Why QK-clip and the max-logit probe are refused under ``--parallel tp`` / ``fsdp+tp``."""
 
 
 TRAINING_OPTIONS = {
