@@ -180,7 +180,8 @@ def _seed_spread(per_seed: dict) -> dict:
             key: spread([r["rows"][name][key] for r in per_seed.values()])
             for key in ("final_train_loss", "val_loss")
         }
-        for name in first
+        for name, row in first.items()
+        if not row.get("modelled")
     }
 
 
@@ -213,6 +214,8 @@ def _records(rows: dict) -> dict:
 
     records = {}
     for name, row in rows.items():
+        if row.get("modelled"):
+            continue
         elapsed = [0.0, *accumulate(row["step_seconds"])]
         records[name] = ContenderRecord(
             name=name,
