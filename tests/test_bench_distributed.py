@@ -346,5 +346,7 @@ def test_argument_errors():
         BenchConfig(nproc=2, parallel="pp", steps=1)
     with pytest.raises(ValueError, match="2 x 2"):
         run_distributed_bench(BenchConfig(nproc=2, parallel="fsdp+tp", steps=1))
+    with pytest.raises(ValueError, match="--variants x: unknown option 'no_such'"):
+        run_distributed_bench(BenchConfig(nproc=2, variants=["x=no_such:1"]))
     with pytest.raises(ValueError, match="key/value"):
         run_distributed_bench(BenchConfig(nproc=4, parallel="tp", n_layer=2, d_model=64, n_head=2))

@@ -128,6 +128,8 @@ def run_distributed_bench(
 
     nproc, parallel = config.nproc, config.parallel
     muon = train_config_for(config, "muon", config.lr_muon)
+    for name in config.parsed_variants:  # a bad variant option fails here, before any spawn
+        train_config_for(config, name, config.lr_for(name))
     _check_parallel(parallel, nproc, muon.model_config())
     dp_size = mesh_shape(parallel, nproc)[0]
     if muon.micro_batch_size % dp_size:
