@@ -135,6 +135,13 @@ def test_dp_report_keys_and_files(dp_report):
         assert row["final_train_loss"] == row["train_losses"][-1]
         assert row["wire_steps_equal"], name  # same bytes every step
         assert row["eval_steps"] == [0, 2, 4]  # --eval-interval 0.5
+    model = report["model"]  # --n-layer, --d-model, --n-head; vocab: --bpe-vocab-size 320
+    assert (model["n_layer"], model["d_model"], model["n_head"], model["vocab_size"]) == (
+        2,
+        64,
+        2,
+        320,
+    )
     assert json.loads((out / "report.json").read_text())["rows"].keys() == rows.keys()
     table = (out / "report.md").read_text()
     assert "| muon |" in table and "(modelled)" in table and "--schedule wsd" in table
@@ -230,8 +237,9 @@ def test_fsdp_tp_matches_fsdp(fsdp_config, fsdp_report):
         )
 
 
-def test_seeds_sweep_tensorboard_plots(tmp_path):
-    """--seeds, --sweep (single-process runs pick the lrs), --tensorboard and --plots."""
+def test_seeds_sweep_tensorboard_plots(tmp_path, capfd):
+    """--seeds, --sweep (single-process runs pick the lrs), --tensorboard, --plots,
+    --progress, --threads, --ns-dtype and --momentum-dtype."""
     pytest.importorskip("tensorboard")
     pytest.importorskip("matplotlib")
     from muonscale.bench import run_bench
@@ -239,7 +247,8 @@ def test_seeds_sweep_tensorboard_plots(tmp_path):
 
     config = BenchConfig(
         nproc=2,
-        **{**TINY, "steps": 2, "plots": True},
+        **{**TINY, "steps": 2, "plots": True, "progress": True},
+        threads=2,
         tokens_per_step=256,
         eval_batches=1,
         seeds=2,
@@ -252,6 +261,8 @@ def test_seeds_sweep_tensorboard_plots(tmp_path):
         out=str(tmp_path / "out"),
     )
     report = run_bench(config)
+    assert "2/2" in capfd.readouterr().err  # rank 0's progress bar: 2 of 2 steps
+    assert report["torch_threads"] == 2
     single = dataclasses.replace(config, nproc=1, sweep=True)
     assert report["lrs"] == {**run_sweep(single, make_run, log=lambda _: None)["best"]}
     assert set(report["seeds"]) == {0, 1}

@@ -287,6 +287,7 @@ def _build_report(result: dict, config: BenchConfig, lrs: dict, seconds: float) 
         "bench": config.to_dict(),
         "model": {"preset": config.model, **result["model_config"]},
         "n_params": result["n_params"],
+        "torch_threads": result["torch_threads"],
         "single_process_muon_state_bytes": result["single_process_muon_state_bytes"],
         "wall_seconds": seconds,
         "rows": rows,

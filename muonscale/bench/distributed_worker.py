@@ -432,6 +432,7 @@ def _run_rank(rank: int, world_size: int, spec: dict, contenders: list) -> dict 
         return None
     reference = contenders[0].model
     extra = {
+        "torch_threads": torch.get_num_threads(),  # per rank: --threads
         "n_params": sum(p.numel() for p in reference.parameters()),
         "model_config": {
             k: getattr(model_config, k)
