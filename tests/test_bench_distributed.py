@@ -301,6 +301,8 @@ def test_each_flag_changes_the_single_process_run(flag, text_file):
     validation at the eval steps) by more than the tolerance of the distributed comparisons
     above, so those comparisons would see a distributed run that ignored it."""
     config = BenchConfig(**TINY, **{**FLAGS, **DP_FLAGS, "data": text_file})
+    if flag not in ("tokenizer", "bpe_vocab_size", "variants"):  # byte-level: no BPE to train
+        config = dataclasses.replace(config, tokenizer="byte")
     if flag == "corpus":
         config = dataclasses.replace(config, data=None, corpus="web")
     if flag == "variants":  # pe and clip against muon itself
