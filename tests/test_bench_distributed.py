@@ -332,7 +332,7 @@ REFUSED = [
     ("lr_torch_muon", 0.05, "torch-muon baselines"),
     ("workers", 2, "every rank trains every contender"),
     ("device", "auto", "gloo processes on the CPU"),
-    ("memory_probe_steps", 0, "optimizer-state bytes instead"),
+    ("memory_probe_steps", 5, "optimizer-state bytes instead"),
 ]
 
 
@@ -347,7 +347,7 @@ def test_refused_flags_name_the_flag_and_why(flag, value, why):
 def test_max_logit_refused_under_tp(parallel, nproc):
     with pytest.raises(ValueError, match="--track-max-logit.*own heads"):
         BenchConfig(nproc=nproc, parallel=parallel, track_max_logit=True)
-    with pytest.raises(ValueError, match="qk_clip.*own heads"):
+    with pytest.raises(ValueError, match="--variants c: qk_clip.*own heads"):
         BenchConfig(nproc=nproc, parallel=parallel, variants=["c=qk_clip:10"])
     BenchConfig(nproc=nproc, parallel=parallel, variants=["pe=coefficients:polar_express"])
 

@@ -256,7 +256,8 @@ class BenchConfig:
                 )
         if self.parallel in ("tp", "fsdp+tp"):
             clipped = [n for n, o in self.parsed_variants.items() if o.get("qk_clip") is not None]
-            for flag, used in (("--track-max-logit", self.track_max_logit), ("qk_clip", clipped)):
+            named = f"--variants {', '.join(clipped)}: qk_clip"
+            for flag, used in (("--track-max-logit", self.track_max_logit), (named, clipped)):
                 if used:
                     raise ValueError(
                         f"{flag} does not apply with --parallel {self.parallel}: {TP_MAX_LOGIT}"
