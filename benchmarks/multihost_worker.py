@@ -47,14 +47,38 @@ def _if_bytes(ifname: str) -> tuple[int, int]:
     return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
 
 
-def _build(names, model_config, seed, world_size, hosts, ns_dtype):
-    from muonscale.bench.distributed_worker import _dp_contenders, _fsdp_contenders
+def _configs(a):
+    """The ``TrainConfig`` s of the Muon and AdamW contenders: constant lr, no clipping."""
+    from muonscale.train.config import TrainConfig
+
+    common = dict(
+        model="tiny",
+        d_model=a.d_model,
+        n_layer=a.n_layer,
+        n_head=a.n_head,
+        context_length=a.context_length,
+        schedule="constant",
+        warmup_steps=0,
+        grad_clip=None,
+        ns_dtype=a.ns_dtype,
+        seed=0,
+        device="cpu",
+        out_dir=None,
+    )
+    return (
+        TrainConfig(optimizer="muon", lr=LRS["muon"], **common),
+        TrainConfig(optimizer="adamw", lr=LRS["adamw"], **common),
+    )
+
+
+def _build(names, muon, adamw, world_size, hosts):
+    from muonscale.bench.distributed_worker import dp_contenders, sharded_contenders
 
     out = {}
     for name in (n for n in names if n.endswith(NO_OVERLAP)):
         base = name.removesuffix(NO_OVERLAP)
         dtypes = ["bfloat16"] if base == "muon-bf16reduce" else ["float32"]
-        for c in _dp_contenders(model_config, LRS, seed, dtypes, hosts, ns_dtype):
+        for c in dp_contenders(muon, adamw, dtypes, hosts=hosts):
             if c.name == base:
                 c.name, c.opt.overlap_gather = name, False
                 out[name] = c
@@ -63,13 +87,13 @@ def _build(names, model_config, seed, world_size, hosts, ns_dtype):
     names_with_overlap = [n for n in names if not n.endswith(NO_OVERLAP)]
     if any(not n.startswith("fsdp-") for n in names_with_overlap):
         dtypes = ["float32"] + (["bfloat16"] if "muon-bf16reduce" in names else [])
-        for c in _dp_contenders(model_config, LRS, seed, dtypes, hosts, ns_dtype):
+        for c in dp_contenders(muon, adamw, dtypes, hosts=hosts):
             if c.name in names_with_overlap:
                 out[c.name] = c
             else:
                 c.release()
     if "fsdp-muon" in names or "fsdp-adamw" in names:
-        for c in _fsdp_contenders(model_config, LRS, seed, world_size):
+        for c in sharded_contenders(muon, adamw, "fsdp", world_size):
             c.name = f"fsdp-{c.name}"
             if c.name in names:
                 if c.name == "fsdp-muon":  # count DTensorMuon's own traffic by link class
@@ -167,12 +191,8 @@ def _run(a, names, rank) -> None:
     if per_rank < 1:
         raise ValueError(f"--global-batch {a.global_batch} is smaller than the world size {world}")
     hosts = discover_host_map(Communicator())
-    ns_dtype = getattr(torch, a.ns_dtype)  # at construction: it decides the update gather
-    contenders = _build(names, cfg, seed=0, world_size=world, hosts=hosts, ns_dtype=ns_dtype)
-    for c in contenders:
-        for group in c.opt.param_groups:
-            if group.get("algorithm") == "muon":
-                group["ns_dtype"] = ns_dtype
+    muon, adamw = _configs(a)
+    contenders = _build(names, muon, adamw, world_size=world, hosts=hosts)
     n_params = sum(p.numel() for p in contenders[0].model.parameters())
     muon_fraction = _muon_fraction(contenders)
     rows = []
@@ -192,7 +212,7 @@ def _run(a, names, rank) -> None:
                 ((x, y),) = data.train_batch(seed=0, step=step, batch_size=a.global_batch)
                 mine = slice(rank * per_rank, (rank + 1) * per_rank)
                 with counting_torch_collectives(torch_counter, tag="fsdp2", host_of=hosts.host_of):
-                    c.train_step(x[mine], y[mine], 1.0)
+                    c.train_step([(x[mine], y[mine])])
                 step += 1
                 if not measured:
                     digests.append(_param_digest(c))

@@ -119,12 +119,15 @@ class GPT2Params(nn.Module):
         return _synthetic_loss(self, seed)
 
 
+BENCH_DP_MODEL = dict(n_layer=2, d_model=128, n_head=4, context_length=64)
+"""The model of the distributed bench figures in BENCHMARKS.md (``--preset bench-dp``)."""
+
+
 def _build(preset: str) -> tuple[nn.Module, object, dict]:
     """(module whose forward(seed) is the synthetic loss, params for DistributedMuon, options)."""
     if preset != BENCH_PRESET:
         model = GPT2Params(*PRESETS[preset])
         return model, model, {}
-    from muonscale.bench.distributed import DEFAULT_MODEL
     from muonscale.train.config import model_preset
     from muonscale.train.model import GPT
 
@@ -132,7 +135,7 @@ def _build(preset: str) -> tuple[nn.Module, object, dict]:
         def forward(self, seed: int) -> torch.Tensor:  # type: ignore[override]
             return _synthetic_loss(self, seed)
 
-    model = SyntheticGPT(model_preset("tiny", **DEFAULT_MODEL))
+    model = SyntheticGPT(model_preset("tiny", **BENCH_DP_MODEL))
     splits = {name: model.qkv_layout for name in model.qkv_param_names()}  # as the bench
     return model, None, {"splits": splits}
 

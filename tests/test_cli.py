@@ -102,11 +102,10 @@ def test_bench_flags_parse_into_benchconfig():
         (["--muon-adamw-lr", "0"], "--muon-adamw-lr must be > 0"),
         (["--muon-weight-decay", "-1"], "--muon-weight-decay must be a finite number >= 0"),
         (["--weight-decay", "-1"], "--weight-decay must be a finite number >= 0"),
-        (["--nproc", "2", "--muon-weight-decay", "0"], "--muon-weight-decay is not used by the"),
-        (["--nproc", "2", "--muon-adamw-lr", "3e-4"], "--muon-adamw-lr is not used by the dis"),
-        (["--nproc", "2", "--momentum", "0.9"], "--momentum is not used by the distributed"),
-        (["--nproc", "2", "--weight-decay", "0"], "--weight-decay is not used by the distrib"),
-        (["--nproc", "2", "--schedule", "wsd"], "--schedule is not used by the distributed"),
+        (["--nproc", "2", "--baselines", "torch-muon"], "has no distributed form"),
+        (["--nproc", "2", "--workers", "2"], "--workers 2 does not apply with --nproc > 1"),
+        (["--nproc", "2", "--device", "auto"], "ranks are gloo processes on the CPU"),
+        (["--nproc", "2", "--parallel", "tp", "--track-max-logit"], "only its own heads"),
     ],
 )
 def test_bad_bench_flags_exit_2_with_a_clear_message(argv, message, capsys):

@@ -73,27 +73,38 @@ def run_bench(
 
 
 def _run_distributed(config: BenchConfig) -> dict:
-    """``--nproc N``: the distributed side-by-side bench (wire bytes per step per contender)."""
+    """``--nproc N``: the distributed side-by-side bench (wire bytes per step per contender).
+
+    ``--sweep`` picks the learning rates with single-process runs first: a distributed
+    contender is the same algorithm on the same global batch as its single-process twin."""
     from muonscale.bench.distributed import run_distributed_bench
 
-    overrides = {
-        key: value
-        for key, value in (
-            ("n_layer", config.n_layer),
-            ("d_model", config.d_model),
-            ("n_head", config.n_head),
-        )
-        if value is not None
-    }
-    return run_distributed_bench(
-        nproc=config.nproc,
-        parallel=config.parallel,
-        steps=config.steps,
-        model_overrides=overrides,
-        lrs={"muon": config.lr_muon, "adamw": config.lr_adamw},
-        seed=config.seed,
-        out_dir=config.out or default_out_dir(),
-    )
+    def log(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    if config.plots and importlib.util.find_spec("matplotlib") is None:
+        log(PLOTS_SKIPPED)
+        config = dataclasses.replace(config, plots=False)
+    lrs = None
+    if config.sweep:
+        from muonscale.bench.lockstep import sweep_workers
+        from muonscale.bench.runner import make_run
+        from muonscale.bench.store import RunStore
+        from muonscale.bench.sweep import run_sweep
+
+        single = dataclasses.replace(config, nproc=1, parallel="dp")
+        workers = sweep_workers(single, len(single.contenders) * len(single.sweep_factors))
+        with torch_threads(config.threads):
+            sweep = run_sweep(
+                single,
+                make_run,
+                log=log,
+                store=RunStore(Path(config.out) / "runs"),
+                workers=workers,
+            )
+        lrs = dict(sweep["best"])
+        log("sweep picked " + ", ".join(f"{n} lr={lr:.3g}" for n, lr in lrs.items()))
+    return run_distributed_bench(config, lrs=lrs)
 
 
 ONCE_ONLY = ("torch-muon-bf16",)

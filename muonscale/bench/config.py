@@ -58,7 +58,11 @@ DEFAULT_MUON_ADAMW_LR = 1e-3
 
 @dataclass(kw_only=True)
 class BenchConfig:
-    """One side-by-side benchmark: same model, data, seed, schedule and tokens per contender."""
+    """One side-by-side benchmark: same model, data, seed, schedule and tokens per contender.
+
+    ``parsed_variants`` (set on construction, not a field): ``{NAME: {OPTION: VALUE}}`` of
+    ``variants``, parsed once by :func:`parse_variant`, in the order given.
+    """
 
     steps: int = 320
     """Optimizer steps per contender (token budget: steps x tokens per step, same for all)."""
@@ -163,8 +167,10 @@ class BenchConfig:
     """Show a progress bar on stderr."""
     nproc: int = 1
     """Processes (gloo ranks) to run on. > 1 runs the distributed side-by-side bench
-    (muonscale.bench.distributed: a 2-layer d=128 model unless --n-layer/--d-model/--n-head say
-    otherwise, 8 windows per step; use e.g. --steps 30) and adds bytes on the wire per step."""
+    (muonscale.bench.distributed): the same contenders, model, data and flags in distributed
+    form (a few flags that mean nothing there are refused, see REFUSED_WITH_NPROC), plus bytes
+    on the wire per step; on 2 CPU cores use a small model, e.g. --n-layer 2 --d-model 128
+    --steps 30."""
     parallel: str = "dp"
     """With --nproc > 1: dp (DistributedMuon vs ZeRO-1 AdamW vs DDP AdamW), fsdp, tp or
     fsdp+tp (DTensorMuon vs AdamW on the same FSDP2 / tensor-parallel model; fsdp+tp: --nproc 4)."""
@@ -186,12 +192,14 @@ class BenchConfig:
                 raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
         if len(set(self.baselines)) != len(self.baselines):
             raise ValueError(f"--baselines lists a contender twice: {self.baselines}")
-        names = [parse_variant(spec)[0] for spec in self.variants]
+        parsed = [parse_variant(spec) for spec in self.variants]
+        names = [name for name, _ in parsed]
         for name in names:
             if name in (*CONTENDERS, *BASELINES):
                 raise ValueError(f"--variants: name {name!r} is taken by a built-in contender")
         if len(set(names)) != len(names):
             raise ValueError(f"--variants names a contender twice: {names}")
+        self.parsed_variants: dict[str, dict[str, Any]] = dict(parsed)
         if self.corpus is not None and self.corpus not in CORPORA:
             raise ValueError(f"--corpus must be one of {CORPORA}, got {self.corpus!r}")
         if self.corpus is not None and self.data is not None:
@@ -231,40 +239,47 @@ class BenchConfig:
         if self.tokenizer not in ("byte", "bpe"):
             raise ValueError(f"--tokenizer must be byte or bpe, got {self.tokenizer!r}")
         if self.nproc > 1:
-            defaults = {f.name: f for f in dataclasses.fields(BenchConfig)}
-            for name in UNUSED_WITH_NPROC:
-                f = defaults[name]
-                default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-                if getattr(self, name) != default:
-                    raise ValueError(
-                        f"--{_flag(name)} is not used by the distributed bench (--nproc > 1), "
-                        f"which runs its own model and schedule (muonscale.bench.distributed): "
-                        f"leave it at its default ({default!r}) or use --nproc 1"
-                    )
+            self._check_nproc_flags()
         if self.nproc == 1 and self.parallel != "dp":
             raise ValueError(f"--parallel {self.parallel} needs --nproc >= 2")
+
+    def _check_nproc_flags(self) -> None:
+        """Refuse the flags that have no meaning in the distributed bench, naming why."""
+        defaults = {f.name: f for f in dataclasses.fields(BenchConfig)}
+        for name, why in REFUSED_WITH_NPROC.items():
+            f = defaults[name]
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            if getattr(self, name) != default:
+                raise ValueError(
+                    f"--{_flag(name)} {getattr(self, name)!r} does not apply with --nproc > 1: "
+                    f"{why}; leave it at its default ({default!r}) or use --nproc 1"
+                )
+        if self.parallel in ("tp", "fsdp+tp"):
+            clipped = [n for n, o in self.parsed_variants.items() if o.get("qk_clip") is not None]
+            named = f"--variants {', '.join(clipped)}: qk_clip"
+            for flag, used in (("--track-max-logit", self.track_max_logit), (named, clipped)):
+                if used:
+                    raise ValueError(
+                        f"{flag} does not apply with --parallel {self.parallel}: {TP_MAX_LOGIT}"
+                    )
 
     @property
     def contenders(self) -> list[str]:
         """Contender names in execution order (adamw first: it is the reference)."""
-        return [*CONTENDERS, *self.baselines, *(parse_variant(s)[0] for s in self.variants)]
+        return [*CONTENDERS, *self.baselines, *self.parsed_variants]
 
     def variant_options(self, contender: str) -> dict[str, Any] | None:
         """The muonscale.Muon options of a --variants contender (without the bench's own
         :data:`TRAINING_OPTIONS`); None otherwise."""
-        for spec in self.variants:
-            name, options = parse_variant(spec)
-            if name == contender:
-                return {k: v for k, v in options.items() if k not in TRAINING_OPTIONS}
-        return None
+        options = self.parsed_variants.get(contender)
+        if options is None:
+            return None
+        return {k: v for k, v in options.items() if k not in TRAINING_OPTIONS}
 
     def qk_clip_for(self, contender: str) -> float | None:
         """The QK-clip threshold tau of a contender (``qk_clip:TAU`` of a variant); None: off."""
-        for spec in self.variants:
-            name, options = parse_variant(spec)
-            if name == contender and options.get("qk_clip") is not None:
-                return float(options["qk_clip"])
-        return None
+        tau = self.parsed_variants.get(contender, {}).get("qk_clip")
+        return None if tau is None else float(tau)
 
     def tracks_max_logit(self, contender: str) -> bool:
         """Whether a contender's runs measure the maximum attention logit (QK-clip on, or
@@ -273,10 +288,8 @@ class BenchConfig:
 
     def lr_for(self, contender: str) -> float:
         """The starting (unswept) peak learning rate of a contender."""
-        for spec in self.variants:
-            name, options = parse_variant(spec)
-            if name == contender:
-                return float(options.get("lr", self.lr_muon))
+        if contender in self.parsed_variants:
+            return float(self.parsed_variants[contender].get("lr", self.lr_muon))
         if contender == "torch-muon-bf16":
             return self.lr_torch_muon
         return getattr(self, "lr_" + contender.replace("-", "_"))
@@ -297,34 +310,27 @@ class BenchConfig:
         return cls(**json.loads(text))
 
 
-UNUSED_WITH_NPROC = (
-    "data",
-    "corpus",
-    "tokenizer",
-    "variants",
-    "seeds",
-    "tensorboard",
-    "model",
-    "tokens_per_step",
-    "micro_batch_size",
-    "lr_torch_muon",
-    "baselines",
-    "track_max_logit",
-    "schedule",
-    "lr_warmup_steps",
-    "weight_decay",
-    "muon_weight_decay",
-    "momentum",
-    "muon_adamw_lr",
-    "sweep",
-    "ns_dtype",
-    "momentum_dtype",
-    "device",
-    "workers",
-    "eval_interval",
-    "eval_batches",
+REFUSED_WITH_NPROC = {
+    "baselines": "torch.optim.Muon has no distributed form (muonscale train refuses torch-muon "
+    "with --parallel for the same reason); the distributed Muon contenders are DistributedMuon "
+    "and DTensorMuon",
+    "lr_torch_muon": "it is the learning rate of the torch-muon baselines, which the "
+    "distributed bench does not train (see --baselines)",
+    "workers": "it spreads the contenders over single-process worker processes; with --nproc "
+    "every rank trains every contender, steps interleaved",
+    "device": "the distributed bench's ranks are gloo processes on the CPU",
+    "memory_probe_steps": "the memory probes train each contender alone in one process; the "
+    "distributed report gives each rank's optimizer-state bytes instead",
+}
+"""Flags that mean nothing in the distributed bench (``--nproc > 1``), and why: refused unless
+at their default. Every other flag means there what it means in the single-process bench."""
+
+TP_MAX_LOGIT = (
+    "each tensor-parallel rank's attention computes only its own heads, and the per-head "
+    "maxima that QK-clip and --track-max-logit read are not gathered across the TP ranks "
+    "(use --parallel dp or fsdp)"
 )
-"""Options the distributed bench (``--nproc > 1``) does not read: refused unless at default."""
+"""Why QK-clip and the max-logit probe are refused under ``--parallel tp`` / ``fsdp+tp``."""
 
 
 TRAINING_OPTIONS = {

@@ -1,15 +1,20 @@
-"""Distributed side-by-side bench: Muon vs AdamW on N gloo processes (issues 4 and 5).
+"""Distributed side-by-side bench: Muon vs AdamW on N gloo processes (``muonscale bench
+--nproc N``).
 
-:func:`run_distributed_bench` spawns ``nproc`` CPU processes (gloo), builds the reference GPT
-once per contender from the same seed, and trains every contender **interleaved step by step**
-on the same data: each step's global batch (``global_batch`` windows, a pure function of
-``(seed, step)``) is split across ranks by rank, so every contender sees exactly the same tokens.
+:func:`run_distributed_bench` spawns ``nproc`` CPU processes (gloo) and trains the bench's
+contenders there, **interleaved step by step** on the same data. Each contender is the
+``TrainConfig`` the single-process bench trains (:func:`muonscale.bench.runner.train_config_for`:
+model, data, tokenizer, schedule, learning rates, weight decay, momentum, dtypes, micro-batches,
+``--variants``), parallelized by :mod:`muonscale.train.parallel`; each step's global batch (a
+pure function of ``(seed, step)``) is split across the data-parallel ranks, so every contender
+sees exactly the tokens of the single-process run.
 
 ``parallel="dp"`` (model replicated, gradients averaged across ranks):
 
 * ``muon``: :class:`muonscale.DistributedMuon`, float32 gradient reduction;
 * ``muon-bf16reduce``: the same with ``reduce_dtype=torch.bfloat16`` (its loss difference vs
   ``muon`` is reported: the convergence effect of the bf16 reduction);
+* every ``--variants`` contender: ``DistributedMuon`` with the variant's options;
 * ``adamw-zero1``: :class:`~muonscale.DistributedMuon` with every parameter routed to AdamW,
   i.e. ZeRO-1 AdamW (reduce-scatter + all-gather) through the same machinery;
 * ``adamw-ddp``: ``torch.nn.parallel.DistributedDataParallel`` + ``torch.optim.AdamW``, its
@@ -17,17 +22,16 @@ on the same data: each step's global batch (``global_batch`` windows, a pure fun
 * ``zero-redundancy-optimizer`` (**modelled**, not trained): ``adamw-ddp``'s all-reduce plus
   ``ZeroRedundancyOptimizer``'s per-step broadcast of every parameter, ring model.
 
-``parallel="fsdp"`` (FSDP2 ``fully_shard`` per block and at the root): ``muon`` =
-:class:`muonscale.DTensorMuon` vs ``adamw`` = ``torch.optim.AdamW`` on the same sharded model.
-Reported wire bytes are the **optimizer's own** (DTensorMuon's owner all-to-all and its
-non-finite flag all-reduce; AdamW on shards sends nothing); FSDP's all-gathers and
+``parallel="fsdp"`` (FSDP2 ``fully_shard`` per block and at the root): ``muon`` (and each
+variant) = :class:`muonscale.DTensorMuon` vs ``adamw`` = ``torch.optim.AdamW`` on the same
+sharded model. Reported wire bytes are the **optimizer's own** (DTensorMuon's owner all-to-all
+and its non-finite flag all-reduce; AdamW on shards sends nothing); FSDP's all-gathers and
 reduce-scatters are the framework's and the same for both contenders, so they are not counted.
 
 ``parallel="tp"`` (all ranks one TP group) and ``"fsdp+tp"`` (2 x 2 mesh, nproc 4): Megatron-
-style TP of the reference GPT via ``parallelize_module`` (fused QKV and MLP fc column-parallel,
-sharded by whole key/value groups; output projections row-parallel; embeddings, norms, head
-replicated), then FSDP2 over the "dp" axis for ``fsdp+tp``; contenders and wire bytes as for
-``fsdp``. The data is split over the data-parallel ranks only.
+style TP of the reference GPT (:func:`muonscale.train.parallel.apply_tensor_parallel`), then
+FSDP2 over the "dp" axis for ``fsdp+tp``; contenders and wire bytes as for ``fsdp``. The data
+is split over the data-parallel ranks only.
 
 Every byte count uses the ring model of :mod:`muonscale.distributed.comm`; per-rank numbers are
 reported as mean and max over ranks.
@@ -38,15 +42,15 @@ This module is the driver (spawn, collect, report); what each rank builds and me
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import os
 import socket
 import time
 from pathlib import Path
 from typing import Any
 
-from muonscale.bench.config import PARALLEL_MODES
+from muonscale.bench.config import PARALLEL_MODES, BenchConfig
 from muonscale.bench.distributed_worker import (  # noqa: F401 - public names re-exported here
     DTYPES,
     mesh_shape,
@@ -58,12 +62,6 @@ from muonscale.bench.distributed_worker import (  # noqa: F401 - public names re
 DP_CONTENDERS = ("muon", "muon-bf16reduce", "adamw-zero1", "adamw-ddp")
 FSDP_CONTENDERS = ("muon", "adamw")
 MODELLED_ZERO = "zero-redundancy-optimizer"
-
-# Small enough that 30 interleaved steps of every dp contender take ~1-2 min on 2 CPU cores.
-DEFAULT_MODEL = dict(n_layer=2, d_model=128, n_head=4, context_length=64)
-# bench defaults (muonscale/bench/config.py DEFAULT_LR): muon 1.6e-2 (scale=match_rms_adamw,
-# its AdamW half uses the same lr), AdamW 2e-3.
-DEFAULT_LRS = {"muon": 1.6e-2, "adamw": 2e-3}
 
 
 def _check_parallel(parallel: str, nproc: int, model_config=None) -> None:
@@ -100,86 +98,138 @@ def _free_port() -> int:
 
 # ------------------------------------------------------------------ driver + report
 def run_distributed_bench(
+    config: BenchConfig,
     *,
-    nproc: int,
-    parallel: str = "dp",
-    steps: int = 30,
-    model_overrides: dict | None = None,
-    lrs: dict | None = None,
-    seed: int = 0,
-    out_dir: str | os.PathLike | None = None,
+    lrs: dict[str, float] | None = None,
     reduce_dtypes: tuple[str, ...] = ("float32", "bfloat16"),
-    preset: str = "tiny",
-    global_batch: int = 8,
-    warmup_steps: int = 5,
-    eval_batches: int = 4,
     timeout_s: float = 900.0,
     print_table: bool = True,
 ) -> dict:
-    """Train every contender of ``parallel`` on ``nproc`` gloo processes, side by side.
+    """Train every contender of ``config.parallel`` on ``config.nproc`` gloo processes, side by
+    side, for each of ``config.seeds`` seeds.
 
     Args:
-        nproc: processes (ranks) to spawn, >= 2.
-        parallel: "dp" (DistributedMuon / ZeRO-1 / DDP), or "fsdp", "tp", "fsdp+tp" (nproc 4)
-            (DTensorMuon vs torch AdamW on the same DTensor model).
-        steps: optimizer steps per contender (interleaved).
-        model_overrides: ``ModelConfig`` overrides of ``preset`` (default: 2 layers, d_model
-            128, 4 heads, context 64).
-        lrs: peak learning rates ``{"muon": ..., "adamw": ...}`` (default: the bench's).
-        seed: init and data seed (the same for every contender).
-        out_dir: where to write ``report.json`` and ``report.md`` (None: nowhere).
+        config: the bench (``nproc >= 2``); its model, data, schedule and optimizer flags
+            are the single-process bench's.
+        lrs: peak learning rates by contender (``muon``, ``adamw`` and each variant; default:
+            ``config.lr_for``); ``muon-bf16reduce`` trains at ``muon``'s, ``adamw-zero1``
+            and ``adamw-ddp`` at ``adamw``'s.
         reduce_dtypes: gradient-reduction dtypes of the dp Muon contenders ("float32" gives
             ``muon``, "bfloat16" gives ``muon-bf16reduce``).
-        global_batch: windows per step over all ranks (split over the data-parallel ranks).
-        warmup_steps: linear lr warm-up, then constant.
-        eval_batches: validation batches of 8 windows (fixed, evaluated at the end).
+        timeout_s: seconds to wait for the ranks' results of one seed.
 
-    Returns the report dict (also written to ``out_dir``); its ``rows`` map contender names to
-    final_train_loss, val_loss, tokens_per_s (global), optimizer_step_ms (median over steps,
-    max over ranks), wire_bytes_per_step and optimizer_state_bytes ({"mean", "max"} over ranks).
+    Returns the report dict (also written to ``config.out`` when set); its ``rows`` map
+    contender names to final_train_loss, val_loss, val_losses at eval_steps, tokens_per_s
+    (global), optimizer_step_ms (median over steps, max over ranks), wire_bytes_per_step and
+    optimizer_state_bytes ({"mean", "max"} over ranks); with ``seeds > 1`` ``seeds`` holds
+    every seed's rows and ``seed_spread`` the spread of the final losses.
     """
-    from muonscale.train.config import model_preset
+    from muonscale.bench.runner import train_config_for
 
-    overrides = {**DEFAULT_MODEL, **(model_overrides or {})}
-    _check_parallel(parallel, nproc, model_preset(preset, **overrides))
+    nproc, parallel = config.nproc, config.parallel
+    muon = train_config_for(config, "muon", config.lr_muon)
+    for name in config.parsed_variants:  # a bad variant option fails here, before any spawn
+        train_config_for(config, name, config.lr_for(name))
+    _check_parallel(parallel, nproc, muon.model_config())
     dp_size = mesh_shape(parallel, nproc)[0]
-    if global_batch % dp_size:
+    if muon.micro_batch_size % dp_size:
         raise ValueError(
-            f"global_batch={global_batch} must be divisible by the {dp_size} data-parallel ranks"
+            f"the micro-batch ({muon.micro_batch_size} sequences: --micro-batch-size, or "
+            f"--tokens-per-step / context length) must be divisible by the {dp_size} "
+            "data-parallel ranks"
         )
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
     if parallel == "dp" and "float32" not in reduce_dtypes:
         raise ValueError("reduce_dtypes must include 'float32' (the muon reference row)")
     for name in reduce_dtypes:
         if name not in DTYPES:
             raise ValueError(f"unknown reduce dtype {name!r}; choose from {tuple(DTYPES)}")
     reduce_dtypes = ("float32", *[d for d in reduce_dtypes if d != "float32"])
-    spec = {
-        "parallel": parallel,
-        "steps": steps,
-        "preset": preset,
-        "model_overrides": overrides,
-        "lrs": {**DEFAULT_LRS, **(lrs or {})},
-        "seed": seed,
-        "reduce_dtypes": reduce_dtypes,
-        "global_batch": global_batch,
-        "warmup_steps": warmup_steps,
-        "eval_batches": eval_batches,
-        "pg_timeout_s": 120.0,
-    }
+    lrs = {name: config.lr_for(name) for name in ("muon", "adamw", *config.parsed_variants)} | (
+        lrs or {}
+    )
     start = time.perf_counter()
-    result = _launch(nproc, spec, timeout_s)
-    report = _build_report(result, spec, nproc, time.perf_counter() - start)
+    per_seed = {}
+    for seed in range(config.seed, config.seed + config.seeds):
+        spec = {
+            "bench": dataclasses.replace(config, seed=seed).to_dict(),
+            "lrs": lrs,
+            "reduce_dtypes": reduce_dtypes,
+            "threads": config.threads,
+            "progress": config.progress,
+            "pg_timeout_s": 120.0,
+        }
+        per_seed[seed] = _launch(nproc, spec, timeout_s)
+    result = per_seed[config.seed]
+    report = _build_report(result, config, lrs, time.perf_counter() - start)
+    if config.seeds > 1:
+        report["seeds"] = {seed: r["rows"] for seed, r in per_seed.items()}
+        report["seed_spread"] = _seed_spread(per_seed)
     table = format_table(report)
     if print_table:
         print(table)
-    if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out / "report.md").write_text(table + "\n")
+    if config.out is not None:
+        _write_outputs(report, table, config, per_seed)
     return report
+
+
+def _seed_spread(per_seed: dict) -> dict:
+    """Per contender: the spread over seeds of its final train and validation losses."""
+    from muonscale.bench.seeds import spread
+
+    first = next(iter(per_seed.values()))["rows"]
+    return {
+        name: {
+            key: spread([r["rows"][name][key] for r in per_seed.values()])
+            for key in ("final_train_loss", "val_loss")
+        }
+        for name, row in first.items()
+        if not row.get("modelled")
+    }
+
+
+def _write_outputs(report: dict, table: str, config: BenchConfig, per_seed: dict) -> None:
+    """report.json, report.md, and with --plots / --tensorboard the curves."""
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_files = []
+    if config.plots:
+        from muonscale.bench.plots import plot_distributed
+
+        plot_files = plot_distributed(report, out)
+        table += "".join(f"\n![{name}]({name})" for name in plot_files)
+    if config.tensorboard is not None:
+        from muonscale.bench.tensorboard_log import write_tensorboard
+
+        write_tensorboard(
+            {seed: _records(r["rows"]) for seed, r in per_seed.items()}, config.tensorboard
+        )
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "report.md").write_text(table + "\n")
+
+
+def _records(rows: dict) -> dict:
+    """The trained rows as :class:`~muonscale.bench.side_by_side.ContenderRecord` s (the
+    curves that --tensorboard writes)."""
+    from itertools import accumulate
+
+    from muonscale.bench.side_by_side import ContenderRecord
+
+    records = {}
+    for name, row in rows.items():
+        if row.get("modelled"):
+            continue
+        elapsed = [0.0, *accumulate(row["step_seconds"])]
+        records[name] = ContenderRecord(
+            name=name,
+            lr=row["lr"],
+            eval_steps=list(row["eval_steps"]),
+            val_losses=list(row["val_losses"]),
+            eval_train_seconds=[elapsed[step] for step in row["eval_steps"]],
+            train_losses=list(row["train_losses"]),
+            step_seconds=list(row["step_seconds"]),
+            max_attention_logits=list(row.get("max_attention_logits", [])),
+        )
+    return records
 
 
 def _launch(nproc: int, spec: dict, timeout_s: float) -> dict:
@@ -223,19 +273,21 @@ def _launch(nproc: int, spec: dict, timeout_s: float) -> dict:
     return out
 
 
-def _build_report(result: dict, spec: dict, nproc: int, seconds: float) -> dict:
+def _build_report(result: dict, config: BenchConfig, lrs: dict, seconds: float) -> dict:
     rows = result["rows"]
     notes = []
+    nproc = config.nproc
     report: dict[str, Any] = {
-        "parallel": spec["parallel"],
+        "parallel": config.parallel,
         "nproc": nproc,
-        "steps": spec["steps"],
-        "seed": spec["seed"],
-        "global_batch": spec["global_batch"],
-        "tokens_per_step": spec["global_batch"] * result["model_config"]["context_length"],
-        "lrs": spec["lrs"],
-        "model": {"preset": spec["preset"], **result["model_config"]},
+        "steps": config.steps,
+        "seed": config.seed,
+        "tokens_per_step": config.tokens_per_step,
+        "lrs": lrs,
+        "bench": config.to_dict(),
+        "model": {"preset": config.model, **result["model_config"]},
         "n_params": result["n_params"],
+        "torch_threads": result["torch_threads"],
         "single_process_muon_state_bytes": result["single_process_muon_state_bytes"],
         "wall_seconds": seconds,
         "rows": rows,
@@ -244,7 +296,7 @@ def _build_report(result: dict, spec: dict, nproc: int, seconds: float) -> dict:
     }
     for row in rows.values():
         row["modelled"] = False
-    if spec["parallel"] == "dp":
+    if config.parallel == "dp":
         ddp = rows["adamw-ddp"]
         zero_bytes = ddp["wire_bytes_per_step"]["mean"] + result["zero_broadcast_bytes"]
         zero_max = ddp["wire_bytes_per_step"]["max"] + result["zero_broadcast_bytes"]
@@ -277,7 +329,7 @@ def _build_report(result: dict, spec: dict, nproc: int, seconds: float) -> dict:
                     1.0, muon["wire_bytes_per_step"]["mean"]
                 )
     else:
-        dp_size, tp_size = mesh_shape(spec["parallel"], nproc)
+        dp_size, tp_size = mesh_shape(config.parallel, nproc)
         report["mesh"] = {"dp": dp_size, "tp": tp_size}
         notes.append(
             "wire bytes are the optimizer's own (DTensorMuon's owner all-to-all + a non-finite "
@@ -308,6 +360,20 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:,.0f}"
 
 
+def _flag_lines(report: dict) -> list[str]:
+    """The bench flags set apart from their defaults (one line), when any."""
+    defaults = BenchConfig().to_dict()
+    skip = {"nproc", "parallel", "steps", "seed", "out", "n_layer", "d_model", "n_head"}
+    changed = {
+        name: value
+        for name, value in report.get("bench", {}).items()
+        if name not in skip and value != defaults.get(name)
+    }
+    if not changed:
+        return []
+    return ["flags: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in changed.items())]
+
+
 def format_table(report: dict) -> str:
     """Markdown table of a :func:`run_distributed_bench` report."""
     rows = report["rows"]
@@ -330,7 +396,8 @@ def format_table(report: dict) -> str:
     if dp:
         cols += ["vs adamw-zero1", "vs adamw-ddp"]
     cols += ["state B/rank mean", "max"]
-    lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines = [head, *_flag_lines(report), "", "| " + " | ".join(cols) + " |"]
+    lines.append("|" + "---|" * len(cols))
     for name, row in rows.items():
         wire = row["wire_bytes_per_step"]
         if row.get("modelled"):

@@ -1,7 +1,12 @@
 """Per-rank side of the distributed bench (:mod:`muonscale.bench.distributed`): the contenders
 each rank builds (model + optimizer), the spawned worker that trains them interleaved, and what
-it measures per rank (losses, step times, bytes on the wire, optimizer state). The driver that
-spawns the workers and the report live in :mod:`muonscale.bench.distributed`.
+it measures per rank (losses, step times, bytes on the wire, optimizer state).
+
+Every contender is built from the ``TrainConfig`` that the single-process bench trains
+(:func:`muonscale.bench.runner.train_config_for`), parallelized by the functions of
+:mod:`muonscale.train.parallel` and stepped as :class:`muonscale.train.TrainingRun` steps:
+micro-batches with gradient accumulation, global gradient clipping, the LR schedule, QK-clip.
+The driver that spawns the workers and the report live in :mod:`muonscale.bench.distributed`.
 """
 
 from __future__ import annotations
@@ -14,19 +19,26 @@ from typing import Any
 
 import torch
 
-WEIGHT_DECAY = 0.1  # every contender (AdamW: >= 2-D parameters only)
-ADAMW_BETAS = (0.9, 0.95)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from muonscale.train.optimizers import DTYPES, adamw_for, muon_options
+from muonscale.train.parallel import (
+    apply_tensor_parallel,
+    clip_grad_norm_,
+    gradient_sync,
+    mesh_shape,
+    shard_fsdp,
+    wrap_ddp,
+)
 
-
-def mesh_shape(parallel: str, nproc: int) -> tuple[int, int]:
-    """(data-parallel size, tensor-parallel size) of ``parallel`` on ``nproc`` ranks (mesh
-    ``(dp, tp)`` row-major: the TP ranks of one replica are consecutive)."""
-    if parallel == "tp":
-        return 1, nproc
-    if parallel == "fsdp+tp":
-        return 2, nproc // 2
-    return nproc, 1
+__all__ = [
+    "Contender",
+    "DTYPES",
+    "dp_contenders",
+    "mesh_shape",
+    "run_worker",
+    "sharded_contenders",
+    "single_process_muon_state_bytes",
+    "zero_redundancy_broadcast_bytes",
+]
 
 
 def _local_state_bytes(opt: torch.optim.Optimizer) -> int:
@@ -69,35 +81,61 @@ def zero_redundancy_broadcast_bytes(model: torch.nn.Module, world_size: int) -> 
     )
 
 
-class _Contender:
-    """One model + optimizer on this rank, and what its steps measured."""
+class Contender:
+    """One model + optimizer on this rank, stepped as ``TrainingRun.step`` steps its own, and
+    what its steps measured. ``config``: the contender's ``TrainConfig`` (schedule, gradient
+    clipping, QK-clip); ``counter``: the ``WireCounter`` of a DDP comm hook (None: the
+    optimizer's ``last_step_wire_bytes``)."""
 
-    def __init__(self, name: str, model, opt, forward_model=None, counter=None) -> None:
-        self.name, self.model, self.opt = name, model, opt
+    def __init__(
+        self, name: str, config, model, opt, forward_model=None, counter=None, probe=False
+    ) -> None:
+        from muonscale.qk_clip import QKClip
+        from muonscale.train.schedule import build_scheduler, schedule_for
+
+        self.name, self.config, self.model, self.opt = name, config, model, opt
         self.forward_model = forward_model if forward_model is not None else model
-        self.counter = counter  # WireCounter of a DDP comm hook (None: opt.last_step_wire_bytes)
-        self.base_lrs = [g["lr"] for g in opt.param_groups]
+        self.counter = counter
+        self.scheduler = build_scheduler(opt, schedule_for(config))
+        self.qk_clip = (
+            None if config.qk_clip is None else QKClip(model.qk_clip_targets(), tau=config.qk_clip)
+        )
+        self.probe = probe or self.qk_clip is not None
         self.losses: list[float] = []
         self.step_s: list[float] = []
         self.opt_s: list[float] = []
         self.wire: list[int] = []
+        self.max_logits: list[float] = []
         self.breakdown: dict[str, int] = {}
         self.links: list[dict[str, int]] = []  # per step: bytes by link class
 
-    def train_step(self, inputs, targets, lr_factor: float) -> None:
-        for group, base in zip(self.opt.param_groups, self.base_lrs, strict=True):
-            group["lr"] = base * lr_factor
+    def train_step(self, micro_batches) -> None:
+        """One optimizer step over ``micro_batches`` (this rank's rows of each)."""
         if self.counter is not None:
             self.counter.reset()
         start = time.perf_counter()
         self.model.train()
-        _, loss = self.forward_model(inputs, targets)
-        loss.backward()
+        loss_sum = torch.zeros(())
+        for index, (inputs, targets) in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            with gradient_sync(self.model, self.forward_model, self.opt, reduce=last):
+                _, loss = self.forward_model(inputs, targets, probe_max_logits=self.probe)
+                (loss / len(micro_batches)).backward()
+            loss_sum += loss.detach()
+        if self.config.grad_clip:
+            clip_grad_norm_(self.model, self.opt, self.config.grad_clip)
         opt_start = time.perf_counter()
         self.opt.step()
         end = time.perf_counter()
+        if self.qk_clip is not None:  # maxima MAX-reduced over the ranks inside QKClip
+            self.max_logits.append(self.qk_clip(self.model.pop_max_attention_logits()).max().item())
+        elif self.probe:  # recorded only: this rank's maxima (MAX over ranks in the report)
+            self.max_logits.append(
+                max(m.max().item() for m in self.model.pop_max_attention_logits())
+            )
+        self.scheduler.step()
         self.opt.zero_grad(set_to_none=True)
-        self.losses.append(loss.item())
+        self.losses.append((loss_sum / len(micro_batches)).item())
         self.step_s.append(end - start)
         self.opt_s.append(end - opt_start)
         if self.counter is not None:
@@ -113,77 +151,67 @@ class _Contender:
     @torch.no_grad()
     def evaluate(self, batches) -> float:
         self.model.eval()
-        losses = [self.forward_model(x, y)[1].float() for x, y in batches]
+        losses = [self.model(x, y)[1].float() for x, y in batches]
         self.model.train()
         return torch.stack(losses).mean().item()
 
     def release(self) -> None:
         if hasattr(self.opt, "remove_hooks"):
             self.opt.remove_hooks()
-        self.model = self.opt = self.forward_model = None
+        self.model = self.opt = self.forward_model = self.scheduler = self.qk_clip = None
 
 
-def _muon_options(model, lr: float) -> dict[str, Any]:
-    splits = {name: model.qkv_layout for name in model.qkv_param_names()}
-    return dict(
-        lr=lr,
-        weight_decay=WEIGHT_DECAY,
-        adamw_betas=ADAMW_BETAS,
-        ns_dtype=torch.float32,
-        splits=splits,
-    )
-
-
-def _torch_adamw(model, lr: float, foreach: bool | None = None) -> torch.optim.AdamW:
-    """``torch.optim.AdamW`` with muonscale's AdamW defaults, so that it is the same algorithm
-    as ``adamw-zero1`` (and Muon's AdamW half): betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on
-    >= 2-D parameters only (as ``muonscale.train.optimizers`` builds it)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    groups = [g for g in groups if g["params"]]
-    return torch.optim.AdamW(groups, lr=lr, betas=ADAMW_BETAS, eps=1e-8, foreach=foreach)
-
-
-def _dp_contenders(
-    model_config, lrs, seed, reduce_dtypes, hosts=None, ns_dtype=torch.float32
-) -> list[_Contender]:
-    """DistributedMuon per reduce dtype (Newton–Schulz in ``ns_dtype``: in bfloat16 it
-    gathers the owners' bf16 updates), ZeRO-1 AdamW and DDP AdamW (``hosts``: the
-    :class:`~muonscale.distributed.hosts.HostMap` that DDP's all-reduce is counted with)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from muonscale.distributed import Communicator, DistributedMuon
+def _fresh_model(config):
     from muonscale.train.model import GPT
 
-    def fresh():
-        torch.manual_seed(seed)
-        return GPT(model_config)
+    torch.manual_seed(config.seed)
+    return GPT(config.model_config())
+
+
+def _variant_kwargs(options) -> dict[str, Any]:
+    from muonscale.bench.variants import to_muon_kwargs
+
+    return to_muon_kwargs(options or {})
+
+
+def dp_contenders(
+    muon, adamw, reduce_dtypes=("float32",), *, variants=None, hosts=None, probe=False
+) -> list[Contender]:
+    """DistributedMuon per reduce dtype (``muon``: float32), the ``variants``
+    (``{name: (TrainConfig, Muon options)}``), ZeRO-1 AdamW and DDP AdamW, from the
+    ``TrainConfig`` s ``muon`` and ``adamw``; ``hosts``: the
+    :class:`~muonscale.distributed.hosts.HostMap` that DDP's all-reduce is counted with;
+    ``probe``: measure every contender's maximum attention logit (``--track-max-logit``)."""
+    from muonscale.distributed import Communicator, DistributedMuon
 
     out = []
-    for dtype_name in reduce_dtypes:
-        name = "muon" if dtype_name == "float32" else f"muon-{_short(dtype_name)}reduce"
-        model = fresh()
+    muon_runs = [
+        ("muon" if d == "float32" else f"muon-{_short(d)}reduce", muon, None, d)
+        for d in reduce_dtypes
+    ]
+    muon_runs += [
+        (name, cfg, options, "float32") for name, (cfg, options) in (variants or {}).items()
+    ]
+    for name, config, options, dtype_name in muon_runs:
+        model = _fresh_model(config)
         reduce_dtype = None if dtype_name == "float32" else DTYPES[dtype_name]
         opt = DistributedMuon(
             model.named_parameters(),
             reduce_dtype=reduce_dtype,
-            **{**_muon_options(model, lrs["muon"]), "ns_dtype": ns_dtype},
+            **{**muon_options(model, config), **_variant_kwargs(options)},
         )
-        out.append(_Contender(name, model, opt))
-    model = fresh()
+        out.append(Contender(name, config, model, opt, probe=probe))
+    model = _fresh_model(adamw)
     opt = DistributedMuon(
         model.named_parameters(),
         rules=[(".*", "adamw")],
-        lr=lrs["adamw"],
-        weight_decay=WEIGHT_DECAY,
-        adamw_betas=ADAMW_BETAS,
+        lr=adamw.lr,
+        weight_decay=adamw.weight_decay,
+        adamw_betas=tuple(adamw.adamw_betas),
     )
-    out.append(_Contender("adamw-zero1", model, opt))
+    out.append(Contender("adamw-zero1", adamw, model, opt, probe=probe))
 
-    model = fresh()
+    model = _fresh_model(adamw)
     comm = Communicator(hosts=hosts)
 
     def all_reduce_hook(state, bucket):  # DDP's default: pre-divide + all-reduce, counted
@@ -191,10 +219,20 @@ def _dp_contenders(
         work = comm.all_reduce(buf, tag="ddp", async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
 
-    ddp = DDP(model)
+    ddp = wrap_ddp(model, torch.device("cpu"))
     ddp.register_comm_hook(None, all_reduce_hook)
-    opt = _torch_adamw(model, lrs["adamw"])
-    out.append(_Contender("adamw-ddp", model, opt, forward_model=ddp, counter=comm.counter))
+    opt = adamw_for(model, adamw)
+    out.append(
+        Contender(
+            "adamw-ddp",
+            adamw,
+            model,
+            opt,
+            forward_model=ddp,
+            counter=comm.counter,
+            probe=probe,
+        )
+    )
     return out
 
 
@@ -202,111 +240,41 @@ def _short(dtype_name: str) -> str:
     return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype_name, dtype_name)
 
 
-def _fsdp_contenders(model_config, lrs, seed, world_size) -> list[_Contender]:
+def sharded_contenders(
+    muon, adamw, parallel, world_size, *, variants=None, probe=False
+) -> list[Contender]:
+    """DTensorMuon (``muon`` and the ``variants``) vs ``torch.optim.AdamW`` on the same FSDP2
+    (``parallel="fsdp"``), tensor-parallel (``"tp"``) or both (``"fsdp+tp"``) model."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from muonscale.distributed import distributed_muon
-    from muonscale.train.model import GPT
-
-    mesh = init_device_mesh("cpu", (world_size,))
-
-    def sharded():
-        torch.manual_seed(seed)
-        model = GPT(model_config)
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model
-
-    model = sharded()
-    muon = distributed_muon(model.named_parameters(), **_muon_options(model, lrs["muon"]))
-    out = [_Contender("muon", model, muon)]
-    model = sharded()
-    adamw = _torch_adamw(model, lrs["adamw"])
-    adamw.last_step_wire_bytes, adamw.last_step_wire_breakdown = 0, {}  # sends nothing itself
-    out.append(_Contender("adamw", model, adamw))
-    return out
-
-
-def _replicate_on(model, tp_mesh) -> None:
-    """Turn every parameter that is not yet a DTensor into a ``Replicate()`` DTensor on
-    ``tp_mesh`` (module by module: inputs in as Replicate DTensors, outputs back as local)."""
-    from torch.distributed.tensor import DTensor, Replicate, distribute_module
-
-    def to_dtensor(module, inputs, mesh):
-        return tuple(
-            DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
-            else x
-            for x in inputs
-        )
-
-    def to_local(module, output, mesh):
-        return output.to_local() if isinstance(output, DTensor) else output
-
-    for module in list(model.modules()):
-        own = list(module.parameters(recurse=False))
-        if own and not any(isinstance(p, DTensor) for p in own):
-            distribute_module(module, tp_mesh, input_fn=to_dtensor, output_fn=to_local)
-
-
-def _tp_contenders(model_config, lrs, seed, world_size, parallel) -> list[_Contender]:
-    """Megatron-style TP of the reference GPT: fused QKV and MLP fc column-parallel, attention
-    and MLP output projections row-parallel; embeddings, norms and head replicated. The QKV rows
-    are interleaved by key/value group (QKVLayout), so a contiguous row shard holds whole
-    groups: each rank's attention runs its local heads with the local layout. ``fsdp+tp``: the
-    same on the "tp" axis of a (dp, tp) mesh, then FSDP2 over "dp"."""
-    import dataclasses
-
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    from muonscale.distributed import distributed_muon
-    from muonscale.train.model import GPT
 
     dp, tp = mesh_shape(parallel, world_size)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    plan = {
-        "attn.qkv": ColwiseParallel(),
-        "attn.proj": RowwiseParallel(),
-        "mlp.fc": ColwiseParallel(),
-        "mlp.proj": RowwiseParallel(),
-    }
 
-    def sharded():
-        torch.manual_seed(seed)
-        model = GPT(model_config)
-        splits = {name: model.qkv_layout for name in model.qkv_param_names()}  # global layout
-        for block in model.blocks:
-            layout = block.attn.layout
-            parallelize_module(block, mesh["tp"], plan)
-            block.attn.layout = dataclasses.replace(
-                layout, n_query_groups=layout.n_query_groups // tp
-            )
-        if dp > 1:  # replicated parameters become Replicate DTensors on "tp" first, so that
-            # every parameter's mesh spans all ranks (FSDP then shards them over "dp")
-            _replicate_on(model, mesh["tp"])
-            for block in model.blocks:
-                fully_shard(block, mesh=mesh["dp"])
-            fully_shard(model, mesh=mesh["dp"])
+    def sharded(config):
+        model = _fresh_model(config)
+        if parallel == "fsdp":
+            splits = {name: model.qkv_layout for name in model.qkv_param_names()}
+            shard_fsdp(model, mesh["dp"])
+        else:
+            splits = apply_tensor_parallel(model, mesh)
         return model, splits
 
-    model, splits = sharded()
-    options = _muon_options(model, lrs["muon"])
-    options["splits"] = splits
-    muon = distributed_muon(model.named_parameters(), **options)
-    out = [_Contender("muon", model, muon)]
-    model, _ = sharded()
-    # foreach=False: the parameter list mixes DTensors (TP) and plain tensors (replicated)
-    adamw = _torch_adamw(model, lrs["adamw"], foreach=False)
-    adamw.last_step_wire_bytes, adamw.last_step_wire_breakdown = 0, {}  # sends nothing itself
-    out.append(_Contender("adamw", model, adamw))
+    out = []
+    runs = [("muon", muon, None), *((n, c, o) for n, (c, o) in (variants or {}).items())]
+    for name, config, options in runs:
+        model, splits = sharded(config)
+        kwargs = {**muon_options(model, config), "splits": splits, **_variant_kwargs(options)}
+        opt = distributed_muon(model.named_parameters(), **kwargs)
+        out.append(Contender(name, config, model, opt, probe=probe))
+    model, _ = sharded(adamw)
+    opt = adamw_for(model, adamw, fused=False)
+    if parallel != "fsdp":  # the parameter list mixes DTensors (TP) and plain tensors
+        for group in opt.param_groups:
+            group["foreach"] = False
+    opt.last_step_wire_bytes, opt.last_step_wire_breakdown = 0, {}  # sends nothing itself
+    out.append(Contender("adamw", adamw, model, opt, probe=probe))
     return out
 
 
@@ -315,10 +283,10 @@ def run_worker(rank: int, world_size: int, port: int, spec: dict, queue) -> None
 
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(spec["threads"] or 1)
     # the root FSDP module returns (logits, loss); we never modify them in place
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    contenders: list[_Contender] = []
+    contenders: list[Contender] = []
     try:
         dist.init_process_group(
             "gloo",
@@ -346,38 +314,82 @@ def run_worker(rank: int, world_size: int, port: int, spec: dict, queue) -> None
             dist.destroy_process_group()
 
 
+def build_contenders(bench, lrs: dict, world_size: int, reduce_dtypes) -> list[Contender]:
+    """The contenders of ``bench.parallel``, each from its single-process ``TrainConfig``."""
+    from muonscale.bench.runner import train_config_for
+
+    muon = train_config_for(bench, "muon", lrs["muon"])
+    adamw = train_config_for(bench, "adamw", lrs["adamw"])
+    variants = {
+        name: (train_config_for(bench, name, lrs[name]), bench.variant_options(name))
+        for name in bench.parsed_variants
+    }
+    probe = bench.track_max_logit
+    if bench.parallel == "dp":
+        return dp_contenders(muon, adamw, reduce_dtypes, variants=variants, probe=probe)
+    return sharded_contenders(
+        muon, adamw, bench.parallel, world_size, variants=variants, probe=probe
+    )
+
+
 def _run_rank(rank: int, world_size: int, spec: dict, contenders: list) -> dict | None:
     import torch.distributed as dist
 
+    from muonscale.bench.config import BenchConfig
+    from muonscale.bench.runner import bundled_corpus_text, train_config_for
+    from muonscale.bench.side_by_side import eval_steps_for
     from muonscale.distributed import gather_wire_stats
-    from muonscale.train.config import model_preset
-    from muonscale.train.data import ByteTokenizer, TokenDataset, load_corpus
+    from muonscale.train.data import TokenDataset, load_corpus
+    from muonscale.train.trainer import make_tokenizer
 
-    model_config = model_preset(spec["preset"], **spec["model_overrides"])
+    bench = BenchConfig(**spec["bench"])
+    config = train_config_for(bench, "muon", spec["lrs"]["muon"])  # data, batch, seed: shared
+    model_config = config.model_config()
+    text = bundled_corpus_text(bench.corpus) if bench.corpus else load_corpus(bench.data)
     dataset = TokenDataset.from_text(
-        load_corpus(), ByteTokenizer(), context_length=model_config.context_length
+        text,
+        make_tokenizer(config, text),
+        context_length=model_config.context_length,
+        val_fraction=config.val_fraction,
     )
-    val = dataset.validation_batches(n_batches=spec["eval_batches"], batch_size=8)
-    seed, steps, batch = spec["seed"], spec["steps"], spec["global_batch"]
-    dp_size, tp_size = mesh_shape(spec["parallel"], world_size)
+    val = dataset.validation_batches(
+        n_batches=config.eval_batches, batch_size=config.micro_batch_size
+    )
+    seed, steps = config.seed, config.steps
+    batch = config.micro_batch_size
+    dp_size, tp_size = mesh_shape(bench.parallel, world_size)
     per_rank, dp_rank = batch // dp_size, rank // tp_size  # TP ranks of one replica: same data
-    if spec["parallel"] == "dp":
-        contenders.extend(_dp_contenders(model_config, spec["lrs"], seed, spec["reduce_dtypes"]))
-    elif spec["parallel"] == "fsdp":
-        contenders.extend(_fsdp_contenders(model_config, spec["lrs"], seed, world_size))
-    else:
-        contenders.extend(
-            _tp_contenders(model_config, spec["lrs"], seed, world_size, spec["parallel"])
-        )
-    warmup = spec["warmup_steps"]
-    for step in range(steps):
-        ((inputs, targets),) = dataset.train_batch(seed=seed, step=step, batch_size=batch)
-        mine = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-        factor = min(1.0, (step + 1) / warmup) if warmup else 1.0
-        for c in contenders:  # interleaved: every contender does step `step` before step+1
-            c.train_step(inputs[mine], targets[mine], factor)
+    mine = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+    contenders.extend(build_contenders(bench, spec["lrs"], world_size, spec["reduce_dtypes"]))
+    eval_steps = eval_steps_for(steps, bench.eval_interval)
+    val_losses: dict[str, list[float]] = {c.name: [] for c in contenders}
+    from muonscale.train.run_log import progress_bar
 
-    timed = slice(1, None) if steps > 1 else slice(None)  # step 1 warms up (lazy state etc.)
+    bar = progress_bar(spec["progress"] and rank == 0, total=steps, initial=0)
+    for step in range(steps + 1):
+        if step in eval_steps:  # every rank (FSDP's forward is collective); rank 0's kept
+            for c in contenders:
+                val_losses[c.name].append(c.evaluate(val))
+        if step == steps:
+            break
+        micro_batches = [
+            (x[mine], y[mine])
+            for x, y in dataset.train_batch(
+                seed=seed,
+                step=step,
+                batch_size=batch,
+                micro_steps=config.gradient_accumulation_steps,
+            )
+        ]
+        for c in contenders:  # interleaved: every contender does step `step` before step+1
+            c.train_step(micro_batches)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+
+    skip = min(bench.timing_warmup_steps, steps - 1)
+    timed = slice(skip, None)  # the first steps warm up (lazy state etc.)
     rows = {}
     for c in contenders:
         losses = torch.tensor(c.losses, dtype=torch.float64)
@@ -389,38 +401,49 @@ def _run_rank(rank: int, world_size: int, spec: dict, contenders: list) -> dict 
         wire = gather_wire_stats(c.wire[-1])
         state = gather_wire_stats(_local_state_bytes(c.opt))
         opt_ms_stats = gather_wire_stats(int(round(opt_ms * 1e3)))
-        val_loss = c.evaluate(val)  # every rank (FSDP's forward is collective); rank 0's kept
         n_timed = len(c.step_s[timed])
         rows[c.name] = {
+            "lr": c.config.lr,
             "final_train_loss": losses[-1].item(),
             "train_losses": losses.tolist(),
-            "val_loss": val_loss,
-            "tokens_per_s": n_timed * batch * model_config.context_length / step_s.item(),
+            "val_loss": val_losses[c.name][-1],
+            "val_losses": val_losses[c.name],
+            "eval_steps": eval_steps,
+            "tokens_per_s": n_timed * config.tokens_per_step / step_s.item(),
             "optimizer_step_ms": opt_ms_stats["max"] / 1e3,
             "optimizer_step_ms_mean": opt_ms_stats["mean"] / 1e3,
             "wire_bytes_per_step": {"mean": wire["mean"], "max": wire["max"]},
             "wire_breakdown_rank0": c.breakdown,
             "optimizer_state_bytes": {"mean": state["mean"], "max": state["max"]},
             "wire_steps_equal": all(w == c.wire[-1] for w in c.wire[timed]),
+            "step_seconds": list(c.step_s),  # this rank's (rank 0's is reported)
+            "timed_steps": n_timed,
         }
+        muon_groups = [g for g in c.opt.param_groups if g.get("algorithm") == "muon"]
+        if muon_groups:  # what the Muon half runs in (--ns-dtype, --momentum-dtype)
+            rows[c.name]["muon_dtypes"] = {
+                key: str(muon_groups[0].get(key)) for key in ("ns_dtype", "momentum_dtype")
+            }
+        if c.probe:
+            logits = torch.tensor(c.max_logits, dtype=torch.float64)
+            dist.all_reduce(logits, op=dist.ReduceOp.MAX)
+            rows[c.name]["max_attention_logits"] = logits.tolist()
     if rank != 0:
         return None
     reference = contenders[0].model
     extra = {
+        "torch_threads": torch.get_num_threads(),  # per rank: --threads
         "n_params": sum(p.numel() for p in reference.parameters()),
         "model_config": {
             k: getattr(model_config, k)
             for k in ("vocab_size", "context_length", "n_layer", "d_model", "n_head")
         },
     }
-    if spec["parallel"] == "dp":
+    if bench.parallel == "dp":
         extra["single_process_muon_state_bytes"] = single_process_muon_state_bytes(reference)
         extra["zero_broadcast_bytes"] = zero_redundancy_broadcast_bytes(reference, world_size)
     else:  # full-size model to count from (the sharded one holds DTensors)
-        from muonscale.train.model import GPT
-
-        torch.manual_seed(seed)
         extra["single_process_muon_state_bytes"] = single_process_muon_state_bytes(
-            GPT(model_config)
+            _fresh_model(config)
         )
     return {"rows": rows, **extra}

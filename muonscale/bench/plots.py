@@ -204,3 +204,21 @@ def _smooth(values: list[float], beta: float = 0.9) -> list[float]:
         avg = beta * avg + (1 - beta) * v
         out.append(avg / (1 - beta**i))
     return out
+
+
+def plot_distributed(report: Mapping, out_dir: Path) -> list[str]:
+    """``val_loss.png`` of a distributed bench report: each trained contender's validation
+    loss against the optimizer step."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, row in report["rows"].items():
+        if not row.get("modelled"):
+            ax.plot(row["eval_steps"], row["val_losses"], label=name, color=_color(name))
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("validation loss")
+    ax.set_title(f"--nproc {report['nproc']} --parallel {report['parallel']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "val_loss.png", dpi=120)
+    plt.close(fig)
+    return ["val_loss.png"]

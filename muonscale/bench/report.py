@@ -322,7 +322,7 @@ def _adamw_half_note(report: Mapping) -> list[str]:
     when a single-process bench set one."""
     bench = (report.get("config") or {}).get("bench") or {}
     lr = bench.get("muon_adamw_lr")
-    if lr is None or bench.get("nproc", 1) > 1:  # the distributed bench has no such option
+    if lr is None:
         return []
     return [
         f"- Muon contenders: lr is the Muon half's; their AdamW half (embeddings, head, norms, "

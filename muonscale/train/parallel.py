@@ -14,6 +14,10 @@
 - the per-step agreement: one all-reduce of ``[loss, SIGINT seen, SIGTERM seen]``, so every
   rank sees the same mean loss and stops at the same step boundary.
 
+The parallelization itself is a set of functions that :mod:`muonscale.bench.distributed_worker`
+uses as well: :func:`mesh_shape`, :func:`shard_fsdp`, :func:`apply_tensor_parallel`,
+:func:`wrap_ddp`, :func:`gradient_sync` and :func:`clip_grad_norm_`.
+
 Every collective goes through :class:`muonscale.distributed.Communicator`.
 """
 
@@ -33,7 +37,16 @@ from torch import nn
 from muonscale.distributed.comm import Communicator
 from muonscale.train.optimizers import adamw_for, muon_options
 
-__all__ = ["Parallelism", "torchrun_environment"]
+__all__ = [
+    "Parallelism",
+    "apply_tensor_parallel",
+    "clip_grad_norm_",
+    "gradient_sync",
+    "mesh_shape",
+    "shard_fsdp",
+    "torchrun_environment",
+    "wrap_ddp",
+]
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -47,6 +60,130 @@ def torchrun_environment() -> dict[str, str]:
             "launch with `torchrun --nproc-per-node N -m muonscale train --parallel dp ...`"
         )
     return {name: os.environ[name] for name in TORCHRUN_VARIABLES}
+
+
+def mesh_shape(parallel: str, nproc: int) -> tuple[int, int]:
+    """(data-parallel size, tensor-parallel size) of ``parallel`` ("dp", "fsdp", "tp" or
+    "fsdp+tp") on ``nproc`` ranks (mesh ``(dp, tp)`` row-major: the TP ranks of one replica are
+    consecutive)."""
+    if parallel == "tp":
+        return 1, nproc
+    if parallel == "fsdp+tp":
+        return 2, nproc // 2
+    return nproc, 1
+
+
+def shard_fsdp(model: nn.Module, mesh) -> None:
+    """FSDP2 ``fully_shard`` of every block, then of the root, over ``mesh``."""
+    from torch.distributed.fsdp import fully_shard
+
+    # the root module returns (logits, loss); they are never modified in place
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    """``DistributedDataParallel`` around ``model`` (the forward model of a DDP run)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def apply_tensor_parallel(model: nn.Module, mesh) -> dict[str, Any]:
+    """Megatron-style TP of the reference GPT on ``mesh["tp"]``, then FSDP2 over ``mesh["dp"]``
+    when it has more than one rank; returns the QKV splits of the unsharded model.
+
+    Fused QKV and MLP fc column-parallel, attention and MLP output projections row-parallel;
+    embeddings, norms and head replicated. The QKV rows are interleaved by key/value group
+    (``QKVLayout``), so a contiguous row shard holds whole groups: each rank's attention runs
+    its local heads with the local layout."""
+    import dataclasses
+
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {
+        "attn.qkv": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(),
+        "mlp.fc": ColwiseParallel(),
+        "mlp.proj": RowwiseParallel(),
+    }
+    tp = mesh["tp"].size()
+    splits = {name: model.qkv_layout for name in model.qkv_param_names()}  # global layout
+    for block in model.blocks:
+        layout = block.attn.layout
+        parallelize_module(block, mesh["tp"], plan)
+        block.attn.layout = dataclasses.replace(layout, n_query_groups=layout.n_query_groups // tp)
+    if mesh["dp"].size() > 1:  # replicated parameters become Replicate DTensors on "tp" first,
+        # so that every parameter's mesh spans all ranks (FSDP then shards them over "dp")
+        _replicate_on(model, mesh["tp"])
+        shard_fsdp(model, mesh["dp"])
+    return splits
+
+
+def _replicate_on(model: nn.Module, tp_mesh) -> None:
+    """Turn every parameter that is not yet a DTensor into a ``Replicate()`` DTensor on
+    ``tp_mesh`` (module by module: inputs in as Replicate DTensors, outputs back as local)."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    def to_dtensor(module, inputs, mesh):
+        return tuple(
+            DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+            else x
+            for x in inputs
+        )
+
+    def to_local(module, output, mesh):
+        return output.to_local() if isinstance(output, DTensor) else output
+
+    for module in list(model.modules()):
+        own = list(module.parameters(recurse=False))
+        if own and not any(isinstance(p, DTensor) for p in own):
+            distribute_module(module, tp_mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
+def gradient_sync(model: nn.Module, forward_model: nn.Module, optimizer, *, reduce: bool):
+    """Context of one micro-batch's backward; ``reduce=False``: keep gradients local (FSDP2's
+    ``set_requires_gradient_sync``, DDP's or ``DistributedMuon``'s ``no_sync``)."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(reduce)
+        return nullcontext()
+    if reduce:
+        return nullcontext()
+    if forward_model is not model:  # DDP
+        return forward_model.no_sync()
+    if hasattr(optimizer, "no_sync"):  # DistributedMuon's reduction hooks
+        return optimizer.no_sync()
+    return nullcontext()  # TP alone: the framework reduces nothing between data ranks
+
+
+def clip_grad_norm_(model: nn.Module, optimizer, max_norm: float) -> None:
+    """Clip the global (averaged) gradient norm to ``max_norm``."""
+    if hasattr(optimizer, "clip_grad_norm_"):  # DistributedMuon: reduced gradients
+        optimizer.clip_grad_norm_(max_norm)
+        return
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    kinds = {isinstance(p, DTensor) for p in params}
+    if len(kinds) < 2:  # DDP / FSDP2 gradients are already averaged (DTensor norms are global)
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return
+    # TP alone mixes DTensors (sharded) and plain replicated tensors: norms one by one
+    norms = [
+        (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).norm() for p in params
+    ]
+    total = torch.stack(norms).norm()
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        p.grad.mul_(scale)
 
 
 class Parallelism:
@@ -94,16 +231,10 @@ class Parallelism:
         self.model, self.forward_model = model, model
         if self.mode == "fsdp":
             from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
 
             from muonscale.distributed.factory import distributed_muon
 
-            # the root module returns (logits, loss); they are never modified in place
-            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
-            mesh = init_device_mesh(self.device.type, (self.world_size,))
-            for block in model.blocks:
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+            shard_fsdp(model, init_device_mesh(self.device.type, (self.world_size,)))
             if config.optimizer == "muon":
                 self.optimizer = distributed_muon(  # DTensor parameters: a DTensorMuon
                     model.named_parameters(), **muon_options(model, config)
@@ -118,10 +249,7 @@ class Parallelism:
                 list(model.named_parameters()), **muon_options(model, config)
             )
         else:
-            from torch.nn.parallel import DistributedDataParallel
-
-            device_ids = [self.device.index] if self.device.type == "cuda" else None
-            self.forward_model = DistributedDataParallel(model, device_ids=device_ids)
+            self.forward_model = wrap_ddp(model, self.device)
             self.optimizer = adamw_for(model, config)
         return self.optimizer
 
@@ -138,23 +266,11 @@ class Parallelism:
 
     def accumulating(self, reduce: bool):
         """Context of one micro-batch's backward; ``reduce=False``: keep gradients local."""
-        if self.mode == "fsdp":
-            self.model.set_requires_gradient_sync(reduce)
-            return nullcontext()
-        if reduce:
-            return nullcontext()
-        return (
-            self.forward_model.no_sync()
-            if self.forward_model is not self.model
-            else (self.optimizer.no_sync())
-        )
+        return gradient_sync(self.model, self.forward_model, self.optimizer, reduce=reduce)
 
     def clip_grad_norm_(self, max_norm: float) -> None:
         """Clip the global (averaged) gradient norm to ``max_norm``."""
-        if hasattr(self.optimizer, "clip_grad_norm_"):  # DistributedMuon: reduced gradients
-            self.optimizer.clip_grad_norm_(max_norm)
-        else:  # DDP / FSDP2 gradients are already averaged (FSDP2: DTensors, norm is global)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        clip_grad_norm_(self.model, self.optimizer, max_norm)
 
     def agree(self, loss: torch.Tensor, signal_name: str | None) -> tuple[float, str | None]:
         """Mean loss over ranks and the signal some rank received (SIGTERM over SIGINT);

@@ -75,3 +75,15 @@ def build_scheduler(
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR scaling every param group of ``optimizer`` by ``schedule(step)``."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=schedule)
+
+
+def schedule_for(config) -> LRSchedule:
+    """The schedule of a :class:`~muonscale.train.config.TrainConfig` (its steps, warm-up,
+    schedule name, final ratio and decay fraction)."""
+    return LRSchedule(
+        schedule=config.schedule,
+        total_steps=config.steps,
+        warmup_steps=config.warmup_steps,
+        min_lr_ratio=config.min_lr_ratio,
+        decay_fraction=config.decay_fraction,
+    )

@@ -48,7 +48,7 @@ from muonscale.train.run_guards import (
     resume_changes,
 )
 from muonscale.train.run_log import MetricsLog, progress_bar
-from muonscale.train.schedule import LRSchedule, build_scheduler
+from muonscale.train.schedule import build_scheduler, schedule_for
 from muonscale.train.stop_signals import StopSignals
 
 __all__ = [
@@ -184,13 +184,7 @@ class TrainingRun:
             self.rows = self.parallel.rows(config.micro_batch_size)
             self.optimizer = self.parallel.build(self.model, config)
             self.forward_model = self.parallel.forward_model
-        self.schedule = LRSchedule(
-            schedule=config.schedule,
-            total_steps=config.steps,
-            warmup_steps=config.warmup_steps,
-            min_lr_ratio=config.min_lr_ratio,
-            decay_fraction=config.decay_fraction,
-        )
+        self.schedule = schedule_for(config)
         self.scheduler = build_scheduler(self.optimizer, self.schedule)
         self.qk_clip = self._build_qk_clip() if config.qk_clip is not None else None
         self.probe_max_logits = self.qk_clip is not None
