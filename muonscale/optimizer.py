@@ -616,16 +616,10 @@ class Muon(torch.optim.Optimizer):
             self._backward_ns.reset()  # the next backward starts the step afresh
 
     # ---------------------------------------------------------------- step
-    def _check_gradients(self) -> str | None:
-        """Validate gradient kinds; return the name of the first non-finite gradient, if any."""
-        grads, owners = self._validated_gradients()
-        if self.nonfinite == "ignore" or not grads:
-            return None
-        return self._first_nonfinite(grads, owners)
-
-    def _validated_gradients(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The non-empty dense gradients and their parameters (sparse ones raise)."""
-        grads, owners = [], []
+    def _step_gradients(self) -> dict[int, torch.Tensor]:
+        """This step's gradient of every parameter that has one, by ``id`` (the one place the
+        step reads ``p.grad``; sparse gradients raise)."""
+        grads = {}
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -635,10 +629,25 @@ class Muon(torch.optim.Optimizer):
                         f"parameter '{self._name(p)}' has a sparse gradient; "
                         "muonscale.Muon needs dense gradients"
                     )
-                if p.grad.numel():  # an empty tensor has no max norm (and nothing to check)
-                    grads.append(p.grad)
-                    owners.append(p)
-        return grads, owners
+                grads[id(p)] = p.grad
+        return grads
+
+    def _checked_owners(self, grads: Mapping[int, torch.Tensor]) -> list[torch.Tensor]:
+        """The parameters whose gradients the non-finite check reads: those in ``grads`` with
+        elements (an empty tensor has no max norm, and nothing to check)."""
+        return [
+            p
+            for group in self.param_groups
+            for p in group["params"]
+            if id(p) in grads and grads[id(p)].numel()
+        ]
+
+    def _check_gradients(self, grads: Mapping[int, torch.Tensor]) -> str | None:
+        """The name of the first non-finite gradient of ``grads``, if any."""
+        owners = self._checked_owners(grads)
+        if self.nonfinite == "ignore" or not owners:
+            return None
+        return self._first_nonfinite([grads[id(p)] for p in owners], owners)
 
     def _first_nonfinite(self, grads: list[torch.Tensor], owners: list[torch.Tensor]) -> str | None:
         max_abs = torch._foreach_norm(grads, float("inf"))  # NaN propagates through the max
@@ -670,11 +679,12 @@ class Muon(torch.optim.Optimizer):
         engine = self._backward_ns
         from_backward = [] if engine is None else engine.collect()
         try:
-            bad = self._check_gradients()
+            grads = self._step_gradients()
+            bad = self._check_gradients(grads)
             if bad is not None:
                 self._handle_nonfinite(bad)
                 return loss
-            self._apply_updates(from_backward)
+            self._apply_updates(grads, from_backward)
         finally:
             if engine is not None:
                 engine.reset()
@@ -687,30 +697,36 @@ class Muon(torch.optim.Optimizer):
         guard = self._guard
         if guard is not None:
             self._raise_recorded_nonfinite(guard.poll())  # only a record already on the host
-        grads, owners = self._validated_gradients()
+        grads = self._step_gradients()
+        owners = self._checked_owners(grads)
         step_ok = None  # a device flag: False when a gradient is not finite
-        if self.nonfinite != "ignore" and grads:
+        if self.nonfinite != "ignore" and owners:
+            checked = [grads[id(p)] for p in owners]
             if guard is None:
-                guard = self._guard = DeviceNonFiniteGuard(self.nonfinite, grads[0].device)
-            step_ok = guard.gate(grads, [self._name(p) for p in owners])
+                guard = self._guard = DeviceNonFiniteGuard(self.nonfinite, checked[0].device)
+            step_ok = guard.gate(checked, [self._name(p) for p in owners])
         try:
-            self._apply_updates(step_ok=step_ok)
+            self._apply_updates(grads, step_ok=step_ok)
         finally:
             clear_workspaces()
         if guard is not None:
             guard.publish()
 
     def _apply_updates(
-        self, from_backward: Sequence[Any] = (), step_ok: torch.Tensor | None = None
+        self,
+        grads: Mapping[int, torch.Tensor],
+        from_backward: Sequence[Any] = (),
+        step_ok: torch.Tensor | None = None,
     ) -> None:
-        """The update phase of :meth:`step`, after the gradients were checked (subclasses that
-        lay parameters out differently override this, not ``step``): ``from_backward``, the
-        buckets orthogonalized during backward; ``step_ok``, a capturable step's device flag."""
+        """The update phase of :meth:`step`, after ``grads`` (of :meth:`_step_gradients`) were
+        checked (subclasses that lay parameters out differently override this, not ``step``):
+        ``from_backward``, the buckets orthogonalized during backward; ``step_ok``, a
+        capturable step's device flag."""
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+            params = [p for p in group["params"] if id(p) in grads]
             if from_backward:  # orthogonalize_in_backward: buckets done in backward
                 params = self._backward_ns.apply(group, from_backward, params, self._init_state)
-            self._update_group(group, params, [p.grad for p in params], step_ok=step_ok)
+            self._update_group(group, params, [grads[id(p)] for p in params], step_ok=step_ok)
 
     def _update_group(
         self,

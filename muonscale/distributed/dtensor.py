@@ -248,7 +248,6 @@ class DTensorMuon(Muon):
         self._plans: dict[tuple, ShardedMatrices] = {}
         self._layouts: dict[int, MatrixLayout] = {}
         self._row_stats: dict[int, torch.Tensor] = {}  # [variants] NorMuon, this step's owners
-        self._step_grads: dict[int, torch.Tensor] = {}  # this step's gradients, placed like p
         check_same_on_every_rank(
             self.comm,
             self._routing_records(),
@@ -338,23 +337,17 @@ class DTensorMuon(Muon):
             if isinstance(v, torch.Tensor)
         )
 
-    def _validated_gradients(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The base class's, each DTensor gradient first redistributed to its parameter's
-        placements (a TP ``Partial`` gradient reduced, a ``Replicate`` one on a sharded
-        parameter sliced), as torch's optimizers get from DTensor dispatch. The one place this
-        step's gradients are gathered: the update phases read ``_step_grads``."""
-        _, owners = super()._validated_gradients()  # refuses sparse gradients first
-        self._step_grads = {
+    def _step_gradients(self) -> dict[int, torch.Tensor]:
+        """The base class's, each DTensor gradient redistributed to its parameter's placements
+        (a TP ``Partial`` gradient reduced, a ``Replicate`` one on a sharded parameter sliced),
+        as torch's optimizers get from DTensor dispatch."""
+        grads = super()._step_gradients()  # refuses sparse gradients first
+        return {
             id(p): self.comm.redistribute_like(p.grad, p, tag="gradients")
             for group in self.param_groups
             for p in group["params"]
-            if p.grad is not None
+            if id(p) in grads
         }
-        return [self._step_grads[id(p)] for p in owners], owners
-
-    def _handle_nonfinite(self, bad: str) -> None:
-        self._step_grads = {}  # a skipped step does not hold redistributed copies
-        super()._handle_nonfinite(bad)
 
     def _first_nonfinite(self, grads: list[torch.Tensor], owners: list[torch.Tensor]) -> str | None:
         """Non-finite check on local shards; one all-reduce (max) of per-parameter flags so that
@@ -372,12 +365,14 @@ class DTensorMuon(Muon):
 
     # ---------------------------------------------------------------- step
     def _apply_updates(
-        self, from_backward: Sequence[Any] = (), step_ok: torch.Tensor | None = None
+        self,
+        grads: Mapping[int, torch.Tensor],
+        from_backward: Sequence[Any] = (),
+        step_ok: torch.Tensor | None = None,
     ) -> None:
         """The update phases of :meth:`step` (see the class docstring); ``Muon.step`` runs the
         closure and the collective non-finite check first (neither ``capturable`` nor
         ``orthogonalize_in_backward``: ``from_backward`` is empty, ``step_ok`` None)."""
-        grads, self._step_grads = self._step_grads, {}
         muon_entries: list[tuple[torch.Tensor, Mapping[str, Any]]] = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]

@@ -114,9 +114,10 @@ class MegatronMuon(Muon):
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
 
-    def _check_gradients(self) -> str | None:
+    def _check_gradients(self, grads: Mapping[int, torch.Tensor]) -> str | None:
         """Muon.step's check, made global: one all-reduce of ‖g‖² over every rank (clipping
-        included), so that all ranks agree on a non-finite gradient anywhere."""
+        included), so that all ranks agree on a non-finite gradient anywhere (``grads``: the
+        parameters' own, read here through the plans)."""
         owners = [pl for pl in self.plans if pl.param.grad is not None]
         for pl in owners:
             if pl.param.grad.is_sparse:
