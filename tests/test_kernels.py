@@ -30,6 +30,7 @@ import sys
 
 import pytest
 import torch
+from reference_variants import TURBO_MUON_STEPS, ns_aol
 
 from muonscale.flops import gram_flops, newton_schulz_flops
 from muonscale.kernels import (
@@ -227,6 +228,21 @@ def test_triton_backend_matches_reference(method, shape):
     ref = newton_schulz(G, steps=3)
     # 3 steps with a restart before step 2: every branch of the Gram iteration runs
     out = newton_schulz_fast(G, steps=3, method=method, backend="triton", restart_every=2)
+    assert _rel_fro(out, ref) <= 2e-5
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", [(2, 24, 40), (2, 40, 24)])
+@pytest.mark.parametrize("method", ["plain", "gram"])
+def test_triton_backend_aol_matches_float64_reference(method, shape):
+    """preconditioner="aol": the AOL scaling folded into the first step of the Triton
+    iteration, against the float64 Turbo-Muon reference (same bound as without AOL)."""
+    torch.manual_seed(0)
+    G = torch.randn(shape)
+    ref = torch.stack([ns_aol(g, TURBO_MUON_STEPS) for g in G])
+    out = newton_schulz_fast(
+        G, 4, "turbo_muon", method=method, backend="triton", preconditioner="aol"
+    )
     assert _rel_fro(out, ref) <= 2e-5
 
 
