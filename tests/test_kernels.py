@@ -358,6 +358,10 @@ def test_invalid_arguments():
         newton_schulz_batched_(torch.zeros(1, 8, 4), [(1.0, 0.0, 0.0)])
     with pytest.raises(ValueError, match="backend"):
         newton_schulz_fast(torch.zeros(4, 8), backend="cuda-magic")
+    with pytest.raises(ValueError, match="preconditioner"):
+        newton_schulz_fast(torch.zeros(4, 8), preconditioner="spectral")
+    with pytest.raises(ValueError, match="preconditioner"):
+        newton_schulz_fast(torch.zeros(4, 8), backend="compile", preconditioner="aol")
 
 
 # ---------------------------------------------------------------------------------------------

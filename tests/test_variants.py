@@ -21,11 +21,11 @@ from muonscale.variants import row_normalize_
 F32_NS_TOL = 1e-4
 
 
-def aol_newton_schulz(G, method="plain", backend="torch"):
-    """Turbo-Muon's four steps from the AOL-scaled G, in G's dtype."""
+def aol_newton_schulz(G, method="plain"):
+    """Turbo-Muon's four steps from the AOL-scaled G, in G's dtype (torch backend)."""
     steps = len(TURBO_MUON_STEPS)
     return newton_schulz_fast(
-        G, steps, TURBO_MUON_STEPS, G.dtype, method=method, backend=backend, preconditioner="aol"
+        G, steps, TURBO_MUON_STEPS, G.dtype, method=method, backend="torch", preconditioner="aol"
     )
 
 
