@@ -176,28 +176,18 @@ def orthogonalize_matrices(
         torch._foreach_copy_(list(stack.unbind(0)), [matrices[i] for i in indices])
         short, long = min(rows, cols), max(rows, cols)
         method_here = ns_method_for(short, long, dtype, method, coefficients, ns_steps)
-        if preconditioner == "aol":  # [variants] Turbo-Muon: AOL scaling, not X / ‖X‖_F
-            wide = stack.mT if rows > cols else stack  # (k, short, long) view
-            variants.aol_newton_schulz_(
-                wide,
-                resolve_schedule(coefficients, ns_steps)[0],
-                eps=eps,
-                method=method_here,
-                restart_every=GRAM_POLICY["restart_every"],
-            )
-            ortho = stack
-        else:
-            ortho = newton_schulz_fast(
-                stack,
-                ns_steps,
-                coefficients,
-                dtype,
-                eps,
-                out=stack,
-                method=method_here,
-                backend="auto",
-                max_workspace_bytes=max_workspace_bytes,
-            )
+        ortho = newton_schulz_fast(
+            stack,
+            ns_steps,
+            coefficients,
+            dtype,
+            eps,
+            out=stack,
+            method=method_here,
+            backend="auto",
+            max_workspace_bytes=max_workspace_bytes,
+            preconditioner=preconditioner,  # [variants] "aol": Turbo-Muon's first step
+        )
         for slot, i in enumerate(indices):
             out[i] = ortho[slot]
     return out  # type: ignore[return-value]

@@ -5,8 +5,9 @@
   :func:`row_scales`, :func:`row_factor_sums`, :func:`row_factors_from_sums` for split
   matrices), :func:`row_normalize_`.
 * Cautious weight decay (arXiv:2510.12402): :func:`cautious_weight_decay_`.
-* Turbo-Muon's AOL preconditioner (arXiv:2512.04632): :func:`aol_newton_schulz_`, the plain
-  and the Gram form of the iteration started from an AOL-scaled matrix.
+* Turbo-Muon's AOL preconditioner (arXiv:2512.04632): :func:`aol_scales` and
+  :func:`shrink_huge_`, folded into the first Newton–Schulz step by
+  :mod:`muonscale.kernels.newton_schulz_fast` (``preconditioner="aol"``).
 
 Equations, constants and their sources are in *Variants* in the docs. Nothing here knows about
 optimizer state or ``torch.distributed``: :mod:`muonscale.functional` and the optimizers call
@@ -20,9 +21,6 @@ from collections.abc import Sequence
 from typing import Literal
 
 import torch
-
-from .flops import gram_plan
-from .newton_schulz import Coefficients
 
 Normalize = Literal["none", "row"]
 """``"row"``: NorMuon's row-wise normalisation after Newton–Schulz; ``"none"``: plain Muon."""
@@ -132,16 +130,12 @@ def cautious_weight_decay_(
 
 
 # ---------------------------------------------------------------------------- AOL / Turbo
-def aol_scale_(
-    X: torch.Tensor, A: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:  # (k, m, n), (k, m, m)
-    """AOL rescaling from the first Gram product A = X Xᵀ, in place:
-    s_i = (Σ_j |A_ij|)^(−1/2) (floored at ε before the root), X ← diag(s) X,
-    A ← diag(s) A diag(s). Guarantees ‖X‖₂ ≤ 1 (Prach & Lampert, arXiv:2208.03160)."""
-    s = torch.rsqrt(A.abs().sum(dim=-1).clamp_min(eps))  # (k, m)
-    X.mul_(s[..., :, None])
-    A.mul_(s[..., :, None]).mul_(s[..., None, :])
-    return X, A
+def aol_scales(A: torch.Tensor, eps: float) -> torch.Tensor:  # A: (k, m, m) = X Xᵀ
+    """Turbo-Muon's AOL row scales of X from its Gram matrix A = X Xᵀ, (k, m):
+    s_i = (Σ_j |A_ij|)^(−1/2), the sum floored at ε before the root. diag(s) X has
+    ‖diag(s) X‖₂ ≤ 1 (Prach & Lampert, arXiv:2208.03160); the Newton–Schulz iteration of
+    :mod:`muonscale.kernels.newton_schulz_fast` starts from it with ``preconditioner="aol"``."""
+    return torch.rsqrt(A.abs().sum(dim=-1).clamp_min(eps))
 
 
 def shrink_huge_(X: torch.Tensor) -> torch.Tensor:
@@ -151,46 +145,3 @@ def shrink_huge_(X: torch.Tensor) -> torch.Tensor:
     largest = torch.linalg.vector_norm(X, ord=math.inf, dim=(-2, -1), keepdim=True)
     huge = largest * largest * (X.shape[-2] * X.shape[-1]) > torch.finfo(X.dtype).max / 4
     return X.mul_(torch.where(huge, torch.exp2(-torch.floor(torch.log2(largest))), 1.0))
-
-
-def aol_newton_schulz_(
-    X: torch.Tensor,  # (k, m, n), m <= n, NOT normalized; overwritten with the result
-    schedule: Sequence[Coefficients],
-    *,
-    eps: float,
-    method: Literal["plain", "gram"] = "plain",
-    restart_every: int | None = 2,
-) -> torch.Tensor:
-    """Newton–Schulz started from the AOL-scaled X instead of X/‖X‖_F (Turbo-Muon): the Gram
-    product of the first step is computed once, gives the AOL scales, and is reused rescaled.
-
-    ``method="plain"``: X ← a X + (b A + c A²) X with A = X Xᵀ (first A reused).
-    ``method="gram"``: iterate on R = X Xᵀ (R₀ the rescaled first product), accumulating
-    Q = Π (a I + b R + c R²) and restarting X = Q X₀ before steps r, 2r, … (``restart_every``),
-    as :mod:`muonscale.kernels.newton_schulz_fast` does without AOL. Returns X."""
-    if X.dim() != 3 or X.shape[-2] > X.shape[-1]:
-        raise ValueError(f"aol_newton_schulz_: X must be (k, m, n), m <= n, got {tuple(X.shape)}")
-    shrink_huge_(X)
-    A = torch.bmm(X, X.mT)
-    aol_scale_(X, A, eps)
-    if method == "plain":
-        cur = X
-        for t, (a, b, c) in enumerate(schedule):
-            if t > 0:
-                A = torch.bmm(cur, cur.mT)
-            B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A²
-            cur = torch.baddbmm(cur, B, cur, beta=a)  # a X + B X
-        return X.copy_(cur)
-    if method != "gram":
-        raise ValueError(f"method must be 'plain' or 'gram', got {method!r}")
-    eye = torch.eye(X.shape[-2], dtype=X.dtype, device=X.device)
-    x0, R, Q = X, A, None
-    for (a, b, c), (restart, update_r) in zip(schedule, gram_plan(len(schedule), restart_every)):
-        if restart:
-            x0 = torch.bmm(Q, x0)
-            R, Q = torch.bmm(x0, x0.mT), None
-        P = torch.baddbmm(R, R, R, beta=b, alpha=c) + a * eye  # a I + b R + c R²
-        Q = P if Q is None else torch.bmm(Q, P)
-        if update_r:
-            R = torch.bmm(R, torch.bmm(P, P))  # P R P = R P² (P is a polynomial in R)
-    return X.copy_(torch.bmm(Q, x0))

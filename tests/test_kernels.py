@@ -30,6 +30,7 @@ import sys
 
 import pytest
 import torch
+from reference_variants import TURBO_MUON_STEPS, ns_aol
 
 from muonscale.flops import gram_flops, newton_schulz_flops
 from muonscale.kernels import (
@@ -231,6 +232,21 @@ def test_triton_backend_matches_reference(method, shape):
 
 
 @needs_triton
+@pytest.mark.parametrize("shape", [(2, 24, 40), (2, 40, 24)])
+@pytest.mark.parametrize("method", ["plain", "gram"])
+def test_triton_backend_aol_matches_float64_reference(method, shape):
+    """preconditioner="aol": the AOL scaling folded into the first step of the Triton
+    iteration, against the float64 Turbo-Muon reference (same bound as without AOL)."""
+    torch.manual_seed(0)
+    G = torch.randn(shape)
+    ref = torch.stack([ns_aol(g, TURBO_MUON_STEPS) for g in G])
+    out = newton_schulz_fast(
+        G, 4, "turbo_muon", method=method, backend="triton", preconditioner="aol"
+    )
+    assert _rel_fro(out, ref) <= 2e-5
+
+
+@needs_triton
 def test_triton_backend_float16_divides_first():
     """float16 (the interpreter's 16-bit dot): the stack is normalized before the iteration
     (an unnormalized X Xᵀ could overflow), as close to the float64 iteration as the reference
@@ -342,6 +358,10 @@ def test_invalid_arguments():
         newton_schulz_batched_(torch.zeros(1, 8, 4), [(1.0, 0.0, 0.0)])
     with pytest.raises(ValueError, match="backend"):
         newton_schulz_fast(torch.zeros(4, 8), backend="cuda-magic")
+    with pytest.raises(ValueError, match="preconditioner"):
+        newton_schulz_fast(torch.zeros(4, 8), preconditioner="spectral")
+    with pytest.raises(ValueError, match="preconditioner"):
+        newton_schulz_fast(torch.zeros(4, 8), backend="compile", preconditioner="aol")
 
 
 # ---------------------------------------------------------------------------------------------

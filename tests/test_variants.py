@@ -10,14 +10,23 @@ import torch
 from reference_variants import TURBO_MUON_STEPS, muon_step, normuon_rows, ns_aol, ns_frobenius
 
 from muonscale import Muon
+from muonscale.kernels import newton_schulz_fast
 from muonscale.newton_schulz import COEFFICIENT_PRESETS, resolve_coefficients
 from muonscale.scaling import update_scale
-from muonscale.variants import aol_newton_schulz_, row_normalize_
+from muonscale.variants import row_normalize_
 
 # float32 Newton–Schulz of ≤ 5 steps on ≤ 64-wide matrices: each step's products add up
 # n terms with relative error ~ n·2⁻²⁴ ≈ 4e-6, amplified by the polynomial's slope (≤ ~10)
 # over 4–5 steps: 1e-4 absolute on entries of size ~1/√n keeps a 10× margin over that.
 F32_NS_TOL = 1e-4
+
+
+def aol_newton_schulz(G, method="plain"):
+    """Turbo-Muon's four steps from the AOL-scaled G, in G's dtype (torch backend)."""
+    steps = len(TURBO_MUON_STEPS)
+    return newton_schulz_fast(
+        G, steps, TURBO_MUON_STEPS, G.dtype, method=method, backend="torch", preconditioner="aol"
+    )
 
 
 def test_turbo_muon_preset_is_the_published_four_steps():
@@ -29,16 +38,13 @@ def test_turbo_muon_preset_is_the_published_four_steps():
 def test_aol_newton_schulz_matches_float64_reference(method, shape):
     g = torch.Generator().manual_seed(0)
     G = torch.randn(3, *shape, generator=g)
-    X = G.mT.contiguous() if shape[0] > shape[1] else G.clone()
-    out = aol_newton_schulz_(X.double(), TURBO_MUON_STEPS, eps=1e-7, method=method)
-    out = out.mT if shape[0] > shape[1] else out
+    out = aol_newton_schulz(G.double(), method)
     for k in range(3):
         ref = ns_aol(G[k], TURBO_MUON_STEPS)
         # float64 both: the plain form is the same arithmetic (1e-12), the Gram form
         # reassociates the products (still ~1e-13 relative at this size)
         assert torch.allclose(out[k], ref, atol=1e-10, rtol=0)
-    out32 = aol_newton_schulz_(X.clone(), TURBO_MUON_STEPS, eps=1e-7, method=method)
-    out32 = out32.mT if shape[0] > shape[1] else out32
+    out32 = aol_newton_schulz(G, method)
     assert torch.allclose(
         out32.double(),
         torch.stack([ns_aol(G[k], TURBO_MUON_STEPS) for k in range(3)]),
@@ -52,7 +58,7 @@ def test_aol_gives_spectral_norm_at_most_one_and_orthogonalizes():
     A = G @ G.mT
     s = A.abs().sum(-1).rsqrt()
     assert torch.linalg.matrix_norm(s[..., None] * G, ord=2).item() <= 1 + 1e-12
-    out = aol_newton_schulz_(G.clone(), TURBO_MUON_STEPS, eps=1e-7)
+    out = aol_newton_schulz(G)
     sv = torch.linalg.svdvals(out[0])
     # four Turbo-Muon steps leave a Gaussian matrix's singular values near 1, as Keller's five
     assert sv.min() > 0.5 and sv.max() < 1.3

@@ -40,6 +40,7 @@ from muonscale.newton_schulz import (
     default_ns_dtype,
     resolve_schedule,
 )
+from muonscale.variants import PRECONDITIONERS, Preconditioner, aol_scales, shrink_huge_
 
 NSBackend = Literal["auto", "torch", "triton", "compile"]
 """Where the iteration runs: ``"auto"`` is Triton on CUDA when it loads, torch elsewhere."""
@@ -89,7 +90,9 @@ def _resolve_backend(backend: NSBackend, X: torch.Tensor) -> str:
 # result. ``inv_norm`` (k, 1, 1), when given, is 1 / max(margin·‖X‖_F, eps) of a stack that was
 # not normalized: it is folded into m×m matrices of the first step (no pass over the stack).
 # A :class:`FirstStepNorm` instead takes the norm of the matrices that :func:`prescale_` shrank
-# from the first Gram matrix's trace (‖X‖²_F = tr X Xᵀ).
+# from the first Gram matrix's trace (‖X‖²_F = tr X Xᵀ). An :class:`AOLScaling` replaces the
+# scalar 1/ν by Turbo-Muon's diagonal D = diag(s) read off the same Gram matrix: the first step
+# then starts from D X, with D X Xᵀ D as its Gram matrix, and no pass over the stack either.
 
 
 class FirstStepNorm:
@@ -105,8 +108,31 @@ class FirstStepNorm:
         return torch.where(self.from_trace, traced.reciprocal_(), self.inv_norm)
 
 
-def _first_inv_norm(inv_norm, gram: torch.Tensor) -> torch.Tensor:
-    return inv_norm.of(gram) if isinstance(inv_norm, FirstStepNorm) else inv_norm
+class AOLScaling:
+    """The D = diag(s) folded into the first step instead of 1/ν (``preconditioner="aol"``):
+    :func:`muonscale.variants.aol_scales` of the first Gram matrix, as a (k, 1, m) row."""
+
+    def __init__(self, eps: float) -> None:
+        self.eps = eps
+
+    def of(self, gram: torch.Tensor) -> torch.Tensor:  # gram: (k, m, m) = X Xᵀ
+        return aol_scales(gram, self.eps).unsqueeze(-2)
+
+
+FirstStepScale = torch.Tensor | FirstStepNorm | AOLScaling
+"""What the first step folds in: 1/ν (k, 1, 1), a :class:`FirstStepNorm` or an AOL D."""
+
+
+def _first_scale(scale: FirstStepScale, gram: torch.Tensor) -> torch.Tensor:
+    """1/ν (k, 1, 1) or the AOL diagonal s (k, 1, m) of the first Gram matrix ``gram``."""
+    return scale if isinstance(scale, torch.Tensor) else scale.of(gram)
+
+
+def _scale_gram_(gram: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """X Xᵀ → (D X)(D X)ᵀ = D X Xᵀ D in place, D = 1/ν (one multiply by 1/ν²) or diag(s)."""
+    if scale.shape[-1] == 1:
+        return gram.mul_(scale * scale)
+    return gram.mul_(scale.mT).mul_(scale)
 
 
 def prescale_(X: torch.Tensor, inv_norm: torch.Tensor, margin: float) -> FirstStepNorm:
@@ -161,7 +187,7 @@ def _plain_(
     schedule: Sequence[Coefficients],
     ws: NSWorkspace,
     ops: _Products,
-    inv_norm: torch.Tensor | FirstStepNorm | None,
+    inv_norm: FirstStepScale | None,
 ) -> torch.Tensor:
     """Returns the tensor holding the result (``X`` or the workspace's ``y``)."""
     k, m = X.shape[0], min(X.shape[-2:])
@@ -171,11 +197,11 @@ def _plain_(
     for t, (a, b, c) in enumerate(schedule):
         ops.gram(A, cur)  # A = X Xᵀ
         if t == 0 and inv_norm is not None:
-            inv_norm = _first_inv_norm(inv_norm, A)
-            # X₁ = (a I + b A₀ + c A₀²) X₀ with A₀ = A / ν², X₀ = X / ν
-            A.mul_(inv_norm * inv_norm)
+            scale = _first_scale(inv_norm, A)
+            # X₁ = (a I + b A₀ + c A₀²) D X with A₀ = D A D, D = 1/ν or AOL's diag(s)
+            _scale_gram_(A, scale)
             ops.square(B, A, b, c, gamma=a)
-            B.mul_(inv_norm)
+            B.mul_(scale)  # (…) D: columns times s
             ops.left(nxt, B, cur)
         else:
             ops.square(B, A, b, c)  # B = b A + c A²
@@ -189,7 +215,7 @@ def _gram_(
     schedule: Sequence[Coefficients],
     ws: NSWorkspace,
     ops: _Products,
-    inv_norm: torch.Tensor | FirstStepNorm | None,
+    inv_norm: FirstStepScale | None,
     restart_every: int | None,
 ) -> torch.Tensor:
     """Returns the tensor holding the result (``X`` or the workspace's ``y``)."""
@@ -201,10 +227,10 @@ def _gram_(
 
     x0 = X  # X_k = Q X0
     ops.gram(R, x0)  # R0 = X0 X0ᵀ
-    pending_norm = inv_norm  # X0 = x0 / ν until the first Q X0 takes the 1/ν
+    pending_norm = inv_norm  # X0 = D x0 until the first Q X0 takes the D (1/ν or diag(s))
     if pending_norm is not None:
-        pending_norm = _first_inv_norm(pending_norm, R)
-        R.mul_(pending_norm * pending_norm)
+        pending_norm = _first_scale(pending_norm, R)
+        _scale_gram_(R, pending_norm)
     have_q = False
     for (a, b, c), (restart, update_r) in zip(schedule, gram_plan(len(schedule), restart_every)):
         if restart:  # re-form X = Q X0 and R = X Xᵀ, reset Q = I
@@ -242,7 +268,7 @@ def iterate_(
     method: NSMethod,
     use_triton: bool,
     restart_every: int | None,
-    inv_norm: torch.Tensor | FirstStepNorm | None = None,
+    inv_norm: FirstStepScale | None = None,
 ) -> torch.Tensor:
     """The iteration on a (k, rows, cols) stack of either orientation, clobbering ``X``;
     returns the tensor that holds the result (``X`` or the workspace's ``y``, valid until the
@@ -286,12 +312,15 @@ def orthogonalize_stack_(
     workspace: NSWorkspace | None = None,
     reload: Callable[[], object] | None = None,
     max_workspace_bytes: int = DEFAULT_NS_WORKSPACE_BYTES,
+    preconditioner: Preconditioner = "frobenius",
 ) -> torch.Tensor:
     """Newton–Schulz of every matrix of a (k, rows, cols) stack that is *not* normalized yet
     (either orientation), clobbering ``X``; returns the tensor that holds the result (``X`` or
     the workspace's ``y``). The normalization is folded into the first step, except in
     float16, whose range would not hold the unnormalized X Xᵀ (there X is divided first),
-    and for matrices whose X Xᵀ could overflow (:func:`prescale_`).
+    and for matrices whose X Xᵀ could overflow (:func:`prescale_`). ``preconditioner="aol"``
+    folds Turbo-Muon's AOL scaling in instead (any dtype, after
+    :func:`muonscale.variants.shrink_huge_`; not with ``backend="compile"``).
     ``reload`` refills ``X`` with the input: under ``backend="auto"`` a failing Triton kernel
     then falls back to torch (once, with a warning) instead of raising."""
     if workspace is None:
@@ -300,13 +329,19 @@ def orthogonalize_stack_(
         )
     use = _resolve_backend(backend, X)
 
+    if preconditioner == "aol" and use == "compile":
+        raise ValueError("backend='compile' supports preconditioner='frobenius' only")
+
     def run(use_triton: bool) -> torch.Tensor:
-        inv_norm = inverse_norms(X, workspace, margin, eps)
-        if X.dtype == torch.float16 or use == "compile":
+        if preconditioner == "aol":
+            inv_norm = AOLScaling(eps)
+            shrink_huge_(X)
+        elif X.dtype == torch.float16 or use == "compile":
+            inv_norm = inverse_norms(X, workspace, margin, eps)
             X.mul_(unless_overflowed(X, inv_norm, margin, eps))
             inv_norm = None
         else:
-            inv_norm = prescale_(X, inv_norm, margin)
+            inv_norm = prescale_(X, inverse_norms(X, workspace, margin, eps), margin)
         if use == "compile":
             if method != "plain":
                 raise ValueError("backend='compile' supports method='plain' only")
@@ -432,6 +467,7 @@ def newton_schulz_fast(
     backend: NSBackend = "auto",
     restart_every: RestartEvery = "auto",
     max_workspace_bytes: int = DEFAULT_NS_WORKSPACE_BYTES,
+    preconditioner: Preconditioner = "frobenius",
 ) -> torch.Tensor:
     """Drop-in for :func:`muonscale.newton_schulz.newton_schulz` (same arguments, same result
     up to rounding), faster on stacks of same-shape matrices.
@@ -448,6 +484,8 @@ def newton_schulz_fast(
             "auto" takes ``GRAM_POLICY["restart_every"]`` (2).
         max_workspace_bytes: chunk the batch so one workspace stays under this many bytes
             (one matrix per chunk at least); also the bound of the workspace cache.
+        preconditioner: "frobenius" (X / ‖X‖_F, the reference's) or "aol" (Turbo-Muon: the
+            first step starts from the AOL-scaled X; the schedule's margin is unused).
     """
     if not isinstance(G, torch.Tensor) or G.ndim < 2:
         raise ValueError(
@@ -457,6 +495,8 @@ def newton_schulz_fast(
     if G.is_complex() or not G.is_floating_point():
         raise ValueError(f"newton_schulz_fast: G must be real floating point, got {G.dtype}")
     _resolve_backend(backend, G)  # validates the name
+    if preconditioner not in PRECONDITIONERS:
+        raise ValueError(f"preconditioner must be one of {PRECONDITIONERS}, got {preconditioner!r}")
     schedule, margin = resolve_schedule(coefficients, steps)
     dtype = ns_dtype if ns_dtype is not None else default_ns_dtype(G.device)
     if out is None:
@@ -494,6 +534,7 @@ def newton_schulz_fast(
             restart_every=restart_every,
             workspace=ws,
             reload=lambda X=X, g=g: X.copy_(g),
+            preconditioner=preconditioner,
         )
         if dst is not None:
             dst[start : start + kc].copy_(res)
