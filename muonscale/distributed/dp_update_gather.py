@@ -152,25 +152,17 @@ class UpdateGather:
         rank applies it; other matrices are applied as usual."""
 
         def apply(params, updates, alphas, *, lr, weight_decay, cautious=False):
-            rest: list[list] = [[], [], []]
+            columns: list[list] = [[], [], []]  # (params, updates, alphas): one elementwise pass
             for p, u, alpha in zip(params, updates, alphas):
                 i = index_of(p)
-                if i not in self._offset:
-                    for column, x in zip(rest, (p, u, alpha)):
-                        column.append(x)
-                    continue
-                stream, off = self._offset[i]
-                wire = stream.gather_in[off : off + p.numel()]
-                wire.copy_(u.reshape(-1))
-                apply_updates_(
-                    [p],
-                    [wire.view(p.shape)],
-                    [alpha],
-                    lr=lr,
-                    weight_decay=weight_decay,
-                    cautious=cautious,
-                )
-            apply_updates_(*rest, lr=lr, weight_decay=weight_decay, cautious=cautious)
+                if i in self._offset:
+                    stream, off = self._offset[i]
+                    wire = stream.gather_in[off : off + p.numel()]
+                    wire.copy_(u.reshape(-1))
+                    u = wire.view(p.shape)  # applied from the rounded copy, as elsewhere
+                for column, x in zip(columns, (p, u, alpha)):
+                    column.append(x)
+            apply_updates_(*columns, lr=lr, weight_decay=weight_decay, cautious=cautious)
 
         return apply
 
