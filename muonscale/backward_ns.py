@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import functional
+from . import functional, matrix_step
 from .kernels.process_state import NSWorkspace
 from .newton_schulz import resolve_schedule
 from .param_table import ParamTable
@@ -101,7 +101,7 @@ class BackwardOrthogonalizer:
                 if p.numel() == 0 or not p.requires_grad:  # frozen: no hook, step() as usual
                     continue
                 view = self.table.view(p, group["matrix_mode"])
-                key = functional.stack_key(p, view, options.ns, options)
+                key = matrix_step.stack_key(p, view, options.ns, options)
                 if key is None:  # split/transposed views and variants: updated in step()
                     continue
                 shape, device, dtype = key
@@ -164,7 +164,7 @@ class BackwardOrthogonalizer:
             bucket.workspace = NSWorkspace((k, rows, cols), bucket.ns_dtype, bucket.device)
         ns = MuonSettings.from_group(group).ns
         schedule, margin = resolve_schedule(ns.coefficients, ns.steps)
-        method = functional.ns_method_for(
+        method = matrix_step.ns_method_for(
             rows, cols, bucket.ns_dtype, ns.method, ns.coefficients, ns.steps
         )
         bucket.alpha = -update_scale(group["scale"], rows, cols)

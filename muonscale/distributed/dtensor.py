@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .. import functional
+from .. import functional, matrix_step
 from ..declared_state import ROW_MOMENT, kept_state
 from ..newton_schulz import default_ns_dtype
 from ..optimizer import Muon
@@ -552,7 +552,7 @@ class DTensorMuon(Muon):
             for j, mat in enumerate(mats):
                 by_setting.setdefault(ns, []).append((slot, j, mat))
         for ns, items in by_setting.items():
-            ortho = functional.orthogonalize_matrices(
+            ortho = matrix_step.orthogonalize_matrices(
                 [m for _, _, m in items], ns, max_workspace_bytes=self.memory.ns_workspace_bytes
             )
             for (slot, j, _), o in zip(items, ortho):
@@ -588,7 +588,7 @@ class DTensorMuon(Muon):
             if u.numel() == 0:
                 out[id(p)] = (u, -1.0)
                 continue
-            (o,) = functional.orthogonalize_matrices(
+            (o,) = matrix_step.orthogonalize_matrices(
                 [u],
                 MuonSettings.from_group(group).ns,
                 max_workspace_bytes=self.memory.ns_workspace_bytes,

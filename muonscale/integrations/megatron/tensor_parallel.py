@@ -9,7 +9,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from muonscale import functional, variants
+from muonscale import functional, matrix_step, variants
 from muonscale.declared_state import ROW_MOMENT, kept_state
 from muonscale.distributed.comm import Communicator, WireCounter
 from muonscale.distributed.sharded import MatrixLayout, ShardedMatrices
@@ -135,7 +135,7 @@ class TensorParallelOrthogonalizer:
         workspace = self.memory.ns_workspace_bytes
 
         def orthogonalize(_indices: list[int], matrices: list[torch.Tensor]) -> list[torch.Tensor]:
-            return functional.orthogonalize_matrices(
+            return matrix_step.orthogonalize_matrices(
                 matrices, settings.ns, max_workspace_bytes=workspace
             )
 
