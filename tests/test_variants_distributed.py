@@ -286,3 +286,12 @@ def test_dtensor_muon_routing_mismatch_is_named():
         assert "'h.weight'" in message, message
         assert "rank 0: 'h.weight' ('muon'" in message, message
         assert "rank 1: 'h.weight' ('adamw'" in message, message
+
+
+def test_row_state_refuses_approximate_per_shard():
+    """Row statistics need the whole orthogonalized matrix: per-shard Newton–Schulz is refused
+    for a group that keeps row state, naming the group and the state; AdamW groups pass."""
+    w, b = nn.Parameter(torch.randn(4, 6)), nn.Parameter(torch.randn(6))
+    with pytest.raises(ValueError, match=r"param group 0 keeps NorMuon's row second moment"):
+        DTensorMuon([("w", w)], normalize="row", approximate_per_shard=True)
+    DTensorMuon([("w", w), ("b", b)], approximate_per_shard=True)  # plain Muon, AdamW: accepted

@@ -119,8 +119,9 @@ class DTensorMuon(Muon):
         self.approximate_per_shard = approximate_per_shard
         if approximate_per_shard:
             for k, group in enumerate(self.param_groups):
-                kept = kept_state(MuonSettings.from_group(group), variants_only=True)
-                if group["algorithm"] == "muon" and kept:
+                muon = group["algorithm"] == "muon"
+                kept = muon and kept_state(MuonSettings.from_group(group), variants_only=True)
+                if kept:
                     raise ValueError(
                         f"DTensorMuon: param group {k} keeps {kept[0].what}, which the matrix "
                         "step computes from the whole orthogonalized matrix; it cannot be "
