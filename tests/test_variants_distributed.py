@@ -295,3 +295,44 @@ def test_row_state_refuses_approximate_per_shard():
     with pytest.raises(ValueError, match=r"param group 0 keeps NorMuon's row second moment"):
         DTensorMuon([("w", w)], normalize="row", approximate_per_shard=True)
     DTensorMuon([("w", w), ("b", b)], approximate_per_shard=True)  # plain Muon, AdamW: accepted
+
+
+def _mixed_dtype_worker(rank, world_size):
+    """NorMuon on float32 and bfloat16 matrices under column TP: one exchange per dtype, each
+    sharing its owners' row statistics; parameters and row moments against one process."""
+    shapes = {"f32": (12, 10), "bf16": (9, 14), "f32_b": (8, 6)}
+    dtypes = {"f32": torch.float32, "bf16": torch.bfloat16, "f32_b": torch.float32}
+    init = {n: t.to(dtypes[n]) for n, t in _full_tensors(shapes, 0).items()}
+    kw = {**DT_OPTIONS, **VARIANTS["normuon"]}
+    mesh = init_device_mesh("cpu", (world_size,))
+    ref = {n: nn.Parameter(t.clone()) for n, t in init.items()}
+    named = [
+        (n, nn.Parameter(distribute_tensor(t.clone(), mesh, _placements_1d("tp1", t.ndim))))
+        for n, t in init.items()
+    ]
+    ref_opt = muonscale.Muon(list(ref.items()), **kw)
+    opt = DTensorMuon(named, **kw)
+    for k in range(STEPS):
+        grads = {n: g.to(dtypes[n]) for n, g in _grads(shapes, k).items()}
+        for n, p in ref.items():
+            p.grad = grads[n].clone()
+        for n, p in named:
+            p.grad = _shard_like(grads[n], p)
+        ref_opt.step()
+        opt.step()
+    return {
+        "params": all(torch.equal(p.full_tensor(), ref[n]) for n, p in named),
+        "moments": all(
+            torch.equal(
+                opt.state[p]["row_second_moment"], ref_opt.state[ref[n]]["row_second_moment"]
+            )
+            for n, p in named
+        ),
+        "wire": opt.last_step_wire_breakdown,
+    }
+
+
+def test_normuon_dtensor_mixed_dtypes_bitwise():
+    for res in shared_pool(2).run(_mixed_dtype_worker):
+        assert res["params"] and res["moments"], res
+        assert res["wire"].get("muon/all_reduce", 0) > 0, res["wire"]
