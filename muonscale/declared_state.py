@@ -81,6 +81,12 @@ def variant_state(states: list[Mapping[str, Any]]) -> dict[str, list[torch.Tenso
     return {t.key: [s.get(t.key) for s in states] for t in VARIANT_STATE}
 
 
+def row_state(states: list[Mapping[str, Any]]) -> list[torch.Tensor | None]:
+    """Each state's replicated row state, which the matrix step reads besides the direction
+    (NorMuon's row second moment; None where the settings keep none)."""
+    return [s.get(ROW_MOMENT.key) for s in states]
+
+
 def check_loaded_state(
     entry: Mapping[str, Any],
     settings: MuonSettings,

@@ -249,6 +249,47 @@ def parameter_updates(
     return updates, applies, row_stats
 
 
+def owner_parameter_updates(
+    directions: Sequence[torch.Tensor],
+    views: Sequence[MatrixView],
+    settings: Sequence[MuonSettings],
+    row_state: Sequence[torch.Tensor | None],
+    *,
+    max_workspace_bytes: int = DEFAULT_NS_WORKSPACE_BYTES,
+) -> tuple[list[torch.Tensor], list[ApplyRule], list[torch.Tensor | None]]:
+    """:func:`parameter_updates` at the owner of parameters whose row state every rank holds
+    a replica of: the state is read, not stepped; every replica (the owner's too) is then
+    stepped from the returned row statistics by :func:`step_row_state_`, with the same bits."""
+    return parameter_updates(
+        directions,
+        views,
+        settings,
+        row_state,
+        update_row_moments=False,
+        max_workspace_bytes=max_workspace_bytes,
+    )
+
+
+def step_row_state_(
+    row_state: Sequence[torch.Tensor | None],
+    row_stats: Sequence[torch.Tensor | None],
+    settings: Sequence[MuonSettings],
+) -> None:
+    """Step each parameter's row state in place from the row statistics its owner's matrix
+    step returned (:func:`owner_parameter_updates`); a None state is left alone."""
+    for state, stats, s in zip(row_state, row_stats, settings):
+        if state is not None:
+            if stats is None:
+                raise ValueError("a parameter's row state needs its owner's row statistics")
+            variants.update_row_moments_(state, stats.to(state.device), s.row_beta2)
+
+
+def unscaled_apply_rule(settings: MuonSettings, shape: tuple[int, int]) -> ApplyRule:
+    """The rule of an update O that no matrix step scaled, for a matrix of (global) ``shape``:
+    α = −s(m, n), with the group's decay."""
+    return ApplyRule(-update_scale(settings.scale, *shape), settings.cautious_weight_decay)
+
+
 ApplyUpdates = Callable[..., None]
 """A function with :func:`apply_updates_`'s arguments (params, updates, alphas, lr=,
 weight_decay=, cautious=)."""
@@ -289,6 +330,28 @@ def apply_updates_(
             torch._foreach_add_(
                 [params[i] for i in indices], [updates[i] for i in indices], alpha=lr * alpha
             )
+
+
+def apply_updates_by_rule_(
+    params: Sequence[torch.Tensor],
+    updates: Sequence[torch.Tensor],
+    rules: Sequence[ApplyRule],
+    *,
+    lr: float | torch.Tensor,
+    weight_decay: float,
+) -> None:
+    """:func:`apply_updates_` of each update with its :class:`ApplyRule` (one call per kind
+    of decay)."""
+    for cautious in sorted({r.cautious_decay for r in rules}):
+        chosen = [i for i, r in enumerate(rules) if r.cautious_decay == cautious]
+        apply_updates_(
+            [params[i] for i in chosen],
+            [updates[i] for i in chosen],
+            [rules[i].alpha for i in chosen],
+            lr=lr,
+            weight_decay=weight_decay,
+            cautious=cautious,
+        )
 
 
 def _add_scaled_(param: torch.Tensor, update: torch.Tensor, alpha: float | torch.Tensor) -> None:

@@ -6,7 +6,7 @@ Meshes and placements are read from the parameters. Per step (``DTensorMuon.step
     grads (DTensor, already reduced by FSDP2 / TP)        every rank, on its local shard
       │  B ← B.lerp(G, 1−μ);  U = G.lerp(B, μ)             elementwise: exact on shards
       ▼
-    U shards ──all_to_all──▶ owner: whole U → matrices (QKV split) → NS → scale   (sharded.py)
+    U shards ──all_to_all──▶ owner: whole U → the matrix step (matrix_step.py)   (exchange.py)
       ◀──all_to_all── O shards
     (both legs in Newton–Schulz's dtype where it is narrower than the gradient's: bf16 NS
     sends bf16 U, since the owner's first step casts U to it anyway)
@@ -45,142 +45,32 @@ rule still uses the full matrix shape, and ``splits`` are ignored.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import functional, matrix_step
-from ..declared_state import ROW_MOMENT, kept_state
+from ..declared_state import kept_state, row_state
 from ..newton_schulz import default_ns_dtype
 from ..optimizer import Muon
 from ..optimizer_state import parameter_states
-from ..scaling import matrix_update_scales, update_scale
-from ..settings import MuonSettings, NewtonSchulzSettings
-from ..variants import (  # [variants]
-    row_factors,
-    row_statistics,
-    update_row_moments_,
-)
+from ..settings import MuonSettings
 from .agreement import check_same_on_every_rank
 from .comm import Communicator, WireCounter
 from .data_parallel import check_process_group
-from .sharded import MatrixLayout, ShardedMatrices, chunk_bounds, default_owners
-
-try:  # FSDP2 on a TP-sharded dim: right-to-left sharding
-    from torch.distributed.tensor.placement_types import _StridedShard
-except ImportError:  # pragma: no cover - older torch
-    _StridedShard = None
+from .dtensor_layout import as_2d, dtensor_layout, local_indices, local_tensor, parameter_layout
+from .exchange import PieceExchange
+from .sharded import MatrixLayout, default_owners
 
 __all__ = ["DTensorMuon", "dtensor_layout", "local_indices", "local_tensor"]
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (a view: in-place ops update the DTensor), else ``t``."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _strided_select(idx: torch.Tensor, chunks: int, index: int, split_factor: int) -> torch.Tensor:
-    """``_StridedShard``: ``split_factor`` chunks, each chunked ``chunks`` ways, piece
-    ``index`` of each, concatenated (torch's right-to-left sharding, ceil chunks)."""
-    parts = []
-    for j in range(split_factor):
-        s0, sl = chunk_bounds(idx.numel(), split_factor, j)
-        sub = idx[s0 : s0 + sl]
-        c0, cl = chunk_bounds(sub.numel(), chunks, index)
-        parts.append(sub[c0 : c0 + cl])
-    return torch.cat(parts)
-
-
-def local_indices(t: DTensor, dim: int = 0) -> torch.Tensor:
-    """Global indices along ``dim`` of the elements this rank's shard of ``t`` holds, in
-    order (Shard / FSDP2's _StridedShard on ``dim`` select; Replicate and other dims keep all).
-    Raises ``ValueError`` for a Partial placement (unreduced values)."""
-    idx = torch.arange(t.shape[dim])
-    coord = t.device_mesh.get_coordinate()
-    for mesh_dim, placement in enumerate(t.placements):
-        _check_placement("local_indices", placement, t.ndim)
-        if isinstance(placement, Replicate) or placement.dim != dim:
-            continue
-        chunks, index = t.device_mesh.size(mesh_dim), coord[mesh_dim]
-        if _StridedShard is not None and isinstance(placement, _StridedShard):
-            idx = _strided_select(idx, chunks, index, int(placement.split_factor))
-        else:
-            start, length = chunk_bounds(idx.numel(), chunks, index)
-            idx = idx[start : start + length]
-    return idx
-
-
-def _check_placement(name: str, placement: Any, ndim: int) -> None:
-    if isinstance(placement, Replicate):
-        return
-    sharded = isinstance(placement, Shard) or (
-        _StridedShard is not None and isinstance(placement, _StridedShard)
-    )
-    if sharded and 0 <= placement.dim < ndim:
-        return
-    raise ValueError(
-        f"DTensorMuon: parameter '{name}' has placement {placement!r}, which is not supported "
-        "(supported: Shard(dim), Replicate(), and FSDP2's _StridedShard). A Partial parameter "
-        "holds unreduced values; redistribute it to Shard or Replicate first."
-    )
-
-
-def check_mesh_spans_group(name: str, param: DTensor, group_ranks: Sequence[int]) -> None:
-    """Gradients are reduced by the framework over the mesh only: refuse a mesh that does not
-    cover the optimizer's group (e.g. TP-only DTensors with plain data parallelism around)."""
-    mesh_ranks = sorted(param.device_mesh.mesh.flatten().tolist())
-    if mesh_ranks != sorted(group_ranks):
-        raise ValueError(
-            f"DTensorMuon: parameter '{name}' lives on {param.device_mesh} (ranks {mesh_ranks}) "
-            f"but the optimizer's process group has ranks {sorted(group_ranks)}. Data parallelism "
-            "outside the DTensor mesh (e.g. TP-only DTensors under plain DDP) is not supported: "
-            "nobody would reduce those gradients here. Put data parallelism on a mesh axis "
-            "(fully_shard / HSDP on a 2-D (dp, tp) mesh), or pass process_group= the mesh's group."
-        )
-
-
-def dtensor_layout(name: str, param: DTensor, group_ranks: Sequence[int]) -> MatrixLayout:
-    """Layout of ``param`` seen as its 2-D matrix ``(d0, d1·d2·…)`` over the ranks of the
-    optimizer's group (``group_ranks[i]`` = global rank of group rank i)."""
-    mesh, placements = param.device_mesh, param.placements
-    shape = tuple(param.shape)
-    for placement in placements:
-        _check_placement(name, placement, len(shape))
-    check_mesh_spans_group(name, param, group_ranks)
-    mesh_ranks = mesh.mesh  # global ranks, shape = mesh shape
-    group_rank_of = {g: i for i, g in enumerate(group_ranks)}
-    rest = shape[1:]
-    pieces: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(group_ranks)
-    for coord in itertools.product(*(range(s) for s in mesh_ranks.shape)):
-        idx = [torch.arange(s) for s in shape]
-        for mesh_dim, placement in enumerate(placements):
-            if isinstance(placement, Replicate):
-                continue
-            d, k, c = placement.dim, mesh_ranks.shape[mesh_dim], coord[mesh_dim]
-            if _StridedShard is not None and isinstance(placement, _StridedShard):
-                idx[d] = _strided_select(idx[d], k, c, int(placement.split_factor))
-            else:
-                start, length = chunk_bounds(idx[d].numel(), k, c)
-                idx[d] = idx[d][start : start + length]
-        cols = torch.arange(math.prod(rest)).reshape(rest)  # flattened trailing dims
-        for d, sel in enumerate(idx[1:]):
-            cols = cols.index_select(d, sel)
-        pieces[group_rank_of[int(mesh_ranks[coord])]] = (idx[0], cols.reshape(-1))
-    return MatrixLayout.from_indices((shape[0], math.prod(rest)), pieces)
 
 
 def _narrower(a: torch.dtype, b: torch.dtype) -> torch.dtype:
     """The floating dtype of fewer bits (``b`` on a tie)."""
     return a if torch.finfo(a).bits < torch.finfo(b).bits else b
-
-
-def _as_2d(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(t.shape[0], math.prod(t.shape[1:])) if t.ndim != 2 else t
 
 
 class DTensorMuon(Muon):
@@ -196,8 +86,8 @@ class DTensorMuon(Muon):
     Step phases (see the module docstring for the picture): check gradients (one tiny
     all-reduce of non-finite flags, unless ``nonfinite="ignore"``) → momentum on shards →
     all-to-all to owners → Newton–Schulz on whole matrices → all-to-all back → update shards →
-    AdamW on shards. NorMuon (``normalize="row"``) normalises rows on the owner and shares the
-    owners' row statistics in one all-reduce, so its row second moment is replicated.
+    AdamW on shards. Row state (a variant's statistic per row of a matrix) is replicated: the
+    owners' row statistics reach every rank in one all-reduce and step every replica.
     ``last_step_wire_bytes`` / ``last_step_wire_breakdown`` give the bytes this rank sent in the
     last step (``"muon/all_to_all"``, ``"muon/all_reduce"``, ``"control/all_reduce"``), counted
     by :mod:`.comm` as for :class:`~muonscale.distributed.DistributedMuon`. Construction checks
@@ -227,14 +117,16 @@ class DTensorMuon(Muon):
         if not isinstance(approximate_per_shard, bool):
             raise ValueError(f"approximate_per_shard must be a bool, got {approximate_per_shard!r}")
         self.approximate_per_shard = approximate_per_shard
-        if approximate_per_shard and any(  # [variants]
-            g["algorithm"] == "muon" and g.get("normalize", "none") != "none"
-            for g in self.param_groups
-        ):
-            raise ValueError(
-                "DTensorMuon: normalize='row' (NorMuon) needs the whole orthogonalized matrix; "
-                "it cannot be combined with approximate_per_shard=True"
-            )
+        if approximate_per_shard:
+            for k, group in enumerate(self.param_groups):
+                muon = group["algorithm"] == "muon"
+                kept = muon and kept_state(MuonSettings.from_group(group), variants_only=True)
+                if kept:
+                    raise ValueError(
+                        f"DTensorMuon: param group {k} keeps {kept[0].what}, which the matrix "
+                        "step computes from the whole orthogonalized matrix; it cannot be "
+                        "combined with approximate_per_shard=True"
+                    )
         self.process_group = process_group
         self.wire_counter = WireCounter()
         self.last_step_wire_bytes = 0
@@ -245,9 +137,8 @@ class DTensorMuon(Muon):
             self._group_ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
         else:
             self._group_ranks = [0]
-        self._plans: dict[tuple, ShardedMatrices] = {}
+        self._exchanges: dict[tuple, PieceExchange] = {}
         self._layouts: dict[int, MatrixLayout] = {}
-        self._row_stats: dict[int, torch.Tensor] = {}  # [variants] NorMuon, this step's owners
         check_same_on_every_rank(
             self.comm,
             self._routing_records(),
@@ -281,48 +172,33 @@ class DTensorMuon(Muon):
         """How ``p`` is laid out over the group, as a 2-D matrix (cached)."""
         layout = self._layouts.get(id(p))
         if layout is None:
-            shape2d = (p.shape[0], math.prod(p.shape[1:])) if p.ndim >= 2 else (1, p.numel())
-            if isinstance(p, DTensor) and self.comm.active:
-                if p.ndim >= 2:
-                    layout = dtensor_layout(self._name(p), p, self._group_ranks)
-                else:  # AdamW-only, elementwise: just validate
-                    for placement in p.placements:
-                        _check_placement(self._name(p), placement, p.ndim)
-                    check_mesh_spans_group(self._name(p), p, self._group_ranks)
-                    layout = MatrixLayout.replicated(shape2d, self.comm.world_size)
-            else:
-                layout = MatrixLayout.replicated(shape2d, self.comm.world_size)
-            if p.ndim >= 2 and layout.piece_shape(self.comm.rank) != tuple(
-                _as_2d(local_tensor(p)).shape
-            ):
-                raise ValueError(
-                    f"DTensorMuon: parameter '{self._name(p)}': computed local shard "
-                    f"{layout.piece_shape(self.comm.rank)} but the DTensor holds "
-                    f"{tuple(_as_2d(local_tensor(p)).shape)} "
-                    f"(placements {getattr(p, 'placements', None)})"
-                )
+            layout = parameter_layout(
+                self._name(p), p, self._group_ranks, self.comm.rank, self.comm.active
+            )
             self._layouts[id(p)] = layout
         return layout
 
-    def _plan(self, entries: list[tuple[torch.Tensor, Mapping[str, Any]]], dtype: torch.dtype):
+    def _exchange(self, entries: list[tuple[torch.Tensor, Mapping[str, Any]]], dtype: torch.dtype):
+        """The exchange of these parameters' matrices (cached): FLOP-balanced owners."""
         key = (tuple(id(p) for p, _ in entries), dtype)
-        if key not in self._plans:
+        if key not in self._exchanges:
             layouts = [self.matrix_layout(p) for p, _ in entries]
             costs = [self._matrix_view(p, g).matrix_shapes for p, g in entries]
-            owners = default_owners(layouts, self.comm.world_size, matrix_shapes=costs)
-            self._plans[key] = ShardedMatrices(
+            self._exchanges[key] = PieceExchange(
                 layouts,
                 group=self.process_group,
-                owners=owners,
+                owners=default_owners(layouts, self.comm.world_size, matrix_shapes=costs),
                 counter=self.wire_counter,
+                tag="muon",
                 hosts=self.comm.hosts,
+                row_comm=self.comm,
             )
-        return self._plans[key]
+        return self._exchanges[key]
 
     def _after_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """New parameter objects: lay them out again (and fail fast on unsupported ones)."""
         self._layouts.clear()
-        self._plans.clear()
+        self._exchanges.clear()
         for group in self.param_groups:
             for p in group["params"]:
                 self.matrix_layout(p)
@@ -423,49 +299,51 @@ class DTensorMuon(Muon):
             )
             momenta.update((id(p), b) for p, b in zip(params, bufs))
 
-        # phase 2: directions U → whole matrices at owners → Newton–Schulz → update pieces back
+        # phase 2: directions U → whole matrices at owners → the matrix step → update pieces back
         if self.approximate_per_shard:
             directions = {id(p): torch.empty_like(local_grads[id(p)]) for p, _ in entries}
             self._write_directions(entries, local_grads, momenta, directions)
             updates = self._per_shard_updates(entries, directions)
         else:
-            updates, whole_here = {}, set()
+            updates, exchanged = {}, []
             for dtype in sorted({local_grads[id(p)].dtype for p, _ in entries}, key=str):
                 part = [(p, g) for p, g in entries if local_grads[id(p)].dtype == dtype]
-                plan = self._plan(part, dtype)
+                exchange = self._exchange(part, dtype)
                 result_dtype = self._result_dtype(part, dtype)
                 # U written straight where the all-to-all sends it from (no packing copy), in
                 # Newton–Schulz's dtype where that is narrower: the owner's first step casts
                 # the whole U to it, so the cast moves before the wire with the same bits
                 wire_dtype = _narrower(result_dtype, dtype)
                 device = local_grads[id(part[0][0])].device
-                packed, pieces = plan.piece_buffer(wire_dtype, device)
+                packed, pieces = exchange.piece_buffer(wire_dtype, device)
                 self._write_directions(
                     part, local_grads, momenta, {id(p): x for (p, _), x in zip(part, pieces)}
                 )
-                out = plan.apply(
+                owner_stats: dict[int, torch.Tensor] = {}
+                out = exchange.run(
                     pieces,
-                    lambda idx, mats, part=part: self._orthogonalize(part, idx, mats),
+                    lambda idx, mats, part=part, st=owner_stats: self._owner_step(
+                        part, idx, mats, st
+                    ),
                     result_dtype=result_dtype,
                     packed=packed,
                 )
-                updates.update({id(p): (o, self._alpha(p, g)) for (p, g), o in zip(part, out)})
-                whole_here.update(id(part[i][0]) for i in plan.local)
-            self._share_row_statistics(entries, whole_here)  # [variants] NorMuon
+                updates.update({id(p): o for (p, _), o in zip(part, out)})
+                exchanged.append((part, exchange, owner_stats))
+            for part, exchange, owner_stats in exchanged:
+                self._step_row_state(part, exchange, owner_stats)
 
-        # phase 3: weight decay and update on local shards, per group for its lr / λ
+        # phase 3: weight decay and update on local shards, per group for its lr / λ, each
+        # with the rule it is applied with (the same on every rank)
         for group in groups:
             params = [p for p, g in entries if g is group]
             shards = [local_tensor(p) for p in params]
-            ups = [updates[id(p)][0].reshape(x.shape) for p, x in zip(params, shards)]
-            alphas = [updates[id(p)][1] for p in params]
-            functional.apply_updates_(
+            matrix_step.apply_updates_by_rule_(
                 shards,
-                ups,
-                alphas,
+                [updates[id(p)].reshape(x.shape) for p, x in zip(params, shards)],
+                [self._apply_rule(p, group) for p in params],
                 lr=float(group["lr"]),
                 weight_decay=group["weight_decay"],
-                cautious=MuonSettings.from_group(group).cautious_weight_decay,
             )
 
     @staticmethod
@@ -482,50 +360,44 @@ class DTensorMuon(Muon):
                 nesterov=group["nesterov"],
             )
 
-    def _share_row_statistics(self, entries, whole_here: set[int]) -> None:
-        """[variants] NorMuon: every rank's replica of a matrix's row second moment takes the
-        step the owner took. The owners' row statistics reach every rank in one all-reduce
-        (sum; the other ranks add zeros, so the sum is exact); matrices every rank holds whole
-        used their own statistics, with no traffic."""
-        shared = []
-        for p, group in entries:
-            if ROW_MOMENT not in kept_state(MuonSettings.from_group(group)):
-                continue
-            v = self.state[p][ROW_MOMENT.key]
-            if id(p) in whole_here:
-                update_row_moments_(v, self._row_stats.pop(id(p)), group["row_beta2"])
-            else:
-                shared.append((p, group, v))
-        if shared:
-            total = sum(v.numel() for _, _, v in shared)
-            stats = torch.zeros(total, dtype=torch.float32, device=self.comm.device)
-            offset = 0
-            for p, _, v in shared:
-                mine = self._row_stats.pop(id(p), None)  # only on the matrix's owner
-                if mine is not None:
-                    stats[offset : offset + v.numel()] = mine
-                offset += v.numel()
-            self.comm.all_reduce(stats, op=dist.ReduceOp.SUM, tag="muon")
-            offset = 0
-            for _, group, v in shared:
-                chunk = stats[offset : offset + v.numel()].to(v.device)
-                update_row_moments_(v, chunk, group["row_beta2"])
-                offset += v.numel()
-        self._row_stats.clear()
+    def _owner_step(
+        self, part, indices: list[int], whole: list[torch.Tensor], row_stats: dict
+    ) -> list[torch.Tensor]:
+        """On the owner: the matrix step of whole parameters (2-D U → the parameter's view →
+        :func:`~muonscale.matrix_step.owner_parameter_updates`), as 2-D matrices; their row
+        statistics into ``row_stats`` (by index into ``part``) for every replica's step."""
+        entries = [part[i] for i in indices]
+        updates, _, stats = matrix_step.owner_parameter_updates(
+            [u.reshape(p.shape) for (p, _), u in zip(entries, whole)],
+            [self._matrix_view(p, g) for p, g in entries],
+            [MuonSettings.from_group(g) for _, g in entries],
+            row_state([self.state[p] for p, _ in entries]),
+            max_workspace_bytes=self.memory.ns_workspace_bytes,
+        )
+        row_stats.update((i, s) for i, s in zip(indices, stats) if s is not None)
+        return [o.reshape(u.shape) for o, u in zip(updates, whole)]
 
-    def _row_normalize_on_owner(self, p, group, mats: list[torch.Tensor]) -> None:
-        """[variants] NorMuon on the owner's whole matrices of ``p``, in place: each matrix's
-        rows scaled by :func:`~muonscale.variants.row_factors` of the moment after this step
-        (computed on a copy; every replica is stepped by :meth:`_share_row_statistics`)."""
-        v, offset, stats = self.state[p][ROW_MOMENT.key], 0, []
-        for mat in mats:
-            rows = mat.shape[0]
-            s = row_statistics(mat)
-            moment = update_row_moments_(v[offset : offset + rows].clone(), s, group["row_beta2"])
-            mat.mul_(row_factors(moment, s).to(mat.dtype)[:, None])
-            stats.append(s.to(torch.float32))
-            offset += rows
-        self._row_stats[id(p)] = torch.cat(stats)
+    def _step_row_state(self, part, exchange: PieceExchange, owner_stats: dict) -> None:
+        """Every rank's replica of a parameter's row state takes the step its owner took, from
+        the owner's row statistics (shared by the exchange: one all-reduce, none for matrices
+        every rank holds whole), so the replicas stay equal."""
+        replicas = row_state([self.state[p] for p, _ in part])
+        if all(v is None for v in replicas):
+            return
+        rows = [None if v is None else v.numel() for v in replicas]
+        stats = exchange.share_row_statistics(owner_stats, rows)
+        matrix_step.step_row_state_(
+            replicas,
+            [stats.get(i) for i in range(len(part))],
+            [MuonSettings.from_group(g) for _, g in part],
+        )
+
+    def _apply_rule(self, p: torch.Tensor, group: Mapping[str, Any]) -> matrix_step.ApplyRule:
+        """The rule ``p``'s update is applied with (the same on every rank)."""
+        settings = MuonSettings.from_group(group)
+        if self.approximate_per_shard:
+            return matrix_step.unscaled_apply_rule(settings, (p.shape[0], math.prod(p.shape[1:])))
+        return matrix_step.apply_rule(self._matrix_view(p, group), settings)
 
     def _result_dtype(self, part, dtype: torch.dtype) -> torch.dtype:
         """Newton–Schulz's output dtype when all groups agree (bf16 on GPU halves the return
@@ -536,62 +408,17 @@ class DTensorMuon(Muon):
         }
         return ns.pop() if len(ns) == 1 else dtype
 
-    def _orthogonalize(
-        self, part, indices: list[int], whole: list[torch.Tensor]
-    ) -> list[torch.Tensor]:
-        """On the owner: whole U (2-D) → view's matrices → batched NS per setting → the update
-        as a 2-D matrix; unscaled for a single matrix (scaled at the shard, as on one process),
-        scaled per block for split / batched views."""
-        by_setting: dict[NewtonSchulzSettings, list[tuple[int, int, torch.Tensor]]] = {}
-        per_param: list[list[torch.Tensor | None]] = []
-        for slot, (i, u) in enumerate(zip(indices, whole)):
-            p, group = part[i]
-            mats = self._matrix_view(p, group).to_matrices(u.reshape(p.shape))
-            per_param.append([None] * len(mats))
-            ns = MuonSettings.from_group(group).ns
-            for j, mat in enumerate(mats):
-                by_setting.setdefault(ns, []).append((slot, j, mat))
-        for ns, items in by_setting.items():
-            ortho = matrix_step.orthogonalize_matrices(
-                [m for _, _, m in items], ns, max_workspace_bytes=self.memory.ns_workspace_bytes
-            )
-            for (slot, j, _), o in zip(items, ortho):
-                per_param[slot][j] = o
-        out = []
-        for slot, i in enumerate(indices):
-            p, group = part[i]
-            view, mats = self._matrix_view(p, group), per_param[slot]
-            settings = MuonSettings.from_group(group)
-            if ROW_MOMENT in kept_state(settings):  # [variants] NorMuon
-                self._row_normalize_on_owner(p, group, mats)
-            if len(mats) == 1 and view.row_partition is None and not view.transposed:
-                out.append(mats[0].reshape(whole[slot].shape))
-            else:
-                scales = matrix_update_scales(settings.scale, view, settings.qk_lr_scale)
-                scaled = [m * s for m, s in zip(mats, scales)]
-                out.append(view.from_matrices(scaled).reshape(whole[slot].shape))
-        return out
-
-    def _alpha(self, p: torch.Tensor, group: Mapping[str, Any]) -> float:
-        """−s(m, n) for an unscaled single-matrix update, −1 for one scaled on the owner."""
-        view = self._matrix_view(p, group)
-        shapes = view.matrix_shapes
-        if len(shapes) == 1 and view.row_partition is None and not view.transposed:
-            return -update_scale(group["scale"], *shapes[0])
-        return -1.0
-
-    def _per_shard_updates(self, entries, directions):
+    def _per_shard_updates(self, entries, directions) -> dict[int, torch.Tensor]:
         """``approximate_per_shard``: NS of each local 2-D shard alone (not Muon's update)."""
         out = {}
         for p, group in entries:
-            u = _as_2d(directions[id(p)])
+            u = as_2d(directions[id(p)])
             if u.numel() == 0:
-                out[id(p)] = (u, -1.0)
+                out[id(p)] = u
                 continue
-            (o,) = matrix_step.orthogonalize_matrices(
+            (out[id(p)],) = matrix_step.orthogonalize_matrices(
                 [u],
                 MuonSettings.from_group(group).ns,
                 max_workspace_bytes=self.memory.ns_workspace_bytes,
             )
-            out[id(p)] = (o, -update_scale(group["scale"], p.shape[0], math.prod(p.shape[1:])))
         return out

@@ -5,9 +5,9 @@ A layout differs only in how whole matrices reach that step and how results get 
 
     pieces ─ run ─▶ whole matrices at their owners ─ matrix step ─▶ results ─▶ pieces
 
-plus the sharing of replicated row state: NorMuon's row second moment of a matrix is held by
-every rank of the group (a replica each), and the statistics the owner computed step every
-replica (:meth:`MatrixExchange.share_row_statistics`), so the replicas stay equal.
+plus the sharing of replicated row state: a matrix's row state (a variant's statistic per row)
+is held by every rank of the group (a replica each), and the statistics the owner computed step
+every replica (:meth:`MatrixExchange.share_row_statistics`), so the replicas stay equal.
 
 Implementations: :class:`PieceExchange` (one all-to-all each way over a process group, with
 :class:`~muonscale.distributed.sharded.ShardedMatrices`: ``DTensorMuon`` and Megatron tensor

@@ -1,0 +1,164 @@
+"""DTensor placements read as matrix layouts: which rows and columns of a parameter's 2-D
+matrix ``(d0, d1·d2·…)`` each rank of the optimizer's group holds (:class:`MatrixLayout`).
+
+Shard(dim) and FSDP2's _StridedShard select ``torch.chunk``-style (ceil) chunks along their dim,
+in mesh order; Replicate keeps everything. A Partial parameter (unreduced values) and a mesh
+that does not span the optimizer's group are refused with the parameter's name.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .sharded import MatrixLayout, chunk_bounds
+
+try:  # FSDP2 on a TP-sharded dim: right-to-left sharding
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - older torch
+    _StridedShard = None
+
+__all__ = [
+    "as_2d",
+    "check_mesh_spans_group",
+    "check_placement",
+    "dtensor_layout",
+    "local_indices",
+    "local_tensor",
+    "parameter_layout",
+]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (a view: in-place ops update the DTensor), else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _strided_select(idx: torch.Tensor, chunks: int, index: int, split_factor: int) -> torch.Tensor:
+    """``_StridedShard``: ``split_factor`` chunks, each chunked ``chunks`` ways, piece
+    ``index`` of each, concatenated (torch's right-to-left sharding, ceil chunks)."""
+    parts = []
+    for j in range(split_factor):
+        s0, sl = chunk_bounds(idx.numel(), split_factor, j)
+        sub = idx[s0 : s0 + sl]
+        c0, cl = chunk_bounds(sub.numel(), chunks, index)
+        parts.append(sub[c0 : c0 + cl])
+    return torch.cat(parts)
+
+
+def local_indices(t: DTensor, dim: int = 0) -> torch.Tensor:
+    """Global indices along ``dim`` of the elements this rank's shard of ``t`` holds, in
+    order (Shard / FSDP2's _StridedShard on ``dim`` select; Replicate and other dims keep all).
+    Raises ``ValueError`` for a Partial placement (unreduced values)."""
+    idx = torch.arange(t.shape[dim])
+    coord = t.device_mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(t.placements):
+        check_placement("local_indices", placement, t.ndim)
+        if isinstance(placement, Replicate) or placement.dim != dim:
+            continue
+        chunks, index = t.device_mesh.size(mesh_dim), coord[mesh_dim]
+        if _StridedShard is not None and isinstance(placement, _StridedShard):
+            idx = _strided_select(idx, chunks, index, int(placement.split_factor))
+        else:
+            start, length = chunk_bounds(idx.numel(), chunks, index)
+            idx = idx[start : start + length]
+    return idx
+
+
+def check_placement(name: str, placement: Any, ndim: int) -> None:
+    """``ValueError`` naming parameter ``name`` unless ``placement`` is Shard, Replicate or
+    FSDP2's _StridedShard of one of its ``ndim`` dims."""
+    if isinstance(placement, Replicate):
+        return
+    sharded = isinstance(placement, Shard) or (
+        _StridedShard is not None and isinstance(placement, _StridedShard)
+    )
+    if sharded and 0 <= placement.dim < ndim:
+        return
+    raise ValueError(
+        f"DTensorMuon: parameter '{name}' has placement {placement!r}, which is not supported "
+        "(supported: Shard(dim), Replicate(), and FSDP2's _StridedShard). A Partial parameter "
+        "holds unreduced values; redistribute it to Shard or Replicate first."
+    )
+
+
+def check_mesh_spans_group(name: str, param: DTensor, group_ranks: Sequence[int]) -> None:
+    """Gradients are reduced by the framework over the mesh only: refuse a mesh that does not
+    cover the optimizer's group (e.g. TP-only DTensors with plain data parallelism around)."""
+    mesh_ranks = sorted(param.device_mesh.mesh.flatten().tolist())
+    if mesh_ranks != sorted(group_ranks):
+        raise ValueError(
+            f"DTensorMuon: parameter '{name}' lives on {param.device_mesh} (ranks {mesh_ranks}) "
+            f"but the optimizer's process group has ranks {sorted(group_ranks)}. Data parallelism "
+            "outside the DTensor mesh (e.g. TP-only DTensors under plain DDP) is not supported: "
+            "nobody would reduce those gradients here. Put data parallelism on a mesh axis "
+            "(fully_shard / HSDP on a 2-D (dp, tp) mesh), or pass process_group= the mesh's group."
+        )
+
+
+def dtensor_layout(name: str, param: DTensor, group_ranks: Sequence[int]) -> MatrixLayout:
+    """Layout of ``param`` seen as its 2-D matrix ``(d0, d1·d2·…)`` over the ranks of the
+    optimizer's group (``group_ranks[i]`` = global rank of group rank i)."""
+    mesh, placements = param.device_mesh, param.placements
+    shape = tuple(param.shape)
+    for placement in placements:
+        check_placement(name, placement, len(shape))
+    check_mesh_spans_group(name, param, group_ranks)
+    mesh_ranks = mesh.mesh  # global ranks, shape = mesh shape
+    group_rank_of = {g: i for i, g in enumerate(group_ranks)}
+    rest = shape[1:]
+    pieces: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(group_ranks)
+    for coord in itertools.product(*(range(s) for s in mesh_ranks.shape)):
+        idx = [torch.arange(s) for s in shape]
+        for mesh_dim, placement in enumerate(placements):
+            if isinstance(placement, Replicate):
+                continue
+            d, k, c = placement.dim, mesh_ranks.shape[mesh_dim], coord[mesh_dim]
+            if _StridedShard is not None and isinstance(placement, _StridedShard):
+                idx[d] = _strided_select(idx[d], k, c, int(placement.split_factor))
+            else:
+                start, length = chunk_bounds(idx[d].numel(), k, c)
+                idx[d] = idx[d][start : start + length]
+        cols = torch.arange(math.prod(rest)).reshape(rest)  # flattened trailing dims
+        for d, sel in enumerate(idx[1:]):
+            cols = cols.index_select(d, sel)
+        pieces[group_rank_of[int(mesh_ranks[coord])]] = (idx[0], cols.reshape(-1))
+    return MatrixLayout.from_indices((shape[0], math.prod(rest)), pieces)
+
+
+def as_2d(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as its 2-D matrix ``(d0, d1·d2·…)`` (a view)."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:])) if t.ndim != 2 else t
+
+
+def parameter_layout(
+    name: str, p: torch.Tensor, group_ranks: Sequence[int], rank: int, distributed: bool
+) -> MatrixLayout:
+    """How ``p`` is laid out over the ranks of the group (``rank``: this rank's index in it;
+    ``distributed``: the group has more than this process): a DTensor's layout as a 2-D matrix,
+    else a replica on every rank. A 1-D DTensor (AdamW only, elementwise) is only checked.
+    ``ValueError`` naming ``name`` when this rank's shard is not the layout's piece."""
+    world_size = len(group_ranks)
+    shape2d = (p.shape[0], math.prod(p.shape[1:])) if p.ndim >= 2 else (1, p.numel())
+    if isinstance(p, DTensor) and distributed:
+        if p.ndim >= 2:
+            layout = dtensor_layout(name, p, group_ranks)
+        else:
+            for placement in p.placements:
+                check_placement(name, placement, p.ndim)
+            check_mesh_spans_group(name, p, group_ranks)
+            layout = MatrixLayout.replicated(shape2d, world_size)
+    else:
+        layout = MatrixLayout.replicated(shape2d, world_size)
+    held = tuple(as_2d(local_tensor(p)).shape)
+    if p.ndim >= 2 and layout.piece_shape(rank) != held:
+        raise ValueError(
+            f"DTensorMuon: parameter '{name}': computed local shard {layout.piece_shape(rank)} "
+            f"but the DTensor holds {held} (placements {getattr(p, 'placements', None)})"
+        )
+    return layout
