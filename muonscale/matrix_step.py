@@ -19,7 +19,7 @@ left to the apply pass. Nothing here knows about optimizer state or ``torch.dist
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +42,11 @@ class MatrixRule:
     """The factor O is multiplied by (s(m, n) × Q/K factor × extra); None: left unscaled."""
     row_beta2: float | None = None
     """NorMuon's β₂ (rows normalized from the row second moment); None: no row step."""
+
+    @property
+    def has_row_state(self) -> bool:
+        """Whether the step reads and steps a row state (NorMuon's row second moment)."""
+        return self.row_beta2 is not None
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,37 @@ def matrix_updates(
     return out, stats  # type: ignore[return-value]
 
 
+def replica_owner_updates(
+    matrices: Sequence[torch.Tensor],
+    rules: Sequence[MatrixRule],
+    row_moments: Sequence[torch.Tensor | None],
+    *,
+    max_workspace_bytes: int = DEFAULT_NS_WORKSPACE_BYTES,
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """:func:`matrix_updates` at an owner whose row moments are replicas: they are left as
+    they are, and every replica (this one too) is stepped by :func:`step_row_replicas_`."""
+    return matrix_updates(
+        matrices,
+        rules,
+        row_moments,
+        update_row_moments=False,
+        max_workspace_bytes=max_workspace_bytes,
+    )
+
+
+def step_row_replicas_(
+    rules: Sequence[MatrixRule],
+    row_moments: Sequence[torch.Tensor | None],
+    stats: Mapping[int, torch.Tensor],
+) -> None:
+    """Step every replica of the row moments (``row_moments[i]``: matrix i's, whole) from the
+    row statistics its owner's :func:`matrix_updates` returned (``update_row_moments=False``)
+    and the exchange shared: the bits the owner's own step gives."""
+    for i, rule in enumerate(rules):
+        if rule.has_row_state:
+            variants.update_row_moments_(row_moments[i], stats[i], rule.row_beta2)
+
+
 def takes_stacked_path(view: MatrixView, settings: MuonSettings) -> bool:
     """Whether a parameter's step is plain Muon of one matrix that is a reshape of it (a
     transposed view is not): the stacked fast path, with the scale in the apply pass."""
@@ -169,11 +205,13 @@ def stack_key(
     return (view.matrix_shapes[0], param.device, dtype)
 
 
-def apply_rule(view: MatrixView, settings: MuonSettings, extra_scale: float = 1.0) -> ApplyRule:
+def apply_rule(
+    view: MatrixView, settings: MuonSettings, extra_scale: float = 1.0, *, scaled: bool = False
+) -> ApplyRule:
     """The rule the update of a parameter with ``view`` is applied with: α = −s(m, n) (times
     ``extra_scale``) for the unscaled fast path, α = −1 and the group's cautious decay for an
-    update the matrix step scaled."""
-    if takes_stacked_path(view, settings):
+    update the matrix step scaled (always, with ``scaled``: see :func:`matrix_rules`)."""
+    if not scaled and takes_stacked_path(view, settings):
         return ApplyRule(-update_scale(settings.scale, *view.matrix_shapes[0]) * extra_scale)
     return ApplyRule(-1.0, settings.cautious_weight_decay)
 
@@ -184,12 +222,14 @@ def matrix_rules(
     *,
     shapes: Sequence[tuple[int, int]] | None = None,
     extra_scale: float = 1.0,
+    scaled: bool = False,
 ) -> list[MatrixRule]:
     """The rule of each matrix of ``view``: scaled by s(m, n) of its shape (``shapes``: the
     global shapes where the view's are pieces) × Q/K factor × ``extra_scale``, unless the
-    parameter takes the stacked path; rows normalized with NorMuon."""
+    parameter takes the stacked path (never with ``scaled``: a caller whose apply pass does
+    not know the global shapes); rows normalized with NorMuon."""
     row_beta2 = settings.row_beta2 if settings.normalize == "row" else None
-    if takes_stacked_path(view, settings):
+    if not scaled and takes_stacked_path(view, settings):
         return [MatrixRule(settings.ns, None, row_beta2)]
     shapes = view.matrix_shapes if shapes is None else shapes
     factors = view.lr_factors(settings.qk_lr_scale)
@@ -289,6 +329,30 @@ def apply_updates_(
             torch._foreach_add_(
                 [params[i] for i in indices], [updates[i] for i in indices], alpha=lr * alpha
             )
+
+
+def apply_rules_(
+    params: Sequence[torch.Tensor],
+    updates: Sequence[torch.Tensor],
+    rules: Sequence[ApplyRule],
+    *,
+    lr: float | torch.Tensor,
+    weight_decay: float,
+) -> None:
+    """:func:`apply_updates_` of each update with its :class:`ApplyRule` (one call per kind
+    of decay)."""
+    by_decay: dict[bool, list[int]] = defaultdict(list)
+    for i, rule in enumerate(rules):
+        by_decay[rule.cautious_decay].append(i)
+    for cautious, indices in by_decay.items():
+        apply_updates_(
+            [params[i] for i in indices],
+            [updates[i] for i in indices],
+            [rules[i].alpha for i in indices],
+            lr=lr,
+            weight_decay=weight_decay,
+            cautious=cautious,
+        )
 
 
 def _add_scaled_(param: torch.Tensor, update: torch.Tensor, alpha: float | torch.Tensor) -> None:

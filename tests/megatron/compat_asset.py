@@ -83,6 +83,15 @@ def resume(rank: int, world_size: int, case: str) -> dict:
     model.load_state_dict(record["model"])
     opt.load_state_dict(record["optimizer"])
     loaded = copy.deepcopy(opt.state_dict())  # the next step changes it in place
+    replicas = {  # the row state in memory: (TP dim, TP size, rows of the local view, tensor)
+        plan.name: (
+            plan.partition_dim,
+            plan.tp_size,
+            sum(m for m, _ in view.matrix_shapes),
+            state["row_second_moment"].clone(),
+        )
+        for state, view, plan in opt._row_state_entries()
+    }
     _train(model, opt, range(SAVE_AT, SAVE_AT + 1))
     out = dict(
         saved=saved,
@@ -90,6 +99,8 @@ def resume(rank: int, world_size: int, case: str) -> dict:
         recorded=record["next_params"],
         computed=_local(model),
         platform=record["platform"],
+        replicas=replicas,
+        params=record["params"],
     )
     ps.destroy_model_parallel()
     return out
