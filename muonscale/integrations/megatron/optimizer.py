@@ -5,7 +5,7 @@ collaborators: a :class:`~.grad_norm.GlobalGradNorm` and an orthogonalizer (by d
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import fields, replace
 from typing import Any
 
@@ -15,7 +15,6 @@ from torch import nn
 from muonscale.distributed.comm import Communicator, WireCounter
 from muonscale.distributed.data_parallel import DistributedMuon
 from muonscale.functional import ApplyUpdates
-from muonscale.matrices import MatrixView
 from muonscale.memory import MemoryBudget
 from muonscale.optimizer import Muon
 from muonscale.params import RouteDecision
@@ -187,14 +186,19 @@ class MegatronMuon(Muon):
             settings = settings if settings is not None else MuonSettings.from_group(group)
             if ROW_STATE.kept(settings):
                 state[ROW_STATE.key] = self.tp_matrices.row_state_zeros(
-                    settings, self._matrix_view(p, group), self._plan_by_id[id(p)], p.device
+                    self._matrix_view(p, group),
+                    self._plan_of(p),
+                    ROW_STATE.dtype(settings, p.dtype),
+                    p.device,
                 )
         return super()._init_state(p, group, settings)
 
+    def _plan_of(self, p: torch.Tensor) -> ParamPlan:
+        return self._plan_by_id[id(p)]
+
     def _row_state_entries(self) -> list[RowStateEntry]:
-        plan_of = self._plan_by_id.__getitem__
-        return _row_state_entries(
-            self.param_groups, self.state, self._matrix_view, lambda p: plan_of(id(p))
+        return self.tp_matrices.entries(
+            self.param_groups, self.state, self._matrix_view, self._plan_of
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -202,14 +206,7 @@ class MegatronMuon(Muon):
         state is its shard's (its own rows of the row state), so load it at the same TP
         size."""
         packed = super().state_dict()
-        for saved, group in zip(packed["param_groups"], self.param_groups):
-            for index, p in zip(saved["params"], group["params"]):
-                entry = packed["state"].get(index, {})
-                if group["algorithm"] == "muon" and ROW_STATE.key in entry:
-                    rows = self.tp_matrices.rank_rows(
-                        entry[ROW_STATE.key], self._matrix_view(p, group), self._plan_by_id[id(p)]
-                    )
-                    packed["state"][index] = {**entry, ROW_STATE.key: rows}  # not the live one
+        self.tp_matrices.saved_state_(packed, self.param_groups, self._matrix_view, self._plan_of)
         packed["main_params"] = self.main_params.state_dict()
         return packed
 
@@ -271,16 +268,11 @@ class MegatronDistributedMuon(DistributedMuon):
         )
         self.routing = {pl.name: RouteDecision(pl.algorithm, pl.reason) for pl in self.plans}
         self.tp_matrices = TensorParallelMatrices(groups, config)
-        for group in self.param_groups:  # the owners' row state: the whole matrices' rows
-            for p in group["params"] if group["algorithm"] == "muon" else ():
-                state = self.state.get(p, {})
-                if ROW_STATE.key in state:
-                    state[ROW_STATE.key] = self.tp_matrices.row_state_zeros(
-                        MuonSettings.from_group(group),
-                        self._matrix_view(p, group),
-                        self._plan_by_id[id(p)],
-                        state[ROW_STATE.key].device,
-                    )
+        for state, view, plan in self._row_state_entries():  # the owners': the whole rows
+            held = state[ROW_STATE.key]
+            state[ROW_STATE.key] = self.tp_matrices.row_state_zeros(
+                view, plan, held.dtype, held.device
+            )
         self.orthogonalizer = orthogonalizer or TensorParallelOrthogonalizer(
             groups, config, counter=self.wire_counter, memory=self.memory
         )
@@ -297,13 +289,12 @@ class MegatronDistributedMuon(DistributedMuon):
         """Global gradient norm of the latest step, before clipping."""
         return self.grad_norm.last_norm
 
+    def _plan_of(self, p: torch.Tensor) -> ParamPlan:
+        return self._plan_by_id[id(self.model_param(p))]
+
     def _row_state_entries(self) -> list[RowStateEntry]:
-        plan_of = self._plan_by_id.__getitem__
-        return _row_state_entries(
-            self.param_groups,
-            self.state,
-            self._matrix_view,
-            lambda p: plan_of(id(self.model_param(p))),
+        return self.tp_matrices.entries(
+            self.param_groups, self.state, self._matrix_view, self._plan_of
         )
 
     def _gather_state(self) -> dict[int, dict[str, torch.Tensor]]:
@@ -313,8 +304,7 @@ class MegatronDistributedMuon(DistributedMuon):
         try:
             return super()._gather_state()
         finally:
-            for (state, _, _), whole in zip(entries, wholes):
-                state[ROW_STATE.key] = whole
+            self.tp_matrices.restore_(entries, wholes)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """:meth:`DistributedMuon.load_state_dict`, then the row state's rows of every TP rank
@@ -324,8 +314,7 @@ class MegatronDistributedMuon(DistributedMuon):
         try:
             super().load_state_dict(state_dict)
         except BaseException:
-            for (state, _, _), whole in zip(entries, wholes):
-                state[ROW_STATE.key] = whole
+            self.tp_matrices.restore_(entries, wholes)
             raise
         self.tp_matrices.to_whole_(self._row_state_entries(), WireCounter())
 
@@ -388,24 +377,6 @@ class MegatronDistributedMuon(DistributedMuon):
         self.clip_grad_norm_(self.config.clip_grad)
         super().step()
         return loss
-
-
-def _row_state_entries(
-    param_groups: Sequence[Mapping[str, Any]],
-    states: Mapping[torch.Tensor, dict],
-    view_of: Callable[[torch.Tensor, Mapping[str, Any]], MatrixView],
-    plan_of: Callable[[torch.Tensor], ParamPlan],
-) -> list[RowStateEntry]:
-    """(state, matrix view, plan) of every Muon parameter whose state holds the row state."""
-    out = []
-    for group in param_groups:
-        if group["algorithm"] != "muon":
-            continue
-        for p in group["params"]:
-            state = states.get(p, {})
-            if ROW_STATE.key in state:
-                out.append((state, view_of(p, group), plan_of(p)))
-    return out
 
 
 def _check_self_reduction(plans: Sequence[ParamPlan], groups: MegatronGroups) -> None:

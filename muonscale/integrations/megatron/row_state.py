@@ -14,7 +14,8 @@ loads the same way.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,6 @@ from muonscale.declared_state import VARIANT_STATE
 from muonscale.distributed.comm import Communicator, WireCounter
 from muonscale.distributed.sharded import MatrixLayout
 from muonscale.matrices import MatrixView
-from muonscale.settings import MuonSettings
 
 from .config import MegatronMuonConfig
 from .plan import MegatronGroups, ParamPlan
@@ -70,11 +70,49 @@ class TensorParallelMatrices:
 
     # ---------------------------------------------------------------- row state
     def row_state_zeros(
-        self, settings: MuonSettings, view: MatrixView, plan: ParamPlan, device: torch.device
+        self, view: MatrixView, plan: ParamPlan, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         """A zero row state of the whole matrices' rows."""
         rows = sum(lay.shape[0] for lay in self.layouts(view, plan)[0])
-        return torch.zeros(rows, dtype=ROW_STATE.dtype(settings, torch.float32), device=device)
+        return torch.zeros(rows, dtype=dtype, device=device)
+
+    @staticmethod
+    def entries(
+        param_groups: Sequence[Mapping[str, Any]],
+        states: Mapping[torch.Tensor, dict],
+        view_of: Callable[[torch.Tensor, Mapping[str, Any]], MatrixView],
+        plan_of: Callable[[torch.Tensor], ParamPlan],
+    ) -> list[RowStateEntry]:
+        """(state, matrix view, plan) of every Muon parameter whose state holds the row state."""
+        out = []
+        for group in param_groups:
+            for p in group["params"] if group["algorithm"] == "muon" else ():
+                state = states.get(p, {})
+                if ROW_STATE.key in state:
+                    out.append((state, view_of(p, group), plan_of(p)))
+        return out
+
+    def saved_state_(
+        self,
+        packed: dict[str, Any],
+        param_groups: Sequence[Mapping[str, Any]],
+        view_of: Callable[[torch.Tensor, Mapping[str, Any]], MatrixView],
+        plan_of: Callable[[torch.Tensor], ParamPlan],
+    ) -> None:
+        """In a ``state_dict()`` of torch's form: each row state replaced by this rank's rows
+        (in a new entry: torch's entries are the live state's dicts)."""
+        for saved, group in zip(packed["param_groups"], param_groups):
+            for index, p in zip(saved["params"], group["params"]):
+                entry = packed["state"].get(index, {})
+                if group["algorithm"] == "muon" and ROW_STATE.key in entry:
+                    rows = self.rank_rows(entry[ROW_STATE.key], view_of(p, group), plan_of(p))
+                    packed["state"][index] = {**entry, ROW_STATE.key: rows}
+
+    @staticmethod
+    def restore_(entries: Sequence[RowStateEntry], wholes: Sequence[torch.Tensor]) -> None:
+        """Put back the whole row states :meth:`to_rank_rows_` returned."""
+        for (state, _, _), whole in zip(entries, wholes):
+            state[ROW_STATE.key] = whole
 
     def _rank(self, plan: ParamPlan) -> int:
         group = self.tp_group(plan.expert)
