@@ -43,6 +43,11 @@ class MatrixRule:
     row_beta2: float | None = None
     """NorMuon's β₂ (rows normalized from the row second moment); None: no row step."""
 
+    @property
+    def has_row_state(self) -> bool:
+        """Whether the step reads and steps a row state (NorMuon's row second moment)."""
+        return self.row_beta2 is not None
+
 
 @dataclass(frozen=True)
 class ApplyRule:
@@ -169,11 +174,13 @@ def stack_key(
     return (view.matrix_shapes[0], param.device, dtype)
 
 
-def apply_rule(view: MatrixView, settings: MuonSettings, extra_scale: float = 1.0) -> ApplyRule:
+def apply_rule(
+    view: MatrixView, settings: MuonSettings, extra_scale: float = 1.0, *, scaled: bool = False
+) -> ApplyRule:
     """The rule the update of a parameter with ``view`` is applied with: α = −s(m, n) (times
     ``extra_scale``) for the unscaled fast path, α = −1 and the group's cautious decay for an
-    update the matrix step scaled."""
-    if takes_stacked_path(view, settings):
+    update the matrix step scaled (always, with ``scaled``: see :func:`matrix_rules`)."""
+    if not scaled and takes_stacked_path(view, settings):
         return ApplyRule(-update_scale(settings.scale, *view.matrix_shapes[0]) * extra_scale)
     return ApplyRule(-1.0, settings.cautious_weight_decay)
 
@@ -184,12 +191,14 @@ def matrix_rules(
     *,
     shapes: Sequence[tuple[int, int]] | None = None,
     extra_scale: float = 1.0,
+    scaled: bool = False,
 ) -> list[MatrixRule]:
     """The rule of each matrix of ``view``: scaled by s(m, n) of its shape (``shapes``: the
     global shapes where the view's are pieces) × Q/K factor × ``extra_scale``, unless the
-    parameter takes the stacked path; rows normalized with NorMuon."""
+    parameter takes the stacked path (never with ``scaled``: a caller whose apply pass does
+    not know the global shapes); rows normalized with NorMuon."""
     row_beta2 = settings.row_beta2 if settings.normalize == "row" else None
-    if takes_stacked_path(view, settings):
+    if not scaled and takes_stacked_path(view, settings):
         return [MatrixRule(settings.ns, None, row_beta2)]
     shapes = view.matrix_shapes if shapes is None else shapes
     factors = view.lr_factors(settings.qk_lr_scale)
@@ -249,39 +258,20 @@ def parameter_updates(
     return updates, applies, row_stats
 
 
-def owner_parameter_updates(
-    directions: Sequence[torch.Tensor],
-    views: Sequence[MatrixView],
-    settings: Sequence[MuonSettings],
-    row_state: Sequence[torch.Tensor | None],
-    *,
-    max_workspace_bytes: int = DEFAULT_NS_WORKSPACE_BYTES,
-) -> tuple[list[torch.Tensor], list[ApplyRule], list[torch.Tensor | None]]:
-    """:func:`parameter_updates` at the owner of parameters whose row state every rank holds
-    a replica of: the state is read, not stepped; every replica (the owner's too) is then
-    stepped from the returned row statistics by :func:`step_row_state_`, with the same bits."""
-    return parameter_updates(
-        directions,
-        views,
-        settings,
-        row_state,
-        update_row_moments=False,
-        max_workspace_bytes=max_workspace_bytes,
-    )
-
-
-def step_row_state_(
-    row_state: Sequence[torch.Tensor | None],
+def step_row_moments_(
+    row_moments: Sequence[torch.Tensor | None],
     row_stats: Sequence[torch.Tensor | None],
-    settings: Sequence[MuonSettings],
+    beta2s: Sequence[float | None],
 ) -> None:
-    """Step each parameter's row state in place from the row statistics its owner's matrix
-    step returned (:func:`owner_parameter_updates`); a None state is left alone."""
-    for state, stats, s in zip(row_state, row_stats, settings):
-        if state is not None:
-            if stats is None:
-                raise ValueError("a parameter's row state needs its owner's row statistics")
-            variants.update_row_moments_(state, stats.to(state.device), s.row_beta2)
+    """Step every replica of a row moment in place from the row statistics its owner's matrix
+    step returned with ``update_row_moments=False`` (and the exchange shared): the bits the
+    owner's own step gives. A None moment or β₂ is left alone."""
+    for moment, stats, beta2 in zip(row_moments, row_stats, beta2s):
+        if moment is None or beta2 is None:
+            continue
+        if stats is None:
+            raise ValueError("a replicated row moment needs its owner's row statistics")
+        variants.update_row_moments_(moment, stats.to(moment.device), beta2)
 
 
 def unscaled_apply_rule(settings: MuonSettings, shape: tuple[int, int]) -> ApplyRule:

@@ -1,9 +1,8 @@
 """Published Muon variants as small pure functions on plain local tensors.
 
 * NorMuon (row-wise second-moment normalisation after Newton–Schulz, arXiv:2510.05491):
-  :func:`row_statistics`, :func:`update_row_moments_`, :func:`row_factors` (and its parts
-  :func:`row_scales`, :func:`row_factor_sums`, :func:`row_factors_from_sums` for split
-  matrices), :func:`row_normalize_`.
+  :func:`row_statistics`, :func:`update_row_moments_`, :func:`row_factors` (with
+  :func:`row_scales`), :func:`row_normalize_`.
 * Cautious weight decay (arXiv:2510.12402): :func:`cautious_weight_decay_`.
 * Turbo-Muon's AOL preconditioner (arXiv:2512.04632): :func:`aol_scales` and
   :func:`shrink_huge_`, folded into the first Newton–Schulz step by
@@ -57,21 +56,6 @@ def row_scales(v: torch.Tensor, eps: float = NORMUON_EPS) -> torch.Tensor:  # (m
     return 1 / (v.sqrt() + eps)
 
 
-def row_factor_sums(stats: torch.Tensor, d: torch.Tensor) -> torch.Tensor:  # (m,), (m,) -> (2,)
-    """(Σ_r stats_r, Σ_r stats_r d_r²): ‖O‖²_F and ‖d ⊙_rows O‖²_F, each divided by the column
-    count. Sums over rows, so a matrix split by rows adds its ranks' pairs (one all-reduce)."""
-    stats = stats.to(d.dtype)
-    return torch.stack([stats.sum(), (stats * d * d).sum()])
-
-
-def row_factors_from_sums(
-    d: torch.Tensor, sums: torch.Tensor, eps: float = NORMUON_EPS
-) -> torch.Tensor:  # (m,), (2,) -> (m,)
-    """f_r = d_r · ‖O‖_F / (‖d ⊙_rows O‖_F + ε) from :func:`row_factor_sums` (of all rows)."""
-    norm, norm_new = sums.sqrt().unbind(0)
-    return d * (norm / (norm_new + eps))
-
-
 def row_factors(
     v: torch.Tensor, stats: torch.Tensor, eps: float = NORMUON_EPS
 ) -> torch.Tensor:  # (m,), (m,) -> (m,)
@@ -79,12 +63,12 @@ def row_factors(
 
         d_r = 1 / (√v_r + ε),  f_r = d_r · ‖O‖_F / (‖d ⊙_rows O‖_F + ε)
 
-    Both norms come from the row statistics (‖O‖²_F = n Σ_r stats_r; the column count n
-    cancels in the ratio), so a rank that holds only a shard of O's columns and the
-    statistics computes the same factors as the owner of the whole matrix; a rank that holds
-    a shard of O's rows needs the other ranks' :func:`row_factor_sums`."""
+    Both norms come from the row statistics of the whole matrix (‖O‖²_F = n Σ_r stats_r; the
+    column count n cancels in the ratio), so every layout computes them where O is whole."""
     d = row_scales(v, eps)
-    return row_factors_from_sums(d, row_factor_sums(stats, d), eps)
+    stats = stats.to(d.dtype)
+    norm, norm_new = torch.stack([stats.sum(), (stats * d * d).sum()]).sqrt().unbind(0)
+    return d * (norm / (norm_new + eps))
 
 
 def row_normalize_(

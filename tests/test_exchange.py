@@ -60,10 +60,10 @@ def _owner_step(rules, moments, computed):
 def _stepped(moments, stats):
     """Each row moment stepped from ``stats`` (a copy; None stays None)."""
     out = [None if v is None else v.clone() for v in moments]
-    matrix_step.step_row_state_(
+    matrix_step.step_row_moments_(
         out,
         [stats.get(i) for i in range(len(out))],
-        [ROW_SETTINGS] * len(out),
+        [ROW_SETTINGS.row_beta2] * len(out),
     )
     return out
 

@@ -364,14 +364,15 @@ class DTensorMuon(Muon):
         self, part, indices: list[int], whole: list[torch.Tensor], row_stats: dict
     ) -> list[torch.Tensor]:
         """On the owner: the matrix step of whole parameters (2-D U → the parameter's view →
-        :func:`~muonscale.matrix_step.owner_parameter_updates`), as 2-D matrices; their row
+        :func:`~muonscale.matrix_step.parameter_updates`), as 2-D matrices; their row
         statistics into ``row_stats`` (by index into ``part``) for every replica's step."""
         entries = [part[i] for i in indices]
-        updates, _, stats = matrix_step.owner_parameter_updates(
+        updates, _, stats = matrix_step.parameter_updates(
             [u.reshape(p.shape) for (p, _), u in zip(entries, whole)],
             [self._matrix_view(p, g) for p, g in entries],
             [MuonSettings.from_group(g) for _, g in entries],
             row_state([self.state[p] for p, _ in entries]),
+            update_row_moments=False,  # replicas: every rank steps its own after the exchange
             max_workspace_bytes=self.memory.ns_workspace_bytes,
         )
         row_stats.update((i, s) for i, s in zip(indices, stats) if s is not None)
@@ -386,10 +387,10 @@ class DTensorMuon(Muon):
             return
         rows = [None if v is None else v.numel() for v in replicas]
         stats = exchange.share_row_statistics(owner_stats, rows)
-        matrix_step.step_row_state_(
+        matrix_step.step_row_moments_(
             replicas,
             [stats.get(i) for i in range(len(part))],
-            [MuonSettings.from_group(g) for _, g in part],
+            [MuonSettings.from_group(g).row_beta2 for _, g in part],
         )
 
     def _apply_rule(self, p: torch.Tensor, group: Mapping[str, Any]) -> matrix_step.ApplyRule:

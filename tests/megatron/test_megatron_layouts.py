@@ -132,8 +132,12 @@ def test_zero1_bf16_main_copies_track_fp32(pool4, pool2):
         assert torch.equal(run["params"][name], main.bfloat16().float()), name
 
 
-def test_resume_with_main_copies_is_bit_identical(pool2, tmp_path):
-    spec = dict(tp=2, dtype="bf16", steps=4, save_at=2, folder=str(tmp_path), options=BASE)
+@pytest.mark.parametrize("variant", [{}, dict(normalize="row")], ids=["muon", "normuon"])
+def test_resume_with_main_copies_is_bit_identical(pool2, tmp_path, variant):
+    """NorMuon: each TP rank saves its own rows of the replicated row moment; loading gathers
+    them back into the whole replica, exactly."""
+    options = dict(BASE, **variant)
+    spec = dict(tp=2, dtype="bf16", steps=4, save_at=2, folder=str(tmp_path), options=options)
     uninterrupted = _run(pool2, L.run_and_save, **spec)
     resumed = _run(pool2, L.load_and_resume, **spec)
     assert L.max_abs_diff(uninterrupted["params"], resumed["params"]) == 0.0
@@ -141,10 +145,11 @@ def test_resume_with_main_copies_is_bit_identical(pool2, tmp_path):
     assert uninterrupted["norms"][2:] == resumed["norms"]
 
 
-def test_zero1_checkpoint_loads_at_another_data_parallel_size(pool4, pool2, tmp_path):
+@pytest.mark.parametrize("variant", [{}, dict(normalize="row")], ids=["muon", "normuon"])
+def test_zero1_checkpoint_loads_at_another_data_parallel_size(pool4, pool2, tmp_path, variant):
     """Saved at TP 2 × DP 2 (ZeRO-1: the optimizer's state_dict is its full state over DP),
     loaded at TP 2 × DP 1: the run goes on as if uninterrupted."""
-    options = dict(BASE, grads_reduced=None, dp_mode="zero1")
+    options = dict(BASE, grads_reduced=None, dp_mode="zero1", **variant)
     spec = dict(tp=2, steps=4, save_at=2, folder=str(tmp_path), grads_in="grad", options=options)
     uninterrupted = _run(pool4, L.run_and_save, **spec)
     assert uninterrupted["dp_mode"] == "zero1"

@@ -24,8 +24,10 @@ One step on a TP group of T ranks (a *piece* is what a rank holds of one matrix)
     G  ─(mean over the data-parallel group, unless Megatron's DDP already reduced main_grad)─▶
     B ← B.lerp(G, 1 − μ);  U = G.lerp(B, μ) or B          # per piece: elementwise
     U pieces ──all-to-all──▶ owner rank of each matrix: U = cat(pieces, partition_dim)
-    owner:  O = NS(U)       (each whole matrix on exactly one TP rank, batched by shape)
-    O ──all-to-all──▶ pieces;  W ← W (1 − η λ) − η s(m, n) O_piece
+    owner:  O = s(m, n) · step(U)   (the matrix step on each whole matrix, at exactly one
+                                     TP rank, batched by shape; s from the global shape)
+    O ──all-to-all──▶ pieces;  W ← W (1 − η λ) − η O_piece
+    row statistics of O ──all-reduce──▶ every TP rank steps its replica of the row state
 
 So the update does not depend on the TP layout (``muon_tp_mode="exact"``, the default): a model
 trained at TP = 2 ends where it ends at TP = 1. Megatron's own default (``--muon-tp-mode
@@ -42,8 +44,9 @@ Data parallel (``dp_mode``): ``"zero1"`` is :class:`muonscale.DistributedMuon` o
 group (reduce-scatter to owner ranks, each matrix updated by one DP rank and its TP group,
 ZeRO-1 AdamW, all-gather); ``"replicated"``: every DP replica runs the same deterministic step
 on gradients reduced by Megatron's DDP (``main_grad``) or by one all-reduce here. The TP
-all-to-alls use :class:`muonscale.distributed.sharded.ShardedMatrices`; every byte is counted
+all-to-alls use :class:`muonscale.distributed.exchange.PieceExchange`; every byte is counted
 by :mod:`muonscale.distributed.comm` (``opt.last_step_wire_bytes`` / ``_breakdown``).
+The row state and how checkpoints hold it: :mod:`.row_state`.
 """
 
 from .config import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,6 +14,9 @@ from muonscale.qkv import QKV_SPLIT_MODES
 from muonscale.scaling import SCALE_RULES
 from muonscale.settings import check_range, schedule_defaults, validate_muon_options
 from muonscale.variants import NORMUON_BETA2, Normalize, Preconditioner
+
+if TYPE_CHECKING:
+    from .plan import ParamPlan
 
 TP_MODES = ("exact", "approximate_blockwise")
 """``"exact"``: every TP-sharded matrix is orthogonalized whole (at one owner rank).
@@ -179,8 +182,8 @@ class MegatronMuonConfig:
     nonfinite: str = "raise"
     """``"raise"`` / ``"skip"`` / ``"ignore"`` a step with a NaN/inf gradient (see Muon)."""
     normalize: Normalize = "none"
-    """``"row"``: NorMuon's row normalisation after Newton–Schulz (*Variants* in the docs); row
-    statistics of TP-sharded matrices are summed over the TP group (one all-reduce a step)."""
+    """``"row"``: NorMuon's row normalisation after Newton–Schulz (*Variants* in the docs), at
+    the owner of each whole matrix; its row moment is replicated over the TP group."""
     row_beta2: float = NORMUON_BETA2
     """β₂ of NorMuon's row second moment."""
     cautious_weight_decay: bool = False
@@ -278,3 +281,39 @@ class MegatronMuonConfig:
             values["adam_lr"] = values["lr"]  # Megatron uses one lr for both halves
         values.update(overrides)
         return cls(**values)
+
+
+def muon_arguments(
+    plans: Sequence[ParamPlan], config: MegatronMuonConfig
+) -> tuple[list[dict], dict[str, Any]]:
+    """Param groups (routing pinned by the plan) and :class:`muonscale.Muon` options."""
+    muon = [(pl.name, pl.param) for pl in plans if pl.algorithm == "muon"]
+    adamw = [(pl.name, pl.param) for pl in plans if pl.algorithm == "adamw"]
+    param_groups = []
+    if muon:
+        param_groups.append({"params": muon, "algorithm": "muon"})
+    if adamw:
+        param_groups.append({"params": adamw, "algorithm": "adamw"})
+    options = dict(
+        lr=config.lr,
+        momentum=config.muon_momentum,
+        nesterov=config.muon_nesterov,
+        weight_decay=config.weight_decay,
+        ns_steps=config.muon_num_ns_steps,
+        coefficients=config.coefficients,
+        scale=config.scale,
+        ns_dtype=config.ns_dtype,
+        adamw_lr=config.adam_lr,
+        adamw_betas=(config.adam_beta1, config.adam_beta2),
+        adamw_eps=config.adam_eps,
+        adamw_weight_decay=config.adam_weight_decay,
+        nonfinite=config.nonfinite,
+        qkv_split=config.qkv_split,
+        splits={pl.name: pl.qkv_layout for pl in plans if pl.qkv_layout is not None},
+        normalize=config.normalize,
+        row_beta2=config.row_beta2,
+        cautious_weight_decay=config.cautious_weight_decay,
+        preconditioner=config.preconditioner,
+        qk_lr_scale=config.qk_lr_scale,
+    )
+    return param_groups, options

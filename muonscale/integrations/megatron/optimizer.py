@@ -12,24 +12,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from muonscale.declared_state import ROW_MOMENT, variant_state
 from muonscale.distributed.comm import Communicator, WireCounter
 from muonscale.distributed.data_parallel import DistributedMuon
 from muonscale.functional import ApplyUpdates
 from muonscale.memory import MemoryBudget
 from muonscale.optimizer import Muon
 from muonscale.params import RouteDecision
+from muonscale.settings import MuonSettings
 
-from .config import MegatronMuonConfig
+from .config import MegatronMuonConfig, muon_arguments
 from .grad_norm import GlobalGradNorm
 from .main_params import MainParams
 from .plan import MegatronGroups, ParamPlan, plan_parameters
-from .tensor_parallel import (
-    Orthogonalizer,
-    TensorParallelOrthogonalizer,
-    muon_arguments,
-    muon_update_,
-)
+from .row_state import ROW_STATE, RowStateEntry, TensorParallelMatrices
+from .tensor_parallel import Orthogonalizer, TensorParallelOrthogonalizer, muon_update_
 
 
 class MegatronMuon(Muon):
@@ -75,6 +71,7 @@ class MegatronMuon(Muon):
         self._plan_by_id = {id(pl.param): pl for pl in self.plans}
         self.wire_counter = wire_counter if wire_counter is not None else WireCounter()
         self.last_step_wire_bytes, self.last_step_wire_breakdown = 0, {}
+        self.tp_matrices = TensorParallelMatrices(groups, config)
         param_groups, options = muon_arguments(self.plans, config)
         super().__init__(param_groups, **options)
         self.routing = {pl.name: RouteDecision(pl.algorithm, pl.reason) for pl in self.plans}
@@ -154,7 +151,7 @@ class MegatronMuon(Muon):
             [self._plan_by_id[id(p)] for p in params],
             group,
             self.orthogonalizer,
-            variant_state(states)[ROW_MOMENT.key],
+            [s.get(ROW_STATE.key) for s in states],
         )
 
     @torch.no_grad()
@@ -180,10 +177,36 @@ class MegatronMuon(Muon):
         super().zero_grad(set_to_none=set_to_none)
         self.main_params.zero_model_grads(set_to_none)
 
+    def _init_state(
+        self, p: torch.Tensor, group: Mapping[str, Any], settings: MuonSettings | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Muon's state; the row state holds the whole matrices' rows (:mod:`.row_state`)."""
+        state = self.state[p]
+        if group["algorithm"] == "muon" and ROW_STATE.key not in state:
+            settings = settings if settings is not None else MuonSettings.from_group(group)
+            if ROW_STATE.kept(settings):
+                state[ROW_STATE.key] = self.tp_matrices.row_state_zeros(
+                    self._matrix_view(p, group),
+                    self._plan_of(p),
+                    ROW_STATE.dtype(settings, p.dtype),
+                    p.device,
+                )
+        return super()._init_state(p, group, settings)
+
+    def _plan_of(self, p: torch.Tensor) -> ParamPlan:
+        return self._plan_by_id[id(p)]
+
+    def _row_state_entries(self) -> list[RowStateEntry]:
+        return self.tp_matrices.entries(
+            self.param_groups, self.state, self._matrix_view, self._plan_of
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """Muon's state dict plus the main copies (``"main_params"``). Per rank: a TP rank's
-        state is its shard's, so load it at the same TP size."""
+        state is its shard's (its own rows of the row state), so load it at the same TP
+        size."""
         packed = super().state_dict()
+        self.tp_matrices.saved_state_(packed, self.param_groups, self._matrix_view, self._plan_of)
         packed["main_params"] = self.main_params.state_dict()
         return packed
 
@@ -196,6 +219,8 @@ class MegatronMuon(Muon):
                 "has no 'main_params' (saved with main_params_dtype=None?)"
             )
         super().load_state_dict(state_dict)
+        # collective over each TP group: the row state's rows of every TP rank
+        self.tp_matrices.to_whole_(self._row_state_entries(), WireCounter())
         if main is not None:
             self.main_params.load_state_dict(main)
 
@@ -208,7 +233,8 @@ class MegatronDistributedMuon(DistributedMuon):
     With ``main_params_dtype`` (bf16 models), each rank keeps main copies of what it updates
     only (owned matrices, AdamW shards), as Megatron's distributed optimizer; the all-gather
     sends bf16. ``state_dict()`` is the full state over data parallel (collective; main copies
-    included), so a checkpoint loads at another data-parallel size (same TP size)."""
+    included), so a checkpoint loads at another data-parallel size (same TP size); the row
+    state is saved and loaded as :class:`MegatronMuon`'s (:mod:`.row_state`)."""
 
     dp_mode = "zero1"
 
@@ -241,6 +267,12 @@ class MegatronDistributedMuon(DistributedMuon):
             **dp_options,
         )
         self.routing = {pl.name: RouteDecision(pl.algorithm, pl.reason) for pl in self.plans}
+        self.tp_matrices = TensorParallelMatrices(groups, config)
+        for state, view, plan in self._row_state_entries():  # the owners': the whole rows
+            held = state[ROW_STATE.key]
+            state[ROW_STATE.key] = self.tp_matrices.row_state_zeros(
+                view, plan, held.dtype, held.device
+            )
         self.orthogonalizer = orthogonalizer or TensorParallelOrthogonalizer(
             groups, config, counter=self.wire_counter, memory=self.memory
         )
@@ -256,6 +288,35 @@ class MegatronDistributedMuon(DistributedMuon):
     def last_grad_norm(self) -> float | None:
         """Global gradient norm of the latest step, before clipping."""
         return self.grad_norm.last_norm
+
+    def _plan_of(self, p: torch.Tensor) -> ParamPlan:
+        return self._plan_by_id[id(self.model_param(p))]
+
+    def _row_state_entries(self) -> list[RowStateEntry]:
+        return self.tp_matrices.entries(
+            self.param_groups, self.state, self._matrix_view, self._plan_of
+        )
+
+    def _gather_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """The full state over data parallel, with each TP rank's own rows of the row state."""
+        entries = self._row_state_entries()
+        wholes = self.tp_matrices.to_rank_rows_(entries)
+        try:
+            return super()._gather_state()
+        finally:
+            self.tp_matrices.restore_(entries, wholes)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """:meth:`DistributedMuon.load_state_dict`, then the row state's rows of every TP rank
+        gathered into the whole replica (collective over each TP group)."""
+        entries = self._row_state_entries()
+        wholes = self.tp_matrices.to_rank_rows_(entries)  # the shape a checkpoint holds
+        try:
+            super().load_state_dict(state_dict)
+        except BaseException:
+            self.tp_matrices.restore_(entries, wholes)
+            raise
+        self.tp_matrices.to_whole_(self._row_state_entries(), WireCounter())
 
     def _update_group(
         self,
@@ -281,7 +342,7 @@ class MegatronDistributedMuon(DistributedMuon):
             [self._plan_by_id[id(self.model_param(p))] for p in params],
             group,
             self.orthogonalizer,
-            variant_state(states)[ROW_MOMENT.key],
+            [s.get(ROW_STATE.key) for s in states],
         )
 
     @torch.no_grad()

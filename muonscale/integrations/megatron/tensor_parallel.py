@@ -1,5 +1,6 @@
-"""Exact tensor-parallel Muon: each TP-sharded matrix is orthogonalized whole at one owner rank
-of its TP group (one all-to-all there, one back), never per shard unless asked by name."""
+"""Exact tensor-parallel Muon: each TP-sharded matrix goes through the matrix step whole at one
+owner rank of its TP group (one all-to-all there, one back), never per shard unless asked by
+name."""
 
 from __future__ import annotations
 
@@ -7,74 +8,35 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
-from muonscale import functional, matrix_step, variants
-from muonscale.declared_state import ROW_MOMENT, kept_state
-from muonscale.distributed.comm import Communicator, WireCounter
-from muonscale.distributed.sharded import MatrixLayout, ShardedMatrices
+from muonscale import functional, matrix_step
+from muonscale.distributed.comm import WireCounter
+from muonscale.distributed.exchange import LocalExchange, MatrixExchange, PieceExchange
+from muonscale.distributed.sharded import MatrixLayout
 from muonscale.matrices import MatrixView
 from muonscale.memory import MemoryBudget
-from muonscale.scaling import update_scale
 from muonscale.settings import MuonSettings
 
 from .config import MegatronMuonConfig
 from .plan import MegatronGroups, ParamPlan
-
-
-def muon_arguments(
-    plans: Sequence[ParamPlan], config: MegatronMuonConfig
-) -> tuple[list[dict], dict[str, Any]]:
-    """Param groups (routing pinned by the plan) and :class:`muonscale.Muon` options."""
-    muon = [(pl.name, pl.param) for pl in plans if pl.algorithm == "muon"]
-    adamw = [(pl.name, pl.param) for pl in plans if pl.algorithm == "adamw"]
-    param_groups = []
-    if muon:
-        param_groups.append({"params": muon, "algorithm": "muon"})
-    if adamw:
-        param_groups.append({"params": adamw, "algorithm": "adamw"})
-    options = dict(
-        lr=config.lr,
-        momentum=config.muon_momentum,
-        nesterov=config.muon_nesterov,
-        weight_decay=config.weight_decay,
-        ns_steps=config.muon_num_ns_steps,
-        coefficients=config.coefficients,
-        scale=config.scale,
-        ns_dtype=config.ns_dtype,
-        adamw_lr=config.adam_lr,
-        adamw_betas=(config.adam_beta1, config.adam_beta2),
-        adamw_eps=config.adam_eps,
-        adamw_weight_decay=config.adam_weight_decay,
-        nonfinite=config.nonfinite,
-        qkv_split=config.qkv_split,
-        splits={pl.name: pl.qkv_layout for pl in plans if pl.qkv_layout is not None},
-        normalize=config.normalize,
-        row_beta2=config.row_beta2,
-        cautious_weight_decay=config.cautious_weight_decay,
-        preconditioner=config.preconditioner,
-        qk_lr_scale=config.qk_lr_scale,
-    )
-    return param_groups, options
+from .row_state import TensorParallelMatrices
 
 
 class TensorParallelOrthogonalizer:
-    """The orthogonalizer the Megatron optimizers are given: each Muon matrix is orthogonalized
-    whole through one :class:`ShardedMatrices` exchange per TP group (dense and expert), then
-    scaled by its *global* shape (times ``muon_extra_scale_factor``).
+    """The orthogonalizer the Megatron optimizers are given: every Muon matrix goes through
+    the matrix step (:func:`muonscale.matrix_step.matrix_updates`) where it is whole, through
+    one :class:`~muonscale.distributed.exchange.PieceExchange` per TP group (dense and expert)
+    and layout, with its rule from its *global* shape (× ``muon_extra_scale_factor`` × the Q/K
+    factor).
 
     Call it with the momentum directions of one param group (``directions[i]`` shaped like
-    parameter i), their :class:`~muonscale.MatrixView`, their :class:`ParamPlan` and the group;
-    it returns the scaled updates ``s(m, n) O``, parameter-shaped. Collective over each TP group
-    (every rank of it calls with the same matrices); bytes are counted in ``counter``.
-
-    Variants: ``preconditioner="aol"`` runs at the owner on the whole matrix. NorMuon
-    (``normalize="row"``, ``row_moments`` given: each parameter's row second moment over the
-    rows of its local matrices) normalises each rank's piece of the whole O after the exchange:
-    a piece split by columns all-reduces its row sums of squares (then every rank holds the
-    matrix's row statistics and updates the same moment), a piece split by rows all-reduces
-    the two sums of :func:`~muonscale.variants.row_factor_sums`; one flat all-reduce per TP
-    group and step (tag ``"normuon"``). ``approximate_blockwise`` normalises each piece alone.
+    parameter i), their :class:`~muonscale.MatrixView`, their :class:`ParamPlan`, the group
+    and each parameter's row state (the whole matrices' rows, a replica on every TP rank:
+    :mod:`.row_state`); it returns the scaled updates, parameter-shaped. The owner computes the
+    row statistics of the whole O, the exchange shares them (one float32 all-reduce per TP
+    group and step, tag ``"muon_tp_rows"``) and every rank steps its replica. Collective over
+    each TP group (every rank of it calls with the same matrices); bytes are counted in
+    ``counter``. ``approximate_blockwise``: each rank's piece is a matrix of its own.
     """
 
     def __init__(
@@ -87,10 +49,8 @@ class TensorParallelOrthogonalizer:
     ) -> None:
         self.groups, self.config, self.counter = groups, config, counter
         self.memory = memory if memory is not None else MemoryBudget.from_environment()
-        self._exchanges: dict[tuple, ShardedMatrices] = {}
-
-    def _tp_group(self, expert: bool) -> dist.ProcessGroup | None:
-        return self.groups.expt_tp if expert else self.groups.tp
+        self.matrices = TensorParallelMatrices(groups, config)
+        self._exchanges: dict[tuple, MatrixExchange] = {}
 
     def __call__(
         self,
@@ -98,131 +58,107 @@ class TensorParallelOrthogonalizer:
         views: Sequence[MatrixView],
         plans: Sequence[ParamPlan],
         group: Mapping[str, Any],
-        row_moments: Sequence[torch.Tensor | None] | None = None,  # NorMuon state per parameter
+        row_states: Sequence[torch.Tensor | None] | None = None,  # whole rows, per parameter
     ) -> list[torch.Tensor]:
-        exact = self.config.muon_tp_mode == "exact"
-        # Every matrix joins the exchange of its TP group (dense or expert): a TP piece with its
-        # global layout, or a matrix this rank holds whole (replicated layout: computed here).
-        batches: dict[bool, list[tuple[torch.Tensor, MatrixView]]] = {False: [], True: []}
-        slots: list[list[tuple[bool, int, tuple[int, int]]]] = []
-        split_dims: dict[bool, list[int | None]] = {False: [], True: []}  # per matrix: TP dim
-        for direction, view, plan in zip(directions, views, plans):
-            kind = plan.expert
-            group_size = MegatronGroups.size(self._tp_group(kind))
-            # A head of a QKV split lies whole on one rank; Q, K, V blocks are dim-0 pieces.
-            sharded = plan.partition_dim is not None and not (
-                plan.qkv_layout is not None and self.config.qkv_split == "head"
-            )
-            entries = []
-            for mat in view.to_matrices(direction):
-                m, n = mat.shape
-                full = (m, n)
-                if sharded:
-                    full = (
-                        (m * plan.tp_size, n) if plan.partition_dim == 0 else (m, n * plan.tp_size)
-                    )
-                if sharded and exact:
-                    sizes = [full[plan.partition_dim] // plan.tp_size] * plan.tp_size
-                    layout = MatrixLayout.sharded(full, plan.partition_dim, sizes)
-                else:  # whole here, or approximate_blockwise: NS on this rank's piece
-                    layout = MatrixLayout.replicated((m, n), group_size)
-                entries.append((kind, len(batches[kind]), full))
-                batches[kind].append((mat.contiguous(), layout))
-                split_dims[kind].append(plan.partition_dim if sharded and exact else None)
-            slots.append(entries)
-
         settings = MuonSettings.from_group(group)
-        workspace = self.memory.ns_workspace_bytes
-
-        def orthogonalize(_indices: list[int], matrices: list[torch.Tensor]) -> list[torch.Tensor]:
-            return matrix_step.orthogonalize_matrices(
-                matrices, settings.ns, max_workspace_bytes=workspace
-            )
-
-        results: dict[bool, list[torch.Tensor]] = {}
-        for kind, items in batches.items():
-            if not items:
-                continue
-            tp_group = self._tp_group(kind)
-            if MegatronGroups.size(tp_group) == 1 or all(lay.whole_everywhere for _, lay in items):
-                results[kind] = orthogonalize([], [mat for mat, _ in items])
-                continue
-            key = (kind, tuple((lay.shape, lay.whole_everywhere) for _, lay in items))
-            exchange = self._exchanges.get(key)
-            if exchange is None:
-                exchange = ShardedMatrices(
-                    [lay for _, lay in items], group=tp_group, counter=self.counter, tag="muon_tp"
-                )
-                self._exchanges[key] = exchange
-            results[kind] = exchange.apply([mat for mat, _ in items], orthogonalize)
-
-        if ROW_MOMENT in kept_state(settings):
-            if row_moments is None or any(v is None for v in row_moments):
-                raise ValueError("normalize='row' needs each parameter's row second moment")
-            moments: dict[bool, list[torch.Tensor]] = {False: [], True: []}  # per matrix
-            for v, entries in zip(row_moments, slots):
-                offset = 0
-                for kind, slot, _full in entries:
-                    rows = results[kind][slot].shape[0]
-                    moments[kind].append(v[offset : offset + rows])
-                    offset += rows
-            for kind in results:
-                self._row_normalize_(
-                    results[kind], moments[kind], split_dims[kind], kind, group["row_beta2"]
-                )
-
-        # s(m, n) from the matrix's *global* shape
         extra = self.config.muon_extra_scale_factor
-        updates = []
-        qk_lr_scale = settings.qk_lr_scale
-        for direction, view, entries in zip(directions, views, slots):
-            scaled = [
-                results[kind][slot].to(direction.dtype)
-                * (update_scale(group["scale"], *full) * extra * factor)
-                for (kind, slot, full), factor in zip(entries, view.lr_factors(qk_lr_scale))
-            ]
-            updates.append(view.from_matrices(scaled).reshape(direction.shape))
-        return updates
-
-    def _row_normalize_(
-        self,
-        pieces: list[torch.Tensor],  # this rank's piece of each whole O, replaced in the list
-        moments: list[torch.Tensor],  # (rows of the piece,) each, updated in place
-        split_dims: list[int | None],  # None: whole here; 0: rows split; 1: columns split
-        expert: bool,
-        beta2: float,
-    ) -> None:
-        """NorMuon on TP pieces (see the class docstring): every quantity that sums over a split
-        dimension goes into one flat float32 all-reduce over the TP group."""
-        partial: list[torch.Tensor] = []  # per split matrix: row sums (dim 1) or two sums (dim 0)
-        scales: dict[int, torch.Tensor] = {}
-        for i, (piece, v, dim) in enumerate(zip(pieces, moments, split_dims)):
-            if dim == 1:
-                partial.append((piece.float() * piece.float()).sum(dim=-1))
-            elif dim == 0:
-                stats = variants.row_statistics(piece)
-                variants.update_row_moments_(v, stats, beta2)
-                scales[i] = variants.row_scales(v)
-                partial.append(variants.row_factor_sums(stats, scales[i]))
-        flat = torch.cat(partial) if partial else None
-        if flat is not None:
-            Communicator(self._tp_group(expert), counter=self.counter).all_reduce(
-                flat, tag="normuon"
+        batches = {False: _Batch(), True: _Batch()}  # dense, expert
+        slots: list[list[tuple[bool, int]]] = []
+        for i, (direction, view, plan) in enumerate(zip(directions, views, plans)):
+            layouts, shapes = self.matrices.layouts(view, plan)
+            rules = matrix_step.matrix_rules(
+                view, settings, shapes=shapes, extra_scale=extra, scaled=True
             )
-        offset = 0
-        for i, (piece, v, dim) in enumerate(zip(pieces, moments, split_dims)):
-            if dim is None:  # whole on this rank (or an approximate_blockwise piece)
-                pieces[i] = variants.row_normalize_(piece.clone(), v, beta2=beta2)
-                continue
-            width = piece.shape[0] if dim == 1 else 2
-            part, offset = flat[offset : offset + width], offset + width
-            if dim == 1:  # every rank: the whole matrix's row statistics, the same moment
-                stats = part / (piece.shape[1] * MegatronGroups.size(self._tp_group(expert)))
-                variants.update_row_moments_(v, stats, beta2)
-                factors = variants.row_factors(v, stats)
-            else:
-                factors = variants.row_factors_from_sums(scales[i], part)
-            pieces[i] = piece * factors.to(piece.dtype)[:, None]
+            rows = _row_slices(layouts, None if row_states is None else row_states[i])
+            if any(r.has_row_state for r in rules) and rows[0] is None:
+                raise ValueError(f"parameter '{plan.name}': its rule needs its row state")
+            batch, entries = batches[plan.expert], []
+            for mat, layout, rule, row in zip(view.to_matrices(direction), layouts, rules, rows):
+                entries.append((plan.expert, len(batch.pieces)))
+                batch.add(mat.contiguous(), layout, rule, row)
+            slots.append(entries)
+        results = {
+            expert: self._step(expert, batch) for expert, batch in batches.items() if batch.pieces
+        }
+        return [
+            view.from_matrices([results[k][s].to(d.dtype) for k, s in entries]).reshape(d.shape)
+            for d, view, entries in zip(directions, views, slots)
+        ]
+
+    def _exchange(self, expert: bool, layouts: list[MatrixLayout]) -> MatrixExchange:
+        tp_group = self.matrices.tp_group(expert)
+        if MegatronGroups.size(tp_group) == 1 or all(lay.whole_everywhere for lay in layouts):
+            return LocalExchange()
+        key = (expert, tuple((lay.shape, _piece_shapes(lay)) for lay in layouts))
+        if key not in self._exchanges:
+            self._exchanges[key] = PieceExchange(
+                layouts, group=tp_group, counter=self.counter, tag="muon_tp", row_tag="muon_tp_rows"
+            )
+        return self._exchanges[key]
+
+    def _step(self, expert: bool, batch: _Batch) -> list[torch.Tensor]:
+        """This rank's pieces of the matrix step's results; every replica's row state stepped."""
+        exchange = self._exchange(expert, batch.layouts)
+        workspace = self.memory.ns_workspace_bytes
+        owner_stats: dict[int, torch.Tensor] = {}
+
+        def owner_step(indices: list[int], matrices: list[torch.Tensor]) -> list[torch.Tensor]:
+            out, stats = matrix_step.matrix_updates(
+                matrices,
+                [batch.rules[i] for i in indices],
+                [batch.rows[i] for i in indices],
+                update_row_moments=False,  # replicas: every TP rank steps its own below
+                max_workspace_bytes=workspace,
+            )
+            owner_stats.update((i, st) for i, st in zip(indices, stats) if st is not None)
+            return out
+
+        pieces = exchange.run(batch.pieces, owner_step)
+        rows = [
+            lay.shape[0] if rule.has_row_state else None
+            for lay, rule in zip(batch.layouts, batch.rules)
+        ]
+        if any(r is not None for r in rows):
+            shared = exchange.share_row_statistics(owner_stats, rows)
+            matrix_step.step_row_moments_(
+                batch.rows,
+                [shared.get(i) for i in range(len(batch.rules))],
+                [rule.row_beta2 for rule in batch.rules],
+            )
+        return pieces
+
+
+class _Batch:
+    """The matrices of one TP group's exchange: pieces, layouts, rules and row states."""
+
+    def __init__(self) -> None:
+        self.pieces: list[torch.Tensor] = []
+        self.layouts: list[MatrixLayout] = []
+        self.rules: list[matrix_step.MatrixRule] = []
+        self.rows: list[torch.Tensor | None] = []
+
+    def add(self, piece, layout, rule, rows) -> None:
+        self.pieces.append(piece)
+        self.layouts.append(layout)
+        self.rules.append(rule)
+        self.rows.append(rows)
+
+
+def _piece_shapes(layout: MatrixLayout) -> tuple[tuple[int, int], ...]:
+    return tuple(layout.piece_shape(r) for r in range(len(layout.pieces)))
+
+
+def _row_slices(
+    layouts: Sequence[MatrixLayout], row_state: torch.Tensor | None
+) -> list[torch.Tensor | None]:
+    """Each whole matrix's rows of a parameter's row state (None: the parameter has none)."""
+    if row_state is None:
+        return [None] * len(layouts)
+    out, start = [], 0
+    for lay in layouts:
+        out.append(row_state[start : start + lay.shape[0]])
+        start += lay.shape[0]
+    return out
 
 
 class Orthogonalizer(Protocol):
@@ -234,7 +170,7 @@ class Orthogonalizer(Protocol):
         views: Sequence[MatrixView],
         plans: Sequence[ParamPlan],
         group: Mapping[str, Any],
-        row_moments: Sequence[torch.Tensor | None] | None = None,
+        row_states: Sequence[torch.Tensor | None] | None = None,
     ) -> list[torch.Tensor]: ...
 
 
@@ -247,26 +183,21 @@ def muon_update_(
     plans: Sequence[ParamPlan],
     group: Mapping[str, Any],
     orthogonalize: Orthogonalizer,
-    row_moments: Sequence[torch.Tensor | None] | None = None,  # NorMuon state per parameter
+    row_states: Sequence[torch.Tensor | None] | None = None,  # whole rows, per parameter
 ) -> None:
     """Muon's step with an injected orthogonalizer: B ← B.lerp(G, 1 − μ), U = G.lerp(B, μ) or
-    B; W ← W (1 − η λ) − η · ``orthogonalize(U)`` (the functions of :mod:`muonscale.functional`
-    that every layout uses; cautious weight decay, elementwise, on each rank's shard)."""
+    B; W ← W (1 − η λ) − η · ``orthogonalize(U)`` with the matrix step's apply rule of a scaled
+    update (:func:`muonscale.matrix_step.apply_updates_by_rule_`, elementwise on each rank's
+    shard)."""
     directions = functional.momentum_directions_(
         list(grads), list(momentum_buffers), momentum=group["momentum"], nesterov=group["nesterov"]
     )
-    updates = orthogonalize(directions, views, plans, group, row_moments)
-    lr, decay = float(group["lr"]), group["weight_decay"]
-    if decay != 0 and MuonSettings.from_group(group).cautious_weight_decay:
-        for param, update in zip(params, updates):
-            update = update.view(param.shape)
-            variants.cautious_weight_decay_(param, update, lr=lr, weight_decay=decay)
-            param.add_(update, alpha=-lr)
-        return
-    functional.apply_updates_(
+    updates = orthogonalize(directions, views, plans, group, row_states)
+    settings = MuonSettings.from_group(group)
+    matrix_step.apply_updates_by_rule_(
         params,
         updates,
-        [-1.0] * len(updates),
+        [matrix_step.apply_rule(view, settings, scaled=True) for view in views],
         lr=float(group["lr"]),
         weight_decay=group["weight_decay"],
     )

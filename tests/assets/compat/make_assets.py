@@ -11,7 +11,8 @@ step, so that a later version of the code can check that it loads and continues 
   ``DTensorMuon`` (FSDP2) at 2 gloo ranks, with ``rank<r>.pt``: that rank's local state, its
   parameters and its next step's parameters.
 
-The Megatron TP=2 asset is written by ``tests/megatron/compat_asset.py`` in the Megatron venv.
+The Megatron assets (TP 2, and ZeRO-1 at TP 2 × DP 2) are written by
+``tests/megatron/compat_asset.py`` in the Megatron venv.
 """
 
 from __future__ import annotations
