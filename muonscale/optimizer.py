@@ -10,7 +10,6 @@ step (:mod:`~muonscale.group_step`) and non-finite gradients (:mod:`~muonscale.n
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -299,13 +298,12 @@ class Muon(torch.optim.Optimizer):
     ) -> dict[str, torch.Tensor]:
         """Create (if missing) and return the state of ``p`` (``settings``: the group's, when
         the caller has them)."""
-        muon = group["algorithm"] == "muon"
-        if muon and settings is None:
+        if group["algorithm"] != "muon":
+            settings = None  # AdamW's state
+        elif settings is None:
             settings = MuonSettings.from_group(group)
-        view = functools.partial(self._matrix_view, p, group)  # called only when needed
-        return created_state(
-            self.state[p], p, settings if muon else None, view, capturable=self.capturable
-        )
+        state, view = self.state[p], self._matrix_view
+        return created_state(state, p, group, settings, view, capturable=self.capturable)
 
     def _stacked_momentum(
         self, group: Mapping[str, Any], params: list[torch.Tensor], states: list[dict]

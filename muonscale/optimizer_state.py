@@ -34,14 +34,16 @@ PICKLED_EXTRAS_KEY = "_muonscale"
 def created_state(
     state: dict[str, Any],
     p: torch.Tensor,
+    group: Mapping[str, Any],
     settings: MuonSettings | None,
-    matrix_view: Callable[[], MatrixView],
+    matrix_view: Callable[[torch.Tensor, Mapping[str, Any]], MatrixView],
     *,
     capturable: bool,
 ) -> dict[str, Any]:
-    """``state``, the optimizer's entry for ``p``, with what is missing created: Muon's
-    declared state (``settings``: its group's) or, when ``settings`` is None and ``state`` is
-    empty, AdamW's. ``matrix_view()``: ``p``'s matrices, read only for state shaped by them."""
+    """``state``, the optimizer's entry for ``p`` of ``group``, with what is missing created:
+    Muon's declared state (``settings``: the group's) or, when ``settings`` is None and
+    ``state`` is empty, AdamW's. ``matrix_view(p, group)``: ``p``'s matrices, read only for
+    state shaped by them."""
     if settings is not None:
         if MOMENTUM.key not in state:  # laid out as the parameter (a DTensor's shards)
             state[MOMENTUM.key] = torch.zeros_like(
@@ -49,7 +51,7 @@ def created_state(
             )
         for spec in kept_state(settings, variants_only=True):
             if spec.key not in state:
-                state[spec.key] = spec.zeros(settings, matrix_view(), p.dtype, p.device)
+                state[spec.key] = spec.zeros(settings, matrix_view(p, group), p.dtype, p.device)
     elif not state:
         # capturable: on the parameter's device (torch's convention), made by a fill kernel
         device = p.device if capturable else torch.device("cpu")
