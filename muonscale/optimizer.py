@@ -143,6 +143,7 @@ class Muon(torch.optim.Optimizer):
         orthogonalize_in_backward: bool = False,
         strict: bool = False,
     ) -> None:
+        # Every keyword argument by name, for checked_defaults (before any other local exists).
         options = {k: v for k, v in locals().items() if k not in ("self", "params", "__class__")}
         if isinstance(params, torch.Tensor):
             raise TypeError(f"{PARAMS_TYPE_ERROR}, but got {torch.typename(params)}")
