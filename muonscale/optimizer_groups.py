@@ -12,7 +12,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .optimizer_options import AdamWGroup, validate_adamw_group, validate_muon_group
+from .optimizer_options import (
+    AdamWGroup,
+    resolve_splits,
+    validate_adamw_group,
+    validate_muon_group,
+)
 from .param_table import ParamTable
 from .params import ALGORITHMS, RouteDecision, route, route_one, transposed_weights
 
@@ -222,6 +227,57 @@ def resolved_group(
     return param_group
 
 
+def added_groups(
+    table: ParamTable,
+    param_group: Mapping[str, Any],
+    muon_defaults: Mapping[str, Any],
+    adamw_defaults: Mapping[str, Any],
+    strict: bool,
+) -> list[dict[str, Any]]:
+    """The groups ``add_param_group(param_group)`` adds, before defaults are filled in
+    (:func:`resolved_group`): the group itself when it is the constructor's or is pinned with
+    its options, else its parameters routed and split by algorithm (:func:`expand_user_group`,
+    with the weight decays of the defaults); ``strict`` raises for unnamed ones before a group
+    is added."""
+    if not isinstance(param_group, Mapping):
+        raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
+    resolved = "algorithm" in param_group and (
+        param_group["algorithm"] == "muon" or param_group.get("weight_decay") is not None
+    )
+    if resolved:  # the constructor's groups, or a group pinned with its options
+        return [dict(param_group)]
+    groups = expand_user_group(
+        table, dict(param_group), muon_defaults["weight_decay"], adamw_defaults["weight_decay"]
+    )
+    warn_unnamed(table, strict, stacklevel=4)  # the warning points at add_param_group's caller
+    return groups
+
+
+def check_built_groups(
+    table: ParamTable,
+    param_groups: list[dict[str, Any]],
+    optimizer: str,
+    *,
+    accepts_dtensor: bool,
+    strict: bool,
+    splits: Mapping[str, Any],
+    qkv_split: str,
+) -> None:
+    """After the constructor's groups were added: refuse DTensors (unless the ``optimizer``
+    class ``accepts_dtensor``) and stray ``transposed`` names, warn (``strict``: raise) for
+    unnamed parameters routed by rank, resolve ``splits`` into ``table``, and warn when
+    ``qk_lr_scale`` reaches no query or key block."""
+    if not accepts_dtensor:
+        refuse_dtensors(table, param_groups, optimizer)
+    warn_unnamed(table, strict, stacklevel=4)  # warnings point at the constructor's caller
+    check_transposed(table, param_groups)
+    by_name = {table.name(p): (p, g) for g in param_groups for p in g["params"]}
+    table.split_rows, table.split_roles = resolve_splits(
+        splits, qkv_split, by_name, table.is_transposed
+    )
+    warn_idle_qk_lr_scale(table, param_groups, stacklevel=4)
+
+
 def check_transposed(table: ParamTable, param_groups: list[dict[str, Any]]) -> None:
     """Refuse a ``transposed`` name of a Muon parameter that is not 2-D."""
     muon = {table.name(p): p for g in param_groups if g["algorithm"] == "muon" for p in g["params"]}
@@ -247,8 +303,11 @@ def refuse_dtensors(table: ParamTable, param_groups: list[dict[str, Any]], optim
                 )
 
 
-def warn_idle_qk_lr_scale(table: ParamTable, param_groups: list[dict[str, Any]]) -> None:
-    """Warn for each Muon group whose ``qk_lr_scale`` has no query or key block to act on."""
+def warn_idle_qk_lr_scale(
+    table: ParamTable, param_groups: list[dict[str, Any]], stacklevel: int = 3
+) -> None:
+    """Warn for each Muon group whose ``qk_lr_scale`` has no query or key block to act on
+    (``stacklevel``: ``warnings.warn``'s, counted from here)."""
     for i, group in enumerate(param_groups):
         if group["algorithm"] != "muon" or group["qk_lr_scale"] == 1.0:
             continue
@@ -260,7 +319,7 @@ def warn_idle_qk_lr_scale(table: ParamTable, param_groups: list[dict[str, Any]])
                 "the query and key blocks of fused QKV weights given in splits with a "
                 "QKVLayout. Give separate q/k projections a param group with their own lr.",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=stacklevel,
             )
 
 
@@ -294,16 +353,35 @@ def framework_fix(max_depth: int = 64) -> str | None:
     return None
 
 
-def warn_unnamed(table: ParamTable, strict: bool) -> None:
+def warn_unnamed(table: ParamTable, strict: bool, stacklevel: int = 3) -> None:
     """Warn (``strict``: raise ``ValueError``) when unnamed parameters went to Muon by rank
-    alone."""
+    alone (``stacklevel``: ``warnings.warn``'s, counted from here)."""
     if table.unnamed_to_muon:
         fix = framework_fix() or GENERIC_FIX  # a framework's users cannot pass names
         message = FALLBACK_WARNING.format(n=table.unnamed_to_muon, fix=fix)
         table.unnamed_to_muon = 0
         if strict:
             raise ValueError(f"strict=True: {message}")
-        warnings.warn(message, UserWarning, stacklevel=3)
+        warnings.warn(message, UserWarning, stacklevel=stacklevel)
+
+
+def rebind_groups_and_state(
+    table: ParamTable,
+    param_groups: list[dict[str, Any]],
+    state: dict[Any, Any],
+    slots: list[tuple[torch.Tensor, torch.Tensor, str]],
+) -> None:
+    """Follow ``slots`` (of :func:`rebind_slots`): ``state`` re-keyed by the new parameters,
+    ``param_groups`` and ``table`` pointed at them."""
+    new_of_name = {name: new for _, new, name in slots}
+    for key in list(state):  # state keys are alive, so their ids name them exactly
+        name = table.names.get(id(key))
+        if name in new_of_name and new_of_name[name] is not key:
+            state[new_of_name[name]] = state.pop(key)
+    flat = iter(slots)
+    for group in param_groups:
+        group["params"] = [next(flat)[1] for _ in group["params"]]
+    table.rebind(slots)
 
 
 def _named_tensors(named_parameters: Any) -> dict[str, torch.Tensor]:

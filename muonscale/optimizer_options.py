@@ -1,4 +1,5 @@
-"""Options of :class:`muonscale.Muon`: their checks, torch-name aliases, the AdamW group that
+"""Options of :class:`muonscale.Muon`: the constructor's keyword arguments checked and expanded
+into Muon's and AdamW's group defaults (torch-name aliases resolved), the AdamW group that
 aliases ``momentum`` to ``betas[0]``, and ``splits`` resolved to row blocks."""
 
 from __future__ import annotations
@@ -11,17 +12,42 @@ import torch
 
 from .capturable import NonFinitePolicy
 from .matrices import row_blocks
-from .qkv import QKVLayout
+from .params import RouteDecision
+from .qkv import QKV_SPLIT_MODES, QKVLayout
+from .scaling import ADJUST_LR_FNS, SCALE_RULES
 from .settings import (  # noqa: F401 (check_*, NS_METHODS: re-exported)
     NS_METHODS,
+    PLAIN_MUON,
     check_dtype,
     check_flag,
     check_lr,
     check_range,
+    schedule_defaults,
     validate_muon_options,
 )
 
 NONFINITE_POLICIES: tuple[NonFinitePolicy, ...] = ("raise", "skip", "ignore")
+
+MUON_DEFAULT_KEYS = (
+    "lr",
+    "momentum",
+    "nesterov",
+    "weight_decay",
+    "ns_steps",
+    "coefficients",
+    "scale",
+    "ns_dtype",
+    "momentum_dtype",
+    "matrix_mode",
+    "ns_eps",
+    "ns_method",
+    "normalize",
+    "row_beta2",
+    "cautious_weight_decay",
+    "preconditioner",
+    "qk_lr_scale",
+)
+"""The keys of Muon's group defaults, in the order param groups hold them."""
 
 validate_muon_group = validate_muon_options
 """``ValueError`` naming the first invalid Muon option (see :mod:`muonscale.settings`)."""
@@ -36,6 +62,110 @@ def validate_adamw_group(group: Mapping[str, Any]) -> None:
     check_range("betas[1] (adamw_betas)", betas[1], 0.0, 1.0, high_open=True)
     check_range("adamw_eps", group["eps"], 0.0, math.inf)
     check_range("adamw_weight_decay", group["weight_decay"], 0.0, math.inf)
+
+
+def checked_defaults(
+    options: Mapping[str, Any],
+    owner: str,
+    *,
+    capturable_refusal: str | None,
+    backward_refusal: str | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Muon's and AdamW's group defaults from ``options``, the keyword arguments of
+    :class:`muonscale.Muon` by name, each checked (``ValueError`` naming the first invalid
+    one). ``owner`` names the optimizer class; ``capturable_refusal`` and
+    ``backward_refusal`` say why it refuses ``capturable`` or ``orthogonalize_in_backward``
+    (None: it supports it)."""
+    nonfinite, qkv_split = options["nonfinite"], options["qkv_split"]
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+    if qkv_split not in QKV_SPLIT_MODES:
+        raise ValueError(f"qkv_split must be one of {QKV_SPLIT_MODES}, got {qkv_split!r}")
+    adjust_lr_fn = options["adjust_lr_fn"]
+    if adjust_lr_fn is not None and adjust_lr_fn not in ADJUST_LR_FNS:
+        raise ValueError(
+            f"Adjust learning rate function {adjust_lr_fn} is not supported: adjust_lr_fn "
+            f"must be one of {tuple(ADJUST_LR_FNS)} (or pass scale=one of {SCALE_RULES})"
+        )
+    scale = either(
+        "scale", options["scale"], "adjust_lr_fn", ADJUST_LR_FNS.get(adjust_lr_fn), PLAIN_MUON.scale
+    )
+    if options["adamw_weight_decay"] is not None:
+        check_range("adamw_weight_decay", options["adamw_weight_decay"], 0.0, math.inf)
+    default_steps, default_coefficients = schedule_defaults(options["preconditioner"])
+    muon_defaults = {key: options[key] for key in MUON_DEFAULT_KEYS}
+    muon_defaults.update(  # the keyword arguments with a default that depends, or two names
+        ns_steps=options["ns_steps"] if options["ns_steps"] is not None else default_steps,
+        coefficients=either(
+            "coefficients",
+            options["coefficients"],
+            "ns_coefficients",
+            options["ns_coefficients"],
+            default_coefficients,
+        ),
+        scale=scale,
+        ns_eps=either("ns_eps", options["ns_eps"], "eps", options["eps"], PLAIN_MUON.ns_eps),
+    )
+    validate_muon_group(muon_defaults)
+    betas = either("adamw_betas", options["adamw_betas"], "betas", options["betas"], (0.9, 0.95))
+    adamw_defaults = dict(
+        lr=options["adamw_lr"] if options["adamw_lr"] is not None else options["lr"],
+        betas=tuple(betas),
+        eps=options["adamw_eps"],
+        weight_decay=options["adamw_weight_decay"],
+    )
+    validate_adamw_group(dict(adamw_defaults, weight_decay=options["weight_decay"]))
+    check_switches(options, owner, capturable_refusal, backward_refusal)
+    return muon_defaults, adamw_defaults
+
+
+def check_switches(
+    options: Mapping[str, Any],
+    owner: str,
+    capturable_refusal: str | None,
+    backward_refusal: str | None,
+) -> None:
+    """``capturable``, ``orthogonalize_in_backward``, ``strict`` and ``transposed`` of
+    ``options`` (see :func:`checked_defaults`)."""
+    capturable, in_backward = options["capturable"], options["orthogonalize_in_backward"]
+    if not isinstance(capturable, bool):
+        raise ValueError(f"capturable must be a bool, got {capturable!r}")
+    if capturable and capturable_refusal is not None:
+        raise ValueError(f"{owner} does not support capturable=True: {capturable_refusal}")
+    check_flag("orthogonalize_in_backward", in_backward)
+    if in_backward and backward_refusal is not None:
+        raise ValueError(
+            f"{owner} does not support orthogonalize_in_backward=True: {backward_refusal}"
+        )
+    if in_backward and capturable:
+        raise ValueError(
+            "orthogonalize_in_backward=True cannot be combined with capturable=True: the "
+            "Newton–Schulz work would run in backward hooks, outside the captured step"
+        )
+    check_flag("strict", options["strict"])
+    if isinstance(options["transposed"], str):
+        raise TypeError(
+            f"transposed must be a collection of parameter names, got {options['transposed']!r}"
+        )
+
+
+def require_adamw_lr(
+    groups: Sequence[Mapping[str, Any]],
+    routing: Mapping[str, RouteDecision],
+    adamw_lr: Any,
+    scale: str,
+) -> None:
+    """``ValueError`` when AdamW groups would take Muon's lr under a ``scale`` whose updates
+    are not the size of AdamW's (only ``"match_rms_adamw"`` makes one lr fit both)."""
+    if adamw_lr is not None or scale == "match_rms_adamw":
+        return
+    if any(g["algorithm"] == "adamw" and "lr" not in g for g in groups):
+        adamw_params = [n for n, d in routing.items() if d.algorithm == "adamw"]
+        raise ValueError(
+            f"adamw_lr is required with scale={scale!r}: only scale='match_rms_adamw' "
+            "makes Muon's update RMS match AdamW's (~0.2), so that one lr fits both "
+            f"halves. Parameters routed to AdamW: {adamw_params[:5]}"
+        )
 
 
 def either(name: str, value: Any, torch_name: str, torch_value: Any, default: Any) -> Any:

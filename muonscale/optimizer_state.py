@@ -1,15 +1,20 @@
-"""State of :class:`muonscale.Muon` beyond ``torch.optim``'s: what pickling carries, the checks
-before ``load_state_dict``, the fix-ups after it, and the stacks its momentum buffers live in."""
+"""State of :class:`muonscale.Muon` beyond ``torch.optim``'s: each parameter's state created,
+what pickling carries, the checks before ``load_state_dict``, the fix-ups after it, and the
+stacks its momentum buffers live in."""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from .declared_state import MOMENTUM, MUON_STATE, check_loaded_state, kept_state
+from .kernels import elementwise_backend_from_environment
+from .matrices import MatrixView
+from .memory import MemoryBudget
+from .nonfinite import NonFiniteSteps
 from .optimizer_groups import is_dtensor
 from .optimizer_options import AdamWGroup
 from .param_table import ParamTable
@@ -20,6 +25,87 @@ STATE_KEYS = {
     "adamw": {"step", "exp_avg", "exp_avg_sq"},
 }
 """The state keys :class:`muonscale.Muon` writes, per algorithm."""
+
+
+PICKLED_EXTRAS_KEY = "_muonscale"
+"""The key under which a pickled :class:`muonscale.Muon` carries :func:`pickled_extras`."""
+
+
+def created_state(
+    state: dict[str, Any],
+    p: torch.Tensor,
+    group: Mapping[str, Any],
+    settings: MuonSettings | None,
+    matrix_view: Callable[[torch.Tensor, Mapping[str, Any]], MatrixView],
+    *,
+    capturable: bool,
+) -> dict[str, Any]:
+    """``state``, the optimizer's entry for ``p`` of ``group``, with what is missing created:
+    Muon's declared state (``settings``: the group's) or, when ``settings`` is None and
+    ``state`` is empty, AdamW's. ``matrix_view(p, group)``: ``p``'s matrices, read only for
+    state shaped by them."""
+    if settings is not None:
+        if MOMENTUM.key not in state:  # laid out as the parameter (a DTensor's shards)
+            state[MOMENTUM.key] = torch.zeros_like(
+                p, dtype=MOMENTUM.dtype(settings, p.dtype), memory_format=torch.preserve_format
+            )
+        for spec in kept_state(settings, variants_only=True):
+            if spec.key not in state:
+                state[spec.key] = spec.zeros(settings, matrix_view(p, group), p.dtype, p.device)
+    elif not state:
+        # capturable: on the parameter's device (torch's convention), made by a fill kernel
+        device = p.device if capturable else torch.device("cpu")
+        state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
+
+
+def pickled_extras(opt: Any) -> dict[str, Any]:
+    """What a pickle of the :class:`muonscale.Muon` ``opt`` carries beyond torch's state. The
+    rest is keyed by ``id(param)``, which a copy changes: the table travels by position."""
+    return dict(
+        opt.param_table.pickled(opt.param_groups),
+        nonfinite=opt.nonfinite,
+        skipped_steps=opt.skipped_steps,
+        capturable=opt.capturable,
+        muon_defaults=opt.muon_defaults,
+        adamw_defaults=opt.adamw_defaults,
+        orthogonalize_in_backward=opt.orthogonalize_in_backward,
+        strict=opt.__dict__.get("strict", False),
+    )
+
+
+def attributes_added_since(present: Mapping[str, Any]) -> dict[str, Any]:
+    """The attributes of :class:`muonscale.Muon` missing from ``present`` (its ``__dict__``
+    after torch's ``__setstate__``), with their values: options added after an object was
+    pickled, and the environment's memory budget and elementwise pass (never pickled: read
+    when missing)."""
+    added = dict(
+        memory=MemoryBudget.from_environment(),
+        capturable=False,
+        strict=False,
+        nonfinite_steps=NonFiniteSteps(),
+    )
+    if "elementwise_backend" not in present:
+        added["elementwise_backend"] = elementwise_backend_from_environment()
+    return {key: value for key, value in added.items() if key not in present}
+
+
+def unpickled_attributes(
+    param_groups: list[dict[str, Any]], extras: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The attributes :func:`pickled_extras` gives the copy, keyed by its parameters
+    (``param_groups``); options added since the pickle was written take their defaults."""
+    return dict(
+        nonfinite=extras["nonfinite"],
+        nonfinite_steps=NonFiniteSteps(extras["skipped_steps"]),
+        capturable=extras.get("capturable", False),
+        strict=extras.get("strict", False),  # pickled before strict existed: False
+        muon_defaults={**OPTION_DEFAULTS, **extras["muon_defaults"]},
+        adamw_defaults=extras["adamw_defaults"],
+        param_table=ParamTable.unpickled(param_groups, extras),
+    )
 
 
 class MomentumStacks:
@@ -134,6 +220,15 @@ def upgraded_groups(param_groups: list[dict[str, Any]]) -> None:
             param_groups[i] = AdamWGroup.wrap(group)
 
 
+def check_state_dict(
+    state_dict: Mapping[str, Any], param_groups: list[dict[str, Any]], table: ParamTable
+) -> None:
+    """:func:`check_loadable`, then :func:`check_loaded_groups`: before ``load_state_dict``
+    changes anything."""
+    check_loadable(state_dict, param_groups)
+    check_loaded_groups(param_groups, table, state_dict, stacklevel=4)
+
+
 def check_loadable(state_dict: Mapping[str, Any], param_groups: list[Mapping[str, Any]]) -> None:
     """Raise ``ValueError`` unless ``state_dict`` was written by this kind of optimizer with
     the same groups (checked before anything changes)."""
@@ -187,12 +282,26 @@ def parameter_states(state: Mapping[Any, dict]) -> list[dict[str, Any]]:
     return [s for k, s in state.items() if isinstance(k, torch.Tensor)]
 
 
+def state_bytes(state: Mapping[Any, dict]) -> int:
+    """Bytes held by the tensors of an optimizer's per-parameter ``state``."""
+    return sum(
+        v.numel() * v.element_size()
+        for s in parameter_states(state)
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    )
+
+
 def restore_loaded(
-    param_groups: list[dict[str, Any]], state: Mapping[Any, dict], lrs: list[torch.Tensor]
+    param_groups: list[dict[str, Any]],
+    state: Mapping[Any, dict],
+    lrs: list[torch.Tensor],
+    momentum_dtypes: list[torch.dtype | None],
 ) -> None:
     """Undo what torch's ``load_state_dict`` changes: capturable lr tensors (``lrs``, the ones a
-    graph captured) are written in place, step counters become tensors, and buffers get back
-    their dtypes (torch casts floating state to the parameter's dtype)."""
+    graph captured) are written in place, step counters become tensors, buffers get back
+    their dtypes (torch casts floating state to the parameter's dtype), and each Muon group
+    keeps its ``momentum_dtype`` (``momentum_dtypes``, see :func:`keep_momentum_dtypes`)."""
     for group, lr in zip(param_groups, lrs):  # keep the tensors a graph captured
         loaded = group["lr"]
         if isinstance(loaded, torch.Tensor):
@@ -215,14 +324,19 @@ def restore_loaded(
                 dtype = spec.dtype(settings, p.dtype)
                 if value is not None and value.dtype != dtype:
                     entry[spec.key] = value.to(dtype)
+    keep_momentum_dtypes(param_groups, state, momentum_dtypes, stacklevel=4)
 
 
 def check_loaded_groups(
-    param_groups: list[dict[str, Any]], table: ParamTable, state_dict: Mapping[str, Any]
+    param_groups: list[dict[str, Any]],
+    table: ParamTable,
+    state_dict: Mapping[str, Any],
+    stacklevel: int = 3,
 ) -> None:
     """Before anything changes: refuse (naming the tensor) saved Muon state that does not fit
     its parameter's matrix view under the options it is loaded with (the saved group's,
-    torch's rule), and warn naming each variant option the saved groups change."""
+    torch's rule), and warn naming each variant option the saved groups change
+    (``stacklevel``: ``warnings.warn``'s, counted from here)."""
     saved_state = state_dict["state"]
     for i, (saved, group) in enumerate(zip(state_dict["param_groups"], param_groups)):
         if group["algorithm"] != "muon":
@@ -241,12 +355,15 @@ def check_loaded_groups(
                 "saved options replace the ones this optimizer was built with (torch's rule), "
                 "so the loaded run continues with the saved algorithm",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=stacklevel,
             )
 
 
 def keep_momentum_dtypes(
-    param_groups: list[dict[str, Any]], state: Mapping[Any, dict], wanted: list[torch.dtype | None]
+    param_groups: list[dict[str, Any]],
+    state: Mapping[Any, dict],
+    wanted: list[torch.dtype | None],
+    stacklevel: int = 3,
 ) -> None:
     """After ``load_state_dict``: each Muon group keeps this optimizer's ``momentum_dtype``
     (``wanted``, per group: a storage choice of the run, not a hyperparameter of the
@@ -269,5 +386,5 @@ def keep_momentum_dtypes(
             f"({'; '.join(changed)}; None: the parameter's dtype); the momentum buffers were "
             "cast to this optimizer's",
             UserWarning,
-            stacklevel=3,
+            stacklevel=stacklevel,
         )

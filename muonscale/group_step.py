@@ -1,0 +1,113 @@
+"""One param group's step on plain local tensors: the group's options and its parameters'
+state handed to :func:`muonscale.functional.muon` or :func:`muonscale.functional.adamw`, with a
+capturable step's learning rate on the device and its non-finite flag folded in."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from . import functional
+from .capturable import device_lr, step_lr
+from .declared_state import ROW_MOMENT, variant_state
+from .kernels import ElementwiseBackend
+from .matrices import MatrixView
+from .memory import MemoryBudget
+from .settings import MuonSettings
+
+
+def nonempty(
+    params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict]
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[dict]]:
+    """``params``, ``grads`` and ``states`` without the zero-element parameters (they have
+    state, as in torch, but nothing to orthogonalize)."""
+    keep = [i for i, p in enumerate(params) if p.numel() > 0]
+    if len(keep) == len(params):
+        return params, grads, states
+    return [params[i] for i in keep], [grads[i] for i in keep], [states[i] for i in keep]
+
+
+def muon_group_step(
+    group: Mapping[str, Any],
+    settings: MuonSettings,
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    states: list[dict],
+    buffers: list[torch.Tensor],
+    views: list[MatrixView],
+    *,
+    capturable: bool,
+    step_ok: torch.Tensor | None,
+    memory: MemoryBudget,
+    elementwise_backend: ElementwiseBackend,
+    apply_updates: functional.ApplyUpdates | None,
+) -> None:
+    """Muon's step of ``params`` (each with elements) of ``group`` (``settings``: its
+    options), with their ``states``, momentum ``buffers`` and matrix ``views``. ``step_ok``:
+    a capturable step's device flag (False: a no-op)."""
+    if step_ok is not None:
+        # A gradient equal to the momentum leaves it unchanged (B.lerp(B, w) = B), and a
+        # zero lr leaves the parameter unchanged: the step is a no-op on the device.
+        grads = [torch.where(step_ok, g, b) for g, b in zip(grads, buffers)]
+    functional.muon(
+        params,
+        grads,
+        buffers,
+        options=settings,
+        row_moments=variant_state(states)[ROW_MOMENT.key],
+        qk_lr_scale=settings.qk_lr_scale,
+        views=views,
+        lr=step_lr(group, step_ok) if capturable else float(group["lr"]),
+        weight_decay=group["weight_decay"],
+        momentum=settings.momentum,
+        nesterov=settings.nesterov,
+        ns=settings.ns,
+        scale=settings.scale,
+        max_chunk_bytes=memory.update_chunk_bytes,
+        max_workspace_bytes=memory.ns_workspace_bytes,
+        elementwise_backend=elementwise_backend,
+        apply_updates=apply_updates,
+    )
+
+
+def adamw_group_step(
+    group: Mapping[str, Any],
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    states: list[dict],
+    *,
+    capturable: bool,
+    step_ok: torch.Tensor | None,
+    max_chunk_bytes: int,
+) -> None:
+    """AdamW's step of ``params`` of ``group`` with their ``states`` (``step_ok``: as in
+    :func:`muon_group_step`)."""
+    beta1, beta2 = group["betas"]
+    if capturable:
+        for p, s in zip(params, states):  # loaded checkpoints hold steps on the host
+            if s["step"].device != p.device:
+                s["step"] = s["step"].to(p.device)
+    exp_avgs = [s["exp_avg"] for s in states]
+    exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+    if any(p.is_complex() for p in params):
+        # As torch.optim.AdamW: real and imaginary parts are independent coordinates.
+        params, grads, exp_avgs, exp_avg_sqs = (
+            [torch.view_as_real(t) if t.is_complex() else t for t in ts]
+            for ts in (params, grads, exp_avgs, exp_avg_sqs)
+        )
+    functional.adamw(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [s["step"] for s in states],
+        lr=device_lr(group) if capturable else float(group["lr"]),
+        beta1=beta1,
+        beta2=beta2,
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        max_chunk_bytes=max_chunk_bytes,
+        finite=step_ok,
+    )
