@@ -24,7 +24,7 @@ _LAZY = {
     "newton_schulz_flops": "flops",
     "MatrixView": "matrices",
     "Muon": "optimizer",
-    "NonFiniteGradientError": "optimizer",
+    "NonFiniteGradientError": "nonfinite",
     "RouteDecision": "params",
     "route": "params",
     "QKVLayout": "qkv",

@@ -102,7 +102,7 @@ class NewtonSchulzSettings:
 @dataclass(frozen=True)
 class MuonSettings:
     """The options of one Muon param group, under their param-group keys; the class defaults
-    are the defaults of :class:`muonscale.Muon` (see its docstring for each option)."""
+    are the defaults of :class:`muonscale.Muon` (each option: *Options* in the docs)."""
 
     lr: float | torch.Tensor = 1e-3
     momentum: float = 0.95
