@@ -75,12 +75,6 @@ def kept_state(settings: MuonSettings, *, variants_only: bool = False) -> list[S
     return [t for t in (VARIANT_STATE if variants_only else MUON_STATE) if t.kept(settings)]
 
 
-def variant_state(states: list[Mapping[str, Any]]) -> dict[str, list[torch.Tensor | None]]:
-    """``{key: [that tensor of each state, or None]}`` for every variant state tensor: what
-    the matrix step takes besides the momentum."""
-    return {t.key: [s.get(t.key) for s in states] for t in VARIANT_STATE}
-
-
 def row_state(states: list[Mapping[str, Any]]) -> list[torch.Tensor | None]:
     """Each state's replicated row state, which the matrix step reads besides the direction
     (NorMuon's row second moment; None where the settings keep none)."""

@@ -132,14 +132,12 @@ def update_rule(
 ) -> tuple[float, bool]:
     """(α, cautious) with which :func:`muon` applies ``param``'s update O through
     :func:`apply_updates_` (:func:`muonscale.matrix_step.apply_rule`)."""
-    rule = apply_rule(view, call_settings(options, ns, scale, options.qk_lr_scale))
+    rule = apply_rule(view, call_settings(options, ns, scale))
     return rule.alpha, rule.cautious_decay
 
 
-def call_settings(
-    options: MuonSettings, ns: NewtonSchulzSettings, scale: str, qk_lr_scale: float
-) -> MuonSettings:
-    """``options`` with the Newton–Schulz settings, scale rule and Q/K factor of a call."""
+def call_settings(options: MuonSettings, ns: NewtonSchulzSettings, scale: str) -> MuonSettings:
+    """``options`` with the Newton–Schulz settings and the scale rule of a call."""
     return dataclasses.replace(
         options,
         ns_steps=ns.steps,
@@ -149,7 +147,6 @@ def call_settings(
         ns_method=ns.method,
         preconditioner=ns.preconditioner,
         scale=scale,
-        qk_lr_scale=qk_lr_scale,
     )
 
 
@@ -208,8 +205,7 @@ def muon(
     max_workspace_bytes: int = DEFAULT_NS_WORKSPACE_BYTES,
     elementwise_backend: ElementwiseBackend = DEFAULT_ELEMENTWISE_BACKEND,
     options: MuonSettings = PLAIN_MUON,
-    row_moments: Sequence[torch.Tensor] | None = None,
-    qk_lr_scale: float = 1.0,
+    row_state: Sequence[torch.Tensor | None] | None = None,
     apply_updates: ApplyUpdates | None = None,
 ) -> None:
     """One Muon step, in place on ``params`` and ``momentum_buffers``::
@@ -217,13 +213,13 @@ def muon(
         B ← B.lerp(G, 1 − μ);  U = G.lerp(B, μ) (Nesterov) or B
         O = NS(U) per matrix of the view (batched over same-shape matrices)
         W ← W · (1 − lr · λ)                 # decoupled weight decay, unadjusted lr
-        W ← W − lr · s(m, n) · O             # s: scale rule of each matrix (× qk_lr_scale
+        W ← W − lr · s(m, n) · O             # s: scale rule of each matrix (× the Q/K factor
                                              # for the Q and K blocks of a split QKV weight)
 
     Plain Muon of single matrices takes the stacked fast path (:func:`stacked_muon_`: two
     elementwise passes besides Newton–Schulz, the directions written straight into the
     Newton–Schulz input stacks); every other parameter (split or transposed views, the
-    variants of ``options``, with their ``row_moments``) takes the matrix step
+    variants of ``options``, with their ``row_state``) takes the matrix step
     (:func:`muonscale.matrix_step.parameter_updates`). ``elementwise_backend``
     (:data:`~muonscale.kernels.ElementwiseBackend`) says whether the fast path's passes are
     Triton kernels (the optimizers pass the value they read from ``MUONSCALE_ELEMENTWISE``
@@ -239,7 +235,7 @@ def muon(
     """
     if not params:
         return
-    settings = call_settings(options, ns, scale, qk_lr_scale)
+    settings = call_settings(options, ns, scale)
     budget = chunk_bytes_for(max_chunk_bytes, params[0].device)
     apply = apply_updates or apply_updates_
     for chunk in update_chunks(params, views, ns_dtype=ns.dtype, max_chunk_bytes=budget):
@@ -275,7 +271,7 @@ def muon(
             directions,
             [views[i] for i in others],
             [settings] * len(others),
-            None if row_moments is None else [row_moments[i] for i in others],
+            None if row_state is None else [row_state[i] for i in others],
             max_workspace_bytes=max_workspace_bytes,
         )
         del directions

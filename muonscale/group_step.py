@@ -11,7 +11,7 @@ import torch
 
 from . import functional
 from .capturable import device_lr, step_lr
-from .declared_state import ROW_MOMENT, variant_state
+from .declared_state import row_state
 from .kernels import ElementwiseBackend
 from .matrices import MatrixView
 from .memory import MemoryBudget
@@ -56,8 +56,7 @@ def muon_group_step(
         grads,
         buffers,
         options=settings,
-        row_moments=variant_state(states)[ROW_MOMENT.key],
-        qk_lr_scale=settings.qk_lr_scale,
+        row_state=row_state(states),
         views=views,
         lr=step_lr(group, step_ok) if capturable else float(group["lr"]),
         weight_decay=group["weight_decay"],

@@ -113,14 +113,14 @@ def matrix_updates(
     rules: Sequence[MatrixRule],
     row_moments: Sequence[torch.Tensor | None] | None = None,
     *,
-    update_row_moments: bool = True,
+    step_row_state: bool = True,
     max_workspace_bytes: int = DEFAULT_NS_WORKSPACE_BYTES,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """The matrix step of whole directions U (one rule each; ``row_moments[i]``: the (rows,)
     row second moment of matrix i where its rule normalizes rows). Returns the updates (in
     Newton–Schulz's dtype) and each matrix's row statistics (None without a row step).
 
-    ``update_row_moments``: step the row moments in place; False leaves them as they are (the
+    ``step_row_state``: step the row moments in place; False leaves them as they are (the
     factors come from a stepped copy) for a caller that steps replicas held elsewhere from the
     returned statistics (:func:`muonscale.variants.update_row_moments_`: the same bits)."""
     by_ns: dict[NewtonSchulzSettings, list[int]] = defaultdict(list)
@@ -139,7 +139,7 @@ def matrix_updates(
         if rule.row_beta2 is not None:
             if row_moments is None or row_moments[i] is None:
                 raise ValueError("a row-normalizing matrix rule needs the matrix's row moment")
-            moment = row_moments[i] if update_row_moments else row_moments[i].clone()
+            moment = row_moments[i] if step_row_state else row_moments[i].clone()
             stats[i] = variants.row_statistics(O)
             variants.update_row_moments_(moment, stats[i], rule.row_beta2)
             O.mul_(variants.row_factors(moment, stats[i]).to(O.dtype)[:, None])
@@ -225,7 +225,7 @@ def parameter_updates(
     settings: Sequence[MuonSettings],
     row_moments: Sequence[torch.Tensor | None] | None = None,
     *,
-    update_row_moments: bool = True,
+    step_row_state: bool = True,
     max_workspace_bytes: int = DEFAULT_NS_WORKSPACE_BYTES,
 ) -> tuple[list[torch.Tensor], list[ApplyRule], list[torch.Tensor | None]]:
     """The matrix step of whole parameters: each direction U (parameter-shaped, whole) →
@@ -243,7 +243,7 @@ def parameter_updates(
         matrices,
         rules,
         moments,
-        update_row_moments=update_row_moments,
+        step_row_state=step_row_state,
         max_workspace_bytes=max_workspace_bytes,
     )
     per_param: list[list[torch.Tensor]] = [[] for _ in directions]
@@ -258,20 +258,21 @@ def parameter_updates(
     return updates, applies, row_stats
 
 
-def step_row_moments_(
-    row_moments: Sequence[torch.Tensor | None],
+def step_row_replicas_(
+    row_state: Sequence[torch.Tensor | None],
     row_stats: Sequence[torch.Tensor | None],
-    beta2s: Sequence[float | None],
+    rules: Sequence[MatrixRule | MuonSettings],
 ) -> None:
-    """Step every replica of a row moment in place from the row statistics its owner's matrix
-    step returned with ``update_row_moments=False`` (and the exchange shared): the bits the
-    owner's own step gives. A None moment or β₂ is left alone."""
-    for moment, stats, beta2 in zip(row_moments, row_stats, beta2s):
-        if moment is None or beta2 is None:
+    """Step every replica of a row state in place from the row statistics its owner's matrix
+    step returned with ``step_row_state=False`` (and the exchange shared), by each one's rule
+    (a :class:`MatrixRule` or a parameter's settings): the bits the owner's own step gives.
+    A None state, or a rule without a row step, is left alone."""
+    for state, stats, rule in zip(row_state, row_stats, rules):
+        if state is None or rule.row_beta2 is None:
             continue
         if stats is None:
-            raise ValueError("a replicated row moment needs its owner's row statistics")
-        variants.update_row_moments_(moment, stats.to(moment.device), beta2)
+            raise ValueError("a replicated row state needs its owner's row statistics")
+        variants.update_row_moments_(state, stats.to(state.device), rule.row_beta2)
 
 
 def unscaled_apply_rule(settings: MuonSettings, shape: tuple[int, int]) -> ApplyRule:

@@ -40,12 +40,3 @@ def update_scale(rule: str, rows: int, cols: int) -> float:
     if rule == "none":
         return 1.0
     raise ValueError(f"scale must be one of {SCALE_RULES}, got {rule!r}")
-
-
-def matrix_update_scales(rule: str, view, qk_lr_scale: float = 1.0) -> list[float]:
-    """s(m, n) of each matrix of ``view`` (a :class:`~muonscale.matrices.MatrixView`), times
-    ``qk_lr_scale`` for the query and key blocks of a split QKV weight."""
-    return [
-        update_scale(rule, *shape) * factor
-        for shape, factor in zip(view.matrix_shapes, view.lr_factors(qk_lr_scale))
-    ]

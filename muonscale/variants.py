@@ -86,23 +86,6 @@ def row_moment_shape(matrix_shapes: Sequence[tuple[int, int]]) -> tuple[int]:
     return (sum(int(rows) for rows, _ in matrix_shapes),)
 
 
-def row_normalize_matrices_(
-    matrices: Sequence[torch.Tensor],
-    owner: Sequence[int],
-    row_moments: Sequence[torch.Tensor],
-    *,
-    beta2: float,
-) -> None:
-    """:func:`row_normalize_` of each matrix in place; ``owner[i]`` is the index (into
-    ``row_moments``) of the parameter matrix i belongs to. A parameter's matrices take
-    consecutive slices of its row moment, in order."""
-    offsets = [0] * len(row_moments)
-    for mat, index in zip(matrices, owner):
-        rows, start = mat.shape[0], offsets[index]
-        row_normalize_(mat, row_moments[index][start : start + rows], beta2=beta2)
-        offsets[index] = start + rows
-
-
 # ------------------------------------------------------------------------ cautious decay
 def cautious_weight_decay_(
     param: torch.Tensor, update: torch.Tensor, *, lr: float, weight_decay: float

@@ -49,7 +49,7 @@ def _owner_step(rules, moments, computed):
             whole,
             [rules[i] for i in indices],
             [moments[i] for i in indices],
-            update_row_moments=False,
+            step_row_state=False,
         )
         computed.update((i, s) for i, s in zip(indices, stats) if s is not None)
         return out
@@ -60,10 +60,8 @@ def _owner_step(rules, moments, computed):
 def _stepped(moments, stats):
     """Each row moment stepped from ``stats`` (a copy; None stays None)."""
     out = [None if v is None else v.clone() for v in moments]
-    matrix_step.step_row_moments_(
-        out,
-        [stats.get(i) for i in range(len(out))],
-        [ROW_SETTINGS.row_beta2] * len(out),
+    matrix_step.step_row_replicas_(
+        out, [stats.get(i) for i in range(len(out))], [ROW_SETTINGS] * len(out)
     )
     return out
 
@@ -194,7 +192,7 @@ def test_local_exchange_casts_and_keeps_row_statistics():
     computed: dict[int, torch.Tensor] = {}
     exchange = LocalExchange()
     out = exchange.run(fulls, _owner_step(rules, moments, computed), result_dtype=torch.float64)
-    expect, stats = matrix_step.matrix_updates(fulls, rules, moments, update_row_moments=False)
+    expect, stats = matrix_step.matrix_updates(fulls, rules, moments, step_row_state=False)
     assert all(o.dtype == torch.float64 for o in out)
     assert all(torch.equal(o, e.double()) for o, e in zip(out, expect))
     shared = exchange.share_row_statistics(computed, [4, None])

@@ -372,7 +372,7 @@ class DTensorMuon(Muon):
             [self._matrix_view(p, g) for p, g in entries],
             [MuonSettings.from_group(g) for _, g in entries],
             row_state([self.state[p] for p, _ in entries]),
-            update_row_moments=False,  # replicas: every rank steps its own after the exchange
+            step_row_state=False,  # replicas: every rank steps its own after the exchange
             max_workspace_bytes=self.memory.ns_workspace_bytes,
         )
         row_stats.update((i, s) for i, s in zip(indices, stats) if s is not None)
@@ -387,10 +387,10 @@ class DTensorMuon(Muon):
             return
         rows = [None if v is None else v.numel() for v in replicas]
         stats = exchange.share_row_statistics(owner_stats, rows)
-        matrix_step.step_row_moments_(
+        matrix_step.step_row_replicas_(
             replicas,
             [stats.get(i) for i in range(len(part))],
-            [MuonSettings.from_group(g).row_beta2 for _, g in part],
+            [MuonSettings.from_group(g) for _, g in part],
         )
 
     def _apply_rule(self, p: torch.Tensor, group: Mapping[str, Any]) -> matrix_step.ApplyRule:

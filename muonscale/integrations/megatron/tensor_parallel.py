@@ -107,7 +107,7 @@ class TensorParallelOrthogonalizer:
                 matrices,
                 [batch.rules[i] for i in indices],
                 [batch.rows[i] for i in indices],
-                update_row_moments=False,  # replicas: every TP rank steps its own below
+                step_row_state=False,  # replicas: every TP rank steps its own below
                 max_workspace_bytes=workspace,
             )
             owner_stats.update((i, st) for i, st in zip(indices, stats) if st is not None)
@@ -120,10 +120,8 @@ class TensorParallelOrthogonalizer:
         ]
         if any(r is not None for r in rows):
             shared = exchange.share_row_statistics(owner_stats, rows)
-            matrix_step.step_row_moments_(
-                batch.rows,
-                [shared.get(i) for i in range(len(batch.rules))],
-                [rule.row_beta2 for rule in batch.rules],
+            matrix_step.step_row_replicas_(
+                batch.rows, [shared.get(i) for i in range(len(batch.rules))], batch.rules
             )
         return pieces
 
