@@ -156,6 +156,7 @@ def _rows(per_host: list[dict], hosts: int, procs: int, link: str) -> list[dict]
                 "step_s": step_s,
                 "optimizer_step_s": max(r["opt_s"] for r in ranks),
                 "ns_share": sum(ns) / (sum(fwd_bwd) + sum(ns)) if any(ns) else None,
+                # seconds per step the forward waited for the previous step's deferred gathers
                 "gather_wait_s": max((r.get("gather_wait_s") or 0.0) for r in ranks),
                 "tokens_per_s": first["tokens_per_step"] / step_s,
                 "idle_tx_bytes_per_window": [r["idle_tx"] for r in ranks if r["local_rank"] == 0],

@@ -285,8 +285,11 @@ def _run(a, names, rank) -> None:
         torch_counter.reset()
         dist.barrier()
         t0, (tx0, rx0), (lo0, _) = time.perf_counter(), _if_bytes(a.interface), _if_bytes("lo")
+        deferred = getattr(c.opt, "deferred", None)
+        waited0 = deferred.total_wait_seconds if deferred is not None else 0.0
         with NewtonSchulzTimer() as ns_timer:
             train(a.steps, measured=True)
+        waited = deferred.total_wait_seconds - waited0 if deferred is not None else None
         dist.barrier()
         t1, (tx1, rx1), (lo1, _) = time.perf_counter(), _if_bytes(a.interface), _if_bytes("lo")
         window = t1 - t0
@@ -310,7 +313,7 @@ def _run(a, names, rank) -> None:
             "step_s": sum(c.step_s[-a.steps :]) / a.steps,
             "opt_s": sum(c.opt_s[-a.steps :]) / a.steps,
             "ns_s": ns_timer.seconds / a.steps,
-            "gather_wait_s": getattr(c.opt, "gather_wait_seconds", None),
+            "gather_wait_s": None if waited is None else waited / a.steps,
             "tx": tx1 - tx0,
             "rx": rx1 - rx0,
             "idle_tx": ix1 - ix0,

@@ -74,6 +74,8 @@ class DeferredGather:
         self._last_gather: dict[int, int] = {}  # parameter index -> last pending gather with it
         self.wait_seconds = 0.0
         """Seconds spent waiting for the gathers of the last ``step()`` (hooks and calls)."""
+        self.total_wait_seconds = 0.0
+        """Seconds spent waiting for every step's gathers since construction."""
         self._held: dict[int, list[int]] = {}  # id(module) -> indices of its direct parameters
         self._seen: set[int] = set()  # modules run in the current forward
         self._seen_before: set[int] | None = None  # modules run in the previous forward
@@ -128,7 +130,9 @@ class DeferredGather:
                 self._done += 1  # a failure is raised once, not again by the next wait
                 self.comm.wait(gather.work, WAIT_WHAT)
                 gather.copy_back()
-        self.wait_seconds += time.perf_counter() - start
+        waited = time.perf_counter() - start
+        self.wait_seconds += waited
+        self.total_wait_seconds += waited
         if not self.pending:
             self._pending, self._done, self._last_gather = [], 0, {}
 
