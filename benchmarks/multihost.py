@@ -1,7 +1,17 @@
 """Multi-host data parallelism in network namespaces: bytes on the real interfaces against
 ``muonscale.distributed.comm``'s count, tokens/s on a constrained link, and failures.
 
-    sudo .venv/bin/python benchmarks/multihost.py --out runs/multihost
+    sudo .venv/bin/python benchmarks/multihost.py --out runs/multihost [--quick | --full]
+
+Presets (``PRESETS``; any flag given overrides its preset value): ``--quick`` serves
+``tests/test_multihost.py`` (2 x 1 on veth, small); the default finishes within 20 minutes on a
+2-core machine: 2 x 1 on veth and on a link shaped to DDP AdamW's own pace (``auto``: the rate
+at which its all-reduce takes as long as its compute on veth, so it spends about half its
+step communicating), 3 interleaved repeats, medians; ``--full`` adds 4 x 1 and 2 x 2 on both
+links and the faults. Tokens per step are chosen per rank (``--tokens-per-rank``) so that
+Newton–Schulz stays a small part of Muon's compute; the run prints that share (Newton–Schulz
+seconds summed over ranks over forward + backward + Newton–Schulz seconds, on veth), DDP
+AdamW's communication share on the shaped link, and its own wall time.
 
 Each configuration runs ``torchrun --nnodes H --nproc-per-node P`` (gloo) with every host's
 ranks in its own network namespace (``benchmarks/netns_cluster.py``) and writes one row per
@@ -45,6 +55,13 @@ def _default_python() -> str:
     return str(venv) if venv.exists() else sys.executable
 
 
+def global_batch(a, world: int) -> int:
+    """Sequences per step: ``--global-batch``, or ``--tokens-per-rank`` on every rank."""
+    if a.tokens_per_rank:
+        return max(1, a.tokens_per_rank // a.context_length) * world
+    return a.global_batch
+
+
 def run_config(a, hosts: int, procs: int, link: str, contenders: str) -> list[dict]:
     """One torchrun job; returns its rows (raises with the hosts' output when it fails)."""
     with tempfile.TemporaryDirectory(prefix="multihost-") as tmp, Cluster(hosts) as cluster:
@@ -57,8 +74,12 @@ def run_config(a, hosts: int, procs: int, link: str, contenders: str) -> list[di
             contenders,
             "--steps",
             str(a.steps),
+            "--warmup",
+            str(a.warmup),
             "--global-batch",
-            str(a.global_batch),
+            str(global_batch(a, hosts * procs)),
+            "--context-length",
+            str(a.context_length),
             "--d-model",
             str(a.d_model),
             "--n-layer",
@@ -105,6 +126,8 @@ def _rows(per_host: list[dict], hosts: int, procs: int, link: str) -> list[dict]
         m, c = sum(measured) / hosts, sum(counted) / hosts
         m_lo, c_lo = sum(measured_lo) / hosts, sum(counted_lo) / hosts
         step_s = max(r["step_s"] for r in ranks)
+        ns = [r.get("ns_s") or 0.0 for r in ranks]
+        fwd_bwd = [r["step_s"] - r["opt_s"] for r in ranks]
         digests = [r.get("param_digests") for r in ranks]
         replicas = None  # FSDP2 shards: not replicas
         if digests[0] and all(d is not None for run in digests for d in run):
@@ -132,6 +155,9 @@ def _rows(per_host: list[dict], hosts: int, procs: int, link: str) -> list[dict]
                 "vs_lower_bound": m / bound if bound else None,
                 "step_s": step_s,
                 "optimizer_step_s": max(r["opt_s"] for r in ranks),
+                "ns_share": sum(ns) / (sum(fwd_bwd) + sum(ns)) if any(ns) else None,
+                # seconds per step the forward waited for the previous step's deferred gathers
+                "gather_wait_s": max((r.get("gather_wait_s") or 0.0) for r in ranks),
                 "tokens_per_s": first["tokens_per_step"] / step_s,
                 "idle_tx_bytes_per_window": [r["idle_tx"] for r in ranks if r["local_rank"] == 0],
                 "counted_breakdown_rank0": ranks[0]["counted_breakdown"],
@@ -157,16 +183,14 @@ def _rows(per_host: list[dict], hosts: int, procs: int, link: str) -> list[dict]
 
 
 def _split_compute_and_comm(rows: list[dict]) -> None:
-    """On a shaped link: compute = the same contender's step on the unshaped veth link (2 x 1),
-    communication = the rest of the step, both measured (veth's own transfer time counts as
-    compute here, so the communication share is a lower bound)."""
+    """On a shaped link: compute = the same contender's step on the unshaped veth link at the
+    same shape, communication = the rest of the step, both measured (veth's own transfer time
+    counts as compute here, so the communication share is a lower bound)."""
     veth = {
-        r["optimizer"]: r
-        for r in rows
-        if r["link"] == "veth" and r["hosts"] == 2 and r["procs_per_host"] == 1
+        (r["optimizer"], r["hosts"], r["procs_per_host"]): r for r in rows if r["link"] == "veth"
     }
     for r in rows:
-        base = veth.get(r["optimizer"])
+        base = veth.get((r["optimizer"], r["hosts"], r["procs_per_host"]))
         if r["link"] != "veth" and base is not None:
             r["compute_s"] = base["step_s"]
             r["comm_s"] = r["step_s"] - base["step_s"]
@@ -473,30 +497,116 @@ def elastic_resume_scenario(a) -> dict:
     return row
 
 
+TIMED = "adamw-ddp,muon,muon-defer,muon-bf16reduce-defer"
+DEFAULT_PRESET = dict(
+    hosts="2",
+    shapes="2x1",
+    links="veth,auto",
+    contenders=TIMED,
+    faults="",
+    steps=3,
+    warmup=1,
+    tokens_per_rank=4096,
+    d_model=256,
+    repeats=3,
+    timeout_s=600.0,
+)
+PRESETS = {
+    "quick": {
+        **DEFAULT_PRESET,
+        "links": "veth",
+        "contenders": "muon,muon-bf16reduce,adamw-zero1,adamw-ddp",
+        "steps": 2,
+        "warmup": 2,
+        "tokens_per_rank": 0,
+        "d_model": 128,
+        "repeats": 1,
+        "timeout_s": 300.0,
+    },
+    "default": DEFAULT_PRESET,
+    "full": {
+        **DEFAULT_PRESET,
+        "hosts": "2,4",
+        "shapes": "2x1,4x1,2x2",
+        "contenders": TIMED + ",muon-bf16reduce,adamw-zero1,muon-nooverlap",
+        "faults": "kill,link-down,elastic",
+        "timeout_s": 900.0,
+    },
+}
+
+
+def auto_rate_mbit(rows: list[dict]) -> float:
+    """The rate at which DDP AdamW's all-reduce at 2 x 1 takes as long as its veth step: its
+    inter-host bytes per step over its step time (it then spends about half its step
+    communicating: DDP overlaps little of a one-bucket model's all-reduce)."""
+    ddp = next(
+        r
+        for r in rows
+        if r["optimizer"] == "adamw-ddp"
+        and r["link"] == "veth"
+        and (r["hosts"], r["procs_per_host"]) == (2, 1)
+    )
+    return ddp["measured_tx_bytes_per_step_per_host"] * 8 / 1e6 / ddp["step_s"]
+
+
+def medians(rows: list[dict]) -> list[dict]:
+    """One row per (optimizer, hosts, procs, link): the run with the median tokens/s, with
+    every run's tokens/s beside it and the ratios to DDP AdamW's median recomputed."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        key = (r["optimizer"], r["hosts"], r["procs_per_host"], r["link"])
+        groups.setdefault(key, []).append(r)
+    out = []
+    for runs in groups.values():
+        ranked = sorted(runs, key=lambda r: r["tokens_per_s"])
+        row = dict(ranked[(len(ranked) - 1) // 2])  # the lower median of an even count
+        row["runs_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
+        out.append(row)
+    ddp = {
+        (r["hosts"], r["procs_per_host"], r["link"]): r
+        for r in out
+        if r["optimizer"] == "adamw-ddp"
+    }
+    for r in out:
+        base = ddp.get((r["hosts"], r["procs_per_host"], r["link"]))
+        if base is not None:
+            r["tokens_per_s_vs_ddp_adamw"] = r["tokens_per_s"] / base["tokens_per_s"]
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--hosts", default="2,4")
-    ap.add_argument("--procs", default="1,2", help="processes per host")
+    ap.add_argument("--quick", dest="preset", action="store_const", const="quick")
+    ap.add_argument("--full", dest="preset", action="store_const", const="full")
+    ap.set_defaults(preset="default")
+    ap.add_argument("--hosts", default=None, help="host counts (with --procs: every shape)")
+    ap.add_argument("--procs", default=None, help="processes per host")
+    ap.add_argument("--shapes", default=None, help="HxP list, e.g. 2x1,4x1,2x2")
     ap.add_argument(
         "--links",
-        default="veth,100mbit,50mbit",
-        help="veth (unshaped) or <rate>mbit (tbf on every host's egress); rates run "
-        "at 2 hosts x 1 process",
+        default=None,
+        help="veth (unshaped), <rate>mbit (tbf on every host's egress) or auto (DDP AdamW's "
+        "bytes over its veth step at 2 x 1)",
     )
-    ap.add_argument(
-        "--contenders",
-        default="muon,muon-bf16reduce,adamw-zero1,adamw-ddp,fsdp-muon,fsdp-adamw,muon-nooverlap,"
-        "muon-bf16reduce-nooverlap",
-    )
+    ap.add_argument("--contenders", default=None)
     ap.add_argument(
         "--faults",
-        default="kill,link-down,elastic",
+        default=None,
         help="kill, link-down, elastic (SIGKILL + torchrun restart + resume)",
     )
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=None, help="interleaved runs; medians")
+    ap.add_argument(
+        "--tokens-per-rank",
+        type=int,
+        default=None,
+        help="tokens per rank per step (0: --global-batch sequences per step)",
+    )
     ap.add_argument("--global-batch", type=int, default=8)
-    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--context-length", type=int, default=128)
+    ap.add_argument("--d-model", type=int, default=None)
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--pg-timeout-s", type=float, default=20.0)
     ap.add_argument("--link-down-after-s", type=float, default=15.0)
@@ -506,13 +616,19 @@ def main(argv=None) -> int:
         choices=("float32", "bfloat16"),
         help="Newton-Schulz dtype of the Muon contenders",
     )
-    ap.add_argument("--timeout-s", type=float, default=300.0, help="per torchrun job")
+    ap.add_argument("--timeout-s", type=float, default=None, help="per torchrun job")
     ap.add_argument(
         "--python",
         default=_default_python(),
         help="interpreter with torch (default: the repo's .venv)",
     )
     a = ap.parse_args(argv)
+    for key, value in PRESETS[a.preset].items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    if a.procs is not None:  # --hosts x --procs, as before the shapes
+        a.shapes = ",".join(f"{h}x{p}" for h in a.hosts.split(",") for p in a.procs.split(","))
+    wall_start = time.monotonic()
     reason = unavailable_reason()
     if reason:
         print(f"multihost: cannot run: {reason}", file=sys.stderr)
@@ -521,30 +637,42 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, faults, errors = [], [], []
-    for link in a.links.split(",") if a.contenders else []:
-        shapes = [
-            (h, p) for h in map(int, a.hosts.split(",")) for p in map(int, a.procs.split(","))
-        ]
-        if link != "veth":
-            shapes = [(2, 1)]
-        for hosts, procs in shapes:
-            start = time.monotonic()
-            try:
-                rows += run_config(a, hosts, procs, link, a.contenders)
-            except RuntimeError as exc:  # recorded; the other configurations still run
-                errors.append(
-                    {
-                        "hosts": hosts,
-                        "procs_per_host": procs,
-                        "link": link,
-                        "error": str(exc)[-4000:],
-                    }
+    shapes = [tuple(map(int, x.split("x"))) for x in a.shapes.split(",") if x]
+    names = [n for n in a.contenders.split(",") if n]
+    links = a.links.split(",") if names else []
+    for repeat in range(a.repeats):
+        turn = repeat % max(1, len(names))
+        order = names[turn:] + names[:turn]  # interleaved: each repeat starts elsewhere
+        for link in links:
+            if link == "auto":
+                try:
+                    link = f"{auto_rate_mbit(rows):.0f}mbit"
+                except StopIteration:
+                    errors.append({"link": "auto", "error": "no adamw-ddp 2x1 veth row"})
+                    continue
+                a.auto_link = link
+            for hosts, procs in shapes:
+                start = time.monotonic()
+                try:
+                    for r in run_config(a, hosts, procs, link, ",".join(order)):
+                        rows.append({**r, "repeat": repeat})
+                except RuntimeError as exc:  # recorded; the other configurations still run
+                    errors.append(
+                        {
+                            "hosts": hosts,
+                            "procs_per_host": procs,
+                            "link": link,
+                            "error": str(exc)[-4000:],
+                        }
+                    )
+                    print(f"multihost: {exc}", file=sys.stderr, flush=True)
+                print(
+                    f"multihost: repeat {repeat}, {hosts} hosts x {procs} on {link}: "
+                    f"{time.monotonic() - start:.0f} s",
+                    flush=True,
                 )
-                print(f"multihost: {exc}", file=sys.stderr, flush=True)
-            print(
-                f"multihost: {hosts} hosts x {procs} on {link}: {time.monotonic() - start:.0f} s",
-                flush=True,
-            )
+    runs = rows
+    rows = medians(rows) if a.repeats > 1 else rows
     _split_compute_and_comm(rows)
     for kind in filter(None, a.faults.split(",")):
         faults.append(elastic_resume_scenario(a) if kind == "elastic" else run_fault(a, kind))
@@ -553,9 +681,11 @@ def main(argv=None) -> int:
         "settings": {k: v for k, v in vars(a).items() if k != "out"},
         "seed_article_claim": SEED_ARTICLE_CLAIM,
         "rows": rows,
+        "runs": runs,
         "faults": faults,
         "errors": errors,
     }
+    report["wall_s"] = time.monotonic() - wall_start
     (out / "multihost.json").write_text(json.dumps(report, indent=1))
     print(f"seed article: {SEED_ARTICLE_CLAIM}")
     for r in rows:
@@ -573,12 +703,31 @@ def main(argv=None) -> int:
             + (f" ({intra:+.1f}%)" if intra is not None else "")
             + f"; {r['tokens_per_s']:8.0f} tok/s"
         )
+    print_speed_table(rows)
     for f in faults:
         print(
             f"fault {f['scenario']}: {f['outcome']}, exit after the fault "
             f"{f.get('exit_s_after_fault') or f.get('exit_s_after_kill')} s"
         )
+    print(f"multihost: wall time {report['wall_s']:.0f} s ({a.preset} preset)")
     return 1 if errors else 0
+
+
+def print_speed_table(rows: list[dict]) -> None:
+    """tokens/s against DDP AdamW per shape and link; the Newton–Schulz share on veth and
+    DDP AdamW's communication share on shaped links."""
+    print("optimizer, hosts x procs, link: tokens/s (runs), vs DDP AdamW, NS share, comm share")
+    for r in sorted(rows, key=lambda r: (r["link"], r["hosts"], r["procs_per_host"])):
+        runs = r.get("runs_tokens_per_s", [r["tokens_per_s"]])
+        share = r.get("ns_share")
+        comm = r.get("comm_fraction")
+        print(
+            f"{r['optimizer']:>22} {r['hosts']}x{r['procs_per_host']} {r['link']:>8}: "
+            f"{r['tokens_per_s']:8.0f} tok/s ({', '.join(f'{t:.0f}' for t in runs)}), "
+            f"{r.get('tokens_per_s_vs_ddp_adamw', float('nan')):.2f}x DDP"
+            + (f", NS {100 * share:.1f}% of compute" if share else "")
+            + (f", communicating {100 * comm:.0f}% of the step" if comm is not None else "")
+        )
 
 
 if __name__ == "__main__":

@@ -4,12 +4,15 @@ same length) next to the bytes ``muonscale.distributed.comm`` counted.
 
 Contenders: ``muon`` (DistributedMuon), ``muon-bf16reduce`` (reduce_dtype=bfloat16),
 ``adamw-zero1`` (DistributedMuon with every parameter routed to AdamW), ``muon-nooverlap`` and
-``muon-bf16reduce-nooverlap`` (``overlap_gather=False``), ``adamw-ddp`` (DDP +
+``muon-bf16reduce-nooverlap`` (``overlap_gather=False``), ``muon-defer`` and
+``muon-bf16reduce-defer`` (``gather_updates=True``, ``defer_gather=True``), ``adamw-ddp`` (DDP +
 torch AdamW, all-reduce counted by a comm hook), ``fsdp-muon`` (DTensorMuon under FSDP2; FSDP2's
 own collectives counted with :func:`~muonscale.distributed.comm.native_wire_bytes`) and
 ``fsdp-adamw`` (torch AdamW under the same FSDP2 sharding). Bytes are measured and counted per
 link class: the host's link (``eth0``) carries the inter-host bytes, its loopback (``lo``) the
-intra-host ones. Host ``h``'s local rank 0 writes ``<out>/host<h>.json``.
+intra-host ones. Each Muon contender also times its Newton–Schulz calls (``ns_s``), beside its
+forward + backward (``step_s - opt_s``). Host ``h``'s local rank 0 writes
+``<out>/host<h>.json``.
 """
 
 from __future__ import annotations
@@ -37,7 +40,10 @@ CONTENDERS = (
     "fsdp-adamw",
     "muon-nooverlap",
     "muon-bf16reduce-nooverlap",
+    "muon-defer",
+    "muon-bf16reduce-defer",
 )
+DEFERRED = "-defer"  # bf16 update gather, landed in the next forward (defer_gather=True)
 NO_OVERLAP = "-nooverlap"  # DistributedMuon(overlap_gather=False): gathers after the last wave
 LRS = {"muon": 0.02, "adamw": 1e-3}
 
@@ -71,10 +77,31 @@ def _configs(a):
     )
 
 
+def _deferred(name, muon):
+    """DistributedMuon with the owners' bf16 updates gathered and landed in the next forward."""
+    from muonscale.bench.distributed_worker import Contender
+    from muonscale.distributed import DistributedMuon
+    from muonscale.train.model import GPT
+    from muonscale.train.optimizers import muon_options
+
+    torch.manual_seed(muon.seed)
+    model = GPT(muon.model_config())
+    reduce_dtype = torch.bfloat16 if name.startswith("muon-bf16reduce") else None
+    opt = DistributedMuon(
+        model.named_parameters(),  # routed by name, as the other Muon contenders
+        model=model,
+        reduce_dtype=reduce_dtype,
+        gather_updates=True,
+        defer_gather=True,
+        **muon_options(model, muon),
+    )
+    return Contender(name, muon, model, opt)
+
+
 def _build(names, muon, adamw, world_size, hosts):
     from muonscale.bench.distributed_worker import dp_contenders, sharded_contenders
 
-    out = {}
+    out = {n: _deferred(n, muon) for n in names if n.endswith(DEFERRED)}
     for name in (n for n in names if n.endswith(NO_OVERLAP)):
         base = name.removesuffix(NO_OVERLAP)
         dtypes = ["bfloat16"] if base == "muon-bf16reduce" else ["float32"]
@@ -84,7 +111,7 @@ def _build(names, muon, adamw, world_size, hosts):
                 out[name] = c
             else:
                 c.release()
-    names_with_overlap = [n for n in names if not n.endswith(NO_OVERLAP)]
+    names_with_overlap = [n for n in names if not n.endswith((NO_OVERLAP, DEFERRED))]
     if any(not n.startswith("fsdp-") for n in names_with_overlap):
         dtypes = ["float32"] + (["bfloat16"] if "muon-bf16reduce" in names else [])
         for c in dp_contenders(muon, adamw, dtypes, hosts=hosts):
@@ -106,12 +133,49 @@ def _build(names, muon, adamw, world_size, hosts):
 
 def _param_digest(c) -> str | None:
     """SHA-256 of the model's parameters (plain tensors only; None for FSDP2's shards)."""
+    wait = getattr(c.opt, "wait_for_parameters", None)
+    if wait is not None:  # a deferred gather still writes them
+        wait()
     h = hashlib.sha256()
     for p in c.model.parameters():
         if not isinstance(p.data, torch.Tensor) or type(p.data) is not torch.Tensor:
             return None
         h.update(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+class NewtonSchulzTimer:
+    """Seconds spent in Newton–Schulz: wraps the two entry points ``muonscale.functional``
+    calls (the stacked and the per-matrix path) while active."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __enter__(self):
+        from muonscale import functional
+
+        self._saved = {
+            n: getattr(functional, n) for n in ("newton_schulz_fast", "orthogonalize_stack_")
+        }
+        for name, fn in self._saved.items():
+            setattr(functional, name, self._timed(fn))
+        return self
+
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return timed
+
+    def __exit__(self, *exc) -> None:
+        from muonscale import functional
+
+        for name, fn in self._saved.items():
+            setattr(functional, name, fn)
 
 
 def _mean_links(per_step: list[dict[str, int]]) -> dict[str, float]:
@@ -221,7 +285,11 @@ def _run(a, names, rank) -> None:
         torch_counter.reset()
         dist.barrier()
         t0, (tx0, rx0), (lo0, _) = time.perf_counter(), _if_bytes(a.interface), _if_bytes("lo")
-        train(a.steps, measured=True)
+        deferred = getattr(c.opt, "deferred", None)
+        waited0 = deferred.total_wait_seconds if deferred is not None else 0.0
+        with NewtonSchulzTimer() as ns_timer:
+            train(a.steps, measured=True)
+        waited = deferred.total_wait_seconds - waited0 if deferred is not None else None
         dist.barrier()
         t1, (tx1, rx1), (lo1, _) = time.perf_counter(), _if_bytes(a.interface), _if_bytes("lo")
         window = t1 - t0
@@ -244,6 +312,8 @@ def _run(a, names, rank) -> None:
             "torch_breakdown": {k: v / a.steps for k, v in torch_counter.breakdown().items()},
             "step_s": sum(c.step_s[-a.steps :]) / a.steps,
             "opt_s": sum(c.opt_s[-a.steps :]) / a.steps,
+            "ns_s": ns_timer.seconds / a.steps,
+            "gather_wait_s": None if waited is None else waited / a.steps,
             "tx": tx1 - tx0,
             "rx": rx1 - rx0,
             "idle_tx": ix1 - ix0,

@@ -28,6 +28,7 @@ def _run_bytes(tmp_path, procs: int, contenders: str, ns_dtype: str = "float32")
     cmd = [
         sys.executable,
         str(REPO / "benchmarks" / "multihost.py"),
+        "--quick",
         "--out",
         str(tmp_path),
         "--hosts",
@@ -105,6 +106,7 @@ def _run_faults(tmp_path, faults: str, timeout_s: int) -> list[dict]:
     cmd = [
         sys.executable,
         str(REPO / "benchmarks" / "multihost.py"),
+        "--quick",
         "--out",
         str(tmp_path),
         "--contenders",

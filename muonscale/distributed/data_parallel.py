@@ -9,6 +9,7 @@ all-gather). ``clip_grad_norm_`` is in :mod:`.dp_grad_clip`, checkpoints in
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any
@@ -16,20 +17,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import functional
 from ..compile_boundary import eager_under_compile
-from ..declared_state import MOMENTUM, kept_state
 from ..kernels import clear_workspaces
 from ..matrices import MatrixView
-from ..memory import chunk_bytes_for, group_by_budget
 from ..optimizer import Muon
 from ..settings import MuonSettings
-from . import dp_checkpoint, dp_grad_clip
-from .comm import Communicator, WireCounter
+from . import dp_checkpoint, dp_grad_clip, dp_layout, dp_step
+from .comm import WireCounter
+from .deferred_gather import DeferredGather
 from .dp_reduction import BucketedReduction, ReduceAt, ReductionOptions
 from .dp_update_gather import UPDATE_DTYPE, UpdateGather, check_gather_updates, sends_update
-from .hosts import discover_host_map
-from .ownership import assign_owners, format_ownership_table, rank_loads
+from .ownership import assign_owners
 from .setup_checks import (  # noqa: F401 (check_process_group, is_dtensor: imported from here)
     check_process_group,
     is_dtensor,
@@ -63,7 +61,8 @@ class DistributedMuon(Muon):
              Newton–Schulz, update); each bucket's all-gather starts (async) as soon as its
              slice is final, overlapping the later waves          (N−1)/N · S
           5. wait, copy gathered parameters back (or, for gathered bf16 updates, every rank
-             applies W ← W·(1 − lr λ) + lr α U with the step's lr: ``gather_updates``)
+             applies W ← W·(1 − lr λ) + lr α U with the step's lr: ``gather_updates``);
+             ``defer_gather``: launched in forward order, landed in the next forward
 
     Total ≈ reduce-scatter + all-gather of every parameter = the volume of ZeRO-1 AdamW
     (DDP's all-reduce costs the same; all-reduce + broadcast/all-gather costs 1.5×). Owners
@@ -127,10 +126,13 @@ class DistributedMuon(Muon):
             ``"never"`` (default when ``params`` is a model wrapped in
             ``DistributedDataParallel``): ``p.grad`` already holds the average over the group,
             so nothing is reduced again; each rank reads its own slices at ``step()``.
+        defer_gather: leave the parameter all-gathers of ``step()`` in flight, each waited for
+            in the next forward when a module first needs its parameters
+            (:mod:`.deferred_gather`); bitwise the same parameters. Needs the model. Code that
+            reads or writes parameters before that forward calls ``opt.wait_for_parameters()``.
+        model: the model whose forward reads the parameters (``defer_gather``; default:
+            ``params`` when that is the model).
         **muon_options: every :class:`muonscale.Muon` option, as keywords.
-
-    DTensor parameters are refused: :func:`muonscale.distributed_muon` builds a
-    :class:`~muonscale.distributed.DTensorMuon` for them.
 
     Attributes:
         params: every parameter, in param-group order; ``group_of[i]`` is the group of
@@ -139,14 +141,10 @@ class DistributedMuon(Muon):
         reduction: the :class:`~muonscale.distributed.dp_reduction.BucketedReduction` (buffers,
             hooks, reduce-scatter, all-gather, the AdamW shard state).
 
-    ``state_dict()`` is collective and returns the **full** state keyed exactly like
-    :class:`muonscale.Muon`'s (momentum gathered from the owners, AdamW shards gathered), so
-    ``torch.distributed.checkpoint`` sees replicated tensors and a checkpoint loads at any world
-    size, even into single-process ``Muon``. ``load_state_dict()`` takes full state and keeps
-    the local part (no collectives); see :mod:`.dp_checkpoint`. With main copies each entry also
-    holds ``main_param`` (parameter-shaped, main dtype, gathered whole).
-    A framework that saves on one rank only: every rank calls ``prepare_state_dict()`` (the
-    collective part) first; ``state_dict()`` then needs no collectives until the next ``step()``.
+    ``state_dict()`` (collective) returns the **full** state keyed exactly like
+    :class:`muonscale.Muon`'s, so a checkpoint loads at any world size (:mod:`.dp_checkpoint`);
+    ``load_state_dict()`` keeps the local part. Saving on one rank only: every rank calls
+    ``prepare_state_dict()`` first.
 
     Construction is collective: every rank must hold the same parameter list with the same
     initial values (two checksums per parameter; a difference is refused by name), and each
@@ -181,14 +179,25 @@ class DistributedMuon(Muon):
         reduce_at: ReduceAt | None = None,
         host_map: Sequence[Hashable] | None = None,
         gather_updates: bool | None = None,
+        defer_gather: bool = False,
+        model: torch.nn.Module | None = None,
         **muon_options: Any,
     ) -> None:
         check_gather_updates(gather_updates)
+        if not isinstance(defer_gather, bool):
+            raise ValueError(f"defer_gather must be True or False, got {defer_gather!r}")
         if not isinstance(overlap_gather, bool):
             raise ValueError(f"overlap_gather must be True or False, got {overlap_gather!r}")
         self.overlap_gather = overlap_gather
         check_process_group(process_group, "DistributedMuon")
         params, wrapped = unwrap_ddp(params)
+        model = model if model is not None else params
+        if defer_gather and not isinstance(model, torch.nn.Module):
+            raise ValueError(
+                "defer_gather=True needs the model (DistributedMuon(model, ...) or model=...): "
+                "its gathers are waited for in forward pre-hooks of the modules that hold the "
+                "parameters, and named_parameters() gives no modules to hook"
+            )
         if wrapped and reduce_at not in (None, "never"):
             raise ValueError(
                 f"reduce_at={reduce_at!r} with a model wrapped in DistributedDataParallel would "
@@ -201,25 +210,14 @@ class DistributedMuon(Muon):
         self._sends_update = lambda p, g: sends_update(p, g, gather_updates, options.main_dtype)
         self._model_of: dict[int, torch.Tensor] = {}  # id(main copy) -> model parameter
         super().__init__(params, **muon_options)
-        self.comm = self._communicator(process_group, wire_counter or WireCounter(), host_map)
+        self.comm = dp_layout.communicator(process_group, wire_counter or WireCounter(), host_map)
         self.world_size, self.rank = self.comm.world_size, self.comm.rank
         self.params = [p for g in self.param_groups for p in g["params"]]
         """Every parameter, in param-group order: the indices of the attributes below."""
         self.group_of = [g for g in self.param_groups for _ in g["params"]]
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        for p in self.params:
-            if is_dtensor(p):
-                raise ValueError(
-                    f"DistributedMuon takes plain tensors, but parameter '{self._name(p)}' is a "
-                    "DTensor (FSDP2 / tensor parallel): build the optimizer with "
-                    "muonscale.distributed_muon(...), which returns a DTensorMuon for DTensor "
-                    "parameters"
-                )
-            if not p.is_contiguous():
-                raise ValueError(
-                    f"DistributedMuon needs contiguous parameters; '{self._name(p)}' is not"
-                )
-        self._check_same_parameters()
+        names = [self._name(p) for p in self.params]
+        dp_layout.check_parameters(self.comm, self.params, self.group_of, names, self._sends_update)
         self._assign_owners()
         self.reduction = BucketedReduction(
             self.params,
@@ -238,44 +236,18 @@ class DistributedMuon(Muon):
         self._owner_apply = None  # Muon's last pass on owners: as usual, or sending updates
         if self.update_gather.matrices:
             self._owner_apply = self.update_gather.owner_apply(lambda t: self._index.get(id(t)))
-        self._init_local_state()
+        self._model_of.update(dp_layout.init_local_state(self, self._matrix_view))
+        self.deferred: DeferredGather | None = None
+        """The gathers left in flight by ``step()`` and their model hooks (``defer_gather``)."""
+        if defer_gather:
+            self.deferred = DeferredGather(unwrap_ddp(model)[0], self.params, self.comm)
+            self.reduction.before_reduce = self.wait_for_parameters
         self.last_step_wire_bytes = 0
         self.last_step_wire_breakdown: dict[str, int] = {}
         self.last_step_wire_links: dict[str, int] = WireCounter().by_link()
         self._prepared_state: dict[int, dict[str, torch.Tensor]] | None = None
 
     # ================================================================ construction
-    @staticmethod
-    def _communicator(group, counter: WireCounter, host_map) -> Communicator:
-        """The group's communicator, knowing the host of every rank (collective)."""
-        comm = Communicator(group, counter)
-        if not comm.active or dist.get_backend(comm.group) == "fake":
-            if host_map is not None and len(host_map) != comm.world_size:
-                raise ValueError(
-                    f"host_map has {len(host_map)} entries, expected one per rank of the "
-                    f"group ({comm.world_size})"
-                )
-            return comm
-        return Communicator(group, counter, hosts=discover_host_map(comm, host_map))
-
-    def _signature(self) -> list[tuple]:
-        return [
-            (self._name(p), tuple(p.shape), str(p.dtype), g["algorithm"], self._sends_update(p, g))
-            for p, g in zip(self.params, self.group_of)
-        ]
-
-    def _check_same_parameters(self) -> None:
-        """All ranks must hold the same parameter list with the same initial values; raise naming
-        the first difference. Not on torch's fake process group (one process alone)."""
-        if not self.comm.active or dist.get_backend(self.comm.group) == "fake":
-            return
-        step_counter, self.comm.counter = self.comm.counter, WireCounter()  # not a step's
-        try:
-            require_same_parameters(self.comm, self.world_size, self._signature())
-            require_same_values(self.comm, self.params, [self._name(p) for p in self.params])
-        finally:
-            self.comm.counter = step_counter
-
     def _assign_owners(self) -> None:
         self.muon_indices = [i for i, g in enumerate(self.group_of) if g["algorithm"] == "muon"]
         self.adamw_indices = [i for i, g in enumerate(self.group_of) if g["algorithm"] == "adamw"]
@@ -288,49 +260,6 @@ class DistributedMuon(Muon):
         self.owner_rank: dict[int, int] = dict(zip(self.muon_indices, owners))
         self.matrix_shapes_by_index = dict(zip(self.muon_indices, shapes))
 
-    @torch.no_grad()
-    def _init_local_state(self) -> None:
-        """Create this rank's state now (owned momentum, AdamW shard views, every step counter,
-        main copies), so that no rank's state is empty (DCP's ``get_state_dict`` would otherwise
-        call ``step()`` on that rank alone)."""
-        for i in self.muon_indices:
-            p, group = self.params[i], self.group_of[i]
-            state = self.state[p]
-            state["owner_rank"] = self.owner_rank[i]
-            if self.owner_rank[i] == self.rank:
-                main_dtype = self.reduction.main_dtype(p.dtype)
-                settings = MuonSettings.from_group(group)
-                state[MOMENTUM.key] = torch.zeros_like(
-                    p,
-                    dtype=MOMENTUM.dtype(settings, main_dtype or p.dtype),
-                    memory_format=torch.preserve_format,
-                )
-                for spec in kept_state(settings, variants_only=True):  # on the owner
-                    state[spec.key] = spec.zeros(
-                        settings, self._matrix_view(p, group), p.dtype, p.device
-                    )
-                if main_dtype is not None:  # the whole matrix: this rank updates it
-                    main = torch.empty_like(p, dtype=main_dtype).copy_(p)
-                    state["main_param"] = main
-                    self._model_of[id(main)] = p
-        for i in self.adamw_indices:
-            p = self.params[i]
-            state = self.state[p]
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            if i in self.reduction.segments:  # a flat-bucket shard or a stream fill range
-                store, seg = self.reduction.segments[i]
-                window = slice(seg.buffer_start, seg.buffer_start + seg.length)
-                state["exp_avg"] = store.exp_avg[window]
-                state["exp_avg_sq"] = store.exp_avg_sq[window]
-                if store.main_param is not None:
-                    state["main_param"] = store.main_param[window]
-                    state["main_param"].copy_(self._segment_of(p, seg))
-
-    @staticmethod
-    def _segment_of(p: torch.Tensor, seg: Any) -> torch.Tensor:
-        """This rank's segment of parameter ``p`` (a flat view)."""
-        return p.view(-1)[seg.param_start : seg.param_start + seg.length]
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if hasattr(self, "reduction"):
             raise NotImplementedError(
@@ -340,22 +269,9 @@ class DistributedMuon(Muon):
         super().add_param_group(param_group)
 
     def _check_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for old, (_, new) in zip(self.params, slots):  # self.params: bound at construction
-            if new is old:
-                continue
-            name = self._name(old)
-            if is_dtensor(new):
-                raise ValueError(
-                    f"DistributedMuon: parameter '{name}' is now a DTensor (the model was sharded "
-                    "after the optimizer was built): build the optimizer on the sharded model "
-                    "with muonscale.distributed_muon(...), which returns a DTensorMuon"
-                )
-            if new.dtype != old.dtype or new.device != old.device or not new.is_contiguous():
-                raise ValueError(
-                    f"DistributedMuon: parameter '{name}' changed dtype or device or is not "
-                    f"contiguous ({old.dtype}, {old.device} -> {new.dtype}, {new.device}); the "
-                    "buffers were planned for the old one: build a new optimizer"
-                )
+        self.wait_for_parameters()  # the gathers copy into the parameters bound now
+        names = [self._name(p) for p in self.params]
+        dp_layout.check_rebind(self.params, [new for _, new in slots], names)
 
     def _after_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Follow new parameter objects: indices, main copies' model parameters, the
@@ -406,8 +322,29 @@ class DistributedMuon(Muon):
             yield
 
     def remove_hooks(self) -> None:
-        """Detach the gradient hooks (the optimizer no longer reduces during backward)."""
+        """Detach the gradient hooks (the optimizer no longer reduces during backward) and,
+        with ``defer_gather``, the model's hooks (after the gathers in flight landed)."""
         self.reduction.remove_hooks()
+        if self.deferred is not None:
+            self.deferred.remove_hooks()
+
+    def wait_for_parameters(self) -> None:
+        """With ``defer_gather``: land every gather the last ``step()`` left in flight, so the
+        parameters can be read or written (the forward and the optimizer's own readers and
+        writers do this themselves). Without: nothing to do."""
+        deferred = self.__dict__.get("deferred")  # None until construction made it
+        if deferred is not None:
+            deferred.wait_all()
+
+    @property
+    def gather_wait_seconds(self) -> float:
+        """Seconds spent waiting for the last ``step()``'s deferred gathers (forward pre-hooks
+        and other waits); 0 without ``defer_gather``."""
+        return self.deferred.wait_seconds if self.deferred is not None else 0.0
+
+    def summary(self) -> str:
+        self.wait_for_parameters()
+        return super().summary()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the averaged gradient by its global norm (collective); returns the norm.
@@ -416,6 +353,7 @@ class DistributedMuon(Muon):
         parameter in one process. ``p.grad`` (local) is not touched: the reduced gradients that
         ``step()`` uses are scaled (:mod:`.dp_grad_clip`), so call it last before ``step()``
         (a later edit of ``p.grad`` makes ``step()`` reduce again, unclipped)."""
+        self.wait_for_parameters()
         if self.reduction.options.reduce_at == "backward":  # reductions may predate an edit
             self.reduction.finish()
             changed = self.reduction.grads_changed()
@@ -429,10 +367,11 @@ class DistributedMuon(Muon):
         """Full state, keyed like :class:`muonscale.Muon`'s (:mod:`.dp_checkpoint`).
         Collective: call on every rank, unless :meth:`prepare_state_dict` ran since the last
         ``step()``."""
+        self.wait_for_parameters()
         packed = super().state_dict()  # param_groups with indices; its "state" is replaced
         state = self._prepared_state
         if state is None:
-            state = self._gather_state()
+            state = dp_checkpoint.gather_full_state(self)
         packed["state"] = {i: state[i] for i in sorted(state)}
         return packed
 
@@ -440,20 +379,15 @@ class DistributedMuon(Muon):
         """Gather the full state now (collective: every rank calls it), so that ``state_dict()``
         on any rank alone returns it without collectives until the next ``step()`` or
         ``load_state_dict()``: for frameworks that save on one rank only (the HF Trainer)."""
+        self.wait_for_parameters()
         self._prepared_state = None
-        self._prepared_state = self._gather_state()
-
-    def _gather_state(self) -> dict[int, dict[str, torch.Tensor]]:
-        step_counter, self.comm.counter = self.comm.counter, WireCounter()  # not a step's traffic
-        try:
-            return dp_checkpoint.gather_full_state(self)
-        finally:
-            self.comm.counter = step_counter
+        self._prepared_state = dp_checkpoint.gather_full_state(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load full state (from this class, :class:`muonscale.Muon`, or DCP's
         ``set_state_dict``); every rank keeps its part. No collectives. torch's
         ``load_state_dict`` pre- and post-hooks run around it, as torch runs them."""
+        self.wait_for_parameters()
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             returned = pre_hook(self, state_dict)
@@ -466,34 +400,14 @@ class DistributedMuon(Muon):
 
     def ownership_table(self) -> str:
         """Which rank owns which Muon parameter, with NS FLOPs and elements per rank."""
-        names = [self._name(self.params[i]) for i in self.muon_indices]
-        shapes = [self.matrix_shapes_by_index[i] for i in self.muon_indices]
-        owners = [self.owner_rank[i] for i in self.muon_indices]
-        numels = [self.params[i].numel() for i in self.muon_indices]
-        table = format_ownership_table(names, shapes, owners, self.world_size, numels=numels)
-        stats = self.layout_stats()
-        return (
-            f"{table}\nowner streams: {stats['stream_elements']} elements per rank, "
-            f"{stats['fill_elements']} of them AdamW fill, {stats['padding_elements']} padding"
+        return dp_layout.ownership_table(
+            self, [self._name(self.params[i]) for i in self.muon_indices]
         )
 
     def layout_stats(self) -> dict[str, Any]:
-        """Owner layout figures: ``ns_flops`` and ``muon_elements`` per rank (owned Muon
-        parameters), and over every owner stream: ``stream_elements`` (T per rank),
-        ``fill_elements`` (AdamW elements riding in the streams) and ``padding_elements``
-        (zeros in the buffers, Σ over ranks; sent by NCCL's native collectives only)."""
-        shapes = [self.matrix_shapes_by_index[i] for i in self.muon_indices]
-        owners = [self.owner_rank[i] for i in self.muon_indices]
-        elements = [0] * self.world_size
-        for i in self.muon_indices:
-            elements[self.owner_rank[i]] += self.params[i].numel()
-        return {
-            "ns_flops": rank_loads(shapes, owners, self.world_size),
-            "muon_elements": elements,
-            "stream_elements": sum(s.layout.length for s in self.reduction.streams),
-            "fill_elements": sum(s.layout.fill.numel for s in self.reduction.streams),
-            "padding_elements": sum(s.layout.padding() for s in self.reduction.streams),
-        }
+        """Owner layout figures per rank and over the owner streams
+        (:func:`.dp_layout.layout_stats`)."""
+        return dp_layout.layout_stats(self)
 
     # ================================================================ step
     @eager_under_compile
@@ -507,16 +421,23 @@ class DistributedMuon(Muon):
             with torch.enable_grad():
                 loss = closure()
         try:
+            self.wait_for_parameters()  # a second step() without a forward
             self.reduction.finish()
             present, bad = self._agree_on_gradients()
             if bad is not None:
                 self._handle_nonfinite(bad)  # raises on every rank, or counts a skip
                 return loss
             self.update_gather.capture(self, present)  # lr, weight decay of this step
-            self._update_adamw_shards(present)
-            adamw_gathers = self.reduction.launch_flat_gathers()
-            muon_gathers = self._update_owned_and_gather(present)
-            self.reduction.wait_and_copy_back(adamw_gathers + muon_gathers)
+            dp_step.update_adamw_shards(self, present)
+            wave = functools.partial(self._update_owned_matrices, present)
+            if self.deferred is not None:  # landed in the next forward's pre-hooks
+                position = self.deferred.forward_position
+                gathers = dp_step.update_owned_and_gather_in_forward_order(self, wave, position)
+                self.deferred.hand_off(gathers)
+            else:
+                adamw_gathers = self.reduction.launch_flat_gathers()
+                muon_gathers = dp_step.update_owned_and_gather(self, wave, self.overlap_gather)
+                self.reduction.wait_and_copy_back(adamw_gathers + muon_gathers)
         finally:
             clear_workspaces()  # NS scratch is not held through the next forward/backward
             self.reduction.start_cycle()
@@ -525,31 +446,17 @@ class DistributedMuon(Muon):
         return loss
 
     def _agree_on_gradients(self) -> tuple[list[bool], str | None]:
-        """One all-reduce (max) of per-parameter flags [has a gradient on some rank,
-        non-finite reduced gradient] and of [``p.grad`` changed after its reduction on some
-        rank]; returns (present, first non-finite name). A change makes every rank reduce
-        again from ``p.grad`` and agree once more."""
-        P, device = len(self.params), self.comm.device
-        has_grad = [p.grad is not None for p in self.params]
-        changed = self.reduction.grads_changed()
-        flags = torch.zeros(2 * P + 1, dtype=torch.int32)  # built on the host, one copy to device
-        flags[:P] = torch.tensor(has_grad, dtype=torch.int32)
-        flags[2 * P] = int(bool(changed))
-        flags = flags.to(device)
-        if self.nonfinite != "ignore":
-            local = {i: g for i, g in self.reduction.local_reduced_grads().items() if g.numel()}
-            if local:
-                max_abs = torch._foreach_norm(list(local.values()), float("inf"))  # NaN propagates
-                finite = torch.stack([m.to(device) for m in max_abs]).isfinite()
-                index = torch.tensor([P + i for i in local], device=device)
-                flags.index_copy_(0, index, (~finite).to(torch.int32))
-        self.comm.all_reduce(flags, op=dist.ReduceOp.MAX, tag="control")
-        if bool(flags[2 * P]):
+        """(has a gradient on some rank, per parameter; the first non-finite name or None),
+        agreed by every rank; a ``p.grad`` changed after its reduction on some rank makes
+        every rank reduce again first (:func:`.dp_step.gradient_flags`)."""
+        check = self.nonfinite != "ignore"
+        while True:
+            present, bad, changed = dp_step.gradient_flags(
+                self.params, self.reduction, self.comm, check
+            )
+            if changed is None:
+                return present, (None if bad is None else self._name(self.params[bad]))
             self._reduce_again(changed)
-            return self._agree_on_gradients()
-        present = [bool(f) for f in flags[:P].tolist()]
-        bad = flags[P : 2 * P].nonzero()
-        return present, (self._name(self.params[int(bad[0])]) if bad.numel() else None)
 
     def _reduce_again(self, changed: list[int]) -> None:
         """``p.grad`` changed after its reduction read it (on some rank): reduce every gradient
@@ -567,44 +474,6 @@ class DistributedMuon(Muon):
             )
             self._warned_reduce_again = True
         self.reduction.reduce_again()
-
-    def _update_owned_and_gather(self, present: list[bool]) -> list[tuple[Any, Any]]:
-        """Update the owned matrices in waves along the owner stream and launch each bucket's
-        all-gather as soon as this rank's slice of it is final, so the gathers of early buckets
-        overlap the Newton–Schulz of later ones. Waves hold at most one update chunk
-        (``self.memory.update_chunk_bytes``); every rank launches the same
-        buckets in the same order, only the timing differs. Returns (work, copy back) pairs."""
-        pending = []
-        for stream in self.reduction.streams:
-            self.reduction.write_fill_for_gather(stream)
-            owned = stream.layout.owned[self.rank]
-            budget = chunk_bytes_for(self.memory.update_chunk_bytes, stream.gather_in.device)
-            sizes = [self.params[i].numel() * self.params[i].element_size() for i in owned]
-            waves = [[owned[j] for j in wave] for wave in group_by_budget(sizes, budget)]
-            next_bucket = 0
-            for wave in waves:
-                self._update_owned_matrices(present, only=set(wave))
-                self.reduction.write_owned_for_gather(stream, wave)
-                if not self.overlap_gather:
-                    continue  # gathers launched below, after every stream's last wave
-                last = wave[-1]
-                ready = stream.layout.offsets[last] + stream.layout.numels[last]
-                launched, next_bucket = self.reduction.launch_stream_gathers(
-                    stream, next_bucket, ready, self.update_gather.apply_gathered
-                )
-                pending += launched
-            if self.overlap_gather:
-                launched, _ = self.reduction.launch_stream_gathers(
-                    stream, next_bucket, stream.layout.length, self.update_gather.apply_gathered
-                )
-                pending += launched
-        if not self.overlap_gather:
-            for stream in self.reduction.streams:
-                launched, _ = self.reduction.launch_stream_gathers(
-                    stream, 0, stream.layout.length, self.update_gather.apply_gathered
-                )
-                pending += launched
-        return pending
 
     def _update_owned_matrices(self, present: list[bool], only: set[int] | None = None) -> None:
         """Muon step of the owned matrices (those in ``only``, when given)."""
@@ -624,40 +493,3 @@ class DistributedMuon(Muon):
             for i, target in zip(mine, targets):
                 if target is not self.params[i]:
                     self.params[i].copy_(target)  # rounded into the model's parameter
-
-    def _update_adamw_shards(self, present: list[bool]) -> None:
-        for group in self.param_groups:
-            if group["algorithm"] != "adamw":
-                continue
-            indices = [self._index[id(p)] for p in group["params"] if present[self._index[id(p)]]]
-            local = [i for i in indices if i in self.reduction.segments]
-            for i in indices:
-                if i not in self.reduction.segments:  # no local shard: only the step counter moves
-                    self.state[self.params[i]]["step"] += 1
-            if not local:
-                continue
-            states = [self.state[self.params[i]] for i in local]
-            segments = [
-                self._segment_of(self.params[i], self.reduction.segments[i][1]) for i in local
-            ]
-            # the tensors updated: main copies where kept, else the parameters' segments
-            params = [s.get("main_param", seg) for s, seg in zip(states, segments)]
-            grads = [self.reduction.reduced_shard_grad(i) for i in local]
-            grads = [g if g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(grads, params)]
-            beta1, beta2 = group["betas"]
-            functional.adamw(
-                params,
-                grads,
-                [s["exp_avg"] for s in states],
-                [s["exp_avg_sq"] for s in states],
-                [s["step"] for s in states],
-                lr=float(group["lr"]),
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                max_chunk_bytes=self.memory.update_chunk_bytes,
-            )
-            for target, segment in zip(params, segments):
-                if target is not segment:
-                    segment.copy_(target)  # rounded into the model's parameter

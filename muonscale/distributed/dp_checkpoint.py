@@ -30,7 +30,7 @@ from ..declared_state import MOMENTUM, VARIANT_STATE, kept_state
 from ..optimizer_state import check_loaded_groups
 from ..param_table import ParamTable
 from ..settings import MuonSettings
-from .comm import Communicator
+from .comm import Communicator, WireCounter
 from .dp_reduction import BucketedReduction
 
 
@@ -65,7 +65,16 @@ def _sharded_names(store: Any) -> tuple[str, ...]:
 
 @torch.no_grad()
 def gather_full_state(opt: DistributedMuon) -> dict[int, dict[str, torch.Tensor]]:
-    """``{parameter index: state}`` for every parameter, on every rank (collective)."""
+    """``{parameter index: state}`` for every parameter, on every rank (collective; not
+    counted as a step's traffic)."""
+    step_counter, opt.comm.counter = opt.comm.counter, WireCounter()
+    try:
+        return _gather_full_state(opt)
+    finally:
+        opt.comm.counter = step_counter
+
+
+def _gather_full_state(opt: DistributedMuon) -> dict[int, dict[str, torch.Tensor]]:
     full: dict[int, dict[str, torch.Tensor]] = {}
     for i in opt.muon_indices:  # momentum (and main copy) live on the owner only
         p, group, owner = opt.params[i], opt.group_of[i], opt.owner_rank[i]

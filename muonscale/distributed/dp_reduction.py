@@ -192,6 +192,9 @@ class BucketedReduction:
         self.start_cycle()
         self._hook_handles: list[Any] = []
         self._register_hooks()
+        self.before_reduce: Callable[[], None] | None = None
+        """Called before each bucket's reduction (a deferred gather lands first: the buffers
+        are shared)."""
 
     def _register_hooks(self) -> None:
         """Gradient hooks that launch buckets during backward (``reduce_at="backward"`` only)."""
@@ -385,6 +388,8 @@ class BucketedReduction:
     def _launch(self, bucket: _Bucket) -> None:
         """Copy local gradients into the bucket (pre-divided by N) and reduce-scatter it; with
         ``reduce_at="never"``, keep this rank's slice of the (already averaged) gradients."""
+        if self.before_reduce is not None:
+            self.before_reduce()
         for i in bucket.params:
             grad = self.params[i].grad
             self._launched_grads[i] = None if grad is None else (weakref.ref(grad), grad._version)
@@ -494,16 +499,17 @@ class BucketedReduction:
     # ================================================================ gathers
     def launch_flat_gathers(self) -> list[tuple[Any, Callable[[], None]]]:
         """All-gather every flat bucket's updated shard; returns (work, copy back) pairs."""
-        pending = []
-        for shards in self.flat_shards:
-            for seg in shards.layout.segments(self.rank):
-                flat = self.params[seg.param].view(-1)
-                shards.shard[seg.buffer_start : seg.buffer_start + seg.length].copy_(
-                    flat[seg.param_start : seg.param_start + seg.length]
-                )
-            work = self.comm.all_gather(shards.full, shards.shard, tag="adamw", async_op=True)
-            pending.append((work, functools.partial(self._copy_back_flat, shards)))
-        return pending
+        return [self.launch_flat_gather(shards) for shards in self.flat_shards]
+
+    def launch_flat_gather(self, shards: FlatShard) -> tuple[Any, Callable[[], None]]:
+        """All-gather one flat bucket's updated shard; returns (work, copy back)."""
+        for seg in shards.layout.segments(self.rank):
+            flat = self.params[seg.param].view(-1)
+            shards.shard[seg.buffer_start : seg.buffer_start + seg.length].copy_(
+                flat[seg.param_start : seg.param_start + seg.length]
+            )
+        work = self.comm.all_gather(shards.full, shards.shard, tag="adamw", async_op=True)
+        return work, functools.partial(self._copy_back_flat, shards)
 
     def write_fill_for_gather(self, stream: StreamBuffers) -> None:
         """Updated AdamW fill segments into the stream's gather buffer (its recv here)."""

@@ -106,7 +106,7 @@ class UpdateGather:
         self.rank = reduction.rank
         self._offset: dict[int, tuple[StreamBuffers, int]] = {}  # i -> (stream, offset)
         self._pieces: dict[int, list[tuple[int, int, int]]] = {}  # i -> [(k, start, length)]
-        self._ending: dict[tuple[int, int], list[int]] = {}  # (id(stream), k) -> matrices
+        self._in_bucket: dict[tuple[int, int], list[int]] = {}  # (id(stream), k) -> matrices
         for stream in reduction.streams:
             if not stream.carries_updates:
                 continue
@@ -115,10 +115,9 @@ class UpdateGather:
             for k, bucket in enumerate(stream.layout.buckets):
                 for piece in sorted(bucket.pieces, key=lambda q: q.param_start):
                     self._pieces[piece.param].append((k, piece.buffer_start, piece.length))
-            for i in stream.layout.offsets:
-                last = max((k for k, _, _ in self._pieces[i]), default=0)
-                self._ending.setdefault((id(stream), last), []).append(i)
+                    self._in_bucket.setdefault((id(stream), k), []).append(piece.param)
         self._rules: dict[int, UpdateRule] = {}
+        self._missing: dict[int, int] = {}  # matrix -> its buckets not arrived yet this step
 
     @property
     def matrices(self) -> frozenset[int]:
@@ -130,6 +129,7 @@ class UpdateGather:
         step (the same on every rank). Raises on every rank if a group's Newton–Schulz dtype
         left bfloat16 after construction without ``gather_updates=True``."""
         self._rules = {}
+        self._missing = {i: len(pieces) for i, pieces in self._pieces.items()}
         for i in self._offset:
             p, group = opt.params[i], opt.group_of[i]
             if self.option is None and resolved_ns_dtype(group, p.device) != UPDATE_DTYPE:
@@ -168,8 +168,12 @@ class UpdateGather:
 
     def apply_gathered(self, stream: StreamBuffers, k: int) -> None:
         """Bucket ``k`` of ``stream`` arrived: apply the update of every matrix this rank does
-        not own whose last piece it holds (the whole matrix at once, as its owner did)."""
-        for i in self._ending.get((id(stream), k), []):
+        not own whose buckets have all arrived (the whole matrix at once, as its owner did;
+        the buckets may arrive in any order)."""
+        for i in self._in_bucket.get((id(stream), k), []):
+            self._missing[i] -= 1
+            if self._missing[i]:
+                continue
             rule = self._rules.get(i)
             if rule is None or self.reduction.owner_rank[i] == self.rank:
                 continue  # no gradient this step, or applied by the owner already

@@ -226,6 +226,9 @@ class TrainConfig:
     """Under torchrun: dp (DistributedMuon, or DDP for adamw) or fsdp (FSDP2 + DTensorMuon)."""
     pg_timeout_s: float = 60.0
     """Seconds a rank waits in a collective for a dead or stuck peer before failing (parallel)."""
+    defer_gather: bool = True
+    """--parallel dp with muon: leave step()'s parameter all-gathers in flight until the next
+    forward needs them (the same parameters, bit for bit; hides the gather)."""
 
     def __post_init__(self) -> None:
         if self.model not in _PRESETS:

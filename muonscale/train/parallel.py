@@ -246,7 +246,10 @@ class Parallelism:
 
             # not wrapped in DDP: DistributedMuon reduces the gradients itself
             self.optimizer = DistributedMuon(
-                list(model.named_parameters()), **muon_options(model, config)
+                list(model.named_parameters()),
+                **muon_options(model, config),
+                defer_gather=config.defer_gather,  # landed by the model's forward pre-hooks
+                model=model,
             )
         else:
             self.forward_model = wrap_ddp(model, self.device)

@@ -267,6 +267,7 @@ class TrainingRun:
         optimizer_seconds = time.perf_counter() - optimizer_start
         max_logit = probe_seconds = None
         if self.qk_clip is not None:  # the same rescale on every rank (maxima MAX-reduced)
+            self._land_parameters()  # it rescales weights a deferred gather still writes
             max_logit = self.qk_clip(self.model.pop_max_attention_logits()).max().item()
         elif self.probe_max_logits:  # recorded only: this rank's maxima, nothing rescaled
             max_logit = max(m.max().item() for m in self.model.pop_max_attention_logits())
@@ -306,6 +307,7 @@ class TrainingRun:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over the fixed validation set (``eval_batches`` micro-batches)."""
+        self._land_parameters()
         was_training = self.model.training
         self.model.eval()
         losses = []
@@ -315,6 +317,13 @@ class TrainingRun:
             losses.append(loss.float())
         self.model.train(was_training)
         return torch.stack(losses).mean().item()
+
+    def _land_parameters(self) -> None:
+        """Land the parameter gathers a ``DistributedMuon(defer_gather=True)`` step left in
+        flight, before code that reads or writes parameters outside the forward."""
+        wait = getattr(self.optimizer, "wait_for_parameters", None)
+        if wait is not None:
+            wait()
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of the optimizer's state tensors (exact, counted from the tensors)."""
@@ -365,6 +374,7 @@ class TrainingRun:
         to write non-finite parameters or optimizer state (a resume would refuse them), so the
         last good checkpoint is never overwritten."""
         path = Path(path)
+        self._land_parameters()
         bad = self.first_nonfinite()
         if bad is not None:
             name, count, total = bad

@@ -1,0 +1,164 @@
+"""The phases of ``DistributedMuon.step()`` after the reduction: the agreement across ranks
+on which gradients exist and are finite, AdamW on the local shards, the owned matrices in
+waves with the parameter all-gathers launched as slices become final (or, deferred, in forward
+order). Functions of the optimizer's public layout (``params``, ``param_groups``, ``state``,
+``rank``, ``index_of``, ``reduction``, ``update_gather``, ``memory``); the Muon step of a wave
+is the optimizer's, passed in. The class docstring draws the pattern.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import functional
+from ..memory import chunk_bytes_for, group_by_budget
+from .deferred_gather import PendingGather
+
+Pending = list[tuple[Any, Any]]  # (work, copy back) pairs in launch order
+
+
+def gradient_flags(
+    params: list[torch.Tensor], reduction: Any, comm: Any, check_finite: bool
+) -> tuple[list[bool], int | None, list[int] | None]:
+    """One all-reduce (max) of per-parameter flags [has a gradient on some rank, non-finite
+    reduced gradient] and of [``p.grad`` changed after its reduction on some rank]. Returns
+    (present, index of the first non-finite, None) or, after a change, (…, …, the parameters
+    changed on this rank): every rank then reduces again and asks once more."""
+    P, device = len(params), comm.device
+    has_grad = [p.grad is not None for p in params]
+    changed = reduction.grads_changed()
+    flags = torch.zeros(2 * P + 1, dtype=torch.int32)  # built on the host, one copy to device
+    flags[:P] = torch.tensor(has_grad, dtype=torch.int32)
+    flags[2 * P] = int(bool(changed))
+    flags = flags.to(device)
+    if check_finite:
+        local = {i: g for i, g in reduction.local_reduced_grads().items() if g.numel()}
+        if local:
+            max_abs = torch._foreach_norm(list(local.values()), float("inf"))  # NaN propagates
+            finite = torch.stack([m.to(device) for m in max_abs]).isfinite()
+            index = torch.tensor([P + i for i in local], device=device)
+            flags.index_copy_(0, index, (~finite).to(torch.int32))
+    comm.all_reduce(flags, op=dist.ReduceOp.MAX, tag="control")
+    present = [bool(f) for f in flags[:P].tolist()]
+    bad = flags[P : 2 * P].nonzero()
+    return present, (int(bad[0]) if bad.numel() else None), (changed if flags[2 * P] else None)
+
+
+def update_adamw_shards(opt: Any, present: list[bool]) -> None:
+    """AdamW on this rank's segments of every AdamW parameter with a gradient."""
+    reduction = opt.reduction
+    for group in opt.param_groups:
+        if group["algorithm"] != "adamw":
+            continue
+        indices = [opt.index_of(p) for p in group["params"] if present[opt.index_of(p)]]
+        local = [i for i in indices if i in reduction.segments]
+        for i in indices:
+            if i not in reduction.segments:  # no local shard: only the step counter moves
+                opt.state[opt.params[i]]["step"] += 1
+        if not local:
+            continue
+        states = [opt.state[opt.params[i]] for i in local]
+        segments = [segment_of(opt.params[i], reduction.segments[i][1]) for i in local]
+        # the tensors updated: main copies where kept, else the parameters' segments
+        params = [s.get("main_param", seg) for s, seg in zip(states, segments)]
+        grads = [reduction.reduced_shard_grad(i) for i in local]
+        grads = [g if g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(grads, params)]
+        beta1, beta2 = group["betas"]
+        functional.adamw(
+            params,
+            grads,
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [s["step"] for s in states],
+            lr=float(group["lr"]),
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            max_chunk_bytes=opt.memory.update_chunk_bytes,
+        )
+        for target, segment in zip(params, segments):
+            if target is not segment:
+                segment.copy_(target)  # rounded into the model's parameter
+
+
+def segment_of(p: torch.Tensor, seg: Any) -> torch.Tensor:
+    """This rank's segment of parameter ``p`` (a flat view)."""
+    return p.view(-1)[seg.param_start : seg.param_start + seg.length]
+
+
+def _waves(opt: Any, stream: Any) -> list[list[int]]:
+    """This rank's owned matrices of ``stream`` in waves of at most one update chunk."""
+    owned = stream.layout.owned[opt.rank]
+    budget = chunk_bytes_for(opt.memory.update_chunk_bytes, stream.gather_in.device)
+    sizes = [opt.params[i].numel() * opt.params[i].element_size() for i in owned]
+    return [[owned[j] for j in wave] for wave in group_by_budget(sizes, budget)]
+
+
+def update_owned_and_gather(opt: Any, update_wave: Callable, overlap: bool) -> Pending:
+    """Update the owned matrices in waves along the owner stream and (``overlap``) launch each
+    bucket's all-gather as soon as this rank's slice of it is final, so the gathers of early
+    buckets overlap the Newton–Schulz of later ones; else launch them after the last wave.
+    Every rank launches the same buckets in the same order, only the timing differs.
+    ``update_wave(indices)``: the optimizer's Muon step of those owned matrices."""
+    reduction, apply = opt.reduction, opt.update_gather.apply_gathered
+    pending: Pending = []
+    for stream in reduction.streams:
+        reduction.write_fill_for_gather(stream)
+        next_bucket = 0
+        for wave in _waves(opt, stream):
+            update_wave(set(wave))
+            reduction.write_owned_for_gather(stream, wave)
+            if overlap:
+                ready = stream.layout.offsets[wave[-1]] + stream.layout.numels[wave[-1]]
+                launched, next_bucket = reduction.launch_stream_gathers(
+                    stream, next_bucket, ready, apply
+                )
+                pending += launched
+        if overlap:
+            pending += reduction.launch_stream_gathers(
+                stream, next_bucket, stream.layout.length, apply
+            )[0]
+    if not overlap:
+        for stream in reduction.streams:
+            pending += reduction.launch_stream_gathers(stream, 0, stream.layout.length, apply)[0]
+    return pending
+
+
+def update_owned_and_gather_in_forward_order(
+    opt: Any, update_wave: Callable, forward_position: list[int]
+) -> list[PendingGather]:
+    """Update every owned matrix (in waves), then launch every all-gather (flat AdamW buckets
+    and owner-stream buckets alike) in the order the forward first needs one of its
+    parameters (``forward_position``: a parameter index's place in the model), left in flight
+    (``defer_gather``). The order is the same on every rank."""
+    reduction, apply = opt.reduction, opt.update_gather.apply_gathered
+    for stream in reduction.streams:
+        reduction.write_fill_for_gather(stream)
+        for wave in _waves(opt, stream):
+            update_wave(set(wave))
+            reduction.write_owned_for_gather(stream, wave)
+    units = []  # (first forward position, tie-break, params, launch)
+    for s, stream in enumerate(reduction.streams):
+        for k, bucket in enumerate(stream.layout.buckets):
+            end = bucket.stream_start + bucket.length
+
+            def launch(stream=stream, k=k, end=end):
+                return reduction.launch_stream_gathers(stream, k, end, apply)[0][0]
+
+            units.append((bucket.params, (0, s, k), launch))
+    for f, shards in enumerate(reduction.flat_shards):
+        units.append(
+            (
+                frozenset(shards.layout.params),
+                (1, f, 0),
+                lambda s=shards: reduction.launch_flat_gather(s),
+            )
+        )
+    last = len(forward_position) + len(opt.params)
+    units.sort(key=lambda u: (min((forward_position[i] for i in u[0]), default=last), u[1]))
+    return [PendingGather(*launch(), params) for params, _, launch in units]
