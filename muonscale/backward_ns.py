@@ -285,7 +285,7 @@ class BackwardOrthogonalizer:
             states = [init_state(p, group) for p in bucket.params]
             buffers = [s["momentum_buffer"] for s in states]
             torch._foreach_copy_(buffers, list(bucket.new_momentum.unbind(0)))
-            functional.apply_updates_(
+            matrix_step.apply_updates_(
                 bucket.params,
                 list(bucket.result.unbind(0)),
                 [bucket.alpha] * len(bucket.params),

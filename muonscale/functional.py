@@ -28,9 +28,9 @@ from .kernels.process_state import (
 )
 from .matrices import MatrixView
 from .matrix_step import (
+    ApplyRule,
     ApplyUpdates,
-    apply_rule,
-    apply_updates_,
+    apply_updates_by_rule_,
     ns_method_for,
     parameter_updates,
     stack_key,
@@ -121,19 +121,6 @@ def update_chunks(
     if len(chunks) == 1:
         return [list(range(len(params)))]
     return [[order[j] for j in chunk] for chunk in chunks]
-
-
-def update_rule(
-    param: torch.Tensor,
-    view: MatrixView,
-    ns: NewtonSchulzSettings,
-    options: MuonSettings = PLAIN_MUON,
-    scale: str = PLAIN_MUON.scale,
-) -> tuple[float, bool]:
-    """(α, cautious) with which :func:`muon` applies ``param``'s update O through
-    :func:`apply_updates_` (:func:`muonscale.matrix_step.apply_rule`)."""
-    rule = apply_rule(view, call_settings(options, ns, scale))
-    return rule.alpha, rule.cautious_decay
 
 
 def call_settings(options: MuonSettings, ns: NewtonSchulzSettings, scale: str) -> MuonSettings:
@@ -230,14 +217,15 @@ def muon(
     result. ``max_workspace_bytes`` bounds the Newton–Schulz scratch. ``lr`` may be a 0-dim
     tensor on the parameters' device (a capturable step: no host read of it). ``ns``: the
     Newton–Schulz settings (with the preconditioner); ``options``: the group's settings.
-    ``apply_updates``: called instead of :func:`apply_updates_` (same arguments; the Triton
-    apply pass then does not run), for a caller that also sends the updates elsewhere.
+    ``apply_updates``: called instead of :func:`~muonscale.matrix_step.apply_updates_by_rule_`
+    (same arguments; the Triton apply pass then does not run), for a caller that also sends
+    the updates elsewhere.
     """
     if not params:
         return
     settings = call_settings(options, ns, scale)
     budget = chunk_bytes_for(max_chunk_bytes, params[0].device)
-    apply = apply_updates or apply_updates_
+    apply = apply_updates or apply_updates_by_rule_
     for chunk in update_chunks(params, views, ns_dtype=ns.dtype, max_chunk_bytes=budget):
         stacks: dict[tuple, list[int]] = defaultdict(list)
         others: list[int] = []
@@ -276,14 +264,7 @@ def muon(
         )
         del directions
         for i, update, rule in zip(others, updates, rules):
-            apply(
-                [params[i]],
-                [update],
-                [rule.alpha],
-                lr=lr,
-                weight_decay=weight_decay,
-                cautious=rule.cautious_decay,
-            )
+            apply([params[i]], [update], [rule], lr=lr, weight_decay=weight_decay)
 
 
 def stacked_muon_(
@@ -305,8 +286,9 @@ def stacked_muon_(
     :func:`muonscale.matrix_step.stack_key`): (a) the momentum update and the directions,
     written straight into the Newton–Schulz input stack (cast on the way; the normalization
     is folded into the first Newton–Schulz step); (b) weight decay and update
-    (:func:`apply_updates_` with α = −s(m, n)) from the stack the iteration ends in. Each pass
-    is one Triton kernel per stack where the kernels take it (the same formulas)."""
+    (:func:`~muonscale.matrix_step.apply_updates_` with α = −s(m, n)) from the stack the
+    iteration ends in. Each pass is one Triton kernel per stack where the kernels take it (the
+    same formulas)."""
     ns = settings.ns
     schedule, margin = resolve_schedule(ns.coefficients, ns.steps)
     direction = dict(momentum=momentum, nesterov=nesterov)
@@ -372,10 +354,10 @@ def stacked_muon_(
                 except Exception as exc:  # fails to compile: before anything is written
                     disable_triton_elementwise(exc, elementwise_backend)
                     kernels = None
-            (apply_updates or apply_updates_)(
+            (apply_updates or apply_updates_by_rule_)(
                 p_part,
                 list(result.unbind(0)),
-                [alpha] * len(members),
+                [ApplyRule(alpha)] * len(members),
                 lr=lr,
                 weight_decay=weight_decay,
             )

@@ -282,8 +282,8 @@ def unscaled_apply_rule(settings: MuonSettings, shape: tuple[int, int]) -> Apply
 
 
 ApplyUpdates = Callable[..., None]
-"""A function with :func:`apply_updates_`'s arguments (params, updates, alphas, lr=,
-weight_decay=, cautious=)."""
+"""A function with :func:`apply_updates_by_rule_`'s arguments (params, updates, rules, lr=,
+weight_decay=): Muon's last pass, for a caller that also sends the updates elsewhere."""
 
 
 def apply_updates_(

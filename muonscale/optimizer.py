@@ -461,7 +461,7 @@ class Muon(torch.optim.Optimizer):
         """Apply one step of ``group``'s algorithm to ``params`` with ``grads`` (plain local
         tensors; the distributed optimizers call this on the matrices a rank owns). ``step_ok``
         (capturable): a device flag, False to make the step a no-op. ``apply_updates``: Muon's
-        last pass, instead of :func:`~muonscale.functional.apply_updates_`
+        last pass, instead of :func:`~muonscale.matrix_step.apply_updates_by_rule_`
         (:func:`muonscale.functional.muon`)."""
         if not params:
             return

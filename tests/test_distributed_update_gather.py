@@ -20,7 +20,7 @@ from test_distributed_grad_edits import swap_parameters
 from torch import nn
 
 import muonscale
-from muonscale import functional
+from muonscale import matrix_step
 from muonscale.distributed import DistributedMuon
 from muonscale.qkv import QKVLayout
 from muonscale.scaling import update_scale
@@ -59,16 +59,16 @@ def dp_average(grad: torch.Tensor, world_size: int) -> torch.Tensor:
 @contextlib.contextmanager
 def rounding_updates():
     """Single-process Muon's last pass applies each update rounded to bfloat16."""
-    plain = functional.apply_updates_
+    plain = matrix_step.apply_updates_
 
     def rounded(params, updates, alphas, **kw):
         plain(params, [u.bfloat16() for u in updates], alphas, **kw)
 
-    functional.apply_updates_ = rounded
+    matrix_step.apply_updates_ = rounded
     try:
         yield
     finally:
-        functional.apply_updates_ = plain
+        matrix_step.apply_updates_ = plain
 
 
 def digest(model: nn.Module) -> str:

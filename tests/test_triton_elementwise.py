@@ -27,7 +27,7 @@ import sys
 import pytest
 import torch
 
-from muonscale import functional
+from muonscale import functional, matrix_step
 from muonscale.kernels import (
     ELEMENTWISE_ENV,
     elementwise_backend_from_environment,
@@ -126,7 +126,7 @@ def test_apply_update(shape, transposed_updates, param_dtype, update_dtype, weig
         O = torch.randn(k, rows, cols).to(update_dtype)
     foreach = [p.clone() for p in params]
     apply_update_(params, O, lr=lr, weight_decay=weight_decay, alpha=alpha)
-    functional.apply_updates_(
+    matrix_step.apply_updates_(
         foreach, list(O.unbind(0)), [alpha] * k, lr=lr, weight_decay=weight_decay
     )
     step = float(torch.tensor(lr * alpha, dtype=torch.float32))

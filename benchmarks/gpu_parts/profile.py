@@ -18,7 +18,7 @@ import re
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from muonscale import functional
+from muonscale import functional, matrix_step
 from muonscale.kernels import triton_available
 
 from .graph import make_muon
@@ -143,7 +143,7 @@ def elementwise_passes(bench, model: str = "gpt2-medium") -> dict:
     def b_foreach():
         for s in stacks:
             k = len(s["params"])
-            functional.apply_updates_(
+            matrix_step.apply_updates_(
                 s["params"], list(s["o"].unbind(0)), [alpha] * k, lr=lr, weight_decay=wd
             )
 

@@ -1,13 +1,13 @@
 """Gathering each owner's update instead of its updated parameter (``DistributedMuon``).
 
-With Newton–Schulz in bfloat16 an owner's update of a Muon matrix (the Newton–Schulz output,
-split Q/K/V scales and NorMuon's row scale applied) is bfloat16 already. The owner sends that
-update instead of the fp32 parameter, and every rank applies the same decay-and-add
-(:func:`muonscale.functional.apply_updates_`, whole matrix by whole matrix) to its own copy,
-with the lr and weight decay captured at ``step()``::
+With Newton–Schulz in bfloat16 an owner's update of a Muon matrix (the matrix step's output,
+:mod:`muonscale.matrix_step`) is bfloat16 already. The owner sends that update instead of the
+fp32 parameter, and every rank applies it with the same rule
+(:func:`muonscale.matrix_step.apply_updates_by_rule_`, whole matrix by whole matrix) to its own
+copy, with the lr and weight decay captured at ``step()``::
 
-    W ← W · (1 − lr λ) + lr α U        (U: bfloat16 on the wire; α, cautious decay: the rule
-                                        of :func:`muonscale.functional.update_rule`)
+    W ← W · (1 − lr λ) + lr α U        (U: bfloat16 on the wire; α and the decay: the
+                                        matrix's :func:`muonscale.matrix_step.apply_rule`)
 
 The owner applies the update exactly as it sent it, so the replicas stay bitwise identical.
 With fp32 Newton–Schulz this is an opt-in (``gather_updates=True``): the update is rounded to
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..functional import ApplyUpdates, apply_updates_, update_rule
+from ..matrix_step import ApplyRule, ApplyUpdates, apply_rule, apply_updates_by_rule_
 from ..newton_schulz import default_ns_dtype
 from ..settings import MuonSettings
 from .dp_reduction import BucketedReduction, StreamBuffers
@@ -82,8 +82,7 @@ class UpdateRule:
 
     lr: float
     weight_decay: float
-    alpha: float
-    cautious: bool
+    apply: ApplyRule
 
 
 class UpdateGather:
@@ -142,27 +141,26 @@ class UpdateGather:
                 continue
             settings = MuonSettings.from_group(group)
             view = opt.param_table.view(p, group["matrix_mode"])
-            alpha, cautious = update_rule(p, view, settings.ns, settings, settings.scale)
             lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
-            self._rules[i] = UpdateRule(lr, weight_decay, alpha, cautious)
+            self._rules[i] = UpdateRule(lr, weight_decay, apply_rule(view, settings))
 
     def owner_apply(self, index_of: Callable[[torch.Tensor], int | None]) -> ApplyUpdates:
         """Muon's last pass on the owner: each gathered matrix's update goes into the gather
         buffer (rounded to :data:`UPDATE_DTYPE`), then is applied from there as every other
         rank applies it; other matrices are applied as usual."""
 
-        def apply(params, updates, alphas, *, lr, weight_decay, cautious=False):
-            columns: list[list] = [[], [], []]  # (params, updates, alphas): one elementwise pass
-            for p, u, alpha in zip(params, updates, alphas):
+        def apply(params, updates, rules, *, lr, weight_decay):
+            columns: list[list] = [[], [], []]  # (params, updates, rules): one elementwise pass
+            for p, u, rule in zip(params, updates, rules):
                 i = index_of(p)
                 if i in self._offset:
                     stream, off = self._offset[i]
                     wire = stream.gather_in[off : off + p.numel()]
                     wire.copy_(u.reshape(-1))
                     u = wire.view(p.shape)  # applied from the rounded copy, as elsewhere
-                for column, x in zip(columns, (p, u, alpha)):
+                for column, x in zip(columns, (p, u, rule)):
                     column.append(x)
-            apply_updates_(*columns, lr=lr, weight_decay=weight_decay, cautious=cautious)
+            apply_updates_by_rule_(*columns, lr=lr, weight_decay=weight_decay)
 
         return apply
 
@@ -180,11 +178,10 @@ class UpdateGather:
             pieces = [stream.gather_out[kk][s : s + n] for kk, s, n in self._pieces[i]]
             update = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
             p = self.reduction.params[i]
-            apply_updates_(
+            apply_updates_by_rule_(
                 [p],
                 [update.view(p.shape)],
-                [rule.alpha],
+                [rule.apply],
                 lr=rule.lr,
                 weight_decay=rule.weight_decay,
-                cautious=rule.cautious,
             )

@@ -252,7 +252,7 @@ def apply_update_(
     alpha: float,
 ) -> None:
     """W ← W · (1 − lr · λ) + (lr · α) · ``updates[j]`` for member j, in place: the
-    arithmetic of :func:`muonscale.functional.apply_updates_` with one α, in one launch.
+    arithmetic of :func:`muonscale.matrix_step.apply_updates_` with one α, in one launch.
     ``updates`` is a ``(k, rows, cols)`` stack (any strides, its own dtype)."""
     k = len(params)
     if k == 0:

@@ -14,7 +14,7 @@ from torch import nn
 
 from muonscale.distributed.comm import Communicator, WireCounter
 from muonscale.distributed.data_parallel import DistributedMuon
-from muonscale.functional import ApplyUpdates
+from muonscale.matrix_step import ApplyUpdates
 from muonscale.memory import MemoryBudget
 from muonscale.optimizer import Muon
 from muonscale.params import RouteDecision
