@@ -145,20 +145,24 @@ def _param_digest(c) -> str | None:
 
 
 class NewtonSchulzTimer:
-    """Seconds spent in Newton–Schulz: wraps the two entry points ``muonscale.functional``
-    calls (the stacked and the per-matrix path) while active."""
+    """Seconds spent in Newton–Schulz: wraps the two entry points Muon's step calls (the stacked
+    path's ``functional.orthogonalize_stack_`` and the matrix step's
+    ``matrix_step.newton_schulz_fast``) while active."""
+
+    ENTRY_POINTS = (("functional", "orthogonalize_stack_"), ("matrix_step", "newton_schulz_fast"))
 
     def __init__(self) -> None:
         self.seconds = 0.0
 
     def __enter__(self):
-        from muonscale import functional
+        import importlib
 
-        self._saved = {
-            n: getattr(functional, n) for n in ("newton_schulz_fast", "orthogonalize_stack_")
-        }
-        for name, fn in self._saved.items():
-            setattr(functional, name, self._timed(fn))
+        self._saved = []
+        for module_name, name in self.ENTRY_POINTS:
+            module = importlib.import_module(f"muonscale.{module_name}")
+            fn = getattr(module, name)
+            self._saved.append((module, name, fn))
+            setattr(module, name, self._timed(fn))
         return self
 
     def _timed(self, fn):
@@ -172,10 +176,8 @@ class NewtonSchulzTimer:
         return timed
 
     def __exit__(self, *exc) -> None:
-        from muonscale import functional
-
-        for name, fn in self._saved.items():
-            setattr(functional, name, fn)
+        for module, name, fn in self._saved:
+            setattr(module, name, fn)
 
 
 def _mean_links(per_step: list[dict[str, int]]) -> dict[str, float]:
