@@ -371,7 +371,7 @@ class DistributedMuon(Muon):
         packed = super().state_dict()  # param_groups with indices; its "state" is replaced
         state = self._prepared_state
         if state is None:
-            state = dp_checkpoint.gather_full_state(self)
+            state = self._gather_state()
         packed["state"] = {i: state[i] for i in sorted(state)}
         return packed
 
@@ -381,7 +381,11 @@ class DistributedMuon(Muon):
         ``load_state_dict()``: for frameworks that save on one rank only (the HF Trainer)."""
         self.wait_for_parameters()
         self._prepared_state = None
-        self._prepared_state = dp_checkpoint.gather_full_state(self)
+        self._prepared_state = self._gather_state()
+
+    def _gather_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """The full state, gathered from the owners (collective; a subclass hook)."""
+        return dp_checkpoint.gather_full_state(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load full state (from this class, :class:`muonscale.Muon`, or DCP's
