@@ -7,9 +7,12 @@ Presets (``PRESETS``; any flag given overrides its preset value): ``--quick`` se
 ``tests/test_multihost.py`` (2 x 1 on veth, small); the default finishes within 20 minutes on a
 2-core machine: 2 x 1 on veth and on a link shaped to DDP AdamW's own pace (``auto``: the rate
 at which its all-reduce takes as long as its compute on veth, so it spends about half its
-step communicating), 3 interleaved repeats, medians; ``--full`` adds 4 x 1 and 2 x 2 on both
-links and the faults. Tokens per step are chosen per rank (``--tokens-per-rank``) so that
-Newton–Schulz stays a small part of Muon's compute; the run prints that share (Newton–Schulz
+step communicating; calibrated on the median of the veth runs), 3 interleaved repeats, medians;
+``--full`` adds 4 x 1 and 2 x 2 on both links and the faults. Tokens per step are chosen per
+rank (``--tokens-per-rank``) so that Newton–Schulz stays a small part of Muon's compute, and
+gradient buckets (``--bucket-cap-mb``, the same for DDP and DistributedMuon) so that the 13 MB
+model has several, as a 25 MB cap gives the models users train (one bucket would hold the whole
+model, and no reduction could start before backward ends); the run prints that share (Newton–Schulz
 seconds summed over ranks over forward + backward + Newton–Schulz seconds, on veth), DDP
 AdamW's communication share on the shaped link, and its own wall time.
 
@@ -88,6 +91,8 @@ def run_config(a, hosts: int, procs: int, link: str, contenders: str) -> list[di
             str(a.pg_timeout_s),
             "--ns-dtype",
             a.ns_dtype,
+            "--bucket-cap-mb",
+            str(a.bucket_cap_mb),
         ]
         result = cluster.torchrun(
             WORKER,
@@ -510,6 +515,7 @@ DEFAULT_PRESET = dict(
     d_model=256,
     repeats=3,
     timeout_s=600.0,
+    bucket_cap_mb=2.0,  # about seven buckets of the model's 13 MB of fp32 gradients
 )
 PRESETS = {
     "quick": {
@@ -537,16 +543,20 @@ PRESETS = {
 
 def auto_rate_mbit(rows: list[dict]) -> float:
     """The rate at which DDP AdamW's all-reduce at 2 x 1 takes as long as its veth step: its
-    inter-host bytes per step over its step time (it then spends about half its step
-    communicating: DDP overlaps little of a one-bucket model's all-reduce)."""
-    ddp = next(
+    inter-host bytes per step over its step time, in its median veth run (it then spends up to
+    half its step communicating, less what backward hides). Raises ``StopIteration`` without
+    such a run."""
+    ddp = [
         r
         for r in rows
         if r["optimizer"] == "adamw-ddp"
         and r["link"] == "veth"
         and (r["hosts"], r["procs_per_host"]) == (2, 1)
-    )
-    return ddp["measured_tx_bytes_per_step_per_host"] * 8 / 1e6 / ddp["step_s"]
+    ]
+    if not ddp:
+        raise StopIteration
+    median = sorted(ddp, key=lambda r: r["step_s"])[(len(ddp) - 1) // 2]
+    return median["measured_tx_bytes_per_step_per_host"] * 8 / 1e6 / median["step_s"]
 
 
 def medians(rows: list[dict]) -> list[dict]:
@@ -616,6 +626,13 @@ def main(argv=None) -> int:
         choices=("float32", "bfloat16"),
         help="Newton-Schulz dtype of the Muon contenders",
     )
+    ap.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        help="gradient bucket size of every data-parallel contender, DDP's and "
+        "DistributedMuon's (default preset: 2)",
+    )
     ap.add_argument("--timeout-s", type=float, default=None, help="per torchrun job")
     ap.add_argument(
         "--python",
@@ -640,17 +657,17 @@ def main(argv=None) -> int:
     shapes = [tuple(map(int, x.split("x"))) for x in a.shapes.split(",") if x]
     names = [n for n in a.contenders.split(",") if n]
     links = a.links.split(",") if names else []
-    for repeat in range(a.repeats):
-        turn = repeat % max(1, len(names))
-        order = names[turn:] + names[:turn]  # interleaved: each repeat starts elsewhere
-        for link in links:
-            if link == "auto":
-                try:
-                    link = f"{auto_rate_mbit(rows):.0f}mbit"
-                except StopIteration:
-                    errors.append({"link": "auto", "error": "no adamw-ddp 2x1 veth row"})
-                    continue
-                a.auto_link = link
+    for link in links:  # every repeat of one link, so that auto sees all the veth runs
+        if link == "auto":
+            try:
+                link = f"{auto_rate_mbit(rows):.0f}mbit"
+            except StopIteration:
+                errors.append({"link": "auto", "error": "no adamw-ddp 2x1 veth row"})
+                continue
+            a.auto_link = link
+        for repeat in range(a.repeats):
+            turn = repeat % max(1, len(names))
+            order = names[turn:] + names[:turn]  # interleaved: each repeat starts elsewhere
             for hosts, procs in shapes:
                 start = time.monotonic()
                 try:

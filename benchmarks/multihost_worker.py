@@ -77,7 +77,7 @@ def _configs(a):
     )
 
 
-def _deferred(name, muon):
+def _deferred(name, muon, bucket_cap_mb):
     """DistributedMuon with the owners' bf16 updates gathered and landed in the next forward."""
     from muonscale.bench.distributed_worker import Contender
     from muonscale.distributed import DistributedMuon
@@ -93,19 +93,20 @@ def _deferred(name, muon):
         reduce_dtype=reduce_dtype,
         gather_updates=True,
         defer_gather=True,
+        bucket_cap_mb=bucket_cap_mb,
         **muon_options(model, muon),
     )
     return Contender(name, muon, model, opt)
 
 
-def _build(names, muon, adamw, world_size, hosts):
+def _build(names, muon, adamw, world_size, hosts, bucket_cap_mb):
     from muonscale.bench.distributed_worker import dp_contenders, sharded_contenders
 
-    out = {n: _deferred(n, muon) for n in names if n.endswith(DEFERRED)}
+    out = {n: _deferred(n, muon, bucket_cap_mb) for n in names if n.endswith(DEFERRED)}
     for name in (n for n in names if n.endswith(NO_OVERLAP)):
         base = name.removesuffix(NO_OVERLAP)
         dtypes = ["bfloat16"] if base == "muon-bf16reduce" else ["float32"]
-        for c in dp_contenders(muon, adamw, dtypes, hosts=hosts):
+        for c in dp_contenders(muon, adamw, dtypes, hosts=hosts, bucket_cap_mb=bucket_cap_mb):
             if c.name == base:
                 c.name, c.opt.overlap_gather = name, False
                 out[name] = c
@@ -114,7 +115,7 @@ def _build(names, muon, adamw, world_size, hosts):
     names_with_overlap = [n for n in names if not n.endswith((NO_OVERLAP, DEFERRED))]
     if any(not n.startswith("fsdp-") for n in names_with_overlap):
         dtypes = ["float32"] + (["bfloat16"] if "muon-bf16reduce" in names else [])
-        for c in dp_contenders(muon, adamw, dtypes, hosts=hosts):
+        for c in dp_contenders(muon, adamw, dtypes, hosts=hosts, bucket_cap_mb=bucket_cap_mb):
             if c.name in names_with_overlap:
                 out[c.name] = c
             else:
@@ -210,6 +211,12 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--ns-dtype", default="float32", choices=("float32", "bfloat16"), help="Muon's NS dtype"
     )
+    ap.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=25.0,
+        help="gradient bucket size of every data-parallel contender (DDP and DistributedMuon)",
+    )
     ap.add_argument("--interface", default="eth0")
     ap.add_argument("--kill-rank", type=int, default=-1, help="this rank SIGKILLs itself ...")
     ap.add_argument("--kill-at-step", type=int, default=1, help="... inside this measured step")
@@ -258,7 +265,9 @@ def _run(a, names, rank) -> None:
         raise ValueError(f"--global-batch {a.global_batch} is smaller than the world size {world}")
     hosts = discover_host_map(Communicator())
     muon, adamw = _configs(a)
-    contenders = _build(names, muon, adamw, world_size=world, hosts=hosts)
+    contenders = _build(
+        names, muon, adamw, world_size=world, hosts=hosts, bucket_cap_mb=a.bucket_cap_mb
+    )
     n_params = sum(p.numel() for p in contenders[0].model.parameters())
     muon_fraction = _muon_fraction(contenders)
     rows = []

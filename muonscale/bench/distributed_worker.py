@@ -175,13 +175,21 @@ def _variant_kwargs(options) -> dict[str, Any]:
 
 
 def dp_contenders(
-    muon, adamw, reduce_dtypes=("float32",), *, variants=None, hosts=None, probe=False
+    muon,
+    adamw,
+    reduce_dtypes=("float32",),
+    *,
+    variants=None,
+    hosts=None,
+    probe=False,
+    bucket_cap_mb: float = 25.0,
 ) -> list[Contender]:
     """DistributedMuon per reduce dtype (``muon``: float32), the ``variants``
     (``{name: (TrainConfig, Muon options)}``), ZeRO-1 AdamW and DDP AdamW, from the
     ``TrainConfig`` s ``muon`` and ``adamw``; ``hosts``: the
     :class:`~muonscale.distributed.hosts.HostMap` that DDP's all-reduce is counted with;
-    ``probe``: measure every contender's maximum attention logit (``--track-max-logit``)."""
+    ``probe``: measure every contender's maximum attention logit (``--track-max-logit``);
+    ``bucket_cap_mb``: every contender's gradient bucket size (DDP's and DistributedMuon's)."""
     from muonscale.distributed import Communicator, DistributedMuon
 
     out = []
@@ -198,6 +206,7 @@ def dp_contenders(
         opt = DistributedMuon(
             model.named_parameters(),
             reduce_dtype=reduce_dtype,
+            bucket_cap_mb=bucket_cap_mb,
             **{**muon_options(model, config), **_variant_kwargs(options)},
         )
         out.append(Contender(name, config, model, opt, probe=probe))
@@ -208,6 +217,7 @@ def dp_contenders(
         lr=adamw.lr,
         weight_decay=adamw.weight_decay,
         adamw_betas=tuple(adamw.adamw_betas),
+        bucket_cap_mb=bucket_cap_mb,
     )
     out.append(Contender("adamw-zero1", adamw, model, opt, probe=probe))
 
@@ -219,7 +229,7 @@ def dp_contenders(
         work = comm.all_reduce(buf, tag="ddp", async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
 
-    ddp = wrap_ddp(model, torch.device("cpu"))
+    ddp = wrap_ddp(model, torch.device("cpu"), bucket_cap_mb)
     ddp.register_comm_hook(None, all_reduce_hook)
     opt = adamw_for(model, adamw)
     out.append(

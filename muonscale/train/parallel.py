@@ -84,12 +84,12 @@ def shard_fsdp(model: nn.Module, mesh) -> None:
     fully_shard(model, mesh=mesh)
 
 
-def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+def wrap_ddp(model: nn.Module, device: torch.device, bucket_cap_mb: float = 25.0) -> nn.Module:
     """``DistributedDataParallel`` around ``model`` (the forward model of a DDP run)."""
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids)
+    return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
 
 
 def apply_tensor_parallel(model: nn.Module, mesh) -> dict[str, Any]:
