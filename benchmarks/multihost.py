@@ -6,8 +6,8 @@
 Presets (``PRESETS``; any flag given overrides its preset value): ``--quick`` serves
 ``tests/test_multihost.py`` (2 x 1 on veth, small); the default finishes within 20 minutes on a
 2-core machine: 2 x 1 on veth and on a link shaped to DDP AdamW's own pace (``auto``: the rate
-at which its all-reduce takes as long as its compute on veth, so it spends about half its
-step communicating; calibrated on the median of the veth runs), 3 interleaved repeats, medians;
+at which it spends about half its step communicating, from the median of its veth runs and
+one probe run of it alone, :func:`auto_rate_mbit`), 3 interleaved repeats, medians;
 ``--full`` adds 4 x 1 and 2 x 2 on both links and the faults. Tokens per step are chosen per
 rank (``--tokens-per-rank``) so that Newton–Schulz stays a small part of Muon's compute, and
 gradient buckets (``--bucket-cap-mb``, the same for DDP and DistributedMuon) so that the 13 MB
@@ -541,11 +541,8 @@ PRESETS = {
 }
 
 
-def auto_rate_mbit(rows: list[dict]) -> float:
-    """The rate at which DDP AdamW's all-reduce at 2 x 1 takes as long as its veth step: its
-    inter-host bytes per step over its step time, in its median veth run (it then spends up to
-    half its step communicating, less what backward hides). Raises ``StopIteration`` without
-    such a run."""
+def _veth_ddp(rows: list[dict]) -> dict:
+    """DDP AdamW's median veth run at 2 x 1 (``StopIteration`` without one)."""
     ddp = [
         r
         for r in rows
@@ -555,8 +552,25 @@ def auto_rate_mbit(rows: list[dict]) -> float:
     ]
     if not ddp:
         raise StopIteration
-    median = sorted(ddp, key=lambda r: r["step_s"])[(len(ddp) - 1) // 2]
-    return median["measured_tx_bytes_per_step_per_host"] * 8 / 1e6 / median["step_s"]
+    return sorted(ddp, key=lambda r: r["step_s"])[(len(ddp) - 1) // 2]
+
+
+def probe_rate_mbit(rows: list[dict]) -> float:
+    """The rate at which DDP AdamW's all-reduce at 2 x 1 takes as long as its median veth step:
+    its inter-host bytes per step over that step's time."""
+    veth = _veth_ddp(rows)
+    return veth["measured_tx_bytes_per_step_per_host"] * 8 / 1e6 / veth["step_s"]
+
+
+def auto_rate_mbit(rows: list[dict], probe: dict) -> float:
+    """The rate at which DDP AdamW spends about half its 2 x 1 step communicating, from its
+    ``probe`` run at :func:`probe_rate_mbit`: there its all-reduce took one veth step T and
+    it waited c = (probe step − T) for it, so backward hid h = T − c. Half the step is
+    communication when the wait is T, i.e. when the all-reduce takes T + h = 2T − c."""
+    veth = _veth_ddp(rows)
+    step, waited = veth["step_s"], probe["step_s"] - veth["step_s"]
+    seconds = max(step, 2 * step - max(0.0, waited))  # at most the probe rate
+    return veth["measured_tx_bytes_per_step_per_host"] * 8 / 1e6 / seconds
 
 
 def medians(rows: list[dict]) -> list[dict]:
@@ -596,8 +610,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--links",
         default=None,
-        help="veth (unshaped), <rate>mbit (tbf on every host's egress) or auto (DDP AdamW's "
-        "bytes over its veth step at 2 x 1)",
+        help="veth (unshaped), <rate>mbit (tbf on every host's egress) or auto (where DDP "
+        "AdamW at 2 x 1 spends about half its step communicating; after veth)",
     )
     ap.add_argument("--contenders", default=None)
     ap.add_argument(
@@ -660,11 +674,18 @@ def main(argv=None) -> int:
     for link in links:  # every repeat of one link, so that auto sees all the veth runs
         if link == "auto":
             try:
-                link = f"{auto_rate_mbit(rows):.0f}mbit"
+                probe_link = f"{probe_rate_mbit(rows):.0f}mbit"
+                (probe,) = run_config(a, 2, 1, probe_link, "adamw-ddp")
+                link = f"{auto_rate_mbit(rows, probe):.0f}mbit"
             except StopIteration:
                 errors.append({"link": "auto", "error": "no adamw-ddp 2x1 veth row"})
                 continue
+            except RuntimeError as exc:
+                errors.append({"link": "auto", "error": f"probe run: {str(exc)[-2000:]}"})
+                continue
             a.auto_link = link
+            a.auto_probe = {"link": probe_link, "step_s": probe["step_s"]}
+            print(f"multihost: auto rate {link} (DDP AdamW's probe at {probe_link})", flush=True)
         for repeat in range(a.repeats):
             turn = repeat % max(1, len(names))
             order = names[turn:] + names[:turn]  # interleaved: each repeat starts elsewhere
