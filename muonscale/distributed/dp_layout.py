@@ -162,3 +162,15 @@ def layout_stats(opt: Any) -> dict[str, Any]:
         "fill_elements": sum(s.layout.fill.numel for s in opt.reduction.streams),
         "padding_elements": sum(s.layout.padding() for s in opt.reduction.streams),
     }
+
+
+def expected_readiness(params: list[torch.Tensor], model: Any, given: list[int]) -> list[int]:
+    """Indices of ``params`` in the order backward is expected to make their gradients ready,
+    as DDP assumes before its first step: the reverse of the model's registration order
+    (``model``, when it is a module), else of the order the parameters were given in
+    (``given``: their ids in that order); parameters in neither come last."""
+    index = {id(p): i for i, p in enumerate(params)}
+    source = [id(p) for p in model.parameters()] if isinstance(model, torch.nn.Module) else given
+    seen = [index[k] for k in dict.fromkeys(source) if k in index]
+    known = set(seen)
+    return seen[::-1] + [i for i in range(len(params)) if i not in known]

@@ -158,6 +158,8 @@ class BucketedReduction:
         update_params: Muon indices whose owner's update may be gathered instead of the
             parameter; a stream whose every matrix is one gathers updates in ``update_dtype``
             and carries no AdamW fill (:mod:`.dp_update_gather`).
+        readiness: every index, in the order backward is expected to make the gradients
+            ready (None: the reverse of ``params``); streams and buckets follow it.
 
     Attributes:
         streams: one :class:`StreamBuffers` per (dtype, device) of Muon parameters.
@@ -179,8 +181,11 @@ class BucketedReduction:
         name_of: Callable[[torch.Tensor], str] = lambda p: "<parameter>",
         update_params: frozenset[int] = frozenset(),
         update_dtype: torch.dtype = torch.bfloat16,
+        readiness: list[int] | None = None,
     ) -> None:
         self.params, self.options, self.comm, self.owner_rank = params, options, comm, owner_rank
+        order = readiness if readiness is not None else list(range(len(params)))[::-1]
+        self._position = {i: k for k, i in enumerate(order)}  # index -> expected readiness
         self._update_params, self._update_dtype = update_params, update_dtype
         self.rank, self.world_size = comm.rank, comm.world_size
         self.muon, self.adamw = muon, adamw
@@ -220,10 +225,10 @@ class BucketedReduction:
         return self.options.main_dtype(dtype)
 
     def _by_dtype_and_device(self, indices: list[int]) -> dict[tuple, list[int]]:
-        """``indices`` in readiness order (reverse registration: backward's order), grouped by
-        (dtype, device): one owner stream or set of flat buckets per group."""
+        """``indices`` in expected readiness order (backward's), grouped by (dtype, device):
+        one owner stream or set of flat buckets per group."""
         groups: dict[tuple, list[int]] = {}
-        for i in sorted(indices, reverse=True):
+        for i in sorted(indices, key=self._position.__getitem__):
             p = self.params[i]
             groups.setdefault((p.dtype, p.device), []).append(i)
         return groups
@@ -246,7 +251,8 @@ class BucketedReduction:
             # backward first (they pair with the stream ends, which wait for the first layers).
             # None in a stream of updates: AdamW parameters keep their own dtype on the wire.
             same = rdtype == dtype and not updates
-            fillers = sorted(adamw_groups.get((dtype, device), [])) if same else []
+            last_first = sorted(adamw_groups.get((dtype, device), []), key=self._position.get)
+            fillers = last_first[::-1] if same else []
             layout = plan_owner_streams(members, numels, self.owner_rank, N, cap, fillers)
             filled.update(layout.fill.params)
             recv = torch.zeros(layout.length, dtype=rdtype, device=device)  # (T,)
@@ -293,9 +299,8 @@ class BucketedReduction:
                 shards = FlatShard(layout, full, shard, exp_avg, exp_avg_sq, main)
                 self.flat_shards.append(shards)
                 buckets.append(_Bucket("adamw", frozenset(layout.params), shards=shards))
-        # Launch order: by the last gradient a bucket waits for (backward runs in reverse).
-        position = {i: len(self.params) - 1 - i for i in range(len(self.params))}
-        buckets.sort(key=lambda b: max((position[p] for p in b.params), default=-1))
+        # Launch order: by the last gradient a bucket waits for.
+        buckets.sort(key=lambda b: max((self._position[p] for p in b.params), default=-1))
         self._buckets = buckets
         self._buckets_of: dict[int, list[_Bucket]] = {i: [] for i in range(len(self.params))}
         for b in buckets:
