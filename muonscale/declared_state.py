@@ -7,45 +7,15 @@ these declarations instead of naming the tensors themselves.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from .matrices import MatrixView
 from .settings import MuonSettings
-from .variants import row_moment_shape
-
-Placement = Literal["parameter", "replicated"]
-"""``"parameter"``: laid out as the parameter (a DTensor parameter's state is a DTensor with
-its placements; in ``DistributedMuon`` it lives with the matrix's owner); ``"replicated"``:
-the whole tensor wherever the matrix is updated (with the owner, or on every rank that holds
-a shard of a sharded matrix)."""
-
-
-@dataclass(frozen=True)
-class StateTensor:
-    """One state tensor of a Muon parameter."""
-
-    key: str
-    """Its key in the parameter's state (and in ``state_dict()``)."""
-    what: str
-    """What it holds, for messages."""
-    kept: Callable[[MuonSettings], bool]
-    """Whether a group with these settings keeps it."""
-    shape: Callable[[MatrixView], tuple[int, ...]]
-    """Its (global) shape, from the parameter's matrix view."""
-    dtype: Callable[[MuonSettings, torch.dtype], torch.dtype]
-    """Its dtype, from the settings and the dtype of the parameter (or of its main copy)."""
-    placement: Placement
-
-    def zeros(
-        self, settings: MuonSettings, view: MatrixView, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        """A zero tensor of this state for a plain (whole) parameter of ``dtype``."""
-        return torch.zeros(self.shape(view), dtype=self.dtype(settings, dtype), device=device)
-
+from .state_tensor import Placement, StateTensor  # noqa: F401 (Placement: re-exported)
+from .variants import ROW_MOMENT
 
 MOMENTUM = StateTensor(
     key="momentum_buffer",
@@ -54,14 +24,6 @@ MOMENTUM = StateTensor(
     shape=lambda view: view.param_shape,
     dtype=lambda settings, dtype: settings.momentum_dtype or dtype,
     placement="parameter",
-)
-ROW_MOMENT = StateTensor(
-    key="row_second_moment",
-    what="NorMuon's row second moment, one float32 per row of the parameter's matrices",
-    kept=lambda settings: settings.normalize == "row",
-    shape=lambda view: row_moment_shape(view.matrix_shapes),
-    dtype=lambda settings, dtype: torch.float32,
-    placement="replicated",
 )
 MUON_STATE: tuple[StateTensor, ...] = (MOMENTUM, ROW_MOMENT)
 """Every state tensor a Muon parameter may hold."""
@@ -77,7 +39,7 @@ def kept_state(settings: MuonSettings, *, variants_only: bool = False) -> list[S
 
 def row_state(states: list[Mapping[str, Any]]) -> list[torch.Tensor | None]:
     """Each state's replicated row state, which the matrix step reads besides the direction
-    (NorMuon's row second moment; None where the settings keep none)."""
+    (the row second moment; None where the settings keep none)."""
     return [s.get(ROW_MOMENT.key) for s in states]
 
 
@@ -102,7 +64,7 @@ def check_loaded_state(
                     raise ValueError(
                         f"load_state_dict: the state of parameter '{name}' has no "
                         f"{spec.key!r} ({spec.what}), which its saved param group needs "
-                        f"({_keeping_options(spec, settings)}). A checkpoint read into this "
+                        f"({settings.variant_summary()}). A checkpoint read into this "
                         "optimizer's own state dict (torch.distributed.checkpoint) only has "
                         "room for the state this optimizer keeps: build it with the saved "
                         "options. Nothing was changed."
@@ -135,9 +97,3 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         out *= int(s)
     return out
-
-
-def _keeping_options(spec: StateTensor, settings: MuonSettings) -> str:
-    if spec is ROW_MOMENT:
-        return f"normalize={settings.normalize!r}"
-    return "its options"

@@ -8,7 +8,6 @@ every layout runs exactly the same arithmetic.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -44,7 +43,7 @@ from .memory import (
 )
 from .newton_schulz import default_ns_dtype, resolve_schedule
 from .scaling import update_scale
-from .settings import PLAIN_MUON, MuonSettings, NewtonSchulzSettings
+from .settings import PLAIN_MUON, MuonSettings
 
 
 def update_momentum_(
@@ -123,20 +122,6 @@ def update_chunks(
     return [[order[j] for j in chunk] for chunk in chunks]
 
 
-def call_settings(options: MuonSettings, ns: NewtonSchulzSettings, scale: str) -> MuonSettings:
-    """``options`` with the Newton–Schulz settings and the scale rule of a call."""
-    return dataclasses.replace(
-        options,
-        ns_steps=ns.steps,
-        coefficients=ns.coefficients,
-        ns_dtype=ns.dtype,
-        ns_eps=ns.eps,
-        ns_method=ns.method,
-        preconditioner=ns.preconditioner,
-        scale=scale,
-    )
-
-
 def orthogonalize_directions_(
     grads: Sequence[torch.Tensor],
     momentum_buffers: Sequence[torch.Tensor],
@@ -184,14 +169,10 @@ def muon(
     views: Sequence[MatrixView],
     lr: float | torch.Tensor,
     weight_decay: float,
-    momentum: float,
-    nesterov: bool,
-    scale: str,
-    ns: NewtonSchulzSettings = PLAIN_MUON.ns,
+    settings: MuonSettings = PLAIN_MUON,
     max_chunk_bytes: ChunkBytes = PER_DEVICE,
     max_workspace_bytes: int = DEFAULT_NS_WORKSPACE_BYTES,
     elementwise_backend: ElementwiseBackend = DEFAULT_ELEMENTWISE_BACKEND,
-    options: MuonSettings = PLAIN_MUON,
     row_state: Sequence[torch.Tensor | None] | None = None,
     apply_updates: ApplyUpdates | None = None,
 ) -> None:
@@ -206,7 +187,7 @@ def muon(
     Plain Muon of single matrices takes the stacked fast path (:func:`stacked_muon_`: two
     elementwise passes besides Newton–Schulz, the directions written straight into the
     Newton–Schulz input stacks); every other parameter (split or transposed views, the
-    variants of ``options``, with their ``row_state``) takes the matrix step
+    variants of ``settings``, with their ``row_state``) takes the matrix step
     (:func:`muonscale.matrix_step.parameter_updates`). ``elementwise_backend``
     (:data:`~muonscale.kernels.ElementwiseBackend`) says whether the fast path's passes are
     Triton kernels (the optimizers pass the value they read from ``MUONSCALE_ELEMENTWISE``
@@ -215,15 +196,17 @@ def muon(
     bytes, :data:`~muonscale.memory.PER_DEVICE` or :data:`~muonscale.memory.UNCHUNKED`);
     every parameter's update is independent of the others, so chunking does not change the
     result. ``max_workspace_bytes`` bounds the Newton–Schulz scratch. ``lr`` may be a 0-dim
-    tensor on the parameters' device (a capturable step: no host read of it). ``ns``: the
-    Newton–Schulz settings (with the preconditioner); ``options``: the group's settings.
+    tensor on the parameters' device (a capturable step: no host read of it); ``settings``:
+    the group's other options (momentum, Newton–Schulz, scale rule, variants), whose ``lr``
+    and ``weight_decay`` the two arguments of this step replace.
     ``apply_updates``: called instead of :func:`~muonscale.matrix_step.apply_updates_by_rule_`
     (same arguments; the Triton apply pass then does not run), for a caller that also sends
     the updates elsewhere.
     """
     if not params:
         return
-    settings = call_settings(options, ns, scale)
+    ns = settings.ns
+    momentum, nesterov = settings.momentum, settings.nesterov
     budget = chunk_bytes_for(max_chunk_bytes, params[0].device)
     apply = apply_updates or apply_updates_by_rule_
     for chunk in update_chunks(params, views, ns_dtype=ns.dtype, max_chunk_bytes=budget):

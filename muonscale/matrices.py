@@ -17,8 +17,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -153,3 +155,30 @@ def row_blocks(sizes: Sequence[int]) -> list[torch.Tensor]:
         out.append(torch.arange(start, start + int(s)))
         start += int(s)
     return out
+
+
+class IdleOptionWarning(UserWarning):
+    """An option of a param group that acts on none of its parameters."""
+
+
+def warn_idle_role_factors(
+    split_roles: Mapping[int, tuple[str, ...]],
+    param_groups: Sequence[Mapping[str, Any]],
+    stacklevel: int = 3,
+) -> None:
+    """Warn (:class:`IdleOptionWarning`) for each Muon group whose ``qk_lr_scale`` has no query
+    or key block to act on; ``split_roles``: ``id(param)`` -> the roles of its row blocks
+    (``stacklevel``: ``warnings.warn``'s, counted from here)."""
+    for i, group in enumerate(param_groups):
+        if group["algorithm"] != "muon" or group["qk_lr_scale"] == 1.0:
+            continue
+        factor = group["qk_lr_scale"]
+        roles = {r for p in group["params"] for r in split_roles.get(id(p), ())}
+        if not roles & {"q", "k"}:
+            warnings.warn(
+                f"qk_lr_scale={factor} (param group {i}) acts on no parameter: it scales "
+                "the query and key blocks of fused QKV weights given in splits with a "
+                "QKVLayout. Give separate q/k projections a param group with their own lr.",
+                IdleOptionWarning,
+                stacklevel=stacklevel,
+            )

@@ -11,7 +11,7 @@ step (:mod:`~muonscale.group_step`) and non-finite gradients (:mod:`~muonscale.n
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
@@ -61,8 +61,7 @@ from .optimizer_state import (
 from .param_table import ParamTable
 from .params import RouteDecision, Rule
 from .qkv import QKVLayout
-from .settings import PLAIN_MUON, MuonSettings
-from .variants import Normalize, Preconditioner
+from .settings import PLAIN_MUON, MuonSettings, VariantOptions, checked_variant_options
 
 
 class Muon(torch.optim.Optimizer):
@@ -133,18 +132,19 @@ class Muon(torch.optim.Optimizer):
         matrix_mode: str = PLAIN_MUON.matrix_mode,
         rules: Sequence[Rule] | None = None,
         ns_method: str = PLAIN_MUON.ns_method,
-        normalize: Normalize = PLAIN_MUON.normalize,
-        row_beta2: float = PLAIN_MUON.row_beta2,
-        cautious_weight_decay: bool = PLAIN_MUON.cautious_weight_decay,
-        preconditioner: Preconditioner = PLAIN_MUON.preconditioner,
-        qk_lr_scale: float = PLAIN_MUON.qk_lr_scale,
         capturable: bool = False,
         transposed: Iterable[str] | None = None,
         orthogonalize_in_backward: bool = False,
         strict: bool = False,
+        **variant_options: Unpack[VariantOptions],
     ) -> None:
         # Every keyword argument by name, for checked_defaults (before any other local exists).
-        options = {k: v for k, v in locals().items() if k not in ("self", "params", "__class__")}
+        options = {
+            k: v
+            for k, v in locals().items()
+            if k not in ("self", "params", "__class__", "variant_options")
+        }
+        options.update(checked_variant_options(variant_options, type(self).__name__))
         if isinstance(params, torch.Tensor):
             raise TypeError(f"{PARAMS_TYPE_ERROR}, but got {torch.typename(params)}")
         self.muon_defaults, self.adamw_defaults = checked_defaults(

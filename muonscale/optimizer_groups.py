@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .matrices import warn_idle_role_factors
 from .optimizer_options import (
     AdamWGroup,
     resolve_splits,
@@ -265,8 +266,9 @@ def check_built_groups(
 ) -> None:
     """After the constructor's groups were added: refuse DTensors (unless the ``optimizer``
     class ``accepts_dtensor``) and stray ``transposed`` names, warn (``strict``: raise) for
-    unnamed parameters routed by rank, resolve ``splits`` into ``table``, and warn when
-    ``qk_lr_scale`` reaches no query or key block."""
+    unnamed parameters routed by rank, resolve ``splits`` into ``table``, and warn when a
+    per-role learning-rate factor reaches no block of that role
+    (:func:`~muonscale.matrices.warn_idle_role_factors`)."""
     if not accepts_dtensor:
         refuse_dtensors(table, param_groups, optimizer)
     warn_unnamed(table, strict, stacklevel=4)  # warnings point at the constructor's caller
@@ -275,7 +277,7 @@ def check_built_groups(
     table.split_rows, table.split_roles = resolve_splits(
         splits, qkv_split, by_name, table.is_transposed
     )
-    warn_idle_qk_lr_scale(table, param_groups, stacklevel=4)
+    warn_idle_role_factors(table.split_roles, param_groups, stacklevel=4)
 
 
 def check_transposed(table: ParamTable, param_groups: list[dict[str, Any]]) -> None:
@@ -301,26 +303,6 @@ def refuse_dtensors(table: ParamTable, param_groups: list[dict[str, Any]], optim
                     "parallel); build the optimizer with muonscale.distributed_muon(...), "
                     "which returns the DTensor optimizer for such parameters"
                 )
-
-
-def warn_idle_qk_lr_scale(
-    table: ParamTable, param_groups: list[dict[str, Any]], stacklevel: int = 3
-) -> None:
-    """Warn for each Muon group whose ``qk_lr_scale`` has no query or key block to act on
-    (``stacklevel``: ``warnings.warn``'s, counted from here)."""
-    for i, group in enumerate(param_groups):
-        if group["algorithm"] != "muon" or group["qk_lr_scale"] == 1.0:
-            continue
-        factor = group["qk_lr_scale"]
-        roles = {r for p in group["params"] for r in table.split_roles.get(id(p), ())}
-        if not roles & {"q", "k"}:
-            warnings.warn(
-                f"qk_lr_scale={factor} (param group {i}) acts on no parameter: it scales "
-                "the query and key blocks of fused QKV weights given in splits with a "
-                "QKVLayout. Give separate q/k projections a param group with their own lr.",
-                UserWarning,
-                stacklevel=stacklevel,
-            )
 
 
 _LIGHTNING_FIX = (

@@ -17,6 +17,7 @@ from .qkv import QKV_SPLIT_MODES, QKVLayout
 from .scaling import ADJUST_LR_FNS, SCALE_RULES
 from .settings import (  # noqa: F401 (check_*, NS_METHODS: re-exported)
     NS_METHODS,
+    OPTION_DEFAULTS,
     PLAIN_MUON,
     check_dtype,
     check_flag,
@@ -28,25 +29,7 @@ from .settings import (  # noqa: F401 (check_*, NS_METHODS: re-exported)
 
 NONFINITE_POLICIES: tuple[NonFinitePolicy, ...] = ("raise", "skip", "ignore")
 
-MUON_DEFAULT_KEYS = (
-    "lr",
-    "momentum",
-    "nesterov",
-    "weight_decay",
-    "ns_steps",
-    "coefficients",
-    "scale",
-    "ns_dtype",
-    "momentum_dtype",
-    "matrix_mode",
-    "ns_eps",
-    "ns_method",
-    "normalize",
-    "row_beta2",
-    "cautious_weight_decay",
-    "preconditioner",
-    "qk_lr_scale",
-)
+MUON_DEFAULT_KEYS = tuple(OPTION_DEFAULTS)
 """The keys of Muon's group defaults, in the order param groups hold them."""
 
 validate_muon_group = validate_muon_options
@@ -92,7 +75,7 @@ def checked_defaults(
     )
     if options["adamw_weight_decay"] is not None:
         check_range("adamw_weight_decay", options["adamw_weight_decay"], 0.0, math.inf)
-    default_steps, default_coefficients = schedule_defaults(options["preconditioner"])
+    default_steps, default_coefficients = schedule_defaults(options)
     muon_defaults = {key: options[key] for key in MUON_DEFAULT_KEYS}
     muon_defaults.update(  # the keyword arguments with a default that depends, or two names
         ns_steps=options["ns_steps"] if options["ns_steps"] is not None else default_steps,

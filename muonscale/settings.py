@@ -12,14 +12,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
+from .kernels.first_step import PRECONDITIONERS, Preconditioner
 from .matrices import MATRIX_MODES
 from .newton_schulz import DEFAULT_EPS, CoefficientSpec, validate_coefficients
 from .scaling import SCALE_RULES
-from .variants import NORMALIZE_MODES, NORMUON_BETA2, PRECONDITIONERS, Normalize, Preconditioner
+from .variants import NORMALIZE_MODES, NORMUON_BETA2, Normalize
 
 NS_METHODS = ("auto", "plain", "gram")
 
@@ -35,6 +36,21 @@ STEP_SCALARS = ("lr", "weight_decay")
 
 VARIANT_OPTIONS = ("normalize", "row_beta2", "cautious_weight_decay", "preconditioner")
 """Options that choose the algorithm's variant (``load_state_dict`` warns when they change)."""
+
+VARIANT_KEYWORDS = (*VARIANT_OPTIONS, "qk_lr_scale")
+"""The variant options and the per-role learning-rate factor: the ``**variant_options`` of
+:class:`muonscale.Muon` (and of every optimizer built on it and of the Megatron adapter)."""
+
+
+class VariantOptions(TypedDict, total=False):
+    """The keyword arguments of :data:`VARIANT_KEYWORDS`, for type checkers (defaults: the
+    fields of :class:`MuonSettings`; each option: *Options* and *Variants* in the docs)."""
+
+    normalize: Normalize
+    row_beta2: float
+    cautious_weight_decay: bool
+    preconditioner: Preconditioner
+    qk_lr_scale: float
 
 
 # ------------------------------------------------------------------------------ checks
@@ -106,8 +122,8 @@ class MuonSettings:
 
     lr: float | torch.Tensor = 1e-3
     momentum: float = 0.95
-    weight_decay: float = 0.1
     nesterov: bool = True
+    weight_decay: float = 0.1
     ns_steps: int = PRECONDITIONER_SCHEDULES["frobenius"][0]
     coefficients: CoefficientSpec = PRECONDITIONER_SCHEDULES["frobenius"][1]
     scale: str = "match_rms_adamw"
@@ -149,6 +165,15 @@ class MuonSettings:
         ``PLAIN_MUON.variant`` for plain Muon."""
         return tuple(getattr(self, k) for k in VARIANT_OPTIONS)
 
+    def variant_summary(self) -> str:
+        """The variant options that differ from plain Muon's, as ``name=value`` pairs."""
+        changed = [
+            f"{k}={v!r}"
+            for k, v, plain in zip(VARIANT_OPTIONS, self.variant, PLAIN_MUON.variant)
+            if v != plain
+        ]
+        return ", ".join(changed) or "plain Muon's options"
+
     def momentum_dtype_for(self, dtype: torch.dtype) -> torch.dtype:
         """dtype of the momentum of a parameter (or main copy) of ``dtype``."""
         return self.momentum_dtype or dtype
@@ -164,9 +189,25 @@ BACKWARD_SNAPSHOT = tuple(k for k in OPTION_DEFAULTS if k not in STEP_SCALARS)
 """Options that work done during backward (``orthogonalize_in_backward``) depends on."""
 
 
-def schedule_defaults(preconditioner: Any) -> tuple[int, str]:
-    """(``ns_steps``, ``coefficients``) defaults for ``preconditioner``."""
+def schedule_defaults(options: Mapping[str, Any]) -> tuple[int, str]:
+    """(``ns_steps``, ``coefficients``) defaults for the preconditioner of ``options``."""
+    preconditioner = options.get("preconditioner", PLAIN_MUON.preconditioner)
     return PRECONDITIONER_SCHEDULES.get(preconditioner, PRECONDITIONER_SCHEDULES["frobenius"])
+
+
+def checked_variant_options(given: Mapping[str, Any], owner: str) -> dict[str, Any]:
+    """Every option of :data:`VARIANT_KEYWORDS`, from the ``given`` keyword arguments or the
+    defaults, checked: ``TypeError`` for a keyword ``owner`` (a class name) does not take,
+    ``ValueError`` naming the first invalid value."""
+    unknown = sorted(set(given) - set(VARIANT_KEYWORDS))
+    if unknown:
+        raise TypeError(
+            f"{owner}() got an unexpected keyword argument {unknown[0]!r} (its variant "
+            f"options are {', '.join(VARIANT_KEYWORDS)})"
+        )
+    values = {k: given.get(k, OPTION_DEFAULTS[k]) for k in VARIANT_KEYWORDS}
+    validate_muon_options(values)
+    return values
 
 
 def validate_muon_options(group: Mapping[str, Any]) -> None:

@@ -4,31 +4,28 @@
   :func:`row_statistics`, :func:`update_row_moments_`, :func:`row_factors` (with
   :func:`row_scales`), :func:`row_normalize_`.
 * Cautious weight decay (arXiv:2510.12402): :func:`cautious_weight_decay_`.
-* Turbo-Muon's AOL preconditioner (arXiv:2512.04632): :func:`aol_scales` and
-  :func:`shrink_huge_`, folded into the first Newton–Schulz step by
-  :mod:`muonscale.kernels.newton_schulz_fast` (``preconditioner="aol"``).
+* Turbo-Muon's AOL preconditioner is the first step of the Newton–Schulz iteration
+  (:mod:`muonscale.kernels.first_step`).
 
-Equations, constants and their sources are in *Variants* in the docs. Nothing here knows about
-optimizer state or ``torch.distributed``: :mod:`muonscale.functional` and the optimizers call
-these functions on the tensors they hold.
+Equations, constants and their sources are in *Variants* in the docs. A variant that keeps
+state declares it here (:data:`ROW_MOMENT`); nothing here holds state or knows about
+``torch.distributed``: the matrix step and the optimizers call these functions on the tensors
+they hold.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Literal
 
 import torch
 
+from .state_tensor import StateTensor
+
 Normalize = Literal["none", "row"]
 """``"row"``: NorMuon's row-wise normalisation after Newton–Schulz; ``"none"``: plain Muon."""
 
-Preconditioner = Literal["frobenius", "aol"]
-"""How the Newton–Schulz input is scaled: ``"frobenius"`` X/‖X‖_F (Muon), ``"aol"`` Turbo-Muon."""
-
 NORMALIZE_MODES: tuple[str, ...] = ("none", "row")
-PRECONDITIONERS: tuple[str, ...] = ("frobenius", "aol")
 
 NORMUON_BETA2 = 0.95
 """β₂ of NorMuon's row second moment (the official implementation's default,
@@ -86,6 +83,17 @@ def row_moment_shape(matrix_shapes: Sequence[tuple[int, int]]) -> tuple[int]:
     return (sum(int(rows) for rows, _ in matrix_shapes),)
 
 
+ROW_MOMENT = StateTensor(
+    key="row_second_moment",
+    what="NorMuon's row second moment, one float32 per row of the parameter's matrices",
+    kept=lambda settings: settings.normalize == "row",
+    shape=lambda view: row_moment_shape(view.matrix_shapes),
+    dtype=lambda settings, dtype: torch.float32,
+    placement="replicated",
+)
+"""NorMuon's state, declared (:mod:`muonscale.declared_state` reads the declarations)."""
+
+
 # ------------------------------------------------------------------------ cautious decay
 def cautious_weight_decay_(
     param: torch.Tensor, update: torch.Tensor, *, lr: float, weight_decay: float
@@ -94,21 +102,3 @@ def cautious_weight_decay_(
     direction that is subtracted, W ← W − η u) and the weight agree in sign. Returns W."""
     mask = (update * param) >= 0
     return param.addcmul_(param, mask, value=-lr * weight_decay)
-
-
-# ---------------------------------------------------------------------------- AOL / Turbo
-def aol_scales(A: torch.Tensor, eps: float) -> torch.Tensor:  # A: (k, m, m) = X Xᵀ
-    """Turbo-Muon's AOL row scales of X from its Gram matrix A = X Xᵀ, (k, m):
-    s_i = (Σ_j |A_ij|)^(−1/2), the sum floored at ε before the root. diag(s) X has
-    ‖diag(s) X‖₂ ≤ 1 (Prach & Lampert, arXiv:2208.03160); the Newton–Schulz iteration of
-    :mod:`muonscale.kernels.newton_schulz_fast` starts from it with ``preconditioner="aol"``."""
-    return torch.rsqrt(A.abs().sum(dim=-1).clamp_min(eps))
-
-
-def shrink_huge_(X: torch.Tensor) -> torch.Tensor:
-    """Keep X Xᵀ of a (k, m, n) stack finite: a matrix with m·n·max|x|² above a quarter of the
-    dtype's range is divided by the power of two at or below its largest entry (AOL does not
-    depend on the scale); the others are multiplied by 1, which is exact. Returns X."""
-    largest = torch.linalg.vector_norm(X, ord=math.inf, dim=(-2, -1), keepdim=True)
-    huge = largest * largest * (X.shape[-2] * X.shape[-1]) > torch.finfo(X.dtype).max / 4
-    return X.mul_(torch.where(huge, torch.exp2(-torch.floor(torch.log2(largest))), 1.0))

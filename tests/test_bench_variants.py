@@ -48,6 +48,7 @@ def test_same_variant_name_twice_is_refused():
 def test_options_are_checked_against_muons_signature():
     known = muon_option_names()
     assert "coefficients" in known and "momentum_dtype" in known
+    assert "normalize" in known and "qk_lr_scale" in known  # Muon's **variant_options
     with pytest.raises(ValueError, match="--variants nrm: unknown option 'normalise'"):
         check_options("nrm", {"normalise": "row"})
     with pytest.raises(ValueError, match="option 'splits' is not allowed"):

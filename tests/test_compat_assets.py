@@ -20,7 +20,6 @@ from compat_cases import (
     gradients,
     local_state,
     params_of,
-    recorded_platform,
     train,
 )
 from distributed_harness import shared_pool
@@ -50,19 +49,17 @@ def state_mismatches(saved: dict, loaded: dict) -> list[str]:
     return out
 
 
-def step_mismatches(recorded: dict, computed: dict, platform: dict) -> list[str]:
-    """Parameters of the continued step that differ from the recording: any bit on the
-    recording's platform, more than 1e-6 relative (to the tensor's max) elsewhere."""
-    bitwise = platform == recorded_platform()
+def step_mismatches(recorded: dict, computed: dict) -> list[str]:
+    """Parameters of the continued step that differ from the recording by more than 1e-6
+    relative (to the tensor's max). The step is recomputed here, and a CPU's BLAS rounds by
+    its own blocking: the same torch and CPU capability differed by up to 1.5e-8 between two
+    Xeon VMs of this project's machine kind (the recording's ``platform`` says where it was
+    made)."""
     out = []
     for name, want in recorded.items():
         got = computed[name]
-        if bitwise:
-            ok = torch.equal(got, want)
-        else:
-            scale = want.abs().max().clamp_min(torch.finfo(want.dtype).tiny)
-            ok = bool(((got - want).abs().max() / scale) <= 1e-6)
-        if not ok:
+        scale = want.abs().max().clamp_min(torch.finfo(want.dtype).tiny)
+        if not bool(((got - want).abs().max() / scale) <= 1e-6):
             out.append(f"{name}: max |dW| {(got - want).abs().max().item():.3g}")
     return out
 
@@ -83,7 +80,7 @@ def test_single_process_state_dict_loads_and_continues(case):
     opt.load_state_dict(record["state_dict"])
     assert state_mismatches(saved["state"], opt.state_dict()["state"]) == []
     train(model, opt, range(SAVE_AT, SAVE_AT + 1))
-    assert step_mismatches(record["next_params"], params_of(model), record["platform"]) == []
+    assert step_mismatches(record["next_params"], params_of(model)) == []
 
 
 @pytest.mark.parametrize("case", sorted(SINGLE_PROCESS))
@@ -98,7 +95,7 @@ def test_single_process_pickle_loads_and_continues(case):
         params[name].grad = grad
     opt.step()
     computed = {n: p.detach() for n, p in params.items()}
-    assert step_mismatches(record["next_params"], computed, record["platform"]) == []
+    assert step_mismatches(record["next_params"], computed) == []
 
 
 def _resume_dcp(rank: int, world_size: int, kind: str, case: str) -> dict:
@@ -114,7 +111,7 @@ def _resume_dcp(rank: int, world_size: int, kind: str, case: str) -> dict:
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     loaded = state_mismatches(record["state"], local_state(opt))
     train(model, opt, range(SAVE_AT, SAVE_AT + 1))
-    stepped = step_mismatches(record["next_params"], params_of(model), record["platform"])
+    stepped = step_mismatches(record["next_params"], params_of(model))
     return {"state": loaded, "step": stepped}
 
 

@@ -114,7 +114,7 @@ def test_chunked_update_equals_one_chunk():
     (every parameter's update is independent of the others)."""
     from muonscale import functional
     from muonscale.matrices import MatrixView
-    from muonscale.settings import NewtonSchulzSettings
+    from muonscale.settings import MuonSettings
 
     shapes = [(16, 24), (24, 16), (32, 32), (16, 24), (8, 40), (32, 32), (3, 16, 8)]
     g = torch.Generator().manual_seed(5)
@@ -137,10 +137,14 @@ def test_chunked_update_equals_one_chunk():
                 views=views,
                 lr=0.02,
                 weight_decay=0.1,
-                momentum=0.95,
-                nesterov=True,
-                ns=NewtonSchulzSettings(steps=5, coefficients="keller", dtype=torch.float32),
-                scale="match_rms_adamw",
+                settings=MuonSettings(
+                    momentum=0.95,
+                    nesterov=True,
+                    ns_steps=5,
+                    coefficients="keller",
+                    ns_dtype=torch.float32,
+                    scale="match_rms_adamw",
+                ),
                 max_chunk_bytes=max_chunk_bytes,
             )
         return params, bufs

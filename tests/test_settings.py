@@ -14,7 +14,12 @@ import torch
 from muonscale import Muon
 from muonscale.backward_ns import SNAPSHOT_KEYS
 from muonscale.integrations.megatron.config import MegatronMuonConfig
-from muonscale.settings import OPTION_DEFAULTS, MuonSettings, NewtonSchulzSettings
+from muonscale.settings import (
+    OPTION_DEFAULTS,
+    VARIANT_KEYWORDS,
+    MuonSettings,
+    NewtonSchulzSettings,
+)
 
 
 def _opt(**kw) -> Muon:
@@ -58,7 +63,8 @@ def test_backward_snapshot_holds_every_option_but_the_step_scalars():
 def test_megatron_config_shares_the_table_defaults():
     fields = {f.name: f.default for f in dataclasses.fields(MegatronMuonConfig)}
     shared = set(fields) & set(OPTION_DEFAULTS)
-    assert {"normalize", "row_beta2", "cautious_weight_decay", "qk_lr_scale"} <= shared
+    variant = MegatronMuonConfig().variant_options
+    assert variant == {k: OPTION_DEFAULTS[k] for k in VARIANT_KEYWORDS}
     for name in shared:
         if fields[name] is not None and name not in ("lr", "weight_decay", "scale"):
             assert fields[name] == OPTION_DEFAULTS[name], name

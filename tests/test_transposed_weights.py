@@ -15,7 +15,7 @@ import muonscale
 from muonscale import functional
 from muonscale.matrices import MatrixView, row_blocks
 from muonscale.params import transposed_weights
-from muonscale.settings import NewtonSchulzSettings
+from muonscale.settings import MuonSettings
 
 
 class Conv1D(nn.Module):
@@ -40,10 +40,14 @@ def _step(param, grad, view, scale):
         views=[view],
         lr=0.1,
         weight_decay=0.0,
-        momentum=0.9,
-        nesterov=True,
-        ns=NewtonSchulzSettings(steps=5, coefficients="keller", dtype=torch.float64),
-        scale=scale,
+        settings=MuonSettings(
+            momentum=0.9,
+            nesterov=True,
+            ns_steps=5,
+            coefficients="keller",
+            ns_dtype=torch.float64,
+            scale=scale,
+        ),
         max_chunk_bytes=None,
     )
 

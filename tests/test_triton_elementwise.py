@@ -34,7 +34,7 @@ from muonscale.kernels import (
     elementwise_kernels,
     triton_available,
 )
-from muonscale.settings import NewtonSchulzSettings
+from muonscale.settings import MuonSettings
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed")
 U32 = torch.finfo(torch.float32).eps / 2
@@ -245,11 +245,11 @@ def test_functional_muon_defaults_to_foreach(monkeypatch):
     monkeypatch.setenv(ELEMENTWISE_ENV, "fast")
     p, g, b = torch.randn(8, 12), torch.randn(8, 12), torch.zeros(8, 12)
     kw = dict(views=[MatrixView.build(p.shape)], lr=0.02, weight_decay=0.0)
-    kw.update(momentum=0.95, nesterov=True, ns=NewtonSchulzSettings(steps=5, dtype=None))
-    functional.muon([p], [g], [b], scale="shape", **kw)
+    kw.update(settings=MuonSettings(momentum=0.95, nesterov=True, ns_steps=5, scale="shape"))
+    functional.muon([p], [g], [b], **kw)
     assert seen == ["foreach"]
     with pytest.raises(ValueError, match="elementwise_backend"):
-        functional.muon([p], [g], [b], scale="shape", elementwise_backend="x", **kw)
+        functional.muon([p], [g], [b], elementwise_backend="x", **kw)
 
 
 def _count_kernel_launches(monkeypatch) -> list[int]:

@@ -29,15 +29,17 @@ _DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 
 
 def muon_option_names() -> list[str]:
-    """Keyword arguments of ``muonscale.Muon`` (read from its signature, so options added to
-    ``Muon`` become available to ``--variants`` without a change here)."""
+    """Keyword arguments of ``muonscale.Muon`` (read from its signature and its
+    ``**variant_options``, so options added to ``Muon`` become available to ``--variants``
+    without a change here)."""
     from muonscale import Muon
+    from muonscale.settings import VARIANT_KEYWORDS
 
-    return [
-        name
-        for name, p in inspect.signature(Muon).parameters.items()
-        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-    ]
+    parameters = inspect.signature(Muon).parameters.values()
+    names = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if any(p.kind == p.VAR_KEYWORD for p in parameters):
+        names += VARIANT_KEYWORDS
+    return names
 
 
 def to_muon_kwargs(options: Mapping[str, Any]) -> dict[str, Any]:
@@ -73,12 +75,13 @@ def check_options(contender: str, options: Mapping[str, Any]) -> None:
     import torch
 
     from muonscale import Muon
+    from muonscale.matrices import IdleOptionWarning
 
     probe = torch.nn.Parameter(torch.zeros(4, 3))
     try:
         kwargs = to_muon_kwargs(options)
-        with warnings.catch_warnings():  # the probe has no QKV blocks for qk_lr_scale
-            warnings.filterwarnings("ignore", "qk_lr_scale=", UserWarning)
+        with warnings.catch_warnings():  # the probe's matrices have no Q/K blocks
+            warnings.filterwarnings("ignore", category=IdleOptionWarning)
             Muon([("probe.weight", probe)], **kwargs)
     except (ValueError, TypeError) as error:
         raise ValueError(f"--variants {contender}: {error}") from error

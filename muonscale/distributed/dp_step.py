@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import functional
+from ..group_step import adamw_group_step
 from ..memory import chunk_bytes_for, group_by_budget
 from .deferred_gather import PendingGather
 
@@ -67,18 +67,13 @@ def update_adamw_shards(opt: Any, present: list[bool]) -> None:
         params = [s.get("main_param", seg) for s, seg in zip(states, segments)]
         grads = [reduction.reduced_shard_grad(i) for i in local]
         grads = [g if g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(grads, params)]
-        beta1, beta2 = group["betas"]
-        functional.adamw(
+        adamw_group_step(
+            group,
             params,
             grads,
-            [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states],
-            [s["step"] for s in states],
-            lr=float(group["lr"]),
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
+            states,
+            capturable=False,
+            step_ok=None,
             max_chunk_bytes=opt.memory.update_chunk_bytes,
         )
         for target, segment in zip(params, segments):

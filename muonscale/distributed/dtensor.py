@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 from .. import functional, matrix_step
 from ..declared_state import kept_state, row_state
+from ..group_step import adamw_group_step
 from ..newton_schulz import default_ns_dtype
 from ..optimizer import Muon
 from ..optimizer_state import parameter_states
@@ -267,18 +268,21 @@ class DTensorMuon(Muon):
         if not params:
             return
         states = [self._init_state(p, group) for p in params]
-        beta1, beta2 = group["betas"]
-        functional.adamw(
+        local_states = [  # the same step counters: AdamW increments them in place
+            {
+                **s,
+                "exp_avg": local_tensor(s["exp_avg"]),
+                "exp_avg_sq": local_tensor(s["exp_avg_sq"]),
+            }
+            for s in states
+        ]
+        adamw_group_step(
+            group,
             [local_tensor(p) for p in params],
             [local_tensor(grads[id(p)]) for p in params],
-            [local_tensor(s["exp_avg"]) for s in states],
-            [local_tensor(s["exp_avg_sq"]) for s in states],
-            [s["step"] for s in states],
-            lr=float(group["lr"]),
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
+            local_states,
+            capturable=False,
+            step_ok=None,
             max_chunk_bytes=self.memory.update_chunk_bytes,
         )
 

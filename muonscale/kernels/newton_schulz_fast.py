@@ -14,13 +14,20 @@ derivation, FLOP counts, accuracy and timing measurements behind these choices a
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
 
 from muonscale.flops import gram_plan
+from muonscale.kernels.first_step import (
+    PRECONDITIONERS,
+    FirstStepScale,
+    Preconditioner,
+    first_scale,
+    prepare_first_step_,
+    scale_gram_,
+)
 from muonscale.kernels.process_state import (
     NSMethod,
     NSWorkspace,
@@ -40,7 +47,6 @@ from muonscale.newton_schulz import (
     default_ns_dtype,
     resolve_schedule,
 )
-from muonscale.variants import PRECONDITIONERS, Preconditioner, aol_scales, shrink_huge_
 
 NSBackend = Literal["auto", "torch", "triton", "compile"]
 """Where the iteration runs: ``"auto"`` is Triton on CUDA when it loads, torch elsewhere."""
@@ -87,66 +93,9 @@ def _resolve_backend(backend: NSBackend, X: torch.Tensor) -> str:
 # The iterations, in place on a (k, rows, cols) stack of either orientation. A tall stack
 # (rows > cols) is iterated as its transpose X = Tᵀ without copying it: X Xᵀ = Tᵀ T and
 # B X = (T Bᵀ)ᵀ, so every product reads T through a transposed operand and writes a contiguous
-# result. ``inv_norm`` (k, 1, 1), when given, is 1 / max(margin·‖X‖_F, eps) of a stack that was
-# not normalized: it is folded into m×m matrices of the first step (no pass over the stack).
-# A :class:`FirstStepNorm` instead takes the norm of the matrices that :func:`prescale_` shrank
-# from the first Gram matrix's trace (‖X‖²_F = tr X Xᵀ). An :class:`AOLScaling` replaces the
-# scalar 1/ν by Turbo-Muon's diagonal D = diag(s) read off the same Gram matrix: the first step
-# then starts from D X, with D X Xᵀ D as its Gram matrix, and no pass over the stack either.
-
-
-class FirstStepNorm:
-    """The 1/ν folded into the first step: ``inv_norm`` (k, 1, 1), except for the matrices
-    ``from_trace`` marks, whose 1/(margin·‖X‖_F) is read off the first Gram matrix."""
-
-    def __init__(self, inv_norm: torch.Tensor, from_trace: torch.Tensor, margin: float) -> None:
-        self.inv_norm, self.from_trace, self.margin = inv_norm, from_trace, margin
-
-    def of(self, gram: torch.Tensor) -> torch.Tensor:  # gram: (k, m, m) = X Xᵀ
-        trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True).unsqueeze(-1)
-        traced = trace.sqrt_().mul_(self.margin).clamp_(min=torch.finfo(gram.dtype).tiny)
-        return torch.where(self.from_trace, traced.reciprocal_(), self.inv_norm)
-
-
-class AOLScaling:
-    """The D = diag(s) folded into the first step instead of 1/ν (``preconditioner="aol"``):
-    :func:`muonscale.variants.aol_scales` of the first Gram matrix, as a (k, 1, m) row."""
-
-    def __init__(self, eps: float) -> None:
-        self.eps = eps
-
-    def of(self, gram: torch.Tensor) -> torch.Tensor:  # gram: (k, m, m) = X Xᵀ
-        return aol_scales(gram, self.eps).unsqueeze(-2)
-
-
-FirstStepScale = torch.Tensor | FirstStepNorm | AOLScaling
-"""What the first step folds in: 1/ν (k, 1, 1), a :class:`FirstStepNorm` or an AOL D."""
-
-
-def _first_scale(scale: FirstStepScale, gram: torch.Tensor) -> torch.Tensor:
-    """1/ν (k, 1, 1) or the AOL diagonal s (k, 1, m) of the first Gram matrix ``gram``."""
-    return scale if isinstance(scale, torch.Tensor) else scale.of(gram)
-
-
-def _scale_gram_(gram: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """X Xᵀ → (D X)(D X)ᵀ = D X Xᵀ D in place, D = 1/ν (one multiply by 1/ν²) or diag(s)."""
-    if scale.shape[-1] == 1:
-        return gram.mul_(scale * scale)
-    return gram.mul_(scale.mT).mul_(scale)
-
-
-def prescale_(X: torch.Tensor, inv_norm: torch.Tensor, margin: float) -> FirstStepNorm:
-    """Keep the unnormalized X Xᵀ of the first step finite: its entries reach ‖X‖²_F, so a
-    matrix whose norm squared could exceed a quarter of the dtype's range (or whose norm
-    overflowed) is multiplied by a power of two 2⁻ˢ small enough for any finite entries; the
-    others are multiplied by 1, which is exact, and keep their folded ``inv_norm`` bits."""
-    info = torch.finfo(X.dtype)
-    limit = 2.0 / (margin * math.sqrt(info.max))  # inv_norm below it: margin·ν > √max / 2
-    from_trace = inv_norm < limit
-    # ‖2⁻ˢ X‖²_F <= rows·cols·max²·4⁻ˢ <= max / 4
-    s = math.ceil((math.log2(info.max) + math.log2(max(1, X.shape[-2] * X.shape[-1]))) / 2) + 1
-    X.mul_(torch.where(from_trace, torch.full_like(inv_norm, 2.0**-s), 1.0))
-    return FirstStepNorm(inv_norm, from_trace, margin)
+# result. ``inv_norm``, when given, is what ``first_step.prepare_first_step_`` returned for a
+# stack that was not normalized: it is folded into m×m matrices of the first step (no pass
+# over the stack).
 
 
 class _Products:
@@ -197,9 +146,9 @@ def _plain_(
     for t, (a, b, c) in enumerate(schedule):
         ops.gram(A, cur)  # A = X Xᵀ
         if t == 0 and inv_norm is not None:
-            scale = _first_scale(inv_norm, A)
+            scale = first_scale(inv_norm, A)
             # X₁ = (a I + b A₀ + c A₀²) D X with A₀ = D A D, D = 1/ν or AOL's diag(s)
-            _scale_gram_(A, scale)
+            scale_gram_(A, scale)
             ops.square(B, A, b, c, gamma=a)
             B.mul_(scale)  # (…) D: columns times s
             ops.left(nxt, B, cur)
@@ -229,8 +178,8 @@ def _gram_(
     ops.gram(R, x0)  # R0 = X0 X0ᵀ
     pending_norm = inv_norm  # X0 = D x0 until the first Q X0 takes the D (1/ν or diag(s))
     if pending_norm is not None:
-        pending_norm = _first_scale(pending_norm, R)
-        _scale_gram_(R, pending_norm)
+        pending_norm = first_scale(pending_norm, R)
+        scale_gram_(R, pending_norm)
     have_q = False
     for (a, b, c), (restart, update_r) in zip(schedule, gram_plan(len(schedule), restart_every)):
         if restart:  # re-form X = Q X0 and R = X Xᵀ, reset Q = I
@@ -279,27 +228,6 @@ def iterate_(
     return _plain_(X, schedule, ws, ops, inv_norm)
 
 
-def inverse_norms(X: torch.Tensor, ws: NSWorkspace, margin: float, eps: float) -> torch.Tensor:
-    """1 / max(margin · ‖X_i‖_F, eps) per matrix, (k, 1, 1), the norm taken in X's dtype
-    like the reference's."""
-    norm = ws.get("norm", (X.shape[0], 1, 1))
-    torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, out=norm)
-    if margin != 1.0:
-        norm.mul_(margin)
-    return norm.clamp_(min=eps).reciprocal_()
-
-
-def unless_overflowed(
-    X: torch.Tensor, inv_norm: torch.Tensor, margin: float, eps: float
-) -> torch.Tensor:
-    """``inv_norm``, except where the norm overflowed X's dtype (inv_norm 0: float16 from
-    ‖X‖_F > 65504): there 1/ν from a float64 norm, which X / ν fits. The others keep their
-    values (a float16 multiply by them is exact in float64, so it rounds the same)."""
-    wide = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64)
-    wide = wide.mul_(margin).clamp_(min=eps).reciprocal_()
-    return torch.where(inv_norm == 0, wide, inv_norm)
-
-
 def orthogonalize_stack_(
     X: torch.Tensor,
     schedule: Sequence[Coefficients],
@@ -318,9 +246,8 @@ def orthogonalize_stack_(
     (either orientation), clobbering ``X``; returns the tensor that holds the result (``X`` or
     the workspace's ``y``). The normalization is folded into the first step, except in
     float16, whose range would not hold the unnormalized X Xᵀ (there X is divided first),
-    and for matrices whose X Xᵀ could overflow (:func:`prescale_`). ``preconditioner="aol"``
-    folds Turbo-Muon's AOL scaling in instead (any dtype, after
-    :func:`muonscale.variants.shrink_huge_`; not with ``backend="compile"``).
+    and for matrices whose X Xᵀ could overflow; another ``preconditioner`` folds its own
+    scaling in instead (:mod:`muonscale.kernels.first_step`; not with ``backend="compile"``).
     ``reload`` refills ``X`` with the input: under ``backend="auto"`` a failing Triton kernel
     then falls back to torch (once, with a warning) instead of raising."""
     if workspace is None:
@@ -329,19 +256,12 @@ def orthogonalize_stack_(
         )
     use = _resolve_backend(backend, X)
 
-    if preconditioner == "aol" and use == "compile":
+    if preconditioner != "frobenius" and use == "compile":
         raise ValueError("backend='compile' supports preconditioner='frobenius' only")
 
     def run(use_triton: bool) -> torch.Tensor:
-        if preconditioner == "aol":
-            inv_norm = AOLScaling(eps)
-            shrink_huge_(X)
-        elif X.dtype == torch.float16 or use == "compile":
-            inv_norm = inverse_norms(X, workspace, margin, eps)
-            X.mul_(unless_overflowed(X, inv_norm, margin, eps))
-            inv_norm = None
-        else:
-            inv_norm = prescale_(X, inverse_norms(X, workspace, margin, eps), margin)
+        fold = X.dtype != torch.float16 and use != "compile"
+        inv_norm = prepare_first_step_(X, preconditioner, workspace, margin, eps, fold=fold)
         if use == "compile":
             if method != "plain":
                 raise ValueError("backend='compile' supports method='plain' only")

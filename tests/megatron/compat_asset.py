@@ -39,7 +39,7 @@ def _build():
 
     W.setup_parallel(2)
     model = W.build_gpt(SHAPE, seed=0)
-    return model, megatron_muon([model], MegatronMuonConfig(**CONFIG))
+    return model, megatron_muon([model], MegatronMuonConfig().replaced(**CONFIG))
 
 
 def _train(model, opt, steps) -> None:

@@ -161,7 +161,7 @@ def _build(spec: dict):
     if spec.get("ddp_like"):  # as Megatron's DDP: fp32 main_grad buffers exist before the optimizer
         for p in model.parameters():
             p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
-    opt = megatron_muon([model], MegatronMuonConfig(**spec.get("options", {})))
+    opt = megatron_muon([model], MegatronMuonConfig().replaced(**spec.get("options", {})))
     return model, names, opt
 
 

@@ -247,7 +247,7 @@ def run(rank: int, world_size: int, spec: dict) -> dict:
     options = dict(spec.get("options", {}))
     impl = spec.get("impl", "muonscale")
     if impl == "muonscale":
-        opt = megatron_muon([model], MegatronMuonConfig(**options))
+        opt = megatron_muon([model], MegatronMuonConfig().replaced(**options))
         muon_names = [pl.name for pl in opt.plans if pl.algorithm == "muon"]
     else:  # Megatron's own Muon; the AdamW half stays untouched (compare Muon matrices only)
         opt, muon_names = megatron_own_muon(

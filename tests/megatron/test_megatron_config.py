@@ -81,17 +81,30 @@ def test_from_megatron_reads_optimizer_config():
 )
 def test_config_errors_name_the_option(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        MegatronMuonConfig(**kwargs)
+        MegatronMuonConfig().replaced(**kwargs)
+
+
+def test_variant_options_by_name_or_in_their_field():
+    by_name = MegatronMuonConfig().replaced(normalize="row", qk_lr_scale=2.0)
+    in_field = MegatronMuonConfig(variant_options=dict(normalize="row", qk_lr_scale=2.0))
+    assert by_name == in_field and by_name.variant_options["normalize"] == "row"
+    assert in_field.variant_options["cautious_weight_decay"] is False  # the table's default
+    with pytest.raises(TypeError, match="unknown options \\['normalise'\\]"):
+        MegatronMuonConfig().replaced(normalise="row")
+    with pytest.raises(TypeError, match="'normalise'.*variant options are normalize"):
+        MegatronMuonConfig(variant_options=dict(normalise="row"))
 
 
 def test_schedule_defaults_follow_the_preconditioner_as_muon():
     """None → muonscale.Muon's defaults: Keller's 5 steps, or Turbo-Muon's 4 with AOL;
-    explicit values are kept."""
-    plain, aol = MegatronMuonConfig(), MegatronMuonConfig(preconditioner="aol")
-    assert (plain.muon_num_ns_steps, plain.coefficients) == (5, "keller")
-    assert (aol.muon_num_ns_steps, aol.coefficients) == (4, "turbo_muon")
-    mine = MegatronMuonConfig(preconditioner="aol", muon_num_ns_steps=6, coefficients="keller")
-    assert (mine.muon_num_ns_steps, mine.coefficients) == (6, "keller")
+    explicit values are kept, and a preconditioner set later still takes its own."""
+    plain = MegatronMuonConfig()
+    aol = MegatronMuonConfig(variant_options=dict(preconditioner="aol"))
+    assert plain.ns_schedule == (5, "keller")
+    assert aol.ns_schedule == (4, "turbo_muon")
+    assert plain.replaced(preconditioner="aol").ns_schedule == (4, "turbo_muon")
+    mine = aol.replaced(muon_num_ns_steps=6, coefficients="keller")
+    assert mine.ns_schedule == (6, "keller")
 
 
 class _Chunk(nn.Module):

@@ -61,9 +61,8 @@ def run_variant(rank: int, world_size: int, spec: dict) -> dict | None:
             adam_lr=COMMON["adam_lr"],
             ns_dtype=torch.float32,
         )
-        opt = megatron_muon(
-            [model], MegatronMuonConfig(**config, **spec["variant"], **spec.get("options", {}))
-        )
+        options = dict(config, **spec["variant"], **spec.get("options", {}))
+        opt = megatron_muon([model], MegatronMuonConfig().replaced(**options))
     for step in range(spec["steps"]):
         W.inject_gradients(model, step)
         opt.step()

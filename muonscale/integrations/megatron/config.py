@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from muonscale.newton_schulz import COEFFICIENT_PRESETS, Coefficients
+from muonscale.newton_schulz import COEFFICIENT_PRESETS, Coefficients, CoefficientSpec
 from muonscale.qkv import QKV_SPLIT_MODES
 from muonscale.scaling import SCALE_RULES
-from muonscale.settings import check_range, schedule_defaults, validate_muon_options
-from muonscale.variants import NORMUON_BETA2, Normalize, Preconditioner
+from muonscale.settings import VARIANT_KEYWORDS, checked_variant_options, schedule_defaults
 
 if TYPE_CHECKING:
     from .plan import ParamPlan
@@ -150,10 +148,11 @@ class MegatronMuonConfig:
     muon_extra_scale_factor: float = 1.0
     """Extra factor on every Muon update, as Megatron's."""
     muon_num_ns_steps: int | None = None
-    """Newton–Schulz steps; None → 5, or 4 with ``preconditioner="aol"`` (as muonscale.Muon)."""
+    """Newton–Schulz steps; None → muonscale.Muon's default for the preconditioner
+    (:attr:`ns_schedule`)."""
     coefficients: str | Coefficients | Sequence[Coefficients] | None = None
     """muonscale preset or tuples; :func:`megatron_coefficients` translates Megatron's names.
-    None → ``"keller"``, or ``"turbo_muon"`` with ``preconditioner="aol"``."""
+    None → muonscale.Muon's default for the preconditioner (:attr:`ns_schedule`)."""
     ns_dtype: torch.dtype | None = None
     """dtype of the iteration; None → bfloat16 on CUDA, float32 on CPU."""
     muon_tp_mode: str = "exact"
@@ -181,38 +180,20 @@ class MegatronMuonConfig:
     after each step. None: update the parameters in place, in their own dtype."""
     nonfinite: str = "raise"
     """``"raise"`` / ``"skip"`` / ``"ignore"`` a step with a NaN/inf gradient (see Muon)."""
-    normalize: Normalize = "none"
-    """``"row"``: NorMuon's row normalisation after Newton–Schulz (*Variants* in the docs), at
-    the owner of each whole matrix; its row moment is replicated over the TP group."""
-    row_beta2: float = NORMUON_BETA2
-    """β₂ of NorMuon's row second moment."""
-    cautious_weight_decay: bool = False
-    """Decay only where the update and the weight agree in sign (elementwise, per shard)."""
-    preconditioner: Preconditioner = "frobenius"
-    """Newton–Schulz input scaling: ``"frobenius"`` or Turbo-Muon's ``"aol"`` (whole matrices,
-    at the owner rank in ``"exact"`` mode)."""
-    qk_lr_scale: float = 1.0
-    """Learning-rate multiplier of the Q and K blocks of a split ``linear_qkv`` (see
-    :class:`muonscale.Muon`)."""
+    variant_options: Mapping[str, Any] = field(default_factory=dict)
+    """:class:`muonscale.Muon`'s variant options (:data:`muonscale.settings.VARIANT_KEYWORDS`,
+    each in *Variants* in the docs), the others at their defaults. Under exact TP each whole
+    matrix's variant runs at its owner rank, and replicated row state stays replicated over
+    the TP group. :meth:`replaced` (and ``from_megatron`` / ``megatron_muon`` overrides) also
+    take them by name."""
     dp_mode: str = "auto"
     """``"zero1"``: :class:`muonscale.DistributedMuon` over Megatron's DP group (reduce-scatter
     to owners, ZeRO-1); ``"replicated"``: every DP replica runs the step; ``"auto"``: zero1
     unless Megatron's DDP reduces the gradients, or expert / pipeline parallelism is used."""
 
     def __post_init__(self) -> None:
-        validate_muon_options(
-            dict(
-                normalize=self.normalize,
-                row_beta2=self.row_beta2,
-                cautious_weight_decay=self.cautious_weight_decay,
-                preconditioner=self.preconditioner,
-            )
-        )
-        steps, coefficients = schedule_defaults(self.preconditioner)  # as muonscale.Muon's
-        if self.muon_num_ns_steps is None:
-            object.__setattr__(self, "muon_num_ns_steps", steps)
-        if self.coefficients is None:
-            object.__setattr__(self, "coefficients", coefficients)
+        variant = checked_variant_options(self.variant_options, type(self).__name__)
+        object.__setattr__(self, "variant_options", variant)
         if self.muon_tp_mode not in TP_MODES:
             hint = ""
             if self.muon_tp_mode in ("duplicated", "distributed"):
@@ -230,7 +211,6 @@ class MegatronMuonConfig:
             raise ValueError(f"dp_mode must be one of {DP_MODES}, got {self.dp_mode!r}")
         if self.qkv_split not in QKV_SPLIT_MODES:
             raise ValueError(f"qkv_split must be one of {QKV_SPLIT_MODES}, got {self.qkv_split!r}")
-        check_range("qk_lr_scale", self.qk_lr_scale, 0.0, math.inf)
         if self.scale not in SCALE_RULES:
             hint = ""
             if self.scale in MEGATRON_SCALE_MODES:
@@ -245,6 +225,35 @@ class MegatronMuonConfig:
                 f"{sorted(COEFFICIENT_PRESETS)}; "
                 "for Megatron's --muon-coefficient-type use megatron_coefficients(name, steps)"
             )
+
+    @property
+    def ns_schedule(self) -> tuple[int, CoefficientSpec]:
+        """(steps, coefficients) of the iteration: ``muon_num_ns_steps`` and ``coefficients``,
+        or where None muonscale.Muon's defaults for the preconditioner."""
+        steps, coefficients = schedule_defaults(self.variant_options)
+        return (
+            steps if self.muon_num_ns_steps is None else self.muon_num_ns_steps,
+            coefficients if self.coefficients is None else self.coefficients,
+        )
+
+    def replaced(self, **changes: Any) -> MegatronMuonConfig:
+        """A copy with ``changes``: fields by name, and the variant options by name too
+        (merged into ``variant_options``); ``TypeError`` names an option neither takes."""
+        names = {f.name for f in fields(self)}
+        variant = {k: changes.pop(k) for k in list(changes) if k in VARIANT_KEYWORDS}
+        unknown = sorted(set(changes) - names)
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__}: unknown options {unknown} (its fields: "
+                f"{', '.join(sorted(names))}; variant options: {', '.join(VARIANT_KEYWORDS)})"
+            )
+        if variant:
+            changes["variant_options"] = {
+                **self.variant_options,
+                **changes.get("variant_options", {}),
+                **variant,
+            }
+        return replace(self, **changes)
 
     @classmethod
     def from_megatron(cls, optimizer_config: Any, **overrides: Any) -> MegatronMuonConfig:
@@ -279,8 +288,7 @@ class MegatronMuonConfig:
         )
         if values["scale"] != "match_rms_adamw":
             values["adam_lr"] = values["lr"]  # Megatron uses one lr for both halves
-        values.update(overrides)
-        return cls(**values)
+        return cls(**values).replaced(**overrides)
 
 
 def muon_arguments(
@@ -299,8 +307,8 @@ def muon_arguments(
         momentum=config.muon_momentum,
         nesterov=config.muon_nesterov,
         weight_decay=config.weight_decay,
-        ns_steps=config.muon_num_ns_steps,
-        coefficients=config.coefficients,
+        ns_steps=config.ns_schedule[0],
+        coefficients=config.ns_schedule[1],
         scale=config.scale,
         ns_dtype=config.ns_dtype,
         adamw_lr=config.adam_lr,
@@ -310,10 +318,6 @@ def muon_arguments(
         nonfinite=config.nonfinite,
         qkv_split=config.qkv_split,
         splits={pl.name: pl.qkv_layout for pl in plans if pl.qkv_layout is not None},
-        normalize=config.normalize,
-        row_beta2=config.row_beta2,
-        cautious_weight_decay=config.cautious_weight_decay,
-        preconditioner=config.preconditioner,
-        qk_lr_scale=config.qk_lr_scale,
+        **config.variant_options,
     )
     return param_groups, options

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -408,7 +407,8 @@ def megatron_muon(
         model_chunks: a model chunk or the list of them (virtual pipeline); bare, or wrapped in
             Megatron's DDP (``use_distributed_optimizer=False``; then ``dp_mode`` is replicated).
         config: :class:`MegatronMuonConfig` (``MegatronMuonConfig.from_megatron(opt_config)``
-            reads Megatron's ``OptimizerConfig``); ``overrides`` replace its fields.
+            reads Megatron's ``OptimizerConfig``); ``overrides`` replace its fields (and its
+            variant options, by name: :meth:`MegatronMuonConfig.replaced`).
         pg_collection: Megatron's ``ProcessGroupCollection``; None → ``parallel_state``.
 
     Returns :class:`MegatronDistributedMuon` for ``dp_mode="zero1"`` (``"auto"``: when nothing
@@ -417,10 +417,7 @@ def megatron_muon(
     """
     config = config if config is not None else MegatronMuonConfig()
     if overrides:
-        unknown = set(overrides) - {f.name for f in fields(MegatronMuonConfig)}
-        if unknown:
-            raise TypeError(f"megatron_muon: unknown options {sorted(unknown)}")
-        config = replace(config, **overrides)
+        config = config.replaced(**overrides)
     groups = MegatronGroups.from_megatron(pg_collection)
     plans = plan_parameters(model_chunks, groups, split_qkv=config.muon_split_qkv)
     has_main_grad = any(hasattr(pl.param, "main_grad") for pl in plans)
