@@ -167,6 +167,41 @@ def test_gathers_start_while_later_matrices_are_orthogonalized(world_size):
         assert max(launched[1 : len(launched) // 3]) > 0
 
 
+def _launch_points(rank, world_size, steps, given):
+    """For each bucket: how many gradients were ready when its reduce-scatter was launched,
+    and how many when its own last one was (backward's order, recorded by hooks), for a
+    DistributedMuon built from the module or from ``named_parameters()``."""
+    ref = reference(steps, dict(n_hidden=6))
+    model = make_model(n_hidden=6)
+    params = model if given == "module" else model.named_parameters()
+    opt = DistributedMuon(params, **OPTS, bucket_cap_mb=1e-4)
+    reduction, launches, ready_order = opt.reduction, [], []
+    for i, p in enumerate(reduction.params):  # after the reduction's own hooks
+        p.register_post_accumulate_grad_hook(lambda _, i=i: ready_order.append(i))
+    launch = reduction._launch
+
+    def recording(bucket):
+        launches.append((len(reduction._ready), bucket.params))
+        return launch(bucket)
+
+    reduction._launch = recording
+    train(model, opt, steps)
+    bitwise = all(torch.equal(p, q) for p, q in zip(ref.parameters(), model.parameters()))
+    n = len(reduction.params)
+    position = {i: k for k, i in enumerate(ready_order[:n])}  # the first backward's order
+    return bitwise, [(ready, 1 + max(position[p] for p in params)) for ready, params in launches]
+
+
+@pytest.mark.parametrize("given", ["module", "named_parameters"])
+def test_reductions_start_when_their_gradients_are_ready(given):
+    """Buckets follow the model's order reversed (backward's), whatever the param groups:
+    each reduce-scatter starts when its own last gradient is ready. (In param-group order,
+    the AdamW bucket with the embedding, ready last, held back every bucket after it.)"""
+    for bitwise, launches in shared_pool(2).run(_launch_points, 2, given):
+        assert bitwise
+        assert all(ready == own_last for ready, own_last in launches), launches
+
+
 def _overlap_switch(rank, world_size, steps):
     """The same small waves with and without overlap: bitwise-equal parameters and state, and
     without it no all-gather is launched before the last wave."""
