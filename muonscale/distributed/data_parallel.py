@@ -231,9 +231,7 @@ class DistributedMuon(Muon):
                 i for i in self.muon_indices if self._sends_update(self.params[i], self.group_of[i])
             ),
             update_dtype=UPDATE_DTYPE,
-            readiness=dp_layout.expected_readiness(
-                self.params, unwrap_ddp(model)[0], list(self.param_table.names)
-            ),
+            readiness=dp_layout.expected_readiness(self.params, model, self.param_table.names),
         )
         self.update_gather = UpdateGather(self.reduction, gather_updates, self._name)
         self._owner_apply = None  # Muon's last pass on owners: as usual, or sending updates

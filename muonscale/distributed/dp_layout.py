@@ -8,7 +8,7 @@ public layout (``params``, ``group_of``, ``muon_indices``, ``adamw_indices``, ``
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -164,11 +164,12 @@ def layout_stats(opt: Any) -> dict[str, Any]:
     }
 
 
-def expected_readiness(params: list[torch.Tensor], model: Any, given: list[int]) -> list[int]:
+def expected_readiness(params: list[torch.Tensor], model: Any, given: Iterable[int]) -> list[int]:
     """Indices of ``params`` in the order backward is expected to make their gradients ready,
     as DDP assumes before its first step: the reverse of the model's registration order
-    (``model``, when it is a module), else of the order the parameters were given in
-    (``given``: their ids in that order); parameters in neither come last."""
+    (``model``, when it is a module: a DDP wrapper lists the same order), else of the order
+    the parameters were given in (``given``: their ids in that order); parameters in neither
+    come last."""
     index = {id(p): i for i, p in enumerate(params)}
     source = [id(p) for p in model.parameters()] if isinstance(model, torch.nn.Module) else given
     seen = [index[k] for k in dict.fromkeys(source) if k in index]
