@@ -15,7 +15,7 @@ import torch
 from .matrices import MatrixView
 from .settings import MuonSettings
 from .state_tensor import Placement, StateTensor  # noqa: F401 (Placement: re-exported)
-from .variants import ROW_MOMENT
+from .variants import VARIANT_STATE
 
 MOMENTUM = StateTensor(
     key="momentum_buffer",
@@ -25,11 +25,11 @@ MOMENTUM = StateTensor(
     dtype=lambda settings, dtype: settings.momentum_dtype or dtype,
     placement="parameter",
 )
-MUON_STATE: tuple[StateTensor, ...] = (MOMENTUM, ROW_MOMENT)
-"""Every state tensor a Muon parameter may hold."""
+MUON_STATE: tuple[StateTensor, ...] = (MOMENTUM, *VARIANT_STATE)
+"""Every state tensor a Muon parameter may hold (the variants' declared with their math)."""
 
-VARIANT_STATE: tuple[StateTensor, ...] = (ROW_MOMENT,)
-"""The state of the variants (beyond the momentum every Muon parameter holds)."""
+(ROW_STATE,) = [t for t in VARIANT_STATE if t.placement == "replicated"]
+"""The replicated row state the matrix step reads beside the direction."""
 
 
 def kept_state(settings: MuonSettings, *, variants_only: bool = False) -> list[StateTensor]:
@@ -40,7 +40,7 @@ def kept_state(settings: MuonSettings, *, variants_only: bool = False) -> list[S
 def row_state(states: list[Mapping[str, Any]]) -> list[torch.Tensor | None]:
     """Each state's replicated row state, which the matrix step reads besides the direction
     (the row second moment; None where the settings keep none)."""
-    return [s.get(ROW_MOMENT.key) for s in states]
+    return [s.get(ROW_STATE.key) for s in states]
 
 
 def check_loaded_state(

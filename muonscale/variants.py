@@ -93,6 +93,9 @@ ROW_MOMENT = StateTensor(
 )
 """NorMuon's state, declared (:mod:`muonscale.declared_state` reads the declarations)."""
 
+VARIANT_STATE: tuple[StateTensor, ...] = (ROW_MOMENT,)
+"""The state the variants keep (beyond the momentum every Muon parameter holds)."""
+
 
 # ------------------------------------------------------------------------ cautious decay
 def cautious_weight_decay_(

@@ -15,8 +15,9 @@ from compat_cases import BASE, DISTRIBUTED, Tiny, build_distributed
 from distributed_harness import shared_pool
 
 from muonscale import Muon
-from muonscale.declared_state import MOMENTUM, ROW_MOMENT
+from muonscale.declared_state import MOMENTUM
 from muonscale.distributed import DistributedMuon
+from muonscale.variants import ROW_MOMENT
 
 DCP_NORMUON = Path(__file__).parent / "assets" / "compat" / "dcp" / "distributed-normuon"
 pytestmark = pytest.mark.timeout(120)

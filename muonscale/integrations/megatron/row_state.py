@@ -20,16 +20,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from muonscale.declared_state import VARIANT_STATE
+from muonscale.declared_state import ROW_STATE
 from muonscale.distributed.comm import Communicator, WireCounter
 from muonscale.distributed.sharded import MatrixLayout
 from muonscale.matrices import MatrixView
 
 from .config import MegatronMuonConfig
 from .plan import MegatronGroups, ParamPlan
-
-(ROW_STATE,) = [t for t in VARIANT_STATE if t.placement == "replicated"]
-"""The matrix step's row state: whole wherever a matrix is updated (a replica per TP rank)."""
 
 RowStateEntry = tuple[dict, MatrixView, ParamPlan]
 """A parameter's state (holding the row state), its matrix view and its plan."""
