@@ -22,7 +22,7 @@ from ..kernels import clear_workspaces
 from ..matrices import MatrixView
 from ..optimizer import Muon
 from ..settings import MuonSettings
-from . import dp_checkpoint, dp_grad_clip, dp_layout, dp_step
+from . import dp_checkpoint, dp_gathers, dp_grad_clip, dp_layout, dp_step
 from .comm import WireCounter
 from .deferred_gather import DeferredGather
 from .dp_reduction import BucketedReduction, ReduceAt, ReductionOptions
@@ -440,9 +440,9 @@ class DistributedMuon(Muon):
                 gathers = dp_step.update_owned_and_gather_in_forward_order(self, wave, position)
                 self.deferred.hand_off(gathers)
             else:
-                adamw_gathers = self.reduction.launch_flat_gathers()
+                adamw_gathers = dp_gathers.launch_flat_gathers(self.reduction)
                 muon_gathers = dp_step.update_owned_and_gather(self, wave, self.overlap_gather)
-                self.reduction.wait_and_copy_back(adamw_gathers + muon_gathers)
+                dp_gathers.wait_and_copy_back(self.reduction, adamw_gathers + muon_gathers)
         finally:
             clear_workspaces()  # NS scratch is not held through the next forward/backward
             self.reduction.start_cycle()

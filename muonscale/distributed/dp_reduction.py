@@ -22,7 +22,6 @@ at ``step()``.
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -32,7 +31,6 @@ import torch
 
 from .buckets import (
     FlatBucket,
-    OwnerBucket,
     OwnerStreams,
     StreamFill,
     plan_flat_buckets,
@@ -500,91 +498,3 @@ class BucketedReduction:
             stream.recv.mul_(coef.to(stream.recv.device))
         for shards in self.flat_shards:
             shards.shard.mul_(coef.to(shards.shard.device))
-
-    # ================================================================ gathers
-    def launch_flat_gathers(self) -> list[tuple[Any, Callable[[], None]]]:
-        """All-gather every flat bucket's updated shard; returns (work, copy back) pairs."""
-        return [self.launch_flat_gather(shards) for shards in self.flat_shards]
-
-    def launch_flat_gather(self, shards: FlatShard) -> tuple[Any, Callable[[], None]]:
-        """All-gather one flat bucket's updated shard; returns (work, copy back)."""
-        for seg in shards.layout.segments(self.rank):
-            flat = self.params[seg.param].view(-1)
-            shards.shard[seg.buffer_start : seg.buffer_start + seg.length].copy_(
-                flat[seg.param_start : seg.param_start + seg.length]
-            )
-        work = self.comm.all_gather(shards.full, shards.shard, tag="adamw", async_op=True)
-        return work, functools.partial(self._copy_back_flat, shards)
-
-    def write_fill_for_gather(self, stream: StreamBuffers) -> None:
-        """Updated AdamW fill segments into the stream's gather buffer (its recv here)."""
-        if stream.fill is not None:
-            for seg in stream.fill.layout.segments(self.rank):
-                flat = self.params[seg.param].view(-1)
-                stream.fill.grad[seg.buffer_start : seg.buffer_start + seg.length].copy_(
-                    flat[seg.param_start : seg.param_start + seg.length]
-                )
-
-    def write_owned_for_gather(self, stream: StreamBuffers, indices: list[int]) -> None:
-        """Updated owned parameters ``indices`` into the stream's gather buffer (a stream that
-        carries updates has them already: the owner's apply wrote them)."""
-        if stream.carries_updates:
-            return
-        for i in indices:
-            off, p = stream.layout.offsets[i], self.params[i]
-            stream.gather_in[off : off + p.numel()].copy_(p.view(-1))
-
-    def launch_stream_gathers(
-        self,
-        stream: StreamBuffers,
-        first: int,
-        ready: int,
-        apply_gathered: Callable[[StreamBuffers, int], None] | None = None,
-    ) -> tuple[list[tuple[Any, Callable[[], None]]], int]:
-        """Launch the all-gathers of buckets ``first, first + 1, …`` whose slice of this rank's
-        stream ends at or before ``ready`` (everything before it is final). Returns the (work,
-        copy back) pairs and the first bucket not launched. ``apply_gathered(stream, k)``: what
-        a stream that carries updates does once bucket ``k`` arrived (instead of copying
-        parameters back)."""
-        if stream.carries_updates and apply_gathered is None:
-            raise ValueError("a stream that carries updates needs apply_gathered")
-        pending = []
-        buckets = stream.layout.buckets
-        k = first
-        while k < len(buckets) and buckets[k].stream_start + buckets[k].length <= ready:
-            bucket = buckets[k]
-            mine = stream.gather_in[bucket.stream_start : bucket.stream_start + bucket.length]
-            work = self.comm.all_gather(
-                stream.gather_out[k],
-                mine,
-                tag="muon",
-                async_op=True,
-                lengths=stream.layout.data_lengths(k),
-            )
-            if stream.carries_updates:
-                copy_back = functools.partial(apply_gathered, stream, k)
-            else:
-                copy_back = functools.partial(self._copy_back_owned, bucket, stream.gather_out[k])
-            pending.append((work, copy_back))
-            k += 1
-        return pending, k
-
-    def wait_and_copy_back(self, pending: list[tuple[Any, Callable[[], None]]]) -> None:
-        """Wait for each gather and copy its parameters back into the model."""
-        for work, copy_back in pending:
-            self.comm.wait(work, "parameter all-gather")
-            copy_back()
-
-    def _copy_back_flat(self, shards: FlatShard) -> None:
-        layout = shards.layout
-        for p, off, n in zip(layout.params, layout.offsets, layout.numels):
-            self.params[p].view(-1).copy_(shards.full[off : off + n])
-
-    def _copy_back_owned(self, bucket: OwnerBucket, gathered: torch.Tensor) -> None:
-        for piece in bucket.pieces:
-            if bucket.rank_of(piece) == self.rank:
-                continue  # updated in place already
-            flat = self.params[piece.param].view(-1)
-            flat[piece.param_start : piece.param_start + piece.length].copy_(
-                gathered[piece.buffer_start : piece.buffer_start + piece.length]
-            )

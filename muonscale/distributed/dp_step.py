@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..group_step import adamw_group_step
 from ..memory import chunk_bytes_for, group_by_budget
+from . import dp_gathers
 from .deferred_gather import PendingGather
 
 Pending = list[tuple[Any, Any]]  # (work, copy back) pairs in launch order
@@ -103,24 +104,26 @@ def update_owned_and_gather(opt: Any, update_wave: Callable, overlap: bool) -> P
     reduction, apply = opt.reduction, opt.update_gather.apply_gathered
     pending: Pending = []
     for stream in reduction.streams:
-        reduction.write_fill_for_gather(stream)
+        dp_gathers.write_fill_for_gather(reduction, stream)
         next_bucket = 0
         for wave in _waves(opt, stream):
             update_wave(set(wave))
-            reduction.write_owned_for_gather(stream, wave)
+            dp_gathers.write_owned_for_gather(reduction, stream, wave)
             if overlap:
                 ready = stream.layout.offsets[wave[-1]] + stream.layout.numels[wave[-1]]
-                launched, next_bucket = reduction.launch_stream_gathers(
-                    stream, next_bucket, ready, apply
+                launched, next_bucket = dp_gathers.launch_stream_gathers(
+                    reduction, stream, next_bucket, ready, apply
                 )
                 pending += launched
         if overlap:
-            pending += reduction.launch_stream_gathers(
-                stream, next_bucket, stream.layout.length, apply
+            pending += dp_gathers.launch_stream_gathers(
+                reduction, stream, next_bucket, stream.layout.length, apply
             )[0]
     if not overlap:
         for stream in reduction.streams:
-            pending += reduction.launch_stream_gathers(stream, 0, stream.layout.length, apply)[0]
+            pending += dp_gathers.launch_stream_gathers(
+                reduction, stream, 0, stream.layout.length, apply
+            )[0]
     return pending
 
 
@@ -133,17 +136,17 @@ def update_owned_and_gather_in_forward_order(
     (``defer_gather``). The order is the same on every rank."""
     reduction, apply = opt.reduction, opt.update_gather.apply_gathered
     for stream in reduction.streams:
-        reduction.write_fill_for_gather(stream)
+        dp_gathers.write_fill_for_gather(reduction, stream)
         for wave in _waves(opt, stream):
             update_wave(set(wave))
-            reduction.write_owned_for_gather(stream, wave)
+            dp_gathers.write_owned_for_gather(reduction, stream, wave)
     units = []  # (first forward position, tie-break, params, launch)
     for s, stream in enumerate(reduction.streams):
         for k, bucket in enumerate(stream.layout.buckets):
             end = bucket.stream_start + bucket.length
 
             def launch(stream=stream, k=k, end=end):
-                return reduction.launch_stream_gathers(stream, k, end, apply)[0][0]
+                return dp_gathers.launch_stream_gathers(reduction, stream, k, end, apply)[0][0]
 
             units.append((bucket.params, (0, s, k), launch))
     for f, shards in enumerate(reduction.flat_shards):
@@ -151,7 +154,7 @@ def update_owned_and_gather_in_forward_order(
             (
                 frozenset(shards.layout.params),
                 (1, f, 0),
-                lambda s=shards: reduction.launch_flat_gather(s),
+                lambda s=shards: dp_gathers.launch_flat_gather(reduction, s),
             )
         )
     last = len(forward_position) + len(opt.params)
