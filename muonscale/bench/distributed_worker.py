@@ -349,8 +349,7 @@ def _run_rank(rank: int, world_size: int, spec: dict, contenders: list) -> dict 
     from muonscale.bench.runner import bundled_corpus_text, train_config_for
     from muonscale.bench.side_by_side import eval_steps_for
     from muonscale.distributed import gather_wire_stats
-    from muonscale.train.data import TokenDataset, load_corpus
-    from muonscale.train.trainer import make_tokenizer
+    from muonscale.train.data import TokenDataset, load_corpus, make_tokenizer
 
     bench = BenchConfig(**spec["bench"])
     config = train_config_for(bench, "muon", spec["lrs"]["muon"])  # data, batch, seed: shared

@@ -100,7 +100,7 @@ def newton_schulz_precision(bench: BenchConfig, contender: str) -> str | None:
 
 def device_type(device: str) -> str:
     """``cpu`` or ``cuda`` (``auto`` resolved)."""
-    from muonscale.train.trainer import resolve_device
+    from muonscale.train.parallel import resolve_device
 
     return resolve_device(device).type
 

@@ -3,7 +3,8 @@
 
 - :func:`load_corpus` reads the bundled Shakespeare corpus (``muonscale/data/shakespeare.txt.xz``,
   see ``muonscale/data/PROVENANCE.md``), a UTF-8 text file, or a folder of ``.txt`` files.
-- :class:`ByteTokenizer` maps text to its UTF-8 bytes (vocab 256).
+- :class:`ByteTokenizer` maps text to its UTF-8 bytes (vocab 256); :func:`make_tokenizer`
+  returns the tokenizer a ``TrainConfig`` names.
 - :class:`TokenDataset` splits the tokens into train (first part) and validation (last
   ``val_fraction``), draws training windows from a generator seeded by ``(seed, step)`` (so a
   resumed run sees exactly the batches an uninterrupted one would) and holds a fixed validation
@@ -16,6 +17,7 @@ import functools
 import lzma
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -175,3 +177,13 @@ class TokenDataset:
         return [
             self._windows(self.val_tokens, row) for row in starts.reshape(n_batches, batch_size)
         ]
+
+
+def make_tokenizer(config: Any, text: str):
+    """The tokenizer named by ``config.tokenizer`` (a ``TrainConfig``'s; bpe: trained on
+    ``text``, cached)."""
+    if config.tokenizer == "bpe":
+        from muonscale.train.bpe import BPETokenizer
+
+        return BPETokenizer.trained_on(text, config.bpe_vocab_size)
+    return ByteTokenizer()

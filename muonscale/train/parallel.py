@@ -51,6 +51,13 @@ __all__ = [
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
+def resolve_device(name: str) -> torch.device:
+    """``"auto"``: CUDA when available, else the CPU; any other name as ``torch.device``."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 def torchrun_environment() -> dict[str, str]:
     """torchrun's variables; raise ``RuntimeError`` naming the missing ones."""
     missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]

@@ -23,6 +23,7 @@ from muonscale.train.optimizers import HybridOptimizer
 
 __all__ = [
     "CheckpointExistsError",
+    "NonFiniteLossError",
     "auto_resume_path",
     "check_not_overwriting",
     "check_writable",
@@ -48,6 +49,10 @@ DATA_CHANGES = ("seed", "data", "tokens_per_step")
 
 class CheckpointExistsError(FileExistsError):
     """A run would replace another run's checkpoint (no ``--overwrite``)."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or inf; no optimizer step was taken for it."""
 
 
 def _kind(parallel: bool) -> str:

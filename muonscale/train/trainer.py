@@ -25,27 +25,18 @@ from typing import Any
 import torch
 
 from muonscale.qk_clip import QKClip
-from muonscale.train.checkpoint import FORMAT as CHECKPOINT_FORMAT
-from muonscale.train.checkpoint import read_checkpoint, write_checkpoint
+from muonscale.train import run_checkpoint
 from muonscale.train.config import TrainConfig
-from muonscale.train.data import ByteTokenizer, TokenDataset, load_corpus
+from muonscale.train.data import TokenDataset, load_corpus, make_tokenizer
 from muonscale.train.dcp_checkpoint import FOLDER as SHARDED_FOLDER
-from muonscale.train.dcp_checkpoint import (
-    load_sharded,
-    verify_sharded,
-    write_sharded,
-)
 from muonscale.train.model import GPT
 from muonscale.train.optimizers import build_optimizer, optimizer_state_bytes
-from muonscale.train.parallel import Parallelism
+from muonscale.train.parallel import Parallelism, resolve_device
+from muonscale.train.run_checkpoint import CHECKPOINT_NAME
 from muonscale.train.run_guards import (
     CheckpointExistsError,
-    auto_resume_path,
-    check_not_overwriting,
-    check_writable,
+    NonFiniteLossError,
     first_nonfinite,
-    nonfinite_checkpoint_error,
-    resume_changes,
 )
 from muonscale.train.run_log import MetricsLog, progress_bar
 from muonscale.train.schedule import build_scheduler, schedule_for
@@ -60,12 +51,7 @@ __all__ = [
     "build_optimizer",
 ]
 
-CHECKPOINT_NAME = "checkpoint.pt"
 METRICS_NAME = "metrics.jsonl"
-
-
-class NonFiniteLossError(RuntimeError):
-    """The training loss became NaN or inf; no optimizer step was taken for it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,21 +95,6 @@ class RunSummary:
     """Name of the signal that stopped the run (SIGINT, SIGTERM), when one did."""
     checkpoint: str | None
     """Path of the last checkpoint written (None when out_dir is None)."""
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def make_tokenizer(config: TrainConfig, text: str):
-    """The tokenizer named by ``config.tokenizer`` (bpe: trained on ``text``, cached)."""
-    if config.tokenizer == "bpe":
-        from muonscale.train.bpe import BPETokenizer
-
-        return BPETokenizer.trained_on(text, config.bpe_vocab_size)
-    return ByteTokenizer()
 
 
 class TrainingRun:
@@ -267,7 +238,7 @@ class TrainingRun:
         optimizer_seconds = time.perf_counter() - optimizer_start
         max_logit = probe_seconds = None
         if self.qk_clip is not None:  # the same rescale on every rank (maxima MAX-reduced)
-            self._land_parameters()  # it rescales weights a deferred gather still writes
+            self.land_parameters()  # it rescales weights a deferred gather still writes
             max_logit = self.qk_clip(self.model.pop_max_attention_logits()).max().item()
         elif self.probe_max_logits:  # recorded only: this rank's maxima, nothing rescaled
             max_logit = max(m.max().item() for m in self.model.pop_max_attention_logits())
@@ -307,7 +278,7 @@ class TrainingRun:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over the fixed validation set (``eval_batches`` micro-batches)."""
-        self._land_parameters()
+        self.land_parameters()
         was_training = self.model.training
         self.model.eval()
         losses = []
@@ -318,7 +289,7 @@ class TrainingRun:
         self.model.train(was_training)
         return torch.stack(losses).mean().item()
 
-    def _land_parameters(self) -> None:
+    def land_parameters(self) -> None:
         """Land the parameter gathers a ``DistributedMuon(defer_gather=True)`` step left in
         flight, before code that reads or writes parameters outside the forward."""
         wait = getattr(self.optimizer, "wait_for_parameters", None)
@@ -356,160 +327,18 @@ class TrainingRun:
         """Whether every parameter and optimizer state tensor is finite (collective)."""
         return self.first_nonfinite() is None
 
-    def _trainer_state(self) -> dict[str, Any]:
-        return {
-            "format": CHECKPOINT_FORMAT,
-            "step": self.step_count,
-            "config": self.config.to_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            },
-        }
-
     def save_checkpoint(self, path: str | os.PathLike) -> Path:
-        """Write model, optimizer, scheduler, step, RNG states and config to ``path`` with
-        :func:`muonscale.train.checkpoint.write_checkpoint` (atomic, fsynced, digest). Refuses
-        to write non-finite parameters or optimizer state (a resume would refuse them), so the
-        last good checkpoint is never overwritten."""
-        path = Path(path)
-        self._land_parameters()
-        bad = self.first_nonfinite()
-        if bad is not None:
-            name, count, total = bad
-            raise NonFiniteLossError(
-                f"{name} holds NaN/inf at step {self.step_count} ({count:,} of {total:,} "
-                f"entries); not overwriting {path}"
-            )
-        if self.parallel is not None:  # path: the checkpoints folder; every rank writes
-            written = write_sharded(
-                self.parallel,
-                path,
-                step=self.step_count,
-                model=self.model,
-                optimizer=self.optimizer,
-                trainer_state=self._trainer_state(),
-            )
-            self.last_checkpoint = (str(path), self.step_count)
-            return written
-        state = self._trainer_state()
-        state["model"] = self.model.state_dict()
-        state["optimizer"] = self.optimizer.state_dict()
-        write_checkpoint(state, path)
-        self.last_checkpoint = (str(path), self.step_count)
-        return path
+        """Write model, optimizer, scheduler, step, RNG states and config to ``path``
+        (:func:`muonscale.train.run_checkpoint.save`: atomic, fsynced, digest; refuses
+        non-finite parameters or state, so the last good checkpoint is never overwritten)."""
+        return run_checkpoint.save(self, path)
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
-        """Restore a checkpoint written by :meth:`save_checkpoint` (same model shape and
-        optimizer required). This run's hyperparameters replace the checkpoint's; the
-        differences (:func:`~muonscale.train.run_guards.resume_changes`) are kept in
-        ``self.resume_changes``."""
-        path = Path(path)
-        # Group hyperparameters and peak lrs as this run's config builds them; the
-        # checkpoint's groups would otherwise win silently.
-        fresh_groups = [
-            {key: value for key, value in group.items() if key != "params"}
-            for group in self.optimizer.param_groups
-        ]
-        fresh_base_lrs = list(self.scheduler.base_lrs)
-        if self.parallel is not None:
-            folder, state = verify_sharded(self.parallel, path)
-            self._check_compatible(folder, TrainConfig.from_dict(state["config"]))
-            load_sharded(folder, model=self.model, optimizer=self.optimizer)
-        else:
-            state = read_checkpoint(path, map_location=self.device)
-            self._check_compatible(path, TrainConfig.from_dict(state["config"]))
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-        self._check_loaded_finite(path)
-        saved = TrainConfig.from_dict(state["config"])
-        if len(self.optimizer.param_groups) != len(fresh_groups):
-            raise ValueError(
-                f"checkpoint {path} has {len(self.optimizer.param_groups)} parameter groups, "
-                f"this run builds {len(fresh_groups)}"
-            )
-        for group, fresh in zip(self.optimizer.param_groups, fresh_groups):
-            group.update(fresh)
-        self._load_scheduler_state(state["scheduler"], fresh_base_lrs)
-        torch.set_rng_state(state["rng"]["torch"].cpu())
-        if state["rng"]["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([s.cpu() for s in state["rng"]["cuda"]])
-        self.step_count = int(state["step"])
-        self.last_checkpoint = (str(path), self.step_count)
-        self.resume_changes = resume_changes(saved, self.config)
-
-    def _check_loaded_finite(self, path: Path) -> None:
-        """Refuse a checkpoint holding NaN/inf (every rank raises the same error)."""
-        bad = self.first_nonfinite()
-        if bad is not None:
-            raise nonfinite_checkpoint_error(path, *bad)
-
-    def _check_compatible(self, path: Path, saved: TrainConfig) -> None:
-        """Same model shape, optimizer and parallel mode as the checkpoint's, else ValueError.
-        (Under --parallel DCP has already refused a shape mismatch; this names the cause.)"""
-        if (
-            saved.model_config() != self.model_config
-            or saved.optimizer != self.config.optimizer
-            or saved.parallel != self.config.parallel
-        ):
-            raise ValueError(
-                f"checkpoint {path} was written for model {saved.model_config()} with optimizer "
-                f"{saved.optimizer!r} and --parallel {saved.parallel}; this run has "
-                f"{self.model_config} with {self.config.optimizer!r} and --parallel "
-                f"{self.config.parallel}"
-            )
-
-    def _load_scheduler_state(self, scheduler_state: dict[str, Any], base_lrs: list[float]) -> None:
-        """Restore the scheduler's position but keep this run's schedule and peak lrs (so
-        ``--steps`` and ``--lr`` can change on resume); the learning rates are recomputed
-        exactly as LambdaLR does."""
-        scheduler_state = dict(scheduler_state)
-        scheduler_state["lr_lambdas"] = [None] * len(self.scheduler.lr_lambdas)
-        scheduler_state["base_lrs"] = list(base_lrs)
-        self.scheduler.load_state_dict(scheduler_state)
-        epoch = self.scheduler.last_epoch
-        for group, base_lr in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
-            group["lr"] = base_lr * self.schedule(epoch)
-        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        """Restore a checkpoint written by :meth:`save_checkpoint`; this run's hyperparameters
+        replace the checkpoint's (:func:`muonscale.train.run_checkpoint.load`)."""
+        run_checkpoint.load(self, path)
 
     # ------------------------------------------------------------------ the loop
-    def _resume_path(self, out_dir: Path | None, checkpoint_path: Path | None) -> Path | None:
-        resume = self.config.resume
-        if resume is None:
-            return None
-        if resume == "auto":
-            other = SHARDED_FOLDER if self.parallel is None else CHECKPOINT_NAME
-            return auto_resume_path(
-                checkpoint_path,
-                out_dir / other if out_dir else None,
-                parallel=self.parallel is not None,
-            )
-        return Path(resume)
-
-    def _check_out_dir(self, checkpoint_path: Path | None, resume_path: Path | None) -> None:
-        """Before training: the run may save to ``checkpoint_path`` and can (rank 0 checks;
-        every rank raises the same error)."""
-        if checkpoint_path is None:
-            return
-        error = None
-        if self.rank == 0:
-            try:
-                check_writable(checkpoint_path, folder=self.parallel is not None)
-                check_not_overwriting(
-                    checkpoint_path,
-                    resume_path,
-                    resume=self.config.resume,
-                    overwrite=self.config.overwrite,
-                    parallel=self.parallel is not None,
-                )
-            except OSError as exc:
-                error = exc
-        if self.parallel is not None:
-            error = self.parallel.broadcast_object(error)
-        if error is not None:
-            raise error
-
     def run(self, progress: bool = True, tensorboard: str | Path | None = None) -> RunSummary:
         """Train until ``config.steps``: evaluate every ``eval_every`` steps and at the end, log
         JSONL metrics every ``log_every`` steps, checkpoint every ``checkpoint_every`` steps and
@@ -530,8 +359,8 @@ class TrainingRun:
         out_dir = Path(config.out_dir) if config.out_dir else None
         name = SHARDED_FOLDER if self.parallel is not None else CHECKPOINT_NAME
         checkpoint_path = out_dir / name if out_dir else None
-        resume_path = self._resume_path(out_dir, checkpoint_path)
-        self._check_out_dir(checkpoint_path, resume_path)
+        resume_path = run_checkpoint.resume_path(self, out_dir, checkpoint_path)
+        run_checkpoint.check_out_dir(self, checkpoint_path, resume_path)
         if resume_path is not None:
             self.load_checkpoint(resume_path)
             for name, (saved, now) in self.resume_changes.items():
