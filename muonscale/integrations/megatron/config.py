@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from muonscale.newton_schulz import COEFFICIENT_PRESETS, Coefficients, CoefficientSpec
+from muonscale.newton_schulz import COEFFICIENT_PRESETS, Coefficients
 from muonscale.qkv import QKV_SPLIT_MODES
 from muonscale.scaling import SCALE_RULES
-from muonscale.settings import VARIANT_KEYWORDS, checked_variant_options, schedule_defaults
+from muonscale.settings import VARIANT_KEYWORDS, checked_variant_options
 
 if TYPE_CHECKING:
     from .plan import ParamPlan
@@ -148,11 +148,11 @@ class MegatronMuonConfig:
     muon_extra_scale_factor: float = 1.0
     """Extra factor on every Muon update, as Megatron's."""
     muon_num_ns_steps: int | None = None
-    """Newton–Schulz steps; None → muonscale.Muon's default for the preconditioner
-    (:attr:`ns_schedule`)."""
+    """Newton–Schulz steps; None → muonscale.Muon's default for the preconditioner (resolved
+    by ``muonscale.Muon`` when the optimizer is built)."""
     coefficients: str | Coefficients | Sequence[Coefficients] | None = None
     """muonscale preset or tuples; :func:`megatron_coefficients` translates Megatron's names.
-    None → muonscale.Muon's default for the preconditioner (:attr:`ns_schedule`)."""
+    None → muonscale.Muon's default for the preconditioner (resolved when it is built)."""
     ns_dtype: torch.dtype | None = None
     """dtype of the iteration; None → bfloat16 on CUDA, float32 on CPU."""
     muon_tp_mode: str = "exact"
@@ -226,16 +226,6 @@ class MegatronMuonConfig:
                 "for Megatron's --muon-coefficient-type use megatron_coefficients(name, steps)"
             )
 
-    @property
-    def ns_schedule(self) -> tuple[int, CoefficientSpec]:
-        """(steps, coefficients) of the iteration: ``muon_num_ns_steps`` and ``coefficients``,
-        or where None muonscale.Muon's defaults for the preconditioner."""
-        steps, coefficients = schedule_defaults(self.variant_options)
-        return (
-            steps if self.muon_num_ns_steps is None else self.muon_num_ns_steps,
-            coefficients if self.coefficients is None else self.coefficients,
-        )
-
     def replaced(self, **changes: Any) -> MegatronMuonConfig:
         """A copy with ``changes``: fields by name, and the variant options by name too
         (merged into ``variant_options``); ``TypeError`` names an option neither takes."""
@@ -307,8 +297,8 @@ def muon_arguments(
         momentum=config.muon_momentum,
         nesterov=config.muon_nesterov,
         weight_decay=config.weight_decay,
-        ns_steps=config.ns_schedule[0],
-        coefficients=config.ns_schedule[1],
+        ns_steps=config.muon_num_ns_steps,  # None: Muon's default for the preconditioner
+        coefficients=config.coefficients,
         scale=config.scale,
         ns_dtype=config.ns_dtype,
         adamw_lr=config.adam_lr,
