@@ -184,3 +184,63 @@ def test_defer_gather_needs_the_model():
         DistributedMuon(model, **OPTS, defer_gather=1)
     opt = DistributedMuon(list(model.named_parameters()), **OPTS, defer_gather=True, model=model)
     assert opt.deferred is not None
+
+
+# ---------------------------------------------------------------------- the optimizer goes away
+def _optimizer_goes_away(rank, world_size, how):
+    """Train with the gathers deferred, then let the optimizer go (collected, ``finish()``, or
+    a ``with`` block): the model's parameters, read without another forward."""
+    import gc
+
+    model = make_model()
+    if how == "with":
+        with DistributedMuon(model, **OPTS, **TINY, defer_gather=True) as opt:
+            _train_slice(model, opt, rank, world_size)
+    else:
+        opt = DistributedMuon(model, **OPTS, **TINY, defer_gather=True)
+        _train_slice(model, opt, rank, world_size)
+        if how == "finish":
+            opt.finish()
+        del opt
+        gc.collect()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _undeferred(rank, world_size):
+    model = make_model()
+    opt = DistributedMuon(model, **OPTS, **TINY)
+    _train_slice(model, opt, rank, world_size)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _train_slice(model, opt, rank, world_size):
+    for step in range(STEPS):
+        x, y = batch(step)
+        x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("how", ["collected", "finish", "with"])
+def test_gathers_land_when_the_optimizer_goes_away(how):
+    """Replicas never diverge because a deferred optimizer went away before the next forward:
+    they equal each other and the undeferred run, bitwise."""
+    pool = shared_pool(2)
+    gone = pool.run(_optimizer_goes_away, how, timeout=120)
+    ref = pool.run(_undeferred, timeout=120)[0]
+    for params in gone:
+        for name, want in ref.items():
+            assert torch.equal(params[name], want), f"{how}: {name} differs"
+
+
+def _model_lacking_parameters(rank, world_size):
+    model, other = make_model(), make_model(seed=1)
+    with pytest.raises(ValueError) as info:
+        DistributedMuon(model.named_parameters(), model=other, defer_gather=True, **OPTS)
+    return str(info.value)
+
+
+def test_defer_gather_refuses_a_model_without_the_parameters():
+    message = shared_pool(2).run(_model_lacking_parameters, timeout=60)[0]
+    assert "TinyLM" in message and "does not hold 11" in message and "blocks.0.weight" in message

@@ -408,7 +408,7 @@ def test_wire_bytes_by_hand(world_size):
         "adamw/reduce_scatter": f * padded_b * 4,
         "adamw/all_gather": f * padded_b * 4,
         # [has-grad, non-finite] int32 flags of 5 params, and one [p.grad changed] flag
-        "control/all_reduce": 2 * f * ((2 * 5 + 1) * 4),
+        "control/all_reduce": 2 * f * ((2 * 5 + 3) * 4),
     }
     for precision in ("fp32", "bf16"):
         want = dict(expected)
@@ -467,7 +467,8 @@ def test_fill_levels_owner_streams_exactly(world_size):
     update and the full state stay bitwise those of one process."""
     n = world_size
     f = (n - 1) / n
-    control = 2 * f * ((2 * 4 + 1) * 4)  # [has-grad, non-finite] int32 flags of 4 params, [changed]
+    control = 2 * f * ((2 * 4 + 3) * 4)  # int32: [has-grad, non-finite] of 4 params, [changed],
+    # [backward passes, −backward passes]
     # fp32: the vector fills the gap (2 ranks own 128 / 64; 4 ranks 64 / 64 / 64 / 0), so the
     # streams hold 3 * 64 + 80 = 272 elements in all, T = 272 / N each, no padding: exactly
     # ZeRO-1 AdamW's reduce-scatter + all-gather of 272 elements
@@ -681,3 +682,52 @@ def test_one_rank_raising_does_not_hang_the_others():
     assert t1 == "RuntimeError" and "injected" in m1
     assert t0 == CollectiveError.__name__ and "timeout" in m0
     assert s0 < 60
+
+
+# ---------------------------------------------------------------------- ranks that disagree
+def _options_differ(rank, world_size, option, values):
+    model = make_model()
+    try:
+        DistributedMuon(model, **OPTS, **{option: values[rank]})
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize(
+    "option, values",
+    [("bucket_cap_mb", (25.0, 2.0)), ("reduce_dtype", (None, torch.bfloat16))],
+)
+def test_options_that_differ_between_ranks_are_named(option, values):
+    """Options that shape the collectives are agreed at construction: both ranks raise, naming
+    the option and each rank's value (instead of a gloo abort in the first reduction)."""
+    messages = shared_pool(2).run(_options_differ, option, values, timeout=60)
+    for message in messages:
+        assert message is not None and repr(option) in message
+        assert f"{values[0]!r} on rank 0" in message and f"{values[1]!r} on rank 1" in message
+
+
+def _skipped_step(rank, world_size):
+    model = make_model()
+    opt = DistributedMuon(model, **OPTS)
+    try:
+        for step in range(3):
+            x, y = batch(step)
+            opt.zero_grad()
+            loss_fn(model, x, y).backward()
+            if rank == 1 and step == 0:
+                continue  # this rank skips one step()
+            opt.step()
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_a_rank_that_skips_step_is_named():
+    """One rank skips a step(): at the next step every rank raises, naming the backward
+    passes each ran, instead of training one step apart and hanging at the end."""
+    start = time.monotonic()
+    messages = shared_pool(2).run(_skipped_step, timeout=60)
+    assert time.monotonic() - start < 60
+    for message in messages:
+        assert message is not None and "backward passes" in message and "skipped step()" in message

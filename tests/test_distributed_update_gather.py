@@ -186,7 +186,7 @@ def test_wire_bytes_by_hand(world_size):
                 "muon/all_gather": (n - 1) * owned[rank] * 2,
                 "adamw/reduce_scatter": int(f * padded * 4),
                 "adamw/all_gather": int(f * padded * 4),
-                "control/all_reduce": int(2 * f * (2 * 4 + 1) * 4),  # 4 parameters' flags
+                "control/all_reduce": int(2 * f * (2 * 4 + 3) * 4),  # 4 parameters' flags + 3
             }
             counted = {k: v for k, v in breakdown.items() if v}  # a rank owning nothing
             assert counted == {k: v for k, v in want.items() if v}, rank

@@ -246,3 +246,32 @@ def test_qk_clip_at_two_ranks_follows_one(tmp_path, parallel):
         assert abs(one[s] - two[s]) <= LOSS_RTOL * abs(one[s]), (s, one[s], two[s])
     losses_one, losses_two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert all(abs(losses_one[s] - losses_two[s]) <= LOSS_RTOL * abs(losses_one[s]) for s in one)
+
+
+def _update_rms(folder: Path) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars("update_rms/muon")}
+
+
+def test_tensorboard_update_rms_is_the_same_with_deferred_gathers(tmp_path):
+    """``--tensorboard`` under ``--parallel dp`` logs the update RMS of the step whether its
+    gathers are deferred (the default) or not: the figures are read once the parameters
+    landed. The two runs train bitwise alike, so the figures agree to float rounding."""
+    args = ("--parallel", "dp", "--steps", str(STEPS))
+    _torchrun(2, tmp_path / "deferred", *args, "--tensorboard", str(tmp_path / "tb_deferred"))
+    _torchrun(
+        2,
+        tmp_path / "undeferred",
+        *args,
+        "--no-defer-gather",
+        "--tensorboard",
+        str(tmp_path / "tb_undeferred"),
+    )
+    deferred = _update_rms(tmp_path / "tb_deferred")
+    undeferred = _update_rms(tmp_path / "tb_undeferred")
+    assert sorted(deferred) == sorted(undeferred) == list(range(1, STEPS + 1))
+    for s, want in undeferred.items():
+        assert abs(deferred[s] - want) <= 0.01 * want, (s, deferred[s], want)

@@ -11,6 +11,7 @@ rank 0's shards'.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,13 +34,23 @@ def labelled_groups(optimizer: torch.optim.Optimizer) -> list[tuple[str, dict]]:
 class TrainTensorBoard:
     """Writes the scalars of one training run into ``folder`` (needs tensorboard)."""
 
-    def __init__(self, folder: str | Path, optimizer: torch.optim.Optimizer, *, every: int = 1):
+    def __init__(
+        self,
+        folder: str | Path,
+        optimizer: torch.optim.Optimizer,
+        *,
+        every: int = 1,
+        land: Callable[[], None] = lambda: None,
+    ):
+        """``land()``: lands parameters a step left in flight (``DistributedMuon``'s deferred
+        gathers), called before the parameters are read."""
         from torch.utils.tensorboard import SummaryWriter
 
         self.folder = Path(folder)
         self.writer = SummaryWriter(log_dir=str(self.folder))
         self.optimizer = optimizer
         self.every = max(1, every)
+        self._land = land
         self._before: list[tuple[str, float, list[torch.Tensor], list[torch.Tensor]]] | None = None
 
     def before_step(self, step: int, total: int) -> None:
@@ -48,6 +59,7 @@ class TrainTensorBoard:
         if upcoming % self.every and upcoming != total:
             self._before = None
             return
+        self._land()  # the previous step's parameters, complete
         self._before = []
         for label, group in labelled_groups(self.optimizer):
             params = [_local(p) for p in group["params"]]
@@ -66,6 +78,7 @@ class TrainTensorBoard:
             self.writer.add_scalar("skipped_steps", int(skipped), step)
         if self._before is None:
             return
+        self._land()  # this step's parameters, complete
         squares: dict[str, float] = {}
         counts: dict[str, int] = {}
         for label, lr, params, copies in self._before:

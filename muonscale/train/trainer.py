@@ -404,7 +404,9 @@ class TrainingRun:
         if tensorboard is not None and self.rank == 0:
             from muonscale.train.tensorboard_log import TrainTensorBoard
 
-            board = TrainTensorBoard(tensorboard, self.optimizer, every=config.log_every)
+            board = TrainTensorBoard(
+                tensorboard, self.optimizer, every=config.log_every, land=self.land_parameters
+            )
         result: StepResult | None = None
         val_loss: float | None = None
         interrupted = False

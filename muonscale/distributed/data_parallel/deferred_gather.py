@@ -58,16 +58,31 @@ class DeferredGather:
 
     Args:
         model: the module whose forward reads the parameters.
-        params: the optimizer's parameters (indices below refer to it).
+        params: the optimizer's parameters (indices below refer to it); the model holds each.
         comm: the communicator that launched the gathers (its ``wait`` names failures).
+        names: the parameters' names, for the error when the model lacks one.
     """
 
-    def __init__(self, model: nn.Module, params: Sequence[torch.Tensor], comm: Communicator):
+    def __init__(
+        self,
+        model: nn.Module,
+        params: Sequence[torch.Tensor],
+        comm: Communicator,
+        names: Sequence[str] | None = None,
+    ):
         self.comm = comm
         index = {id(p): i for i, p in enumerate(params)}
         position = {id(p): k for k, p in enumerate(model.parameters())}
-        last = len(position)
-        self.forward_position = [position.get(id(p), last + i) for i, p in enumerate(params)]
+        missing = [i for i, p in enumerate(params) if id(p) not in position]
+        if missing:
+            shown = [names[i] if names else f"#{i}" for i in missing[:3]]
+            raise ValueError(
+                f"defer_gather=True: the model given ({type(model).__name__}) does not hold "
+                f"{len(missing)} of the optimizer's parameters ({', '.join(shown)}"
+                f"{', ...' if len(missing) > 3 else ''}), so its forward would read them before "
+                "their gathers land: pass model= the module whose forward reads them"
+            )
+        self.forward_position = [position[id(p)] for p in params]
         """Launch rank of each parameter: its place in ``model.parameters()``."""
         self._pending: list[PendingGather] = []
         self._done = 0

@@ -19,7 +19,12 @@ from ...settings import MuonSettings
 from ..comm import Communicator, WireCounter
 from ..hosts import discover_host_map
 from ..ownership import assign_owners, format_ownership_table, rank_loads
-from ..setup_checks import is_dtensor, require_same_parameters, require_same_values
+from ..setup_checks import (
+    is_dtensor,
+    require_same_options,
+    require_same_parameters,
+    require_same_values,
+)
 from .reduction import BucketedReduction
 
 
@@ -42,11 +47,12 @@ def check_parameters(
     groups: list[dict[str, Any]],
     names: list[str],
     sends_update: Callable[[torch.Tensor, dict[str, Any]], bool],
+    options: dict[str, Any],
 ) -> None:
     """Plain contiguous tensors only; every rank must hold the same parameter list (name,
-    shape, dtype, algorithm, whether its update is gathered) with the same initial values:
-    raise naming the first difference. The agreement is skipped on torch's fake process
-    group (one process alone)."""
+    shape, dtype, algorithm, whether its update is gathered) with the same initial values, and
+    the same ``options`` (those that shape the collectives): raise naming the first
+    difference. The agreement is skipped on torch's fake process group (one process alone)."""
     for p, name in zip(params, names):
         if is_dtensor(p):
             raise ValueError(
@@ -66,6 +72,7 @@ def check_parameters(
     step_counter, comm.counter = comm.counter, WireCounter()  # not a step's traffic
     try:
         require_same_parameters(comm, comm.world_size, signature)
+        require_same_options(comm, options, "DistributedMuon")
         require_same_values(comm, params, names)
     finally:
         comm.counter = step_counter

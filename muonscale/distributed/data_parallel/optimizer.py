@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,8 +65,9 @@ class DistributedMuon(Muon):
                  shard r                              (N−1)/N · S_adamw
         step():
           1. launch buckets backward did not, wait for every reduction
-          2. all-reduce (max) of [has-gradient, non-finite] flags: all ranks agree to
-             raise / skip / go on                      2(N−1)/N · 8·P bytes
+          2. all-reduce (max) of [has-gradient, non-finite] flags and of the backward
+             passes since the last step: all ranks agree to raise / skip / go on
+                                                       2(N−1)/N · (8·P + 12) bytes
           3. AdamW on the local shards and fill range (state for those only)
              ──▶ all-gather of the flat buckets (async)
           4. Muon on owned matrices in waves along the owner stream (momentum, batched
@@ -227,7 +229,19 @@ class DistributedMuon(Muon):
         self.layout = DataParallelLayout(self.param_groups, comm, self._matrix_view)
         layout = self.layout
         names = [self._name(p) for p in layout.params]
-        check_parameters(comm, layout.params, layout.group_of, names, self._sends_update)
+        name_of = _weak_method(self._name)  # collaborators never keep the optimizer alive
+        agreed_options = {
+            "reduce_dtype": reduce_dtype,
+            "main_params_dtype": main_params_dtype,
+            "bucket_cap_mb": float(bucket_cap_mb),
+            "reduce_at": reduce_at,
+            "overlap_gather": overlap_gather,
+            "gather_updates": gather_updates,
+            "defer_gather": defer_gather,
+        }
+        check_parameters(
+            comm, layout.params, layout.group_of, names, self._sends_update, agreed_options
+        )
         self.reduction = BucketedReduction(
             layout.params,
             options,
@@ -235,7 +249,7 @@ class DistributedMuon(Muon):
             adamw=layout.adamw_indices,
             owner_rank=layout.owner_rank,
             comm=comm,
-            name_of=self._name,
+            name_of=name_of,
             update_params=frozenset(
                 i
                 for i in layout.muon_indices
@@ -244,7 +258,7 @@ class DistributedMuon(Muon):
             update_dtype=UPDATE_DTYPE,
             readiness=expected_readiness(layout.params, model, self.param_table.names),
         )
-        self.update_gather = UpdateGather(self.reduction, gather_updates, self._name)
+        self.update_gather = UpdateGather(self.reduction, gather_updates, name_of)
         self._owner_apply = None  # Muon's last pass on owners: as usual, or sending updates
         if self.update_gather.matrices:
             self._owner_apply = self.update_gather.owner_apply(layout.find)
@@ -252,8 +266,10 @@ class DistributedMuon(Muon):
         self.deferred: DeferredGather | None = None
         """The gathers left in flight by ``step()`` and their model hooks (``defer_gather``)."""
         if defer_gather:
-            self.deferred = DeferredGather(unwrap_ddp(model)[0], layout.params, comm)
-            self.reduction.before_reduce = self.wait_for_parameters
+            self.deferred = DeferredGather(unwrap_ddp(model)[0], layout.params, comm, names)
+            self.reduction.before_reduce = self.deferred.wait_all
+            # the gathers in flight land before this optimizer goes (collected, or at exit)
+            weakref.finalize(self, _land_and_detach, self.deferred)
         self.last_step_wire_bytes = 0
         self.last_step_wire_breakdown: dict[str, int] = {}
         self.last_step_wire_links: dict[str, int] = WireCounter().by_link()
@@ -363,6 +379,18 @@ class DistributedMuon(Muon):
         self.reduction.remove_hooks()
         if self.deferred is not None:
             self.deferred.remove_hooks()
+
+    def finish(self) -> None:
+        """End of training: land the gathers the last ``step()`` left in flight and detach
+        every hook (``with DistributedMuon(...) as opt:`` calls it on exit). The parameters
+        are then final on every rank; the optimizer takes no further step."""
+        self.remove_hooks()
+
+    def __enter__(self) -> DistributedMuon:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.finish()
 
     def wait_for_parameters(self) -> None:
         """With ``defer_gather``: land every gather the last ``step()`` left in flight, so the
@@ -540,3 +568,29 @@ class DistributedMuon(Muon):
             for i, target in zip(mine, targets):
                 if target is not self.params[i]:
                     self.params[i].copy_(target)  # rounded into the model's parameter
+
+
+def _land_and_detach(deferred: DeferredGather) -> None:
+    """Finalizer of a ``defer_gather`` optimizer: its last gathers land in the parameters, so
+    that the replicas never diverge because the optimizer went away first."""
+    try:
+        deferred.remove_hooks()
+    except Exception as error:  # at interpreter exit the process group may be gone already
+        warnings.warn(
+            f"DistributedMuon (defer_gather=True) went away with gathers in flight that could "
+            f"not land ({error}); call opt.finish() after the last step",
+            RuntimeWarning,
+            stacklevel=1,
+        )
+
+
+def _weak_method(method: Callable[..., str]) -> Callable[..., str]:
+    """``method`` without a strong reference to its object (the optimizer's collaborators name
+    parameters through it, and must not keep the optimizer from being collected)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> str:
+        bound = ref()
+        return "<parameter>" if bound is None else bound(*args)
+
+    return call

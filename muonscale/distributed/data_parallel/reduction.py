@@ -355,12 +355,14 @@ class BucketedReduction:
         self._next_launch = 0
         self._reduced = False
         self._launched_grads: dict[int, tuple[Any, int] | None] = {}  # i -> (grad ref, version)
+        self._accumulations: dict[int, int] = {}  # i -> gradient hooks fired since the step
 
     def grad_ready(self, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: count the parameter in its buckets; launch full ones."""
         if not self._sync:
             return
         i = self._index[id(param)]
+        self._accumulations[i] = self._accumulations.get(i, 0) + 1
         if i in self._ready:  # accumulated again: finish() sees the changed p.grad
             return
         self._ready.add(i)
@@ -426,6 +428,11 @@ class BucketedReduction:
                 out, buf, tag=tag, async_op=True, lengths=lengths
             )
         bucket.launched = True
+
+    def backward_passes(self) -> int:
+        """How many backward passes (outside ``no_sync``) reached the gradient hooks since the
+        last step: every rank must have run the same number (0 without hooks)."""
+        return max(self._accumulations.values(), default=0)
 
     def grads_changed(self) -> list[int]:
         """Parameters whose ``p.grad`` is not the tensor (or version) their reduction read."""

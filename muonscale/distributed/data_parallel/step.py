@@ -28,15 +28,19 @@ def gradient_flags(
     params: list[torch.Tensor], reduction: BucketedReduction, comm: Any, check_finite: bool
 ) -> tuple[list[bool], int | None, list[int] | None]:
     """One all-reduce (max) of per-parameter flags [has a gradient on some rank, non-finite
-    reduced gradient] and of [``p.grad`` changed after its reduction on some rank]. Returns
-    (present, index of the first non-finite, None) or, after a change, (…, …, the parameters
-    changed on this rank): every rank then reduces again and asks once more."""
+    reduced gradient], of [``p.grad`` changed after its reduction on some rank] and of the
+    number of backward passes since the last step (as max and −min). Returns (present, index
+    of the first non-finite, None) or, after a change, (…, …, the parameters changed on this
+    rank): every rank then reduces again and asks once more. Ranks that ran different numbers
+    of backward passes (one skipped ``step()``) raise, every one of them."""
     P, device = len(params), comm.device
     has_grad = [p.grad is not None for p in params]
     changed = reduction.grads_changed()
-    flags = torch.zeros(2 * P + 1, dtype=torch.int32)  # built on the host, one copy to device
+    passes = reduction.backward_passes()
+    flags = torch.zeros(2 * P + 3, dtype=torch.int32)  # built on the host, one copy to device
     flags[:P] = torch.tensor(has_grad, dtype=torch.int32)
     flags[2 * P] = int(bool(changed))
+    flags[2 * P + 1], flags[2 * P + 2] = passes, -passes
     flags = flags.to(device)
     if check_finite:
         local = {i: g for i, g in reduction.local_reduced_grads().items() if g.numel()}
@@ -46,6 +50,14 @@ def gradient_flags(
             index = torch.tensor([P + i for i in local], device=device)
             flags.index_copy_(0, index, (~finite).to(torch.int32))
     comm.all_reduce(flags, op=dist.ReduceOp.MAX, tag="control")
+    most, fewest = int(flags[2 * P + 1]), -int(flags[2 * P + 2])
+    if fewest >= 1 and most != fewest:  # (a rank with no backward at all only idles)
+        raise RuntimeError(
+            f"DistributedMuon: the ranks ran different numbers of backward passes since the "
+            f"last step() ({fewest} on some rank, {most} on another; this rank {passes}): a rank "
+            "skipped step(), or accumulated a different number of micro-batches. Every rank "
+            "must call step() after the same backward passes"
+        )
     present = [bool(f) for f in flags[:P].tolist()]
     bad = flags[P : 2 * P].nonzero()
     return present, (int(bad[0]) if bad.numel() else None), (changed if flags[2 * P] else None)
