@@ -78,10 +78,11 @@ class TensorParallelOrthogonalizer:
                 view, settings, shapes=shapes, extra_scale=extra, scaled=True
             )
             rows = _row_slices(layouts, None if row_states is None else row_states[i])
-            for spec in {spec for rule, row in zip(rules, rows) for spec in rule.row_state} - {
-                spec for row in rows for spec in row
-            }:
-                raise ValueError(f"parameter '{plan.name}': its rule needs {spec.what}")
+            missing = [
+                s.what for rule, row in zip(rules, rows) for s in rule.row_state if s not in row
+            ]
+            if missing:
+                raise ValueError(f"parameter '{plan.name}': its rule needs {missing[0]}")
             batch, entries = batches[plan.expert], []
             for mat, layout, rule, row in zip(view.to_matrices(direction), layouts, rules, rows):
                 entries.append((plan.expert, len(batch.pieces)))
