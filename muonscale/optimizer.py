@@ -103,6 +103,9 @@ class Muon(torch.optim.Optimizer):
 
     _BACKWARD_NS_REFUSAL: str | None = None
     """Why a subclass refuses ``orthogonalize_in_backward=True`` (None: it supports it)."""
+    _HOLDS_OWN_STATE = False
+    """Whether the class keeps its state in buffers of its own, loaded by
+    :meth:`_load_held_state` (torch's copy would cast it to the parameters' dtypes)."""
 
     def __init__(
         self,
@@ -343,12 +346,22 @@ class Muon(torch.optim.Optimizer):
         self.momentum_stacks = MomentumStacks()  # new state tensors: restacked at the next step
         upgraded_groups(self.param_groups)
         if extras is None:  # load_state_dict: same parameters, same attributes
+            held = self.__dict__.pop("_held_state_loaded", None)
+            if held is not None:  # loaded by the layout itself: torch copied no tensor
+                self.state = held
+                self._after_held_state_load()
             return
         self.__dict__.update(unpickled_attributes(self.param_groups, extras))
         if extras.get("orthogonalize_in_backward"):  # hooks on the copied parameters
             self._backward_ns = BackwardOrthogonalizer(self, self.param_table)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's: its pre-hooks, the load, then its post-hooks. A layout that holds its state
+        in buffers of its own (:meth:`_load_held_state`) loads it after the last pre-hook, and
+        torch then copies no tensor."""
+        if self._HOLDS_OWN_STATE:
+            self._load_through_torch_hooks(state_dict)
+            return
         check_state_dict(state_dict, self.param_groups, self.param_table)
         lrs = [g["lr"] for g in self.param_groups] if self.capturable else []
         momentum_dtypes = [g.get("momentum_dtype") for g in self.param_groups]
@@ -356,6 +369,33 @@ class Muon(torch.optim.Optimizer):
         restore_loaded(self.param_groups, self.state, lrs, momentum_dtypes)
         if self._backward_ns is not None:
             self._backward_ns.reset()  # work done from the replaced state is void
+
+    def _load_held_state(self, state_dict: dict[str, Any]) -> None:
+        """Load ``state_dict`` (as torch's pre-hooks left it) into a layout's own buffers and
+        param groups (overridden by layouts that hold state torch's copy would cast)."""
+        raise NotImplementedError
+
+    def _after_held_state_load(self) -> None:
+        """Follow the param group dicts torch's load put in place (a layout's hook)."""
+
+    def _load_through_torch_hooks(self, state_dict: dict[str, Any]) -> None:
+        held = self.state
+
+        def load_held(optimizer: Muon, loaded: dict[str, Any]) -> dict[str, Any]:
+            self._load_held_state(loaded)  # registered last: after every user pre-hook
+            self.__dict__["_held_state_loaded"] = held
+            groups = [  # the loaded groups, as torch's copy wants them (no tensors to copy)
+                {**{k: v for k, v in g.items() if k != "params"}, "params": s["params"]}
+                for g, s in zip(self.param_groups, loaded["param_groups"])
+            ]
+            return {"state": {}, "param_groups": groups}
+
+        handle = self.register_load_state_dict_pre_hook(load_held)
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            handle.remove()
+            self.__dict__.pop("_held_state_loaded", None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -396,7 +436,10 @@ class Muon(torch.optim.Optimizer):
     @eager_under_compile
     @torch.no_grad()
     def step(self, closure=None):
-        """One optimization step over every group (see the class docstring). Under
+        """One optimization step over every group (see the class docstring), as named phases
+        that a layout overrides (never ``step`` itself): :meth:`_begin_step`,
+        :meth:`_step_gradients`, :meth:`_check_gradients`, then :meth:`_apply_updates` or
+        :meth:`_handle_nonfinite`, and :meth:`_end_step` whatever happened. Under
         ``torch.compile`` it runs eagerly (see :func:`eager_under_compile`)."""
         loss = None
         if closure is not None:
@@ -405,20 +448,29 @@ class Muon(torch.optim.Optimizer):
         if self.capturable:
             self._capturable_step()
             return loss
-        engine = self._backward_ns
-        from_backward = [] if engine is None else engine.collect()
         try:
+            work = self._begin_step()
             grads = self._step_gradients()
             bad = self._check_gradients(grads)
-            if bad is not None:
+            if bad is None:
+                self._apply_updates(grads, work)
+            else:
                 self._handle_nonfinite(bad)
-                return loss
-            self._apply_updates(grads, from_backward)
         finally:
-            if engine is not None:
-                engine.reset()
-            clear_workspaces()  # NS scratch is not held through the next forward/backward
+            self._end_step()
         return loss
+
+    def _begin_step(self) -> Sequence[Any]:
+        """What the step starts with, before it reads gradients; returns the work done ahead of
+        it that :meth:`_apply_updates` takes (here: the buckets orthogonalized in backward)."""
+        engine = self._backward_ns
+        return [] if engine is None else engine.collect()
+
+    def _end_step(self) -> None:
+        """What every step ends with, whether it updated, skipped or raised."""
+        if self._backward_ns is not None:
+            self._backward_ns.reset()
+        clear_workspaces()  # NS scratch is not held through the next forward/backward
 
     def _capturable_step(self) -> None:
         """:meth:`step` without a host sync: the non-finite check is a device flag that gates
@@ -440,9 +492,8 @@ class Muon(torch.optim.Optimizer):
         step_ok: torch.Tensor | None = None,
     ) -> None:
         """The update phase of :meth:`step`, after ``grads`` (of :meth:`_step_gradients`) were
-        checked (subclasses that lay parameters out differently override this, not ``step``):
-        ``from_backward``, the buckets orthogonalized during backward; ``step_ok``, a
-        capturable step's device flag."""
+        checked: ``from_backward``, the buckets orthogonalized during backward (of
+        :meth:`_begin_step`); ``step_ok``, a capturable step's device flag."""
         for group in self.param_groups:
             params = [p for p in group["params"] if id(p) in grads]
             if from_backward:  # orthogonalize_in_backward: buckets done in backward

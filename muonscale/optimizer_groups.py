@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .distributed.setup_checks import is_dtensor
 from .matrices import warn_idle_role_factors
 from .optimizer_options import (
     AdamWGroup,
@@ -33,12 +34,6 @@ GENERIC_FIX = (
     "Pass model.named_parameters() or the model itself, give each param group 'param_names', or "
     "pin a group with 'algorithm': 'adamw'."
 )
-
-
-def is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 def groups_from(

@@ -11,11 +11,12 @@ from typing import Any
 import torch
 
 from .declared_state import MOMENTUM, MUON_STATE, check_loaded_state, kept_state
+from .distributed.dtensor_layout import local_tensor
+from .distributed.setup_checks import is_dtensor
 from .kernels import elementwise_backend_from_environment
 from .matrices import MatrixView
 from .memory import MemoryBudget
 from .nonfinite import NonFiniteSteps
-from .optimizer_groups import is_dtensor
 from .optimizer_options import AdamWGroup
 from .param_table import ParamTable
 from .settings import OPTION_DEFAULTS, MuonSettings, changed_variant_options
@@ -158,22 +159,17 @@ class MomentumStacks:
                 members.append(s)
                 seen.add(id(s))
         stack = torch.empty((len(members), *shape), dtype=dtype, device=device)
-        sources = [_local_tensor(s["momentum_buffer"]) for s in members]
+        sources = [local_tensor(s["momentum_buffer"]) for s in members]
         torch._foreach_copy_(list(stack.unbind(0)), sources)
         for s, view in zip(members, stack.unbind(0)):
             s["momentum_buffer"] = _like(s["momentum_buffer"], view)
             self.views[id(s)] = s["momentum_buffer"]
 
 
-def _local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (in-place ops on it update the DTensor), else ``t``."""
-    return t.to_local() if is_dtensor(t) else t
-
-
 def _stack_key(buf: torch.Tensor) -> tuple:
     """(shape, dtype, device) of the stack ``buf`` belongs in: its local shard's, for a
     DTensor."""
-    local = _local_tensor(buf)
+    local = local_tensor(buf)
     return tuple(local.shape), local.dtype, local.device
 
 

@@ -16,7 +16,7 @@ from test_distributed_update_gather import digest
 from torch import nn
 
 from muonscale.distributed import CollectiveError, DistributedMuon
-from muonscale.distributed.deferred_gather import PendingGather
+from muonscale.distributed.data_parallel.deferred_gather import PendingGather
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from muonscale.distributed.buckets import Piece, plan_flat_buckets, plan_owner_streams
+from muonscale.distributed.data_parallel.buckets import Piece, plan_flat_buckets, plan_owner_streams
 from muonscale.distributed.ownership import (
     assign_owners,
     format_ownership_table,

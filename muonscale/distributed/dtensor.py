@@ -61,9 +61,9 @@ from ..optimizer_state import parameter_states
 from ..settings import MuonSettings
 from .agreement import check_same_on_every_rank
 from .comm import Communicator, WireCounter
-from .data_parallel import check_process_group
 from .dtensor_layout import as_2d, dtensor_layout, local_indices, local_tensor, parameter_layout
 from .exchange import PieceExchange, step_through_exchange
+from .setup_checks import check_process_group
 from .sharded import MatrixLayout, default_owners
 
 __all__ = ["DTensorMuon", "dtensor_layout", "local_indices", "local_tensor"]

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .setup_checks import is_dtensor
 from .sharded import MatrixLayout, chunk_bounds
 
 try:  # FSDP2 on a TP-sharded dim: right-to-left sharding
@@ -36,7 +37,7 @@ __all__ = [
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (a view: in-place ops update the DTensor), else ``t``."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def _strided_select(idx: torch.Tensor, chunks: int, index: int, split_factor: int) -> torch.Tensor:

@@ -10,8 +10,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .data_parallel import DistributedMuon, is_dtensor
+from .data_parallel import DistributedMuon
 from .dtensor import DTensorMuon
+from .setup_checks import is_dtensor
 
 _DATA_PARALLEL_ONLY = ("reduce_dtype", "main_params_dtype", "bucket_cap_mb", "wire_counter")
 _WHY = {

@@ -49,7 +49,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from ..distributed.data_parallel import check_process_group, is_dtensor
+from ..distributed.setup_checks import check_process_group, is_dtensor
 from ..optimizer import Muon
 from .model_params import follow_model_parameters, muon_for_model, rebind_parameters, unwrap_model
 

@@ -22,7 +22,7 @@ from typing import Any
 from torch import nn
 
 from ..distributed import distributed_muon
-from ..distributed.data_parallel import is_dtensor
+from ..distributed.setup_checks import is_dtensor
 from ..optimizer import Muon
 from .model_params import muon_for_model
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..distributed.setup_checks import is_dtensor
 from ..optimizer import Muon
 from ..params import route, transposed_weights
 
@@ -67,12 +68,6 @@ def rebind_parameters(optimizer: Muon, named_parameters: Iterable[tuple[str, tor
     return optimizer.rebind_parameters(named_parameters)
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
 def _is_plain_muon(optimizer: Any) -> bool:
     return not type(optimizer).__module__.startswith("muonscale.distributed")
 
@@ -80,7 +75,7 @@ def _is_plain_muon(optimizer: Any) -> bool:
 def _reject_sharded(optimizer: Muon) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if group["algorithm"] == "muon" and _is_dtensor(p):
+            if group["algorithm"] == "muon" and is_dtensor(p):
                 raise TypeError(
                     f"parameter {optimizer.param_names.get(id(p), '?')!r} is a DTensor (FSDP2 or "
                     "tensor parallel): muonscale.Muon would orthogonalize each rank's shard, not "

@@ -13,7 +13,7 @@ from torch import nn
 
 from muonscale.declared_state import replicated_declarations, replicated_state
 from muonscale.distributed.comm import Communicator, WireCounter
-from muonscale.distributed.data_parallel import DistributedMuon
+from muonscale.distributed.data_parallel import AgreedGradients, DistributedMuon
 from muonscale.matrix_step import ApplyUpdates
 from muonscale.memory import MemoryBudget
 from muonscale.optimizer import Muon
@@ -154,22 +154,22 @@ class MegatronMuon(Muon):
             [replicated_state(s, MuonSettings.from_group(group)) for s in states],
         )
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One step (see the class docstring). Returns the closure's loss, if any."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _begin_step(self) -> Sequence[Any]:
+        """Gradients into the main copies, averaged over data parallel unless reduced."""
+        work = super()._begin_step()
         self.main_params.load_grads()
         if not self.grads_reduced:
             self._average_grads()
-        try:
-            super().step()
-        finally:
-            self.last_step_wire_bytes, self.last_step_wire_breakdown = self.wire_counter.take()
+        return work
+
+    def _apply_updates(self, grads, from_backward=(), step_ok=None) -> None:
+        """:meth:`muonscale.Muon._apply_updates`, then the main copies written back."""
+        super()._apply_updates(grads, from_backward, step_ok)
         self.main_params.write_back()
-        return loss
+
+    def _end_step(self) -> None:
+        super()._end_step()
+        self.last_step_wire_bytes, self.last_step_wire_breakdown = self.wire_counter.take()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of the optimizer's tensors and of the model's bf16 parameters
@@ -357,26 +357,24 @@ class MegatronDistributedMuon(DistributedMuon):
         self.grad_norm.norm_and_clip_([g for _, g in held], owners, max_norm)
         return torch.tensor(self.last_grad_norm)
 
-    def _agree_on_gradients(self) -> tuple[list[bool], str | None]:
-        present, bad = super()._agree_on_gradients()  # over data parallel
-        norm = self.last_grad_norm
-        if bad is None and self.nonfinite != "ignore" and norm is not None:
-            if not math.isfinite(norm):  # a NaN/inf on another TP rank
-                bad = "(a parameter on another tensor-parallel rank)"
-        return present, bad
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """Global norm (and clipping, ``clip_grad > 0``) over all ranks, then
-        :meth:`DistributedMuon.step`."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _begin_step(self) -> Sequence[Any]:
+        """Global norm (and clipping, ``clip_grad > 0``) over all ranks first."""
+        work = super()._begin_step()
         self.grad_norm.last_norm = None
         self.clip_grad_norm_(self.config.clip_grad)
-        super().step()
-        return loss
+        return work
+
+    def _step_gradients(self) -> AgreedGradients:
+        """Agreed over data parallel; a NaN/inf on another tensor-parallel rank (seen in the
+        global norm) is non-finite here too."""
+        agreed = super()._step_gradients()
+        norm = self.last_grad_norm
+        if agreed.nonfinite is None and self.nonfinite != "ignore" and norm is not None:
+            if not math.isfinite(norm):
+                return AgreedGradients(
+                    agreed.present, "(a parameter on another tensor-parallel rank)"
+                )
+        return agreed
 
 
 def _check_self_reduction(plans: Sequence[ParamPlan], groups: MegatronGroups) -> None:

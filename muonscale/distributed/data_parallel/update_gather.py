@@ -24,10 +24,12 @@ from typing import Any
 
 import torch
 
-from ..matrix_step import ApplyRule, ApplyUpdates, apply_rule, apply_updates_by_rule_
-from ..newton_schulz import default_ns_dtype
-from ..settings import MuonSettings
-from .dp_reduction import BucketedReduction, StreamBuffers
+from ...matrix_step import ApplyRule, ApplyUpdates, apply_rule, apply_updates_by_rule_
+from ...newton_schulz import default_ns_dtype
+from ...param_table import ParamTable
+from ...settings import MuonSettings
+from .layout import DataParallelLayout
+from .reduction import BucketedReduction, StreamBuffers
 
 UPDATE_DTYPE = torch.bfloat16
 """dtype of the updates on the wire."""
@@ -91,7 +93,7 @@ class UpdateGather:
     other rank's apply once a matrix's last bucket arrived.
 
     Args:
-        reduction: the :class:`~.dp_reduction.BucketedReduction` (its streams and parameters).
+        reduction: the :class:`~.reduction.BucketedReduction` (its streams and parameters).
         option: ``gather_updates`` as given (None, True or False).
     """
 
@@ -123,14 +125,16 @@ class UpdateGather:
         """Muon indices whose update is gathered."""
         return frozenset(self._offset)
 
-    def capture(self, opt: Any, present: list[bool]) -> None:
+    def capture(
+        self, layout: DataParallelLayout, param_table: ParamTable, present: list[bool]
+    ) -> None:
         """The lr, weight decay and update rule of every gathered matrix with a gradient this
         step (the same on every rank). Raises on every rank if a group's Newton–Schulz dtype
         left bfloat16 after construction without ``gather_updates=True``."""
         self._rules = {}
         self._missing = {i: len(pieces) for i, pieces in self._pieces.items()}
         for i in self._offset:
-            p, group = opt.params[i], opt.group_of[i]
+            p, group = layout.params[i], layout.group_of[i]
             if self.option is None and resolved_ns_dtype(group, p.device) != UPDATE_DTYPE:
                 raise ValueError(
                     f"parameter '{self._name_of(p)}': its group's ns_dtype is no longer bfloat16, "
@@ -140,7 +144,7 @@ class UpdateGather:
             if not present[i] or p.numel() == 0:
                 continue
             settings = MuonSettings.from_group(group)
-            view = opt.param_table.view(p, group["matrix_mode"])
+            view = param_table.view(p, group["matrix_mode"])
             lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
             self._rules[i] = UpdateRule(lr, weight_decay, apply_rule(view, settings))
 

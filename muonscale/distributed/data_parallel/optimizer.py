@@ -1,10 +1,12 @@
 """``DistributedMuon``: data-parallel Muon with whole-matrix owners and ZeRO-1 AdamW.
 
-The optimizer plans owners (:mod:`.ownership`) and runs the ``step()`` phases; it owns a
-:class:`~.dp_reduction.BucketedReduction` (buffers, gradient hooks, reduce-scatter and
-all-gather). ``clip_grad_norm_`` is in :mod:`.dp_grad_clip`, checkpoints in
-:mod:`.dp_checkpoint`. DTensor parameters go to :class:`~.dtensor.DTensorMuon`
-(:func:`muonscale.distributed_muon` picks the class)."""
+The optimizer owns its collaborators: a :class:`~.layout.DataParallelLayout` (parameters,
+owners, communicator), a :class:`~.reduction.BucketedReduction` (buffers, gradient hooks,
+reduce-scatter and all-gather) and an :class:`~.update_gather.UpdateGather`; it overrides the
+phases of :meth:`muonscale.Muon.step` (:mod:`.step`). ``clip_grad_norm_`` is in
+:mod:`.grad_clip`, checkpoints in :mod:`.checkpoint`. DTensor parameters go to
+:class:`~muonscale.distributed.dtensor.DTensorMuon` (:func:`muonscale.distributed_muon` picks
+the class)."""
 
 from __future__ import annotations
 
@@ -12,29 +14,38 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..compile_boundary import eager_under_compile
-from ..kernels import clear_workspaces
-from ..matrices import MatrixView
-from ..optimizer import Muon
-from ..settings import MuonSettings
-from . import dp_checkpoint, dp_gathers, dp_grad_clip, dp_layout, dp_step
-from .comm import WireCounter
+from ...matrices import MatrixView
+from ...optimizer import Muon
+from ...settings import MuonSettings
+from ..comm import Communicator, WireCounter
+from ..setup_checks import check_process_group, unwrap_ddp
+from . import checkpoint, gathers, grad_clip
+from . import step as phases
 from .deferred_gather import DeferredGather
-from .dp_reduction import BucketedReduction, ReduceAt, ReductionOptions
-from .dp_update_gather import UPDATE_DTYPE, UpdateGather, check_gather_updates, sends_update
-from .ownership import assign_owners
-from .setup_checks import (  # noqa: F401 (check_process_group, is_dtensor: imported from here)
-    check_process_group,
-    is_dtensor,
-    require_same_parameters,
-    require_same_values,
-    unwrap_ddp,
+from .layout import (
+    DataParallelLayout,
+    check_parameters,
+    check_rebind,
+    communicator,
+    expected_readiness,
 )
+from .reduction import BucketedReduction, ReduceAt, ReductionOptions
+from .update_gather import UPDATE_DTYPE, UpdateGather, check_gather_updates, sends_update
+
+
+@dataclass(frozen=True)
+class AgreedGradients:
+    """This step's gradients as every rank agreed on them: whether each parameter has one on
+    some rank, and the first non-finite one's name (None: all finite)."""
+
+    present: list[bool]
+    nonfinite: str | None
 
 
 class DistributedMuon(Muon):
@@ -109,7 +120,7 @@ class DistributedMuon(Muon):
             (:mod:`.hosts`). With several hosts of several ranks each, the reduce-scatter and
             all-gather run within hosts first on backends other than NCCL, and bytes are
             counted per link class (``last_step_wire_links``).
-        gather_updates: what the owner of a Muon matrix sends back (:mod:`.dp_update_gather`).
+        gather_updates: what the owner of a Muon matrix sends back (:mod:`.update_gather`).
             None (default): its bfloat16 update where Newton–Schulz runs in bfloat16 (the
             default on GPU), and every rank applies it to its own copy; else the updated
             parameter. True: the update at any Newton–Schulz dtype, **rounded to bfloat16**
@@ -135,14 +146,16 @@ class DistributedMuon(Muon):
         **muon_options: every :class:`muonscale.Muon` option, as keywords.
 
     Attributes:
-        params: every parameter, in param-group order; ``group_of[i]`` is the group of
+        layout: the :class:`~muonscale.distributed.data_parallel.DataParallelLayout`: every
+            parameter in param-group order (``params``; ``group_of[i]`` is the group of
             ``params[i]``, ``muon_indices`` / ``adamw_indices`` index into it, ``owner_rank``
-            maps each Muon index to its owner, ``index_of(p)`` is ``p``'s index.
-        reduction: the :class:`~muonscale.distributed.dp_reduction.BucketedReduction` (buffers,
-            hooks, reduce-scatter, all-gather, the AdamW shard state).
+            maps each Muon index to its owner, ``index_of(p)`` is ``p``'s index), the
+            communicator, ``rank`` and ``world_size``; the optimizer reads them through.
+        reduction: the :class:`~muonscale.distributed.data_parallel.BucketedReduction`
+            (buffers, hooks, reduce-scatter, all-gather, the AdamW shard state).
 
     ``state_dict()`` (collective) returns the **full** state keyed exactly like
-    :class:`muonscale.Muon`'s, so a checkpoint loads at any world size (:mod:`.dp_checkpoint`);
+    :class:`muonscale.Muon`'s, so a checkpoint loads at any world size (:mod:`.checkpoint`);
     ``load_state_dict()`` keeps the local part. Saving on one rank only: every rank calls
     ``prepare_state_dict()`` first.
 
@@ -155,6 +168,7 @@ class DistributedMuon(Muon):
     :class:`~muonscale.distributed.CollectiveError` that says so.
     """
 
+    _HOLDS_OWN_STATE = True
     _CAPTURABLE_REFUSAL = (
         "its step agrees across ranks on which gradients exist and are finite on the host "
         "(one all-reduce read back), and its bucket plan is chosen per step; use "
@@ -208,59 +222,92 @@ class DistributedMuon(Muon):
             reduce_at = "never" if wrapped else "backward"
         options = ReductionOptions(reduce_dtype, main_params_dtype, bucket_cap_mb, reduce_at)
         self._sends_update = lambda p, g: sends_update(p, g, gather_updates, options.main_dtype)
-        self._model_of: dict[int, torch.Tensor] = {}  # id(main copy) -> model parameter
         super().__init__(params, **muon_options)
-        self.comm = dp_layout.communicator(process_group, wire_counter or WireCounter(), host_map)
-        self.world_size, self.rank = self.comm.world_size, self.comm.rank
-        self.params = [p for g in self.param_groups for p in g["params"]]
-        """Every parameter, in param-group order: the indices of the attributes below."""
-        self.group_of = [g for g in self.param_groups for _ in g["params"]]
-        self._index = {id(p): i for i, p in enumerate(self.params)}
-        names = [self._name(p) for p in self.params]
-        dp_layout.check_parameters(self.comm, self.params, self.group_of, names, self._sends_update)
-        self._assign_owners()
+        comm = communicator(process_group, wire_counter or WireCounter(), host_map)
+        self.layout = DataParallelLayout(self.param_groups, comm, self._matrix_view)
+        layout = self.layout
+        names = [self._name(p) for p in layout.params]
+        check_parameters(comm, layout.params, layout.group_of, names, self._sends_update)
         self.reduction = BucketedReduction(
-            self.params,
+            layout.params,
             options,
-            muon=self.muon_indices,
-            adamw=self.adamw_indices,
-            owner_rank=self.owner_rank,
-            comm=self.comm,
+            muon=layout.muon_indices,
+            adamw=layout.adamw_indices,
+            owner_rank=layout.owner_rank,
+            comm=comm,
             name_of=self._name,
             update_params=frozenset(
-                i for i in self.muon_indices if self._sends_update(self.params[i], self.group_of[i])
+                i
+                for i in layout.muon_indices
+                if self._sends_update(layout.params[i], layout.group_of[i])
             ),
             update_dtype=UPDATE_DTYPE,
-            readiness=dp_layout.expected_readiness(self.params, model, self.param_table.names),
+            readiness=expected_readiness(layout.params, model, self.param_table.names),
         )
         self.update_gather = UpdateGather(self.reduction, gather_updates, self._name)
         self._owner_apply = None  # Muon's last pass on owners: as usual, or sending updates
         if self.update_gather.matrices:
-            self._owner_apply = self.update_gather.owner_apply(lambda t: self._index.get(id(t)))
-        self._model_of.update(dp_layout.init_local_state(self, self._matrix_view))
+            self._owner_apply = self.update_gather.owner_apply(layout.find)
+        layout.init_local_state(self.state, self.reduction, self._matrix_view)
         self.deferred: DeferredGather | None = None
         """The gathers left in flight by ``step()`` and their model hooks (``defer_gather``)."""
         if defer_gather:
-            self.deferred = DeferredGather(unwrap_ddp(model)[0], self.params, self.comm)
+            self.deferred = DeferredGather(unwrap_ddp(model)[0], layout.params, comm)
             self.reduction.before_reduce = self.wait_for_parameters
         self.last_step_wire_bytes = 0
         self.last_step_wire_breakdown: dict[str, int] = {}
         self.last_step_wire_links: dict[str, int] = WireCounter().by_link()
         self._prepared_state: dict[int, dict[str, torch.Tensor]] | None = None
 
-    # ================================================================ construction
-    def _assign_owners(self) -> None:
-        self.muon_indices = [i for i, g in enumerate(self.group_of) if g["algorithm"] == "muon"]
-        self.adamw_indices = [i for i, g in enumerate(self.group_of) if g["algorithm"] == "adamw"]
-        shapes = [
-            self._matrix_view(self.params[i], self.group_of[i]).matrix_shapes
-            for i in self.muon_indices
-        ]
-        sizes = [self.params[i].numel() * self.params[i].element_size() for i in self.muon_indices]
-        owners = assign_owners(shapes, self.world_size, sizes=sizes)
-        self.owner_rank: dict[int, int] = dict(zip(self.muon_indices, owners))
-        self.matrix_shapes_by_index = dict(zip(self.muon_indices, shapes))
+    # ================================================================ the layout, read through
+    @property
+    def comm(self) -> Communicator:
+        """The data-parallel group's communicator."""
+        return self.layout.comm
 
+    @property
+    def rank(self) -> int:
+        return self.layout.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """Every parameter, in param-group order: the indices of the attributes below."""
+        return self.layout.params
+
+    @property
+    def group_of(self) -> list[dict[str, Any]]:
+        return self.layout.group_of
+
+    @property
+    def muon_indices(self) -> list[int]:
+        return self.layout.muon_indices
+
+    @property
+    def adamw_indices(self) -> list[int]:
+        return self.layout.adamw_indices
+
+    @property
+    def owner_rank(self) -> dict[int, int]:
+        return self.layout.owner_rank
+
+    @property
+    def matrix_shapes_by_index(self) -> dict[int, list[tuple[int, int]]]:
+        return self.layout.matrix_shapes_by_index
+
+    def index_of(self, p: torch.Tensor) -> int:
+        """Position of parameter ``p`` in :attr:`params`."""
+        return self.layout.index_of(p)
+
+    def model_param(self, p: torch.Tensor) -> torch.Tensor:
+        """The model parameter that ``p`` (a main copy, or the parameter itself) stands for."""
+        layout = self.__dict__.get("layout")  # None while Muon's constructor routes
+        return p if layout is None else layout.model_param(p)
+
+    # ================================================================ construction
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if hasattr(self, "reduction"):
             raise NotImplementedError(
@@ -272,16 +319,12 @@ class DistributedMuon(Muon):
     def _check_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.wait_for_parameters()  # the gathers copy into the parameters bound now
         names = [self._name(p) for p in self.params]
-        dp_layout.check_rebind(self.params, [new for _, new in slots], names)
+        check_rebind(self.params, [new for _, new in slots], names)
 
     def _after_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Follow new parameter objects: indices, main copies' model parameters, the
-        reduction's parameters and its gradient hooks."""
-        new_of = {id(old): new for old, (_, new) in zip(self.params, slots)}
-        self._model_of = {k: new_of.get(id(v), v) for k, v in self._model_of.items()}
-        self.params = [new for _, new in slots]
-        self.group_of = [g for g in self.param_groups for _ in g["params"]]
-        self._index = {id(p): i for i, p in enumerate(self.params)}
+        """Follow new parameter objects: the layout, the reduction's parameters and its
+        gradient hooks."""
+        self.layout.rebind_groups(self.param_groups, [new for _, new in slots])
         self.reduction.rebind(self.params)
 
     def _init_state(
@@ -291,19 +334,11 @@ class DistributedMuon(Muon):
         copy's state is its model parameter's."""
         return self.state[self.model_param(p)]
 
-    def model_param(self, p: torch.Tensor) -> torch.Tensor:
-        """The model parameter that ``p`` (a main copy, or the parameter itself) stands for."""
-        return self._model_of.get(id(p), p)
-
     def _matrix_view(self, p: torch.Tensor, group: Mapping[str, Any]) -> MatrixView:
         return super()._matrix_view(self.model_param(p), group)
 
     def _name(self, p: torch.Tensor) -> str:
         return super()._name(self.model_param(p))
-
-    def index_of(self, p: torch.Tensor) -> int:
-        """Position of parameter ``p`` in :attr:`params`."""
-        return self._index[id(p)]
 
     # ================================================================ public helpers
     @property
@@ -352,7 +387,7 @@ class DistributedMuon(Muon):
 
         Same result as ``torch.nn.utils.clip_grad_norm_`` on the averaged gradients of every
         parameter in one process. ``p.grad`` (local) is not touched: the reduced gradients that
-        ``step()`` uses are scaled (:mod:`.dp_grad_clip`), so call it last before ``step()``
+        ``step()`` uses are scaled (:mod:`.grad_clip`), so call it last before ``step()``
         (a later edit of ``p.grad`` makes ``step()`` reduce again, unclipped)."""
         self.wait_for_parameters()
         if self.reduction.options.reduce_at == "backward":  # reductions may predate an edit
@@ -362,10 +397,10 @@ class DistributedMuon(Muon):
             self.comm.all_reduce(flag, op=dist.ReduceOp.MAX, tag="control")
             if bool(flag):
                 self._reduce_again(changed)
-        return dp_grad_clip.clip_grad_norm_(self.reduction, self.comm, max_norm, norm_type)
+        return grad_clip.clip_grad_norm_(self.reduction, self.comm, max_norm, norm_type)
 
     def state_dict(self) -> dict[str, Any]:
-        """Full state, keyed like :class:`muonscale.Muon`'s (:mod:`.dp_checkpoint`).
+        """Full state, keyed like :class:`muonscale.Muon`'s (:mod:`.checkpoint`).
         Collective: call on every rank, unless :meth:`prepare_state_dict` ran since the last
         ``step()``."""
         self.wait_for_parameters()
@@ -386,82 +421,89 @@ class DistributedMuon(Muon):
 
     def _gather_state(self) -> dict[int, dict[str, torch.Tensor]]:
         """The full state, gathered from the owners (collective; a subclass hook)."""
-        return dp_checkpoint.gather_full_state(self)
+        return checkpoint.gather_full_state(
+            self.layout, self.reduction, self.state, self.param_table
+        )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load full state (from this class, :class:`muonscale.Muon`, or DCP's
         ``set_state_dict``); every rank keeps its part. No collectives. torch's
-        ``load_state_dict`` pre- and post-hooks run around it, as torch runs them."""
+        ``load_state_dict`` pre- and post-hooks run around it, through the base class."""
         self.wait_for_parameters()
-        state_dict = state_dict.copy()
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            returned = pre_hook(self, state_dict)
-            if returned is not None:
-                state_dict = returned
         self._prepared_state = None
-        dp_checkpoint.load_full_state(self, state_dict)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+        super().load_state_dict(state_dict)
+
+    def _load_held_state(self, state_dict: dict[str, Any]) -> None:
+        checkpoint.load_full_state(
+            self.layout, self.reduction, self.state, self.param_table, state_dict
+        )
+
+    def _after_held_state_load(self) -> None:
+        self.layout.rebind_groups(self.param_groups, self.params)
 
     def ownership_table(self) -> str:
         """Which rank owns which Muon parameter, with NS FLOPs and elements per rank."""
-        return dp_layout.ownership_table(
-            self, [self._name(self.params[i]) for i in self.muon_indices]
-        )
+        names = [self._name(self.params[i]) for i in self.muon_indices]
+        return self.layout.ownership_table(names, self.reduction)
 
     def layout_stats(self) -> dict[str, Any]:
         """Owner layout figures per rank and over the owner streams
-        (:func:`.dp_layout.layout_stats`)."""
-        return dp_layout.layout_stats(self)
+        (:meth:`.DataParallelLayout.stats`)."""
+        return self.layout.stats(self.reduction)
 
-    # ================================================================ step
-    @eager_under_compile
-    @torch.no_grad()
-    def step(self, closure=None):
-        """Reduce (if backward did not finish it), agree on non-finite gradients, update owned
-        matrices and AdamW shards, gather the updated parameters (or the owners' updates)."""
-        loss = None
+    # ================================================================ step phases
+    def _begin_step(self) -> Sequence[Any]:
         self._prepared_state = None  # the state is about to change
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        try:
-            self.wait_for_parameters()  # a second step() without a forward
-            self.reduction.finish()
-            present, bad = self._agree_on_gradients()
-            if bad is not None:
-                self._handle_nonfinite(bad)  # raises on every rank, or counts a skip
-                return loss
-            self.update_gather.capture(self, present)  # lr, weight decay of this step
-            dp_step.update_adamw_shards(self, present)
-            wave = functools.partial(self._update_owned_matrices, present)
-            if self.deferred is not None:  # landed in the next forward's pre-hooks
-                position = self.deferred.forward_position
-                gathers = dp_step.update_owned_and_gather_in_forward_order(self, wave, position)
-                self.deferred.hand_off(gathers)
-            else:
-                adamw_gathers = dp_gathers.launch_flat_gathers(self.reduction)
-                muon_gathers = dp_step.update_owned_and_gather(self, wave, self.overlap_gather)
-                dp_gathers.wait_and_copy_back(self.reduction, adamw_gathers + muon_gathers)
-        finally:
-            clear_workspaces()  # NS scratch is not held through the next forward/backward
-            self.reduction.start_cycle()
-            self.last_step_wire_links = self.comm.counter.by_link()
-            self.last_step_wire_bytes, self.last_step_wire_breakdown = self.comm.counter.take()
-        return loss
+        self.wait_for_parameters()  # a second step() without a forward
+        return ()
 
-    def _agree_on_gradients(self) -> tuple[list[bool], str | None]:
-        """(has a gradient on some rank, per parameter; the first non-finite name or None),
-        agreed by every rank; a ``p.grad`` changed after its reduction on some rank makes
-        every rank reduce again first (:func:`.dp_step.gradient_flags`)."""
+    def _step_gradients(self) -> AgreedGradients:  # type: ignore[override]
+        """Finish the reductions backward did not, then agree across ranks on which gradients
+        exist and are finite; a ``p.grad`` changed after its reduction on some rank makes
+        every rank reduce again first (:func:`.step.gradient_flags`)."""
+        self.reduction.finish()
         check = self.nonfinite != "ignore"
         while True:
-            present, bad, changed = dp_step.gradient_flags(
+            present, bad, changed = phases.gradient_flags(
                 self.params, self.reduction, self.comm, check
             )
             if changed is None:
-                return present, (None if bad is None else self._name(self.params[bad]))
+                name = None if bad is None else self._name(self.params[bad])
+                return AgreedGradients(present, name)
             self._reduce_again(changed)
+
+    def _check_gradients(self, grads: AgreedGradients) -> str | None:  # type: ignore[override]
+        return grads.nonfinite
+
+    def _apply_updates(  # type: ignore[override]
+        self, grads: AgreedGradients, from_backward: Sequence[Any] = (), step_ok=None
+    ) -> None:
+        """AdamW on the local shards, the owned matrices in waves, and the gathers of the
+        updated parameters (or of the owners' updates), landed now or in the next forward."""
+        present = grads.present
+        self.update_gather.capture(self.layout, self.param_table, present)  # lr, decay now
+        chunk = self.memory.update_chunk_bytes
+        phases.update_adamw_shards(self.layout, self.reduction, self.state, present, chunk)
+        wave = functools.partial(self._update_owned_matrices, present)
+        apply = self.update_gather.apply_gathered
+        if self.deferred is not None:  # landed in the next forward's pre-hooks
+            position = self.deferred.forward_position
+            pending = phases.update_owned_and_gather_in_forward_order(
+                self.layout, self.reduction, wave, apply, chunk, position
+            )
+            self.deferred.hand_off(pending)
+        else:
+            adamw_gathers = gathers.launch_flat_gathers(self.reduction)
+            muon_gathers = phases.update_owned_and_gather(
+                self.layout, self.reduction, wave, apply, chunk, self.overlap_gather
+            )
+            gathers.wait_and_copy_back(self.reduction, adamw_gathers + muon_gathers)
+
+    def _end_step(self) -> None:
+        super()._end_step()
+        self.reduction.start_cycle()
+        self.last_step_wire_links = self.comm.counter.by_link()
+        self.last_step_wire_bytes, self.last_step_wire_breakdown = self.comm.counter.take()
 
     def _reduce_again(self, changed: list[int]) -> None:
         """``p.grad`` changed after its reduction read it (on some rank): reduce every gradient
@@ -485,11 +527,11 @@ class DistributedMuon(Muon):
         for group in self.param_groups:
             if group["algorithm"] != "muon":
                 continue
-            indices = [self._index[id(p)] for p in group["params"]]
+            indices = [self.index_of(p) for p in group["params"]]
             mine = [
                 i
                 for i in indices
-                if present[i] and self.owner_rank[i] == self.rank and (only is None or i in only)
+                if present[i] and self.layout.owns(i) and (only is None or i in only)
             ]
             # the tensors updated: main copies where kept, else the parameters themselves
             targets = [self.state[self.params[i]].get("main_param", self.params[i]) for i in mine]

@@ -1,5 +1,5 @@
 """The second half of data-parallel Muon's step: all-gathers of the updated parameters (or of
-the owners' updates) over the buffers of a :class:`~.dp_reduction.BucketedReduction`, and
+the owners' updates) over the buffers of a :class:`~.reduction.BucketedReduction`, and
 their copy back into the model. Each launch returns (work, copy back) pairs; the step waits
 for them at its end, or the next forward's pre-hooks do (``defer_gather``)."""
 
@@ -14,7 +14,7 @@ import torch
 from .buckets import OwnerBucket
 
 if TYPE_CHECKING:
-    from .dp_reduction import BucketedReduction, FlatShard, StreamBuffers
+    from .reduction import BucketedReduction, FlatShard, StreamBuffers
 
 
 def launch_flat_gathers(reduction: BucketedReduction) -> list[tuple[Any, Callable[[], None]]]:

@@ -29,6 +29,8 @@ from typing import Any, Literal
 
 import torch
 
+from ...settings import check_dtype
+from ..comm import Communicator
 from .buckets import (
     FlatBucket,
     OwnerStreams,
@@ -36,7 +38,6 @@ from .buckets import (
     plan_flat_buckets,
     plan_owner_streams,
 )
-from .comm import Communicator
 
 
 @dataclass
@@ -62,7 +63,7 @@ class StreamBuffers:
     gather_out: list[torch.Tensor]  # per bucket (N·L_b,) param dtype (or update dtype)
     fill: FillShard | None
     carries_updates: bool = False  # the gather sends the owners' updates (update dtype), not
-    #                                the parameters: every rank applies them (.dp_update_gather)
+    #                                the parameters: every rank applies them (.update_gather)
 
 
 @dataclass
@@ -103,11 +104,6 @@ def _on_grad_ready(reduction_ref: weakref.ref, param: torch.Tensor) -> None:
         reduction.grad_ready(param)
 
 
-def _check_dtype_option(name: str, value: Any) -> None:
-    if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
-        raise ValueError(f"{name} must be None or a floating torch.dtype, got {value!r}")
-
-
 ReduceAt = Literal["backward", "step", "never"]
 REDUCE_AT: tuple[ReduceAt, ...] = ("backward", "step", "never")
 
@@ -136,8 +132,8 @@ class ReductionOptions:
     def __post_init__(self) -> None:
         if self.reduce_at not in REDUCE_AT:
             raise ValueError(f"reduce_at must be one of {REDUCE_AT}, got {self.reduce_at!r}")
-        _check_dtype_option("reduce_dtype", self.reduce_dtype)
-        _check_dtype_option("main_params_dtype", self.main_params_dtype)
+        check_dtype("reduce_dtype", self.reduce_dtype)
+        check_dtype("main_params_dtype", self.main_params_dtype)
         cap = self.bucket_cap_mb
         if isinstance(cap, bool) or not (isinstance(cap, (int, float)) and cap > 0):
             raise ValueError(f"bucket_cap_mb must be a positive number, got {cap!r}")
@@ -155,7 +151,7 @@ class BucketedReduction:
         name_of: a parameter's name, for error messages.
         update_params: Muon indices whose owner's update may be gathered instead of the
             parameter; a stream whose every matrix is one gathers updates in ``update_dtype``
-            and carries no AdamW fill (:mod:`.dp_update_gather`).
+            and carries no AdamW fill (:mod:`.update_gather`).
         readiness: every index, in the order backward is expected to make the gradients
             ready (None: the reverse of ``params``); streams and buckets follow it.
 

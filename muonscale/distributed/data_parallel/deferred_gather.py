@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compile_boundary import eager_under_compile
-from .comm import Communicator
+from ...compile_boundary import eager_under_compile
+from ..comm import Communicator
 
 WAIT_WHAT = (
     "parameter all-gather of the previous step() (defer_gather=True: waited for in the forward)"

@@ -14,45 +14,25 @@ matrix; ``step``, ``exp_avg``, ``exp_avg_sq`` per AdamW parameter, parameter-sha
   time (one parameter-sized copy of the state per rank while saving).
 
 :func:`gather_full_state` is collective; :func:`load_full_state` is local (each rank keeps the
-part it holds). Both use the optimizer's public layout (``params``, ``group_of``,
-``muon_indices``, ``adamw_indices``, ``owner_rank``, ``index_of``, ``comm``) and its
-``reduction`` (``streams``, ``flat_shards``, ``segments``, ``main_dtype``).
+part it holds). Both take the :class:`~.layout.DataParallelLayout`, the
+:class:`~.reduction.BucketedReduction` (``streams``, ``flat_shards``, ``segments``,
+``main_dtype``), the optimizer's state and its :class:`~muonscale.param_table.ParamTable`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
-from ..declared_state import MOMENTUM, VARIANT_STATE, kept_state
-from ..optimizer_state import check_loaded_groups
-from ..param_table import ParamTable
-from ..settings import MuonSettings
-from .comm import Communicator, WireCounter
-from .dp_reduction import BucketedReduction
-
-
-class DistributedMuon(Protocol):
-    """The layout of :class:`~muonscale.distributed.DistributedMuon` this module reads (named
-    here by what it uses: that class builds on this module)."""
-
-    params: list[torch.Tensor]
-    group_of: list[dict[str, Any]]
-    muon_indices: list[int]
-    adamw_indices: list[int]
-    owner_rank: Sequence[int]
-    rank: int
-    world_size: int
-    comm: Communicator
-    reduction: BucketedReduction
-    param_groups: list[dict[str, Any]]
-    param_table: ParamTable
-    state: Mapping[torch.Tensor, dict[str, Any]]
-
-    def index_of(self, p: torch.Tensor) -> int: ...
-
+from ...declared_state import MOMENTUM, VARIANT_STATE, kept_state
+from ...optimizer_state import check_loaded_groups
+from ...param_table import ParamTable
+from ...settings import MuonSettings
+from ..comm import WireCounter
+from .layout import DataParallelLayout
+from .reduction import BucketedReduction
 
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -64,23 +44,33 @@ def _sharded_names(store: Any) -> tuple[str, ...]:
 
 
 @torch.no_grad()
-def gather_full_state(opt: DistributedMuon) -> dict[int, dict[str, torch.Tensor]]:
+def gather_full_state(
+    layout: DataParallelLayout,
+    reduction: BucketedReduction,
+    state: Mapping[torch.Tensor, dict[str, Any]],
+    param_table: ParamTable,
+) -> dict[int, dict[str, torch.Tensor]]:
     """``{parameter index: state}`` for every parameter, on every rank (collective; not
     counted as a step's traffic)."""
-    step_counter, opt.comm.counter = opt.comm.counter, WireCounter()
+    step_counter, layout.comm.counter = layout.comm.counter, WireCounter()
     try:
-        return _gather_full_state(opt)
+        return _gather_full_state(layout, reduction, state, param_table)
     finally:
-        opt.comm.counter = step_counter
+        layout.comm.counter = step_counter
 
 
-def _gather_full_state(opt: DistributedMuon) -> dict[int, dict[str, torch.Tensor]]:
+def _gather_full_state(
+    layout: DataParallelLayout,
+    reduction: BucketedReduction,
+    state: Mapping[torch.Tensor, dict[str, Any]],
+    param_table: ParamTable,
+) -> dict[int, dict[str, torch.Tensor]]:
     full: dict[int, dict[str, torch.Tensor]] = {}
-    for i in opt.muon_indices:  # momentum (and main copy) live on the owner only
-        p, group, owner = opt.params[i], opt.group_of[i], opt.owner_rank[i]
-        main_dtype = opt.reduction.main_dtype(p.dtype)
+    for i in layout.muon_indices:  # momentum (and main copy) live on the owner only
+        p, group, owner = layout.params[i], layout.group_of[i], layout.owner_rank[i]
+        main_dtype = reduction.main_dtype(p.dtype)
         settings = MuonSettings.from_group(group)
-        view = opt.param_table.view(p, group["matrix_mode"])
+        view = param_table.view(p, group["matrix_mode"])
         specs = {MOMENTUM.key: (p.shape, MOMENTUM.dtype(settings, main_dtype or p.dtype))}
         if main_dtype is not None:
             specs["main_param"] = (p.shape, main_dtype)
@@ -88,37 +78,41 @@ def _gather_full_state(opt: DistributedMuon) -> dict[int, dict[str, torch.Tensor
             specs[spec.key] = (spec.shape(view), spec.dtype(settings, p.dtype))
         full[i] = {}
         for name, (shape, dtype) in specs.items():
-            if owner == opt.rank:
-                buf = opt.state[p][name].clone()
+            if owner == layout.rank:
+                buf = state[p][name].clone()
             else:
                 buf = torch.empty(shape, dtype=dtype, device=p.device)
-            opt.comm.broadcast(buf, src=owner, tag="checkpoint")
+            layout.comm.broadcast(buf, src=owner, tag="checkpoint")
             full[i][name] = buf
-    for shards in opt.reduction.flat_shards:  # AdamW moments: shard r of every flat bucket
+    for shards in reduction.flat_shards:  # AdamW moments: shard r of every flat bucket
         gathered = {}
         for name in _sharded_names(shards):
             mine = getattr(shards, name)
             gathered[name] = shards.full.new_empty(shards.full.numel(), dtype=mine.dtype)
-            opt.comm.all_gather(gathered[name], mine, tag="checkpoint")  # (padded,)
-        layout = shards.layout
-        for i, off, n in zip(layout.params, layout.offsets, layout.numels):
-            p = opt.params[i]
-            full[i] = {"step": opt.state[p]["step"].clone()}
+            layout.comm.all_gather(gathered[name], mine, tag="checkpoint")  # (padded,)
+        flat = shards.layout
+        for i, off, n in zip(flat.params, flat.offsets, flat.numels):
+            p = layout.params[i]
+            full[i] = {"step": state[p]["step"].clone()}
             for name in gathered:
                 full[i][name] = gathered[name][off : off + n].view(p.shape).clone()
-    full.update(_gather_fill_state(opt))
+    full.update(_gather_fill_state(layout, reduction, state))
     return {i: full[i] for i in sorted(full)}
 
 
-def _gather_fill_state(opt: DistributedMuon) -> dict[int, dict[str, torch.Tensor]]:
+def _gather_fill_state(
+    layout: DataParallelLayout,
+    reduction: BucketedReduction,
+    state: Mapping[torch.Tensor, dict[str, Any]],
+) -> dict[int, dict[str, torch.Tensor]]:
     """Full AdamW state (and main copies) of the parameters in stream fills (collective: one
     all-gather per moment and stream, each rank's range padded to the longest)."""
     full: dict[int, dict[str, torch.Tensor]] = {}
-    for stream in opt.reduction.streams:
+    for stream in reduction.streams:
         fill = stream.fill
         if fill is None:
             continue
-        layout, width = fill.layout, max(fill.layout.lengths)
+        fill_layout, width = fill.layout, max(fill.layout.lengths)
         names = _sharded_names(fill)
         gathered = {}
         for name in names:
@@ -126,16 +120,16 @@ def _gather_fill_state(opt: DistributedMuon) -> dict[int, dict[str, torch.Tensor
             padded = torch.zeros(width, dtype=mine.dtype, device=mine.device)
             padded[: mine.numel()].copy_(mine)
             gathered[name] = torch.empty(
-                opt.world_size * width, dtype=mine.dtype, device=mine.device
+                layout.world_size * width, dtype=mine.dtype, device=mine.device
             )
-            opt.comm.all_gather(gathered[name], padded, tag="checkpoint")
-        for i in layout.params:
-            p = opt.params[i]
-            full[i] = {"step": opt.state[p]["step"].clone()}
+            layout.comm.all_gather(gathered[name], padded, tag="checkpoint")
+        for i in fill_layout.params:
+            p = layout.params[i]
+            full[i] = {"step": state[p]["step"].clone()}
             for name in names:
                 full[i][name] = torch.empty_like(p, dtype=gathered[name].dtype)
-        for rank in range(opt.world_size):
-            for seg in layout.segments(rank):
+        for rank in range(layout.world_size):
+            for seg in fill_layout.segments(rank):
                 src = rank * width + seg.buffer_start
                 for name in names:
                     full[seg.param][name].view(-1)[
@@ -145,20 +139,26 @@ def _gather_fill_state(opt: DistributedMuon) -> dict[int, dict[str, torch.Tensor
 
 
 @torch.no_grad()
-def load_full_state(opt: DistributedMuon, state_dict: dict[str, Any]) -> None:
+def load_full_state(
+    layout: DataParallelLayout,
+    reduction: BucketedReduction,
+    state: Mapping[torch.Tensor, dict[str, Any]],
+    param_table: ParamTable,
+    state_dict: dict[str, Any],
+) -> None:
     """Take full state (keys matched through the saved param groups, as torch does) and keep
     the local part: owned momentum, this rank's AdamW segments, every step counter, and the
     main copies of those (then rounded into the model's parameters; a checkpoint without them
     leaves the main copies equal to the parameters)."""
     saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(opt.param_groups):
+    if len(saved_groups) != len(layout.param_groups):
         raise ValueError(
             f"loaded state has {len(saved_groups)} param groups, "
-            f"the optimizer {len(opt.param_groups)}"
+            f"the optimizer {len(layout.param_groups)}"
         )
-    check_loaded_groups(opt.param_groups, opt.param_table, state_dict)  # before anything changes
+    check_loaded_groups(layout.param_groups, param_table, state_dict)  # before anything changes
     key_of: dict[int, Any] = {}
-    for group, saved in zip(opt.param_groups, saved_groups):
+    for group, saved in zip(layout.param_groups, saved_groups):
         if len(saved["params"]) != len(group["params"]):
             raise ValueError("loaded state dict has a parameter group of a different size")
         saved = {"algorithm": "muon", **saved}
@@ -167,57 +167,57 @@ def load_full_state(opt: DistributedMuon, state_dict: dict[str, Any]) -> None:
                 f"loaded param group is {saved['algorithm']!r}, this one {group['algorithm']!r}"
             )
         for p, key in zip(group["params"], saved["params"]):
-            key_of[opt.index_of(p)] = key
+            key_of[layout.index_of(p)] = key
         for name, value in saved.items():
             if name != "params":
                 group[name] = tuple(value) if name == "betas" else value
     saved_state = state_dict["state"]
-    for i in opt.muon_indices:
-        if opt.owner_rank[i] != opt.rank:
+    for i in layout.muon_indices:
+        if layout.owner_rank[i] != layout.rank:
             continue
-        p, state = opt.params[i], opt.state[opt.params[i]]
+        p, held = layout.params[i], state[layout.params[i]]
         entry = saved_state.get(key_of[i], {})
         source = entry.get("momentum_buffer")
-        buf = state["momentum_buffer"]
+        buf = held["momentum_buffer"]
         if source is None:
             buf.zero_()
         else:
             buf.copy_(source.view(p.shape))
-        if "main_param" in state:
-            _load_main(state["main_param"], p, entry.get("main_param"))
-        settings = MuonSettings.from_group(opt.group_of[i])  # the loaded options
+        if "main_param" in held:
+            _load_main(held["main_param"], p, entry.get("main_param"))
+        settings = MuonSettings.from_group(layout.group_of[i])  # the loaded options
         kept = kept_state(settings, variants_only=True)
         for spec in VARIANT_STATE:
             if spec not in kept:
-                state.pop(spec.key, None)
+                held.pop(spec.key, None)
                 continue
-            if spec.key not in state:  # built without it: the loaded options keep it
-                view = opt.param_table.view(p, opt.group_of[i]["matrix_mode"])
-                state[spec.key] = spec.zeros(settings, view, p.dtype, p.device)
+            if spec.key not in held:  # built without it: the loaded options keep it
+                view = param_table.view(p, layout.group_of[i]["matrix_mode"])
+                held[spec.key] = spec.zeros(settings, view, p.dtype, p.device)
             moment = entry.get(spec.key)
             if moment is None:
-                state[spec.key].zero_()
+                held[spec.key].zero_()
             else:
-                state[spec.key].copy_(moment)
-    for i in opt.adamw_indices:
+                held[spec.key].copy_(moment)
+    for i in layout.adamw_indices:
         entry = saved_state.get(key_of[i], {})
-        p = opt.params[i]
-        state = opt.state[p]
-        state["step"].fill_(float(entry["step"]) if "step" in entry else 0.0)
-        if i not in opt.reduction.segments:
+        p = layout.params[i]
+        held = state[p]
+        held["step"].fill_(float(entry["step"]) if "step" in entry else 0.0)
+        if i not in reduction.segments:
             continue
-        seg = opt.reduction.segments[i][1]
+        seg = reduction.segments[i][1]
         window = slice(seg.param_start, seg.param_start + seg.length)
         for name in ADAMW_MOMENTS:
             source = entry.get(name)
             if source is None:
-                state[name].zero_()
+                held[name].zero_()
             else:
-                state[name].copy_(source.reshape(-1)[window])
-        if "main_param" in state:
+                held[name].copy_(source.reshape(-1)[window])
+        if "main_param" in held:
             source = entry.get("main_param")
             _load_main(
-                state["main_param"],
+                held["main_param"],
                 p.view(-1)[window],
                 None if source is None else source.reshape(-1)[window],
             )

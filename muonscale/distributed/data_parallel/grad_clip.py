@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .comm import Communicator
-from .dp_reduction import BucketedReduction
+from ..comm import Communicator
+from .reduction import BucketedReduction
 
 CLIP_EPS = 1e-6
 """Added to the norm in ``max_norm / (norm + eps)``, as ``torch.nn.utils.clip_grad_norm_``."""

@@ -1,29 +1,31 @@
 """The phases of ``DistributedMuon.step()`` after the reduction: the agreement across ranks
 on which gradients exist and are finite, AdamW on the local shards, the owned matrices in
 waves with the parameter all-gathers launched as slices become final (or, deferred, in forward
-order). Functions of the optimizer's public layout (``params``, ``param_groups``, ``state``,
-``rank``, ``index_of``, ``reduction``, ``update_gather``, ``memory``); the Muon step of a wave
-is the optimizer's, passed in. The class docstring draws the pattern.
+order). Each takes the :class:`~.layout.DataParallelLayout`, the
+:class:`~.reduction.BucketedReduction` and the state it reads; the Muon step of a wave is the
+optimizer's, passed in. The class docstring draws the pattern.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..group_step import adamw_group_step
-from ..memory import chunk_bytes_for, group_by_budget
-from . import dp_gathers
+from ...group_step import adamw_group_step
+from ...memory import chunk_bytes_for, group_by_budget
+from . import gathers
 from .deferred_gather import PendingGather
+from .layout import DataParallelLayout, segment_of
+from .reduction import BucketedReduction, StreamBuffers
 
 Pending = list[tuple[Any, Any]]  # (work, copy back) pairs in launch order
 
 
 def gradient_flags(
-    params: list[torch.Tensor], reduction: Any, comm: Any, check_finite: bool
+    params: list[torch.Tensor], reduction: BucketedReduction, comm: Any, check_finite: bool
 ) -> tuple[list[bool], int | None, list[int] | None]:
     """One all-reduce (max) of per-parameter flags [has a gradient on some rank, non-finite
     reduced gradient] and of [``p.grad`` changed after its reduction on some rank]. Returns
@@ -49,21 +51,26 @@ def gradient_flags(
     return present, (int(bad[0]) if bad.numel() else None), (changed if flags[2 * P] else None)
 
 
-def update_adamw_shards(opt: Any, present: list[bool]) -> None:
+def update_adamw_shards(
+    layout: DataParallelLayout,
+    reduction: BucketedReduction,
+    state: Mapping[torch.Tensor, dict[str, Any]],
+    present: list[bool],
+    max_chunk_bytes: int,
+) -> None:
     """AdamW on this rank's segments of every AdamW parameter with a gradient."""
-    reduction = opt.reduction
-    for group in opt.param_groups:
+    for group in layout.param_groups:
         if group["algorithm"] != "adamw":
             continue
-        indices = [opt.index_of(p) for p in group["params"] if present[opt.index_of(p)]]
+        indices = [layout.index_of(p) for p in group["params"] if present[layout.index_of(p)]]
         local = [i for i in indices if i in reduction.segments]
         for i in indices:
             if i not in reduction.segments:  # no local shard: only the step counter moves
-                opt.state[opt.params[i]]["step"] += 1
+                state[layout.params[i]]["step"] += 1
         if not local:
             continue
-        states = [opt.state[opt.params[i]] for i in local]
-        segments = [segment_of(opt.params[i], reduction.segments[i][1]) for i in local]
+        states = [state[layout.params[i]] for i in local]
+        segments = [segment_of(layout.params[i], reduction.segments[i][1]) for i in local]
         # the tensors updated: main copies where kept, else the parameters' segments
         params = [s.get("main_param", seg) for s, seg in zip(states, segments)]
         grads = [reduction.reduced_shard_grad(i) for i in local]
@@ -75,78 +82,84 @@ def update_adamw_shards(opt: Any, present: list[bool]) -> None:
             states,
             capturable=False,
             step_ok=None,
-            max_chunk_bytes=opt.memory.update_chunk_bytes,
+            max_chunk_bytes=max_chunk_bytes,
         )
         for target, segment in zip(params, segments):
             if target is not segment:
                 segment.copy_(target)  # rounded into the model's parameter
 
 
-def segment_of(p: torch.Tensor, seg: Any) -> torch.Tensor:
-    """This rank's segment of parameter ``p`` (a flat view)."""
-    return p.view(-1)[seg.param_start : seg.param_start + seg.length]
-
-
-def _waves(opt: Any, stream: Any) -> list[list[int]]:
+def _waves(layout: DataParallelLayout, stream: StreamBuffers, chunk_bytes: int) -> list[list[int]]:
     """This rank's owned matrices of ``stream`` in waves of at most one update chunk."""
-    owned = stream.layout.owned[opt.rank]
-    budget = chunk_bytes_for(opt.memory.update_chunk_bytes, stream.gather_in.device)
-    sizes = [opt.params[i].numel() * opt.params[i].element_size() for i in owned]
+    owned = stream.layout.owned[layout.rank]
+    budget = chunk_bytes_for(chunk_bytes, stream.gather_in.device)
+    sizes = [layout.params[i].numel() * layout.params[i].element_size() for i in owned]
     return [[owned[j] for j in wave] for wave in group_by_budget(sizes, budget)]
 
 
-def update_owned_and_gather(opt: Any, update_wave: Callable, overlap: bool) -> Pending:
+def update_owned_and_gather(
+    layout: DataParallelLayout,
+    reduction: BucketedReduction,
+    update_wave: Callable[[set[int]], None],
+    apply: Callable | None,
+    chunk_bytes: int,
+    overlap: bool,
+) -> Pending:
     """Update the owned matrices in waves along the owner stream and (``overlap``) launch each
     bucket's all-gather as soon as this rank's slice of it is final, so the gathers of early
     buckets overlap the Newton–Schulz of later ones; else launch them after the last wave.
     Every rank launches the same buckets in the same order, only the timing differs.
-    ``update_wave(indices)``: the optimizer's Muon step of those owned matrices."""
-    reduction, apply = opt.reduction, opt.update_gather.apply_gathered
+    ``update_wave(indices)``: the optimizer's Muon step of those owned matrices; ``apply``:
+    what every rank does with an arrived bucket of gathered updates."""
     pending: Pending = []
     for stream in reduction.streams:
-        dp_gathers.write_fill_for_gather(reduction, stream)
+        gathers.write_fill_for_gather(reduction, stream)
         next_bucket = 0
-        for wave in _waves(opt, stream):
+        for wave in _waves(layout, stream, chunk_bytes):
             update_wave(set(wave))
-            dp_gathers.write_owned_for_gather(reduction, stream, wave)
+            gathers.write_owned_for_gather(reduction, stream, wave)
             if overlap:
                 ready = stream.layout.offsets[wave[-1]] + stream.layout.numels[wave[-1]]
-                launched, next_bucket = dp_gathers.launch_stream_gathers(
+                launched, next_bucket = gathers.launch_stream_gathers(
                     reduction, stream, next_bucket, ready, apply
                 )
                 pending += launched
         if overlap:
-            pending += dp_gathers.launch_stream_gathers(
+            pending += gathers.launch_stream_gathers(
                 reduction, stream, next_bucket, stream.layout.length, apply
             )[0]
     if not overlap:
         for stream in reduction.streams:
-            pending += dp_gathers.launch_stream_gathers(
+            pending += gathers.launch_stream_gathers(
                 reduction, stream, 0, stream.layout.length, apply
             )[0]
     return pending
 
 
 def update_owned_and_gather_in_forward_order(
-    opt: Any, update_wave: Callable, forward_position: list[int]
+    layout: DataParallelLayout,
+    reduction: BucketedReduction,
+    update_wave: Callable[[set[int]], None],
+    apply: Callable | None,
+    chunk_bytes: int,
+    forward_position: list[int],
 ) -> list[PendingGather]:
     """Update every owned matrix (in waves), then launch every all-gather (flat AdamW buckets
     and owner-stream buckets alike) in the order the forward first needs one of its
     parameters (``forward_position``: a parameter index's place in the model), left in flight
     (``defer_gather``). The order is the same on every rank."""
-    reduction, apply = opt.reduction, opt.update_gather.apply_gathered
     for stream in reduction.streams:
-        dp_gathers.write_fill_for_gather(reduction, stream)
-        for wave in _waves(opt, stream):
+        gathers.write_fill_for_gather(reduction, stream)
+        for wave in _waves(layout, stream, chunk_bytes):
             update_wave(set(wave))
-            dp_gathers.write_owned_for_gather(reduction, stream, wave)
+            gathers.write_owned_for_gather(reduction, stream, wave)
     units = []  # (first forward position, tie-break, params, launch)
     for s, stream in enumerate(reduction.streams):
         for k, bucket in enumerate(stream.layout.buckets):
             end = bucket.stream_start + bucket.length
 
             def launch(stream=stream, k=k, end=end):
-                return dp_gathers.launch_stream_gathers(reduction, stream, k, end, apply)[0][0]
+                return gathers.launch_stream_gathers(reduction, stream, k, end, apply)[0][0]
 
             units.append((bucket.params, (0, s, k), launch))
     for f, shards in enumerate(reduction.flat_shards):
@@ -154,9 +167,9 @@ def update_owned_and_gather_in_forward_order(
             (
                 frozenset(shards.layout.params),
                 (1, f, 0),
-                lambda s=shards: dp_gathers.launch_flat_gather(reduction, s),
+                lambda s=shards: gathers.launch_flat_gather(reduction, s),
             )
         )
-    last = len(forward_position) + len(opt.params)
+    last = len(forward_position) + len(layout.params)
     units.sort(key=lambda u: (min((forward_position[i] for i in u[0]), default=last), u[1]))
     return [PendingGather(*launch(), params) for params, _, launch in units]
