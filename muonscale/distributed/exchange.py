@@ -14,7 +14,8 @@ every replica (:meth:`MatrixExchange.share_row_statistics`), so the replicas sta
 Implementations: :class:`PieceExchange` (one all-to-all each way over a process group, with
 :class:`~muonscale.distributed.sharded.ShardedMatrices`: ``DTensorMuon`` and Megatron tensor
 parallelism) and :class:`LocalExchange` (every matrix whole on this rank: Megatron at tensor
-parallel size 1). All bytes go through :mod:`muonscale.distributed.comm`.
+parallel size 1, or when every rank holds every matrix whole). All bytes go through
+:mod:`muonscale.distributed.comm`.
 """
 
 from __future__ import annotations
