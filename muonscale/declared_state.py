@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from . import variants
 from .matrices import MatrixView
 from .settings import MuonSettings
 from .state_tensor import Placement, StateTensor  # noqa: F401 (Placement: re-exported)
@@ -28,19 +29,31 @@ MOMENTUM = StateTensor(
 MUON_STATE: tuple[StateTensor, ...] = (MOMENTUM, *VARIANT_STATE)
 """Every state tensor a Muon parameter may hold (the variants' declared with their math)."""
 
-(ROW_STATE,) = [t for t in VARIANT_STATE if t.placement == "replicated"]
-"""The replicated row state the matrix step reads beside the direction."""
-
 
 def kept_state(settings: MuonSettings, *, variants_only: bool = False) -> list[StateTensor]:
-    """The state tensors a group with ``settings`` keeps."""
-    return [t for t in (VARIANT_STATE if variants_only else MUON_STATE) if t.kept(settings)]
+    """The state tensors a group with ``settings`` keeps (the variants' declarations read when
+    called, so that a variant declared after import counts)."""
+    declared = variants.VARIANT_STATE if variants_only else (MOMENTUM, *variants.VARIANT_STATE)
+    return [t for t in declared if t.kept(settings)]
 
 
-def row_state(states: list[Mapping[str, Any]]) -> list[torch.Tensor | None]:
-    """Each state's replicated row state, which the matrix step reads besides the direction
-    (the row second moment; None where the settings keep none)."""
-    return [s.get(ROW_STATE.key) for s in states]
+def replicated_declarations(settings: MuonSettings | None = None) -> list[StateTensor]:
+    """Every replicated state declared (one value per row of a parameter's whole matrices), or
+    those a group with ``settings`` keeps."""
+    return [
+        t
+        for t in variants.VARIANT_STATE
+        if t.placement == "replicated" and (settings is None or t.kept(settings))
+    ]
+
+
+def replicated_state(
+    state: Mapping[str, Any], settings: MuonSettings
+) -> dict[StateTensor, torch.Tensor]:
+    """The replicated row states that a parameter's ``state`` holds and ``settings`` keep, by
+    declaration (in declaration order): what the matrix step reads and steps besides the
+    direction (NorMuon's row second moment)."""
+    return {t: state[t.key] for t in replicated_declarations(settings) if t.key in state}
 
 
 def check_loaded_state(

@@ -29,6 +29,7 @@ from .matrices import MatrixView
 from .matrix_step import (
     ApplyRule,
     ApplyUpdates,
+    RowStates,
     apply_updates_by_rule_,
     ns_method_for,
     parameter_updates,
@@ -173,7 +174,7 @@ def muon(
     max_chunk_bytes: ChunkBytes = PER_DEVICE,
     max_workspace_bytes: int = DEFAULT_NS_WORKSPACE_BYTES,
     elementwise_backend: ElementwiseBackend = DEFAULT_ELEMENTWISE_BACKEND,
-    row_state: Sequence[torch.Tensor | None] | None = None,
+    row_state: Sequence[RowStates] | None = None,
     apply_updates: ApplyUpdates | None = None,
 ) -> None:
     """One Muon step, in place on ``params`` and ``momentum_buffers``::
@@ -187,7 +188,8 @@ def muon(
     Plain Muon of single matrices takes the stacked fast path (:func:`stacked_muon_`: two
     elementwise passes besides Newton–Schulz, the directions written straight into the
     Newton–Schulz input stacks); every other parameter (split or transposed views, the
-    variants of ``settings``, with their ``row_state``) takes the matrix step
+    variants of ``settings``, with each parameter's replicated ``row_state`` by declaration,
+    :func:`~muonscale.declared_state.replicated_state`) takes the matrix step
     (:func:`muonscale.matrix_step.parameter_updates`). ``elementwise_backend``
     (:data:`~muonscale.kernels.ElementwiseBackend`) says whether the fast path's passes are
     Triton kernels (the optimizers pass the value they read from ``MUONSCALE_ELEMENTWISE``

@@ -11,7 +11,7 @@ import torch
 
 from . import functional
 from .capturable import device_lr, step_lr
-from .declared_state import row_state
+from .declared_state import replicated_state
 from .kernels import ElementwiseBackend
 from .matrices import MatrixView
 from .memory import MemoryBudget
@@ -56,7 +56,7 @@ def muon_group_step(
         grads,
         buffers,
         settings=settings,
-        row_state=row_state(states),
+        row_state=[replicated_state(s, settings) for s in states],
         views=views,
         lr=step_lr(group, step_ok) if capturable else float(group["lr"]),
         weight_decay=group["weight_decay"],

@@ -1,6 +1,7 @@
 """The matrix step: what happens to a Muon matrix where it is whole.
 
     O = NS(U)                 precondition (Frobenius or AOL), then Newton–Schulz, batched
+    v ← step(v, stats(O))     every replicated row state the group keeps (its declaration)
     O ← f ⊙_rows O            NorMuon: row factors from the row second moment
     O ← s(m, n) · q · O       the scale rule, times the Q/K factor (and an extra factor)
 
@@ -19,18 +20,24 @@ left to the apply pass. Nothing here knows about optimizer state or ``torch.dist
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from . import variants
+from .declared_state import replicated_declarations
 from .kernels.newton_schulz_fast import choose_method, newton_schulz_fast
 from .matrices import MatrixView
 from .memory import DEFAULT_NS_WORKSPACE_BYTES
 from .newton_schulz import CoefficientSpec, default_ns_dtype
 from .scaling import update_scale
 from .settings import PLAIN_MUON, MuonSettings, NewtonSchulzSettings
+from .state_tensor import StateTensor
+
+RowStates = Mapping[StateTensor, torch.Tensor]
+"""Replicated row states (or their row statistics) by declaration: a matrix's rows of each,
+or a parameter's (its matrices' rows in order)."""
 
 
 @dataclass(frozen=True)
@@ -40,13 +47,14 @@ class MatrixRule:
     ns: NewtonSchulzSettings
     scale: float | None = None
     """The factor O is multiplied by (s(m, n) × Q/K factor × extra); None: left unscaled."""
-    row_beta2: float | None = None
-    """NorMuon's β₂ (rows normalized from the row second moment); None: no row step."""
+    settings: MuonSettings | None = None
+    """The group's options: the replicated row states they keep are read and stepped with them
+    (NorMuon's row second moment with its β₂, then its row factors); None: no row state."""
 
     @property
-    def has_row_state(self) -> bool:
-        """Whether the step reads and steps a row state (NorMuon's row second moment)."""
-        return self.row_beta2 is not None
+    def row_state(self) -> list[StateTensor]:
+        """The replicated row states the step reads and steps (in declaration order)."""
+        return [] if self.settings is None else replicated_declarations(self.settings)
 
 
 @dataclass(frozen=True)
@@ -111,18 +119,18 @@ def orthogonalize_matrices(
 def matrix_updates(
     matrices: Sequence[torch.Tensor],
     rules: Sequence[MatrixRule],
-    row_moments: Sequence[torch.Tensor | None] | None = None,
+    row_states: Sequence[RowStates | None] | None = None,
     *,
     step_row_state: bool = True,
     max_workspace_bytes: int = DEFAULT_NS_WORKSPACE_BYTES,
-) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-    """The matrix step of whole directions U (one rule each; ``row_moments[i]``: the (rows,)
-    row second moment of matrix i where its rule normalizes rows). Returns the updates (in
-    Newton–Schulz's dtype) and each matrix's row statistics (None without a row step).
+) -> tuple[list[torch.Tensor], list[dict[StateTensor, torch.Tensor]]]:
+    """The matrix step of whole directions U (one rule each; ``row_states[i]``: matrix i's
+    rows of the replicated row states its rule keeps). Returns the updates (in Newton–Schulz's
+    dtype) and each matrix's row statistics, by declaration (empty without row state).
 
-    ``step_row_state``: step the row moments in place; False leaves them as they are (the
+    ``step_row_state``: step the row states in place; False leaves them as they are (NorMuon's
     factors come from a stepped copy) for a caller that steps replicas held elsewhere from the
-    returned statistics (:func:`muonscale.variants.update_row_moments_`: the same bits)."""
+    returned statistics (:func:`step_row_replicas_`: the same bits)."""
     by_ns: dict[NewtonSchulzSettings, list[int]] = defaultdict(list)
     for i, rule in enumerate(rules):
         by_ns[rule.ns].append(i)
@@ -133,16 +141,20 @@ def matrix_updates(
         )
         for i, o in zip(indices, ortho):
             out[i] = o
-    stats: list[torch.Tensor | None] = [None] * len(matrices)
+    stats: list[dict[StateTensor, torch.Tensor]] = [{} for _ in matrices]
     for i, rule in enumerate(rules):
         O = out[i]
-        if rule.row_beta2 is not None:
-            if row_moments is None or row_moments[i] is None:
-                raise ValueError("a row-normalizing matrix rule needs the matrix's row moment")
-            moment = row_moments[i] if step_row_state else row_moments[i].clone()
-            stats[i] = variants.row_statistics(O)
-            variants.update_row_moments_(moment, stats[i], rule.row_beta2)
-            O.mul_(variants.row_factors(moment, stats[i]).to(O.dtype)[:, None])
+        held = (row_states[i] if row_states is not None else None) or {}
+        stepped: dict[StateTensor, torch.Tensor] = {}
+        for spec in rule.row_state:  # statistics of O as Newton–Schulz left it
+            if spec not in held:
+                raise ValueError(f"a matrix rule keeping {spec.what} needs the matrix's rows")
+            stepped[spec] = held[spec] if step_row_state else held[spec].clone()
+            stats[i][spec] = spec.row_statistics(O)
+            spec.step_replica_(rule.settings, stepped[spec], stats[i][spec])
+        moment = stepped.get(variants.ROW_MOMENT)
+        if moment is not None:  # NorMuon: rows scaled by factors from the stepped moment
+            O.mul_(variants.row_factors(moment, stats[i][variants.ROW_MOMENT]).to(O.dtype)[:, None])
         if rule.scale is not None:
             out[i] = O * rule.scale
     return out, stats  # type: ignore[return-value]
@@ -153,6 +165,7 @@ def takes_stacked_path(view: MatrixView, settings: MuonSettings) -> bool:
     transposed view is not): the stacked fast path, with the scale in the apply pass."""
     return (
         settings.variant == PLAIN_MUON.variant
+        and not replicated_declarations(settings)
         and settings.preconditioner == "frobenius"
         and len(view.matrix_shapes) == 1
         and view.row_partition is None
@@ -196,26 +209,27 @@ def matrix_rules(
     """The rule of each matrix of ``view``: scaled by s(m, n) of its shape (``shapes``: the
     global shapes where the view's are pieces) × Q/K factor × ``extra_scale``, unless the
     parameter takes the stacked path (never with ``scaled``: a caller whose apply pass does
-    not know the global shapes); rows normalized with NorMuon."""
-    row_beta2 = settings.row_beta2 if settings.normalize == "row" else None
+    not know the global shapes); the group's replicated row states read and stepped."""
     if not scaled and takes_stacked_path(view, settings):
-        return [MatrixRule(settings.ns, None, row_beta2)]
+        return [MatrixRule(settings.ns, None, settings)]
     shapes = view.matrix_shapes if shapes is None else shapes
     factors = view.lr_factors(settings.qk_lr_scale)
     return [
-        MatrixRule(settings.ns, update_scale(settings.scale, *shape) * q * extra_scale, row_beta2)
+        MatrixRule(settings.ns, update_scale(settings.scale, *shape) * q * extra_scale, settings)
         for shape, q in zip(shapes, factors)
     ]
 
 
-def row_moment_slices(view: MatrixView, moment: torch.Tensor | None) -> list[torch.Tensor | None]:
-    """The slice of a parameter's row moment each matrix of ``view`` owns (consecutive rows)."""
-    if moment is None:
-        return [None] * len(view.matrix_shapes)
-    out, start = [], 0
-    for rows, _ in view.matrix_shapes:
-        out.append(moment[start : start + rows])
-        start += rows
+def row_state_slices(
+    view: MatrixView, held: RowStates | None
+) -> list[dict[StateTensor, torch.Tensor]]:
+    """Each matrix of ``view``'s rows of a parameter's replicated row states (consecutive)."""
+    out: list[dict[StateTensor, torch.Tensor]] = [{} for _ in view.matrix_shapes]
+    for spec, state in (held or {}).items():
+        start = 0
+        for rows_of, (rows, _) in zip(out, view.matrix_shapes):
+            rows_of[spec] = state[start : start + rows]
+            start += rows
     return out
 
 
@@ -223,56 +237,56 @@ def parameter_updates(
     directions: Sequence[torch.Tensor],
     views: Sequence[MatrixView],
     settings: Sequence[MuonSettings],
-    row_moments: Sequence[torch.Tensor | None] | None = None,
+    row_states: Sequence[RowStates | None] | None = None,
     *,
     step_row_state: bool = True,
     max_workspace_bytes: int = DEFAULT_NS_WORKSPACE_BYTES,
-) -> tuple[list[torch.Tensor], list[ApplyRule], list[torch.Tensor | None]]:
+) -> tuple[list[torch.Tensor], list[ApplyRule], list[dict[StateTensor, torch.Tensor]]]:
     """The matrix step of whole parameters: each direction U (parameter-shaped, whole) →
     its view's matrices → :func:`matrix_updates` → the update, parameter-shaped, with the
-    :class:`ApplyRule` it is applied with, and the parameter's row statistics (its matrices'
-    in order, concatenated; None without NorMuon)."""
-    matrices, rules, moments, owner = [], [], [], []
+    :class:`ApplyRule` it is applied with, and the parameter's row statistics by declaration
+    (its matrices' in order, concatenated; empty without row state). ``row_states[i]``:
+    parameter i's replicated row states (:func:`~muonscale.declared_state.replicated_state`)."""
+    matrices, rules, held, owner = [], [], [], []
     for i, (u, view, s) in enumerate(zip(directions, views, settings)):
         mats = view.to_matrices(u)
         matrices += mats
         rules += matrix_rules(view, s)
-        moments += row_moment_slices(view, None if row_moments is None else row_moments[i])
+        held += row_state_slices(view, None if row_states is None else row_states[i])
         owner += [i] * len(mats)
     out, stats = matrix_updates(
         matrices,
         rules,
-        moments,
+        held,
         step_row_state=step_row_state,
         max_workspace_bytes=max_workspace_bytes,
     )
     per_param: list[list[torch.Tensor]] = [[] for _ in directions]
-    per_stats: list[list[torch.Tensor]] = [[] for _ in directions]
+    per_stats: list[dict[StateTensor, list[torch.Tensor]]] = [{} for _ in directions]
     for i, o, st in zip(owner, out, stats):
         per_param[i].append(o)
-        if st is not None:
-            per_stats[i].append(st)
+        for spec, rows in st.items():
+            per_stats[i].setdefault(spec, []).append(rows)
     updates = [view.from_matrices(mats) for view, mats in zip(views, per_param)]
     applies = [apply_rule(view, s) for view, s in zip(views, settings)]
-    row_stats = [torch.cat(st) if st else None for st in per_stats]
+    row_stats = [{spec: torch.cat(parts) for spec, parts in st.items()} for st in per_stats]
     return updates, applies, row_stats
 
 
 def step_row_replicas_(
-    row_state: Sequence[torch.Tensor | None],
-    row_stats: Sequence[torch.Tensor | None],
-    rules: Sequence[MatrixRule | MuonSettings],
+    replicas: Sequence[RowStates],
+    row_stats: Sequence[RowStates | None],
+    settings: Sequence[MuonSettings],
 ) -> None:
-    """Step every replica of a row state in place from the row statistics its owner's matrix
-    step returned with ``step_row_state=False`` (and the exchange shared), by each one's rule
-    (a :class:`MatrixRule` or a parameter's settings): the bits the owner's own step gives.
-    A None state, or a rule without a row step, is left alone."""
-    for state, stats, rule in zip(row_state, row_stats, rules):
-        if state is None or rule.row_beta2 is None:
-            continue
-        if stats is None:
-            raise ValueError("a replicated row state needs its owner's row statistics")
-        variants.update_row_moments_(state, stats.to(state.device), rule.row_beta2)
+    """Step every replica of a replicated row state in place (``replicas[i]``: entry i's, by
+    declaration) from the row statistics its owner's matrix step returned with
+    ``step_row_state=False`` (and the exchange shared), with entry i's ``settings``: the bits
+    the owner's own step gives."""
+    for held, stats, entry_settings in zip(replicas, row_stats, settings):
+        for spec, replica in held.items():
+            if stats is None or spec not in stats:
+                raise ValueError(f"a replica of {spec.what} needs its owner's row statistics")
+            spec.step_replica_(entry_settings, replica, stats[spec].to(replica.device))
 
 
 def unscaled_apply_rule(settings: MuonSettings, shape: tuple[int, int]) -> ApplyRule:

@@ -90,6 +90,8 @@ ROW_MOMENT = StateTensor(
     shape=lambda view: row_moment_shape(view.matrix_shapes),
     dtype=lambda settings, dtype: torch.float32,
     placement="replicated",
+    row_statistics=row_statistics,
+    step_replica_=lambda settings, v, stats: update_row_moments_(v, stats, settings.row_beta2),
 )
 """NorMuon's state, declared (:mod:`muonscale.declared_state` reads the declarations)."""
 

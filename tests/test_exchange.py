@@ -17,6 +17,7 @@ from muonscale.distributed.comm import WireCounter
 from muonscale.distributed.exchange import LocalExchange, PieceExchange
 from muonscale.distributed.sharded import MatrixLayout
 from muonscale.settings import MuonSettings, NewtonSchulzSettings
+from muonscale.variants import ROW_MOMENT
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,9 +36,14 @@ def _case(world_size):
     for i, (_, lay) in enumerate(named):
         rows = lay.shape[0]
         with_rows = i % 3 != 0
-        rules.append(matrix_step.MatrixRule(NS, 0.5 + i, BETA2 if with_rows else None))
+        rules.append(matrix_step.MatrixRule(NS, 0.5 + i, ROW_SETTINGS if with_rows else None))
         moments.append(torch.rand(rows, generator=g) + 0.1 if with_rows else None)
     return [n for n, _ in named], [lay for _, lay in named], fulls, rules, moments
+
+
+def _by_state(moments):
+    """Row moments (None: none) as the matrix step takes row states, by declaration."""
+    return [{} if v is None else {ROW_MOMENT: v} for v in moments]
 
 
 def _owner_step(rules, moments, computed):
@@ -48,10 +54,10 @@ def _owner_step(rules, moments, computed):
         out, stats = matrix_step.matrix_updates(
             whole,
             [rules[i] for i in indices],
-            [moments[i] for i in indices],
+            _by_state([moments[i] for i in indices]),
             step_row_state=False,
         )
-        computed.update((i, s) for i, s in zip(indices, stats) if s is not None)
+        computed.update((i, s[ROW_MOMENT]) for i, s in zip(indices, stats) if s)
         return out
 
     return step
@@ -61,7 +67,9 @@ def _stepped(moments, stats):
     """Each row moment stepped from ``stats`` (a copy; None stays None)."""
     out = [None if v is None else v.clone() for v in moments]
     matrix_step.step_row_replicas_(
-        out, [stats.get(i) for i in range(len(out))], [ROW_SETTINGS] * len(out)
+        _by_state(out),
+        _by_state([stats.get(i) for i in range(len(out))]),
+        [ROW_SETTINGS] * len(out),
     )
     return out
 
@@ -187,17 +195,19 @@ def test_local_exchange_casts_and_keeps_row_statistics():
     """One process: the step runs on the given matrices, results in ``result_dtype``; the
     statistics of matrices with row state are returned as computed (no copy, no traffic)."""
     fulls = [torch.randn(4, 6), torch.randn(3, 5)]
-    rules = [matrix_step.MatrixRule(NS, 2.0, BETA2), matrix_step.MatrixRule(NS, 1.0, None)]
+    rules = [matrix_step.MatrixRule(NS, 2.0, ROW_SETTINGS), matrix_step.MatrixRule(NS, 1.0)]
     moments = [torch.ones(4), None]
     computed: dict[int, torch.Tensor] = {}
     exchange = LocalExchange()
     out = exchange.run(fulls, _owner_step(rules, moments, computed), result_dtype=torch.float64)
-    expect, stats = matrix_step.matrix_updates(fulls, rules, moments, step_row_state=False)
+    expect, stats = matrix_step.matrix_updates(
+        fulls, rules, _by_state(moments), step_row_state=False
+    )
     assert all(o.dtype == torch.float64 for o in out)
     assert all(torch.equal(o, e.double()) for o, e in zip(out, expect))
     shared = exchange.share_row_statistics(computed, [4, None])
     assert shared.keys() == {0} and shared[0] is computed[0]
-    assert torch.equal(shared[0], stats[0])
+    assert torch.equal(shared[0], stats[0][ROW_MOMENT])
     assert torch.equal(moments[0], torch.ones(4))  # read, not stepped
     assert LocalExchange().run([], _owner_step([], [], {})) == []
     one_rank = PieceExchange(

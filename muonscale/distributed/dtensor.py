@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from .. import functional, matrix_step
-from ..declared_state import kept_state, row_state
+from ..declared_state import kept_state, replicated_state
 from ..group_step import adamw_group_step
 from ..newton_schulz import default_ns_dtype
 from ..optimizer import Muon
@@ -62,7 +62,7 @@ from ..settings import MuonSettings
 from .agreement import check_same_on_every_rank
 from .comm import Communicator, WireCounter
 from .dtensor_layout import as_2d, dtensor_layout, local_indices, local_tensor, parameter_layout
-from .exchange import PieceExchange
+from .exchange import PieceExchange, step_through_exchange
 from .setup_checks import check_process_group
 from .sharded import MatrixLayout, default_owners
 
@@ -309,7 +309,7 @@ class DTensorMuon(Muon):
             self._write_directions(entries, local_grads, momenta, directions)
             updates = self._per_shard_updates(entries, directions)
         else:
-            updates, exchanged = {}, []
+            updates = {}
             for dtype in sorted({local_grads[id(p)].dtype for p, _ in entries}, key=str):
                 part = [(p, g) for p, g in entries if local_grads[id(p)].dtype == dtype]
                 exchange = self._exchange(part, dtype)
@@ -323,19 +323,16 @@ class DTensorMuon(Muon):
                 self._write_directions(
                     part, local_grads, momenta, {id(p): x for (p, _), x in zip(part, pieces)}
                 )
-                owner_stats: dict[int, torch.Tensor] = {}
-                out = exchange.run(
+                out = step_through_exchange(
+                    exchange,
                     pieces,
-                    lambda idx, mats, part=part, st=owner_stats: self._owner_step(
-                        part, idx, mats, st
-                    ),
+                    lambda idx, mats, part=part: self._owner_step(part, idx, mats),
+                    [self._replicas(p, g) for p, g in part],
+                    [MuonSettings.from_group(g) for _, g in part],
                     result_dtype=result_dtype,
                     packed=packed,
                 )
                 updates.update({id(p): o for (p, _), o in zip(part, out)})
-                exchanged.append((part, exchange, owner_stats))
-            for part, exchange, owner_stats in exchanged:
-                self._step_row_state(part, exchange, owner_stats)
 
         # phase 3: weight decay and update on local shards, per group for its lr / λ, each
         # with the rule it is applied with (the same on every rank)
@@ -365,37 +362,25 @@ class DTensorMuon(Muon):
             )
 
     def _owner_step(
-        self, part, indices: list[int], whole: list[torch.Tensor], row_stats: dict
-    ) -> list[torch.Tensor]:
+        self, part, indices: list[int], whole: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[dict]]:
         """On the owner: the matrix step of whole parameters (2-D U → the parameter's view →
-        :func:`~muonscale.matrix_step.parameter_updates`), as 2-D matrices; their row
-        statistics into ``row_stats`` (by index into ``part``) for every replica's step."""
+        :func:`~muonscale.matrix_step.parameter_updates`), as 2-D matrices, and their row
+        statistics, from which every rank steps its replicas after the exchange."""
         entries = [part[i] for i in indices]
         updates, _, stats = matrix_step.parameter_updates(
             [u.reshape(p.shape) for (p, _), u in zip(entries, whole)],
             [self._matrix_view(p, g) for p, g in entries],
             [MuonSettings.from_group(g) for _, g in entries],
-            row_state([self.state[p] for p, _ in entries]),
+            [self._replicas(p, g) for p, g in entries],
             step_row_state=False,  # replicas: every rank steps its own after the exchange
             max_workspace_bytes=self.memory.ns_workspace_bytes,
         )
-        row_stats.update((i, s) for i, s in zip(indices, stats) if s is not None)
-        return [o.reshape(u.shape) for o, u in zip(updates, whole)]
+        return [o.reshape(u.shape) for o, u in zip(updates, whole)], stats
 
-    def _step_row_state(self, part, exchange: PieceExchange, owner_stats: dict) -> None:
-        """Every rank's replica of a parameter's row state takes the step its owner took, from
-        the owner's row statistics (shared by the exchange: one all-reduce, none for matrices
-        every rank holds whole), so the replicas stay equal."""
-        replicas = row_state([self.state[p] for p, _ in part])
-        if all(v is None for v in replicas):
-            return
-        rows = [None if v is None else v.numel() for v in replicas]
-        stats = exchange.share_row_statistics(owner_stats, rows)
-        matrix_step.step_row_replicas_(
-            replicas,
-            [stats.get(i) for i in range(len(part))],
-            [MuonSettings.from_group(g) for _, g in part],
-        )
+    def _replicas(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict:
+        """This rank's replicas of ``p``'s replicated row states (whole rows, by declaration)."""
+        return replicated_state(self.state[p], MuonSettings.from_group(group))
 
     def _apply_rule(self, p: torch.Tensor, group: Mapping[str, Any]) -> matrix_step.ApplyRule:
         """The rule ``p``'s update is applied with (the same on every rank)."""

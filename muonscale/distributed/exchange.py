@@ -5,29 +5,49 @@ A layout differs only in how whole matrices reach that step and how results get 
 
     pieces ─ run ─▶ whole matrices at their owners ─ matrix step ─▶ results ─▶ pieces
 
-plus the sharing of replicated row state: a matrix's row state (a variant's statistic per row)
-is held by every rank of the group (a replica each), and the statistics the owner computed step
+plus the sharing of replicated row state: a matrix's replicated row states (each a variant's
+value per row, declared with its statistics: :class:`~muonscale.state_tensor.StateTensor`) are
+held by every rank of the group (a replica each), and the statistics the owner computed step
 every replica (:meth:`MatrixExchange.share_row_statistics`), so the replicas stay equal.
+:func:`step_through_exchange` is that sequence, for every layout that exchanges.
 
 Implementations: :class:`PieceExchange` (one all-to-all each way over a process group, with
 :class:`~muonscale.distributed.sharded.ShardedMatrices`: ``DTensorMuon`` and Megatron tensor
-parallelism) and :class:`LocalExchange` (every matrix whole on this rank: one process, and
-``DistributedMuon``'s owners). All bytes go through :mod:`muonscale.distributed.comm`.
+parallelism) and :class:`LocalExchange` (every matrix whole on this rank: Megatron at tensor
+parallel size 1, or when every rank holds every matrix whole). All bytes go through
+:mod:`muonscale.distributed.comm`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from ..matrix_step import RowStates, step_row_replicas_
+from ..settings import MuonSettings
+from ..state_tensor import StateTensor
 from .comm import Communicator, WireCounter
 from .hosts import HostMap
 from .sharded import MatrixLayout, ShardedMatrices, WholeMatrixFn
 
-__all__ = ["LocalExchange", "MatrixExchange", "PieceExchange"]
+__all__ = [
+    "LocalExchange",
+    "MatrixExchange",
+    "OwnerStep",
+    "PieceExchange",
+    "step_through_exchange",
+]
+
+OwnerStep = Callable[
+    [list[int], list[torch.Tensor]],
+    tuple[list[torch.Tensor], Sequence[Mapping[StateTensor, torch.Tensor]]],
+]
+"""The matrix step where matrices are whole: ``(indices, whole matrices)`` → (results, each
+one's row statistics by declaration), e.g. :func:`muonscale.matrix_step.matrix_updates` with
+``step_row_state=False``."""
 
 
 class MatrixExchange(Protocol):
@@ -54,7 +74,8 @@ class MatrixExchange(Protocol):
 
 
 class LocalExchange:
-    """Every matrix is whole on this rank: the step runs here, nothing is sent."""
+    """Every matrix is whole on this rank: the step runs here, nothing is sent (Megatron's
+    orthogonalizer at tensor parallel size 1, or where every matrix is whole everywhere)."""
 
     def run(
         self,
@@ -143,3 +164,54 @@ class PieceExchange:
         self._comm.all_reduce(flat, op=dist.ReduceOp.SUM, tag=self._row_tag)
         out.update((i, flat[s]) for i, s in slices.items())
         return out
+
+
+def step_through_exchange(
+    exchange: MatrixExchange,
+    pieces: Sequence[torch.Tensor],
+    owner_step: OwnerStep,
+    replicas: Sequence[RowStates],
+    settings: Sequence[MuonSettings],
+    *,
+    result_dtype: torch.dtype | None = None,
+    packed: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """The matrix step of sharded matrices: ``owner_step`` runs where each matrix is whole
+    (:meth:`MatrixExchange.run`: this rank's pieces of its results come back, in
+    ``result_dtype``), then the owners' row statistics reach every rank (one
+    :meth:`~MatrixExchange.share_row_statistics`, none without row state) and every rank steps
+    its replicas (``replicas[i]``: entry i's replicated row states by declaration, whole rows,
+    the states its rule keeps; stepped with ``settings[i]``), as the owner's own step would:
+    the replicas stay equal. Collective over the exchange's group."""
+    owner_stats: dict[int, torch.Tensor] = {}
+
+    def whole_step(indices: list[int], matrices: list[torch.Tensor]) -> list[torch.Tensor]:
+        out, stats = owner_step(indices, matrices)
+        for i, by_state in zip(indices, stats):
+            if replicas[i]:  # one vector per entry: its states' statistics, in replica order
+                owner_stats[i] = _concatenated([by_state[spec] for spec in replicas[i]])
+        return out
+
+    out = exchange.run(pieces, whole_step, result_dtype=result_dtype, packed=packed)
+    rows = [sum(v.numel() for v in held.values()) if held else None for held in replicas]
+    if any(r is not None for r in rows):
+        shared = exchange.share_row_statistics(owner_stats, rows)
+        step_row_replicas_(
+            replicas,
+            [_by_state(replicas[i], shared[i]) if i in shared else None for i in range(len(rows))],
+            settings,
+        )
+    return out
+
+
+def _concatenated(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _by_state(held: RowStates, flat: torch.Tensor) -> dict[StateTensor, torch.Tensor]:
+    """A vector of :func:`_concatenated` statistics split back by state (``held``'s order)."""
+    out, start = {}, 0
+    for spec, replica in held.items():
+        out[spec] = flat[start : start + replica.numel()]
+        start += replica.numel()
+    return out

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from muonscale.declared_state import replicated_declarations, replicated_state
 from muonscale.distributed.comm import Communicator, WireCounter
 from muonscale.distributed.data_parallel import AgreedGradients, DistributedMuon
 from muonscale.matrix_step import ApplyUpdates
@@ -23,7 +24,7 @@ from .config import MegatronMuonConfig, muon_arguments
 from .grad_norm import GlobalGradNorm
 from .main_params import MainParams
 from .plan import MegatronGroups, ParamPlan, plan_parameters
-from .row_state import ROW_STATE, RowStateEntry, TensorParallelMatrices
+from .row_state import RowStateEntry, TensorParallelMatrices, held_row_state
 from .tensor_parallel import Orthogonalizer, TensorParallelOrthogonalizer, muon_update_
 
 
@@ -150,7 +151,7 @@ class MegatronMuon(Muon):
             [self._plan_by_id[id(p)] for p in params],
             group,
             self.orthogonalizer,
-            [s.get(ROW_STATE.key) for s in states],
+            [replicated_state(s, MuonSettings.from_group(group)) for s in states],
         )
 
     def _begin_step(self) -> Sequence[Any]:
@@ -179,17 +180,18 @@ class MegatronMuon(Muon):
     def _init_state(
         self, p: torch.Tensor, group: Mapping[str, Any], settings: MuonSettings | None = None
     ) -> dict[str, torch.Tensor]:
-        """Muon's state; the row state holds the whole matrices' rows (:mod:`.row_state`)."""
+        """Muon's state; its row states hold the whole matrices' rows (:mod:`.row_state`)."""
         state = self.state[p]
-        if group["algorithm"] == "muon" and ROW_STATE.key not in state:
+        if group["algorithm"] == "muon":
             settings = settings if settings is not None else MuonSettings.from_group(group)
-            if ROW_STATE.kept(settings):
-                state[ROW_STATE.key] = self.tp_matrices.row_state_zeros(
-                    self._matrix_view(p, group),
-                    self._plan_of(p),
-                    ROW_STATE.dtype(settings, p.dtype),
-                    p.device,
-                )
+            for spec in replicated_declarations(settings):
+                if spec.key not in state:
+                    state[spec.key] = self.tp_matrices.row_state_zeros(
+                        self._matrix_view(p, group),
+                        self._plan_of(p),
+                        spec.dtype(settings, p.dtype),
+                        p.device,
+                    )
         return super()._init_state(p, group, settings)
 
     def _plan_of(self, p: torch.Tensor) -> ParamPlan:
@@ -268,10 +270,9 @@ class MegatronDistributedMuon(DistributedMuon):
         self.routing = {pl.name: RouteDecision(pl.algorithm, pl.reason) for pl in self.plans}
         self.tp_matrices = TensorParallelMatrices(groups, config)
         for state, view, plan in self._row_state_entries():  # the owners': the whole rows
-            held = state[ROW_STATE.key]
-            state[ROW_STATE.key] = self.tp_matrices.row_state_zeros(
-                view, plan, held.dtype, held.device
-            )
+            for key in held_row_state(state):
+                held = state[key]
+                state[key] = self.tp_matrices.row_state_zeros(view, plan, held.dtype, held.device)
         self.orthogonalizer = orthogonalizer or TensorParallelOrthogonalizer(
             groups, config, counter=self.wire_counter, memory=self.memory
         )
@@ -341,7 +342,7 @@ class MegatronDistributedMuon(DistributedMuon):
             [self._plan_by_id[id(self.model_param(p))] for p in params],
             group,
             self.orthogonalizer,
-            [s.get(ROW_STATE.key) for s in states],
+            [replicated_state(s, MuonSettings.from_group(group)) for s in states],
         )
 
     @torch.no_grad()

@@ -1,15 +1,15 @@
-"""The matrices of a Megatron parameter in its TP group, and the replicated row state.
+"""The matrices of a Megatron parameter in its TP group, and the replicated row states.
 
 Each Muon matrix of a TP-sharded parameter is one exchange entry: its TP pieces (``"exact"``)
 or, in ``"approximate_blockwise"`` mode and for matrices a rank holds whole, a matrix whole on
 this rank. Its update is scaled by its *global* shape either way.
 
-The row state (the matrix step's per-row second moment, ``placement="replicated"``) is the
-whole matrices' rows, a replica on every TP rank, stepped on every rank from the statistics
-the owner computed. A checkpoint keeps each TP rank's own rows only (its pieces' rows, as every
-other TP-sharded tensor of that rank's state), and loading all-gathers them over the TP group
-back into the whole replica; a checkpoint of an earlier version, which held those rows only,
-loads the same way.
+A row state (a state declared ``placement="replicated"``, such as NorMuon's row second moment)
+holds the whole matrices' rows, a replica on every TP rank, stepped on every rank from the
+statistics the owner computed. A checkpoint keeps each TP rank's own rows only (its pieces'
+rows, as every other TP-sharded tensor of that rank's state), and loading all-gathers them
+over the TP group back into the whole replica; a checkpoint of an earlier version, which held
+those rows only, loads the same way. Every row state is handled alike, by its declaration.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from muonscale.declared_state import ROW_STATE
+from muonscale.declared_state import replicated_declarations
 from muonscale.distributed.comm import Communicator, WireCounter
 from muonscale.distributed.sharded import MatrixLayout
 from muonscale.matrices import MatrixView
@@ -29,7 +29,12 @@ from .config import MegatronMuonConfig
 from .plan import MegatronGroups, ParamPlan
 
 RowStateEntry = tuple[dict, MatrixView, ParamPlan]
-"""A parameter's state (holding the row state), its matrix view and its plan."""
+"""A parameter's state (holding row state), its matrix view and its plan."""
+
+
+def held_row_state(state: Mapping[str, Any]) -> list[str]:
+    """The keys of the row states (replicated states) ``state`` holds, in declaration order."""
+    return [t.key for t in replicated_declarations() if t.key in state]
 
 
 class TensorParallelMatrices:
@@ -80,12 +85,12 @@ class TensorParallelMatrices:
         view_of: Callable[[torch.Tensor, Mapping[str, Any]], MatrixView],
         plan_of: Callable[[torch.Tensor], ParamPlan],
     ) -> list[RowStateEntry]:
-        """(state, matrix view, plan) of every Muon parameter whose state holds the row state."""
+        """(state, matrix view, plan) of every Muon parameter whose state holds row state."""
         out = []
         for group in param_groups:
             for p in group["params"] if group["algorithm"] == "muon" else ():
                 state = states.get(p, {})
-                if ROW_STATE.key in state:
+                if held_row_state(state):
                     out.append((state, view_of(p, group), plan_of(p)))
         return out
 
@@ -101,15 +106,17 @@ class TensorParallelMatrices:
         for saved, group in zip(packed["param_groups"], param_groups):
             for index, p in zip(saved["params"], group["params"]):
                 entry = packed["state"].get(index, {})
-                if group["algorithm"] == "muon" and ROW_STATE.key in entry:
-                    rows = self.rank_rows(entry[ROW_STATE.key], view_of(p, group), plan_of(p))
-                    packed["state"][index] = {**entry, ROW_STATE.key: rows}
+                keys = held_row_state(entry) if group["algorithm"] == "muon" else []
+                if keys:
+                    view, plan = view_of(p, group), plan_of(p)
+                    rows = {key: self.rank_rows(entry[key], view, plan) for key in keys}
+                    packed["state"][index] = {**entry, **rows}
 
     @staticmethod
-    def restore_(entries: Sequence[RowStateEntry], wholes: Sequence[torch.Tensor]) -> None:
+    def restore_(entries: Sequence[RowStateEntry], wholes: Sequence[dict]) -> None:
         """Put back the whole row states :meth:`to_rank_rows_` returned."""
         for (state, _, _), whole in zip(entries, wholes):
-            state[ROW_STATE.key] = whole
+            state.update(whole)
 
     def _rank(self, plan: ParamPlan) -> int:
         group = self.tp_group(plan.expert)
@@ -124,12 +131,13 @@ class TensorParallelMatrices:
             start += lay.shape[0]
         return torch.cat(parts)
 
-    def to_rank_rows_(self, entries: Sequence[RowStateEntry]) -> list[torch.Tensor]:
-        """Replace each whole row state by this rank's rows; returns the whole ones."""
+    def to_rank_rows_(self, entries: Sequence[RowStateEntry]) -> list[dict]:
+        """Replace each whole row state by this rank's rows; returns the whole ones (by key)."""
         wholes = []
         for state, view, plan in entries:
-            wholes.append(state[ROW_STATE.key])
-            state[ROW_STATE.key] = self.rank_rows(wholes[-1], view, plan)
+            wholes.append({key: state[key] for key in held_row_state(state)})
+            for key, whole in wholes[-1].items():
+                state[key] = self.rank_rows(whole, view, plan)
         return wholes
 
     @torch.no_grad()
@@ -143,22 +151,24 @@ class TensorParallelMatrices:
             if not items:
                 continue
             comm = Communicator(self.tp_group(expert), counter=counter)
-            flat = torch.cat([state[ROW_STATE.key].float() for state, _, _ in items])
+            rows = [(state, key) for state, _, _ in items for key in held_row_state(state)]
+            flat = torch.cat([state[key].float() for state, key in rows])
             gathered = flat.new_empty(comm.world_size * flat.numel())
             comm.all_gather(gathered, flat, tag="checkpoint")
             gathered = gathered.view(comm.world_size, flat.numel())
             offset = 0
             for state, view, plan in items:
-                mine = state[ROW_STATE.key]
                 layouts = self.layouts(view, plan)[0]
-                whole = torch.zeros(
-                    sum(lay.shape[0] for lay in layouts), dtype=mine.dtype, device=mine.device
-                )
-                start = 0
-                for lay in layouts:
-                    held = lay.piece_shape(0)[0]  # every rank holds as many rows
-                    target = whole[start : start + lay.shape[0]]
-                    for rank in range(comm.world_size):
-                        target[lay.pieces[rank][0]] = gathered[rank, offset : offset + held]
-                    start, offset = start + lay.shape[0], offset + held
-                state[ROW_STATE.key] = whole
+                for key in held_row_state(state):
+                    mine = state[key]
+                    whole = torch.zeros(
+                        sum(lay.shape[0] for lay in layouts), dtype=mine.dtype, device=mine.device
+                    )
+                    start = 0
+                    for lay in layouts:
+                        held = lay.piece_shape(0)[0]  # every rank holds as many rows
+                        target = whole[start : start + lay.shape[0]]
+                        for rank in range(comm.world_size):
+                            target[lay.pieces[rank][0]] = gathered[rank, offset : offset + held]
+                        start, offset = start + lay.shape[0], offset + held
+                    state[key] = whole

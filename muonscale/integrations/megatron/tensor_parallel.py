@@ -11,11 +11,18 @@ import torch
 
 from muonscale import functional, matrix_step
 from muonscale.distributed.comm import WireCounter
-from muonscale.distributed.exchange import LocalExchange, MatrixExchange, PieceExchange
+from muonscale.distributed.exchange import (
+    LocalExchange,
+    MatrixExchange,
+    PieceExchange,
+    step_through_exchange,
+)
 from muonscale.distributed.sharded import MatrixLayout
 from muonscale.matrices import MatrixView
+from muonscale.matrix_step import RowStates
 from muonscale.memory import MemoryBudget
 from muonscale.settings import MuonSettings
+from muonscale.state_tensor import StateTensor
 
 from .config import MegatronMuonConfig
 from .plan import MegatronGroups, ParamPlan
@@ -34,7 +41,8 @@ class TensorParallelOrthogonalizer:
     and each parameter's row state (the whole matrices' rows, a replica on every TP rank:
     :mod:`.row_state`); it returns the scaled updates, parameter-shaped. The owner computes the
     row statistics of the whole O, the exchange shares them (one float32 all-reduce per TP
-    group and step, tag ``"muon_tp_rows"``) and every rank steps its replica. Collective over
+    group and step, tag ``"muon_tp_rows"``) and every rank steps its replica
+    (:func:`~muonscale.distributed.exchange.step_through_exchange`). Collective over
     each TP group (every rank of it calls with the same matrices); bytes are counted in
     ``counter``. ``approximate_blockwise``: each rank's piece is a matrix of its own.
     """
@@ -58,7 +66,7 @@ class TensorParallelOrthogonalizer:
         views: Sequence[MatrixView],
         plans: Sequence[ParamPlan],
         group: Mapping[str, Any],
-        row_states: Sequence[torch.Tensor | None] | None = None,  # whole rows, per parameter
+        row_states: Sequence[RowStates] | None = None,  # whole rows, per parameter
     ) -> list[torch.Tensor]:
         settings = MuonSettings.from_group(group)
         extra = self.config.muon_extra_scale_factor
@@ -70,8 +78,11 @@ class TensorParallelOrthogonalizer:
                 view, settings, shapes=shapes, extra_scale=extra, scaled=True
             )
             rows = _row_slices(layouts, None if row_states is None else row_states[i])
-            if any(r.has_row_state for r in rules) and rows[0] is None:
-                raise ValueError(f"parameter '{plan.name}': its rule needs its row state")
+            missing = [
+                s.what for rule, row in zip(rules, rows) for s in rule.row_state if s not in row
+            ]
+            if missing:
+                raise ValueError(f"parameter '{plan.name}': its rule needs {missing[0]}")
             batch, entries = batches[plan.expert], []
             for mat, layout, rule, row in zip(view.to_matrices(direction), layouts, rules, rows):
                 entries.append((plan.expert, len(batch.pieces)))
@@ -98,32 +109,24 @@ class TensorParallelOrthogonalizer:
 
     def _step(self, expert: bool, batch: _Batch) -> list[torch.Tensor]:
         """This rank's pieces of the matrix step's results; every replica's row state stepped."""
-        exchange = self._exchange(expert, batch.layouts)
         workspace = self.memory.ns_workspace_bytes
-        owner_stats: dict[int, torch.Tensor] = {}
 
-        def owner_step(indices: list[int], matrices: list[torch.Tensor]) -> list[torch.Tensor]:
-            out, stats = matrix_step.matrix_updates(
+        def owner_step(indices: list[int], matrices: list[torch.Tensor]):
+            return matrix_step.matrix_updates(
                 matrices,
                 [batch.rules[i] for i in indices],
                 [batch.rows[i] for i in indices],
-                step_row_state=False,  # replicas: every TP rank steps its own below
+                step_row_state=False,  # replicas: every TP rank steps its own
                 max_workspace_bytes=workspace,
             )
-            owner_stats.update((i, st) for i, st in zip(indices, stats) if st is not None)
-            return out
 
-        pieces = exchange.run(batch.pieces, owner_step)
-        rows = [
-            lay.shape[0] if rule.has_row_state else None
-            for lay, rule in zip(batch.layouts, batch.rules)
-        ]
-        if any(r is not None for r in rows):
-            shared = exchange.share_row_statistics(owner_stats, rows)
-            matrix_step.step_row_replicas_(
-                batch.rows, [shared.get(i) for i in range(len(batch.rules))], batch.rules
-            )
-        return pieces
+        return step_through_exchange(
+            self._exchange(expert, batch.layouts),
+            batch.pieces,
+            owner_step,
+            batch.rows,
+            [rule.settings for rule in batch.rules],
+        )
 
 
 class _Batch:
@@ -133,7 +136,7 @@ class _Batch:
         self.pieces: list[torch.Tensor] = []
         self.layouts: list[MatrixLayout] = []
         self.rules: list[matrix_step.MatrixRule] = []
-        self.rows: list[torch.Tensor | None] = []
+        self.rows: list[RowStates] = []
 
     def add(self, piece, layout, rule, rows) -> None:
         self.pieces.append(piece)
@@ -147,15 +150,15 @@ def _piece_shapes(layout: MatrixLayout) -> tuple[tuple[int, int], ...]:
 
 
 def _row_slices(
-    layouts: Sequence[MatrixLayout], row_state: torch.Tensor | None
-) -> list[torch.Tensor | None]:
-    """Each whole matrix's rows of a parameter's row state (None: the parameter has none)."""
-    if row_state is None:
-        return [None] * len(layouts)
-    out, start = [], 0
-    for lay in layouts:
-        out.append(row_state[start : start + lay.shape[0]])
-        start += lay.shape[0]
+    layouts: Sequence[MatrixLayout], row_states: RowStates | None
+) -> list[dict[StateTensor, torch.Tensor]]:
+    """Each whole matrix's rows of a parameter's replicated row states, by declaration."""
+    out: list[dict[StateTensor, torch.Tensor]] = [{} for _ in layouts]
+    for spec, state in (row_states or {}).items():
+        start = 0
+        for rows, lay in zip(out, layouts):
+            rows[spec] = state[start : start + lay.shape[0]]
+            start += lay.shape[0]
     return out
 
 
@@ -168,7 +171,7 @@ class Orthogonalizer(Protocol):
         views: Sequence[MatrixView],
         plans: Sequence[ParamPlan],
         group: Mapping[str, Any],
-        row_states: Sequence[torch.Tensor | None] | None = None,
+        row_states: Sequence[RowStates] | None = None,
     ) -> list[torch.Tensor]: ...
 
 
@@ -181,7 +184,7 @@ def muon_update_(
     plans: Sequence[ParamPlan],
     group: Mapping[str, Any],
     orthogonalize: Orthogonalizer,
-    row_states: Sequence[torch.Tensor | None] | None = None,  # whole rows, per parameter
+    row_states: Sequence[RowStates] | None = None,  # whole rows, per parameter
 ) -> None:
     """Muon's step with an injected orthogonalizer: B ← B.lerp(G, 1 − μ), U = G.lerp(B, μ) or
     B; W ← W (1 − η λ) − η · ``orthogonalize(U)`` with the matrix step's apply rule of a scaled
