@@ -404,7 +404,7 @@ class TrainingRun:
         if tensorboard is not None and self.rank == 0:
             from muonscale.train.tensorboard_log import TrainTensorBoard
 
-            board = TrainTensorBoard(tensorboard, self.optimizer, every=config.log_every)
+            board = TrainTensorBoard(tensorboard, self.optimizer, every=config.log_every, log=log)
         result: StepResult | None = None
         val_loss: float | None = None
         interrupted = False
@@ -463,7 +463,7 @@ class TrainingRun:
             if bar is not None:
                 bar.close()
             if board is not None:
-                board.close()
+                board.close(self.step_count)
             log.close()
         stop.saving = True
         if checkpoint_path is not None and self.last_checkpoint != (
