@@ -92,10 +92,12 @@ def extras_not_pickled(
     )
     warnings.warn(
         "muonscale.Muon unpickled from muonscale 0.1, which pickled torch's state only: the "
-        "copy steps with the pickled param groups and state, and nonfinite takes its default "
-        "'raise' (set opt.nonfinite = 'skip' to skip non-finite steps instead); parameter "
-        "names and routing were not recorded (messages name param-group slots), and "
-        "add_param_group takes AdamW's options from the first AdamW group",
+        "copy steps with the pickled param groups and state, and the options kept outside "
+        "them take their defaults: nonfinite='raise' (set opt.nonfinite = 'skip' to skip "
+        "non-finite steps instead) and no splits (an optimizer built with splits= must be "
+        "built again with them, then load this copy's state_dict()). Parameter names and "
+        "routing were not recorded (messages name param-group slots); add_param_group takes "
+        "AdamW's options from the first AdamW group",
         UserWarning,
         stacklevel=5,  # the caller of torch.load or copy.deepcopy
     )
