@@ -598,6 +598,21 @@ def medians(rows: list[dict]) -> list[dict]:
     return out
 
 
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``"2x1,4x1,2x2"`` as (hosts, processes per host) pairs (empty entries skipped);
+    ``ValueError`` saying the form."""
+    shapes = []
+    for entry in filter(None, text.split(",")):
+        hosts, _, procs = entry.partition("x")
+        if not (hosts.isdigit() and procs.isdigit() and int(hosts) > 0 and int(procs) > 0):
+            raise ValueError(
+                f"expected HxP[,HxP...] (H hosts, P processes per host, positive integers, "
+                f"e.g. 2x1,4x1,2x2); {entry!r} is not"
+            )
+        shapes.append((int(hosts), int(procs)))
+    return shapes
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -659,6 +674,11 @@ def main(argv=None) -> int:
             setattr(a, key, value)
     if a.procs is not None:  # --hosts x --procs, as before the shapes
         a.shapes = ",".join(f"{h}x{p}" for h in a.hosts.split(",") for p in a.procs.split(","))
+    try:
+        shapes = parse_shapes(a.shapes)
+    except ValueError as error:
+        flag = "--shapes" if a.procs is None else "--hosts/--procs"
+        ap.error(f"{flag} {a.shapes!r}: {error}")
     wall_start = time.monotonic()
     reason = unavailable_reason()
     if reason:
@@ -668,7 +688,6 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, faults, errors = [], [], []
-    shapes = [tuple(map(int, x.split("x"))) for x in a.shapes.split(",") if x]
     names = [n for n in a.contenders.split(",") if n]
     links = a.links.split(",") if names else []
     for link in links:  # every repeat of one link, so that auto sees all the veth runs

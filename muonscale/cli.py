@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import signal
 import sys
+from pathlib import Path
 
 import muonscale
 
@@ -121,7 +122,7 @@ def _config_or_exit(cls: type, args: argparse.Namespace):
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from muonscale.bench import BenchConfig, prepare_out_dir, run_bench
+    from muonscale.bench import BenchConfig, prepare_out_dir, run_bench, writable_folder
     from muonscale.bench.runner import train_config_for
     from muonscale.memory import MemoryBudget
 
@@ -144,6 +145,8 @@ def _bench(args: argparse.Namespace) -> int:
             args.command_parser.error(f"--data: {error}")
     try:
         out_dir = prepare_out_dir(config.out)
+        if config.tensorboard is not None:
+            writable_folder(Path(config.tensorboard), "--tensorboard")
     except OSError as error:
         args.command_parser.error(str(error))
     run_bench(dataclasses.replace(config, out=str(out_dir)))

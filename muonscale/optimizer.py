@@ -51,6 +51,7 @@ from .optimizer_state import (
     attributes_added_since,
     check_state_dict,
     created_state,
+    extras_not_pickled,
     pickled_extras,
     restore_loaded,
     state_bytes,
@@ -345,6 +346,8 @@ class Muon(torch.optim.Optimizer):
         self.__dict__.setdefault("_backward_ns", None)
         self.momentum_stacks = MomentumStacks()  # new state tensors: restacked at the next step
         upgraded_groups(self.param_groups)
+        if extras is None and "param_table" not in self.__dict__:  # pickled by muonscale 0.1
+            extras = extras_not_pickled(self.param_groups, self.defaults)
         if extras is None:  # load_state_dict: same parameters, same attributes
             held = self.__dict__.pop("_held_state_loaded", None)
             if held is not None:  # loaded by the layout itself: torch copied no tensor

@@ -22,6 +22,7 @@ from .optimizer_options import (
 )
 from .param_table import ParamTable
 from .params import ALGORITHMS, RouteDecision, route, route_one, transposed_weights
+from .settings import group_schedule
 
 PARAMS_TYPE_ERROR = (
     "params argument given to the optimizer should be an iterable of Tensors or dicts"
@@ -185,8 +186,9 @@ def resolved_group(
     param_groups: list[dict[str, Any]],
 ) -> dict[str, Any]:
     """``param_group`` (one algorithm) ready for torch's ``add_param_group``: named in
-    ``table``, completed from the optimizer's defaults and checked; an lr tensor another of
-    ``param_groups`` (the groups added so far) holds is copied."""
+    ``table``, completed from the optimizer's defaults (a Muon group's Newton–Schulz schedule
+    by its own preconditioner: :func:`~muonscale.settings.group_schedule`) and checked; an lr
+    tensor another of ``param_groups`` (the groups added so far) holds is copied."""
     named, has_names = named_entries(table, param_group)
     params = [p for _, p in named]
     param_group["params"] = params
@@ -196,6 +198,7 @@ def resolved_group(
     if algorithm not in ALGORITHMS:
         raise ValueError(f"param group 'algorithm' must be one of {ALGORITHMS}, got {algorithm!r}")
     if algorithm == "muon":
+        param_group.update(group_schedule(param_group, muon_defaults))
         for key, value in muon_defaults.items():
             param_group.setdefault(key, value)
         validate_muon_group(param_group)

@@ -77,6 +77,42 @@ def pickled_extras(opt: Any) -> dict[str, Any]:
     )
 
 
+def extras_not_pickled(
+    param_groups: list[dict[str, Any]], defaults: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The extras (as :func:`pickled_extras` writes them) of a pickle written before they were
+    pickled (muonscale 0.1: torch's ``defaults``, ``state`` and ``param_groups`` only), each
+    at its default, as torch fills options a checkpoint lacks; a warning names what was not
+    recorded. ``param_groups``: the copy's, already upgraded (:func:`upgraded_groups`)."""
+    adamw = next((g for g in param_groups if g["algorithm"] == "adamw"), None)
+    adamw_defaults = dict(
+        lr=adamw["lr"] if adamw is not None else defaults.get("lr", OPTION_DEFAULTS["lr"]),
+        betas=tuple(adamw["betas"]) if adamw is not None else (0.9, 0.95),
+        eps=adamw["eps"] if adamw is not None else 1e-8,
+        weight_decay=None,
+    )
+    warnings.warn(
+        "muonscale.Muon unpickled from muonscale 0.1, which pickled torch's state only: the "
+        "copy steps with the pickled param groups and state, and the options kept outside "
+        "them take their defaults: nonfinite='raise' (set opt.nonfinite = 'skip' to skip "
+        "non-finite steps instead) and no splits (an optimizer built with splits= must be "
+        "built again with them, then load this copy's state_dict()). Parameter names and "
+        "routing were not recorded (messages name param-group slots); add_param_group takes "
+        "AdamW's options from the first AdamW group",
+        UserWarning,
+        stacklevel=5,  # the caller of torch.load or copy.deepcopy
+    )
+    return dict(
+        routing={},
+        names=[[None] * len(g["params"]) for g in param_groups],
+        split_rows=[[None] * len(g["params"]) for g in param_groups],
+        nonfinite="raise",
+        skipped_steps=0,
+        muon_defaults={k: v for k, v in defaults.items() if k in OPTION_DEFAULTS},
+        adamw_defaults=adamw_defaults,
+    )
+
+
 def attributes_added_since(present: Mapping[str, Any]) -> dict[str, Any]:
     """The attributes of :class:`muonscale.Muon` missing from ``present`` (its ``__dict__``
     after torch's ``__setstate__``), with their values: options added after an object was

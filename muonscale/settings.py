@@ -195,6 +195,20 @@ def schedule_defaults(options: Mapping[str, Any]) -> tuple[int, str]:
     return PRECONDITIONER_SCHEDULES.get(preconditioner, PRECONDITIONER_SCHEDULES["frobenius"])
 
 
+def group_schedule(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``ns_steps`` and ``coefficients`` a Muon param group lacks, resolved as the
+    constructor resolves them: the optimizer's (``defaults``) where it was given them, else
+    the default of the group's own preconditioner. An optimizer given exactly its
+    preconditioner's default schedule is taken as given none."""
+    inherited = schedule_defaults(defaults)
+    own = schedule_defaults(group if "preconditioner" in group else defaults)
+    return {
+        key: defaults[key] if defaults[key] != inherited_default else own_default
+        for key, inherited_default, own_default in zip(("ns_steps", "coefficients"), inherited, own)
+        if key not in group
+    }
+
+
 def checked_variant_options(given: Mapping[str, Any], owner: str) -> dict[str, Any]:
     """Every option of :data:`VARIANT_KEYWORDS`, from the ``given`` keyword arguments or the
     defaults, checked: ``TypeError`` for a keyword ``owner`` (a class name) does not take,

@@ -25,6 +25,15 @@ SINGLE_PROCESS = {
 }
 """Options of single-process ``Muon`` (on top of ``BASE``), one asset each."""
 
+PICKLED_BY_0_1 = {
+    "muon": {},
+    "bf16_momentum": dict(momentum_dtype=torch.bfloat16),
+    "nonfinite_skip": dict(nonfinite="skip"),
+}
+"""Options of ``Muon`` (on top of ``BASE``) pickled by muonscale 0.1.0 (commit 2c7e802), one
+asset each (``pickled-0.1/<case>.pt``). That version pickled torch's state only (``defaults``,
+``state``, ``param_groups``): not ``nonfinite``, nor the parameters' names."""
+
 DISTRIBUTED = {"muon": {}, "normuon": dict(normalize="row")}
 """Options of the 2-rank DCP assets (``DistributedMuon`` and ``DTensorMuon``)."""
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import shutil
 
 import pytest
-from bench_tiny import LinearRun
+from bench_tiny import BENCH_TINY, LinearRun
 
 from muonscale.bench import run_bench
 from muonscale.bench.config import BenchConfig
+from muonscale.cli import main
 
 
 def test_event_files_hold_the_curves(tmp_path):
@@ -57,3 +60,64 @@ def test_refused_clearly_without_tensorboard(monkeypatch):
     )
     with pytest.raises(ValueError, match="--tensorboard needs the tensorboard package"):
         BenchConfig(tensorboard="tb")
+
+
+def _config(tmp_path, tensorboard) -> BenchConfig:
+    return BenchConfig(
+        steps=4,
+        tokens_per_step=256,
+        memory_probe_steps=0,
+        progress=False,
+        plots=False,
+        out=str(tmp_path / "out"),
+        tensorboard=str(tensorboard),
+    )
+
+
+def test_tensorboard_folder_is_checked_before_any_training(tmp_path, monkeypatch, capsys):
+    """``--tensorboard afile/tb`` (``afile`` a file) is refused as ``--out`` is: by the CLI
+    with a usage error, by ``run_bench`` with an ``OSError``, both naming the flag."""
+    pytest.importorskip("tensorboard")
+    import muonscale.bench.runner as runner
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a training run was built before --tensorboard was checked")
+
+    monkeypatch.setattr(runner, "make_run", no_training)
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            [
+                "bench",
+                *BENCH_TINY,
+                "--out",
+                str(tmp_path / "out"),
+                "--tensorboard",
+                str(blocker / "tb"),
+            ]
+        )
+    assert exit_info.value.code == 2
+    assert f"--tensorboard {blocker / 'tb'} is not a writable folder" in capsys.readouterr().err
+    with pytest.raises(OSError, match="--tensorboard .* is not a writable folder"):
+        run_bench(_config(tmp_path, blocker / "tb"), make_run=no_training)
+
+
+def test_a_late_tensorboard_failure_keeps_the_report(tmp_path, capsys):
+    """The folder was fine when checked, and is a file by the time the curves are written: the
+    failure is reported and the report is written all the same."""
+    pytest.importorskip("tensorboard")
+    board = tmp_path / "tb"
+
+    def make_run(config, contender, lr, steps=None):
+        if not board.is_file():  # taken away while the bench trains
+            shutil.rmtree(board, ignore_errors=True)
+            board.write_text("")
+        return LinearRun({"adamw": 0.05, "muon": 0.1}[contender])
+
+    report = run_bench(_config(tmp_path, board), make_run=make_run)
+    err = capsys.readouterr().err
+    assert f"--tensorboard {board}" in err and "the report is written without them" in err
+    saved = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert saved["contenders"].keys() == report["contenders"].keys() == {"adamw", "muon"}
+    assert (tmp_path / "out" / "report.md").is_file()

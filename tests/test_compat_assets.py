@@ -6,6 +6,8 @@ recording's torch and CPU kernels, and within 1e-6 relative elsewhere."""
 from __future__ import annotations
 
 import copy
+import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 from compat_cases import (
     BASE,
     DISTRIBUTED,
+    PICKLED_BY_0_1,
     SAVE_AT,
     SINGLE_PROCESS,
     Tiny,
@@ -120,3 +123,68 @@ def _resume_dcp(rank: int, world_size: int, kind: str, case: str) -> dict:
 def test_dcp_checkpoint_at_2_ranks_loads_and_continues(kind, case):
     for rank, result in enumerate(shared_pool(2).run(_resume_dcp, kind, case)):
         assert result == {"state": [], "step": []}, (kind, case, rank)
+
+
+def _pickled_0_1(case: str) -> dict:
+    return torch.load(ASSETS / "pickled-0.1" / f"{case}.pt", weights_only=False)
+
+
+def _step_unpickled(opt: muonscale.Muon, order: list[list[str]], step: int) -> dict:
+    """One step of ``opt`` with the gradients of ``step``; its parameters by name (``order``:
+    the model's name of each param-group slot)."""
+    params = {n: p for g, names in zip(opt.param_groups, order) for n, p in zip(names, g["params"])}
+    for name, grad in gradients(Tiny(), step).items():
+        params[name].grad = grad
+    opt.step()
+    return {n: p.detach().clone() for n, p in params.items()}
+
+
+@pytest.mark.parametrize("case", sorted(PICKLED_BY_0_1))
+def test_pickle_of_0_1_steps_as_a_fresh_optimizer(case):
+    """A ``Muon`` pickled by muonscale 0.1.0 (torch's state only) continues the run: its step
+    equals the one 0.1.0 recorded and, bitwise, a fresh ``Muon`` of today's loaded with the
+    same state."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        record = _pickled_0_1(case)
+    opt = record["optimizer"]
+    state_dict = copy.deepcopy(record["state_dict"])  # AdamW's state tensors are shared
+    assert type(opt) is muonscale.Muon
+    stepped = _step_unpickled(opt, record["param_order"], SAVE_AT)
+    assert step_mismatches(record["next_params"], stepped) == []
+    assert opt.nonfinite == "raise"  # not in the pickle: the default, and a warning says so
+    said = [str(w.message) for w in caught if "muonscale 0.1" in str(w.message)]
+    assert len(said) == 1 and "nonfinite='raise'" in said[0] and "splits" in said[0], said
+
+    model = Tiny(seed=1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(record["params"][n])
+    fresh = muonscale.Muon(model, **BASE, **dict(PICKLED_BY_0_1[case], nonfinite="raise"))
+    fresh.load_state_dict(state_dict)
+    train(model, fresh, range(SAVE_AT, SAVE_AT + 1))
+    assert all(torch.equal(stepped[n], p) for n, p in params_of(model).items())
+    assert state_mismatches(fresh.state_dict()["state"], opt.state_dict()["state"]) == []
+
+
+def test_pickle_of_0_1_raises_at_a_nonfinite_gradient():
+    """0.1.0 did not pickle ``nonfinite``: the copy takes the default, ``"raise"`` (a NaN
+    gradient raises naming the parameter and changes nothing), and says so when unpickled."""
+    with pytest.warns(UserWarning, match="nonfinite"):
+        record = _pickled_0_1("nonfinite_skip")
+    opt = record["optimizer"]
+    slots = zip(opt.param_groups, record["param_order"])
+    params = {n: p for g, names in slots for n, p in zip(names, g["params"])}
+    before = {n: p.detach().clone() for n, p in params.items()}
+    for name, grad in gradients(Tiny(), SAVE_AT).items():
+        params[name].grad = grad
+    params["fc.weight"].grad[0, 0] = float("nan")
+    group, index = next(
+        (g, names.index("fc.weight"))
+        for g, names in enumerate(record["param_order"])
+        if "fc.weight" in names
+    )
+    slot = f"param_groups[{group}]['params'][{index}]"  # 0.1 did not pickle names
+    with pytest.raises(muonscale.NonFiniteGradientError, match=re.escape(slot)):
+        opt.step()
+    assert all(torch.equal(before[n], p) for n, p in params.items())

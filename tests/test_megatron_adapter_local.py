@@ -6,6 +6,8 @@ handling and checkpoints, each against a plain-torch oracle."""
 from __future__ import annotations
 
 import copy
+import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -174,6 +176,60 @@ def test_bad_configuration_names_the_option():
         megatron_muon(_model(torch.float16), MegatronMuonConfig())
     with pytest.raises(ValueError, match="approximate_blockwise"):
         MegatronMuonConfig(muon_tp_mode="blockwise")
+
+
+def _megatron_optimizer_config(**changes):
+    """The fields of Megatron-Core's ``OptimizerConfig`` that ``from_megatron`` reads, at
+    Megatron's defaults (a stand-in: megatron-core is not installed in the main suite)."""
+    fields = dict(
+        lr=3e-4,
+        weight_decay=0.1,
+        muon_momentum=0.95,
+        muon_nesterov=False,
+        muon_split_qkv=True,
+        muon_num_ns_steps=5,
+        muon_extra_scale_factor=1.0,
+        muon_scale_mode="spectral",
+        muon_coefficient_type="quintic",
+        muon_fp32_matmul_prec="medium",
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_eps=1e-8,
+        clip_grad=1.0,
+    )
+    return SimpleNamespace(**{**fields, **changes})
+
+
+@pytest.mark.parametrize("factor", [float("nan"), float("inf"), -1.0, 0.0, "2", True])
+def test_extra_scale_factor_is_a_positive_finite_number(factor):
+    """A NaN or inf factor turned every Muon weight NaN at the first step, a negative one made
+    the update go uphill: each is refused when the config is made, naming the field."""
+    match = "muon_extra_scale_factor must be a positive finite number"
+    with pytest.raises(ValueError, match=match):
+        MegatronMuonConfig(muon_extra_scale_factor=factor)
+    with pytest.raises(ValueError, match=match):
+        MegatronMuonConfig().replaced(muon_extra_scale_factor=factor)
+    if not isinstance(factor, (str, bool)):
+        with pytest.raises(ValueError, match=match):
+            MegatronMuonConfig.from_megatron(
+                _megatron_optimizer_config(muon_extra_scale_factor=factor)
+            )
+    assert MegatronMuonConfig(muon_extra_scale_factor=0.5).muon_extra_scale_factor == 0.5
+
+
+@pytest.mark.parametrize(
+    "field, value, accepted",
+    [
+        ("muon_scale_mode", "spectal", "'shape_scaling', 'spectral', 'unit_rms_norm'"),
+        ("muon_fp32_matmul_prec", "hihg", "'high', 'highest', 'low', 'medium'"),
+    ],
+)
+def test_from_megatron_names_a_misspelt_field_and_its_values(field, value, accepted):
+    config = MegatronMuonConfig.from_megatron(_megatron_optimizer_config())
+    assert config.scale == "unit_rms" and config.ns_dtype == torch.bfloat16  # the stand-in
+    with pytest.raises(ValueError, match=re.escape(f"{field} {value!r}")) as error:
+        MegatronMuonConfig.from_megatron(_megatron_optimizer_config(**{field: value}))
+    assert accepted in str(error.value)
 
 
 def test_elementwise_backend_is_read_when_the_optimizer_is_built(monkeypatch):

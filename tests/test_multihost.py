@@ -142,3 +142,18 @@ def test_elastic_restart_across_hosts_resumes_bitwise(tmp_path):
     assert elastic["outcome"] == "resumed bitwise", elastic
     assert elastic["starts"][0] == 0 and elastic["starts"][1] >= 8  # resumed from a checkpoint
     assert elastic["smaller_world"]["outcome"] == "within tolerance", elastic
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shapes", ["2xfoo", "2", "0x1", "2x1,x2"])
+def test_a_malformed_shape_is_a_usage_error_naming_shapes(shapes, tmp_path, capsys, monkeypatch):
+    """Checked before anything runs (no root or namespaces needed to see the error)."""
+    import multihost
+
+    # were the shapes accepted, nothing may run: main then returns 2 without a usage error
+    monkeypatch.setattr(multihost, "unavailable_reason", lambda: "the test runs nothing")
+    with pytest.raises(SystemExit) as exit_info:
+        multihost.main(["--out", str(tmp_path), "--shapes", shapes])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--shapes {shapes!r}" in err and "HxP" in err, err

@@ -5,6 +5,9 @@ same config, stepped by hand, gives each step's loss and parameter change; the u
 recomputed from those in float64 and compared with the logged (float32) scalars.
 """
 
+import dataclasses
+import errno
+import json
 import math
 
 import pytest
@@ -91,3 +94,55 @@ def test_tensorboard_without_the_package_names_the_install(capsys, monkeypatch):
         main(["train", *ARGV, "--tensorboard", "tb"])
     assert exit_info.value.code == 2
     assert 'pip install "muonscale[bench]"' in capsys.readouterr().err
+
+
+def _no_space_after(monkeypatch, budget: int) -> None:
+    """TensorBoard's event files on a filesystem with ``budget`` bytes left: once its records
+    fill them, each write raises ``OSError(ENOSPC)``, in TensorBoard's writer thread, as on a
+    full disk (checkpoints and metrics go to another folder, which has room)."""
+    from tensorboard.summary.writer import record_writer
+
+    left = [budget]
+    real = record_writer.RecordWriter.write
+
+    def write(self, data):
+        left[0] -= len(data) + 16  # a record: length, its CRC, the data, the data's CRC
+        if left[0] < 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, data)
+
+    monkeypatch.setattr(record_writer.RecordWriter, "write", write)
+
+
+# TensorBoard's writer thread ends with the error (and prints it) before the run sees it
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_full_disk_for_tensorboard_stops_logging_not_the_run(tmp_path, monkeypatch, capsys):
+    """The logging failure is reported and logging stops; training, its checkpoints and the
+    final save go on: the last checkpoint holds the whole run, bitwise the run without
+    TensorBoard, and resumes as the uninterrupted run continues."""
+    _no_space_after(monkeypatch, 1000)  # the first steps' scalars fit
+    run_dir = tmp_path / "run"
+    argv = [*ARGV[: ARGV.index("--out-dir")], "--optimizer", "muon", "--steps", "6"]
+    argv += ["--checkpoint-every", "4", "--out-dir", str(run_dir)]
+    assert main(["train", *argv, "--tensorboard", str(tmp_path / "tb")]) == 0
+    err = capsys.readouterr().err
+    assert "TensorBoard logging" in err and "No space left on device" in err, err
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    failures = [e for e in events if e["event"] == "tensorboard_failed"]
+    assert len(failures) == 1 and 1 <= failures[0]["step"] < 6, failures
+    assert "No space left on device" in failures[0]["message"]
+    assert max(e["step"] for e in events if e["event"] == "train") == 6  # metrics went on
+
+    config = dataclass_from_args(TrainConfig, build_parser().parse_args(["train", *argv]))
+    straight = TrainingRun(dataclasses.replace(config, steps=7, out_dir=None))
+    for _ in range(6):
+        straight.step()
+    resumed = TrainingRun(dataclasses.replace(config, steps=7, out_dir=None))
+    resumed.load_checkpoint(run_dir / "checkpoint.pt")
+    assert resumed.step_count == 6
+    for steps in (6, 7):
+        if steps == 7:
+            straight.step()
+            resumed.step()
+        for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
+            assert torch.equal(a, b), (steps, name)

@@ -202,3 +202,49 @@ def test_aol_defaults_to_turbo_muon_four_steps_unless_given():
     g = Muon([("h.weight", w)], preconditioner="aol", ns_steps=5, coefficients="keller")
     assert (g.param_groups[0]["coefficients"], g.param_groups[0]["ns_steps"]) == ("keller", 5)
     assert Muon([("h.weight", w)]).param_groups[0]["ns_steps"] == 5
+
+
+def _schedule(group):
+    return group["preconditioner"], group["coefficients"], group["ns_steps"]
+
+
+def test_a_param_groups_preconditioner_resolves_its_schedule_as_the_constructor():
+    """A group (given to the constructor or to ``add_param_group``) that sets its own
+    preconditioner gets that preconditioner's schedule unless it or the constructor gives one;
+    its step is then the one of an optimizer built with that preconditioner (bitwise)."""
+    aol, frobenius = ("aol", "turbo_muon", 4), ("frobenius", "keller", 5)
+    torch.manual_seed(0)
+    w = [torch.nn.Parameter(torch.randn(8, 12)) for _ in range(3)]
+    grads = [torch.randn(8, 12) for _ in w]
+    by_group = Muon([{"params": [("a.weight", w[0])], "preconditioner": "aol"}], lr=0.02)
+    assert _schedule(by_group.param_groups[0]) == aol
+    by_group.add_param_group({"params": [("b.weight", w[1])], "preconditioner": "aol"})
+    assert _schedule(by_group.param_groups[1]) == aol
+    built_aol = Muon([("a.weight", w[2])], lr=0.02, preconditioner="aol")
+    built_aol.add_param_group({"params": [("c.weight", w[0])], "preconditioner": "frobenius"})
+    assert _schedule(built_aol.param_groups[1]) == frobenius
+    # a schedule the group or the constructor gives is kept, key by key
+    given = dict(preconditioner="aol", ns_steps=5, coefficients="keller")
+    by_group.add_param_group({"params": [("d.weight", w[2])], **given})
+    assert _schedule(by_group.param_groups[2]) == ("aol", "keller", 5)
+    pe = Muon([("e.weight", w[0])], coefficients="polar_express")
+    pe.add_param_group({"params": [("f.weight", w[1])], "preconditioner": "aol"})
+    assert _schedule(pe.param_groups[1]) == ("aol", "polar_express", 4)
+    assert _schedule(
+        Muon([("e.weight", w[0])], coefficients="polar_express", preconditioner="aol").param_groups[
+            0
+        ]
+    ) == ("aol", "polar_express", 4)
+
+    # the step: a group's aol equals the constructor's
+    stepped = []
+    for opt_of in (
+        lambda p: Muon([{"params": [("a.weight", p)], "preconditioner": "aol"}], lr=0.02),
+        lambda p: Muon([("a.weight", p)], lr=0.02, preconditioner="aol"),
+    ):
+        p = torch.nn.Parameter(w[0].detach().clone())
+        opt = opt_of(p)
+        p.grad = grads[0].clone()
+        opt.step()
+        stepped.append(p.detach())
+    assert torch.equal(*stepped)

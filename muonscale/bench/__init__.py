@@ -31,7 +31,14 @@ PLOTS_SKIPPED = (
     'pip install "muonscale[bench]" for them (or pass --no-plots to skip them quietly)'
 )
 
-__all__ = ["BenchConfig", "default_out_dir", "prepare_out_dir", "run_bench", "torch_threads"]
+__all__ = [
+    "BenchConfig",
+    "default_out_dir",
+    "prepare_out_dir",
+    "run_bench",
+    "torch_threads",
+    "writable_folder",
+]
 
 
 def default_out_dir() -> Path:
@@ -41,16 +48,21 @@ def default_out_dir() -> Path:
 def prepare_out_dir(path: str | Path | None) -> Path:
     """Create the output folder (``None``: :func:`default_out_dir`) and check that a file can
     be written in it, before any training; raise ``OSError`` naming the folder otherwise."""
-    out_dir = Path(path) if path else default_out_dir()
+    return writable_folder(Path(path) if path else default_out_dir(), "--out")
+
+
+def writable_folder(folder: Path, flag: str) -> Path:
+    """Create ``folder`` and check that a file can be written in it; ``OSError`` naming
+    ``flag`` (the option that chose it) and the folder otherwise."""
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out_dir):
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as error:
         raise OSError(
-            error.errno, f"--out {out_dir} is not a writable folder: {error.strerror or error}"
+            error.errno, f"{flag} {folder} is not a writable folder: {error.strerror or error}"
         ) from error
-    return out_dir
+    return folder
 
 
 def run_bench(
@@ -66,6 +78,8 @@ def run_bench(
     """
     out_dir = prepare_out_dir(config.out)
     config = dataclasses.replace(config, out=str(out_dir))
+    if config.tensorboard is not None:
+        writable_folder(Path(config.tensorboard), "--tensorboard")
     if config.nproc > 1:
         return _run_distributed(config)
     with torch_threads(config.threads):
@@ -189,12 +203,12 @@ def _run_bench(config: BenchConfig, make_run: Callable | None, stream: TextIO) -
         from muonscale.bench.plots import plot_max_logits, plot_report
 
         plot_files = plot_report(report, out_dir) + plot_max_logits(report, out_dir)
-    if config.tensorboard is not None:
-        from muonscale.bench.tensorboard_log import write_tensorboard
-
-        write_tensorboard(per_seed, config.tensorboard)
-        log(f"TensorBoard event files: {config.tensorboard}")
     write_report(report, out_dir, plot_files)
+    if config.tensorboard is not None:
+        from muonscale.bench.tensorboard_log import write_tensorboard_or_say_why
+
+        if write_tensorboard_or_say_why(per_seed, config.tensorboard, log):
+            log(f"TensorBoard event files: {config.tensorboard}")
     print(f"\nreport: {out_dir / 'report.md'}  ({report['wall_seconds']:.0f}s)", file=stream)
     if plots_skipped:
         log(PLOTS_SKIPPED)

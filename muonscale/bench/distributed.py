@@ -46,6 +46,7 @@ import dataclasses
 import json
 import math
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -197,14 +198,15 @@ def _write_outputs(report: dict, table: str, config: BenchConfig, per_seed: dict
 
         plot_files = plot_distributed(report, out)
         table += "".join(f"\n![{name}]({name})" for name in plot_files)
-    if config.tensorboard is not None:
-        from muonscale.bench.tensorboard_log import write_tensorboard
-
-        write_tensorboard(
-            {seed: _records(r["rows"]) for seed, r in per_seed.items()}, config.tensorboard
-        )
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "report.md").write_text(table + "\n")
+    if config.tensorboard is not None:
+        from muonscale.bench.tensorboard_log import write_tensorboard_or_say_why
+
+        records = {seed: _records(r["rows"]) for seed, r in per_seed.items()}
+        write_tensorboard_or_say_why(
+            records, config.tensorboard, lambda text: print(text, file=sys.stderr, flush=True)
+        )
 
 
 def _records(rows: dict) -> dict:

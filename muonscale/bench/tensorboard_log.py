@@ -12,7 +12,7 @@ and TensorBoard would otherwise show them twice).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from muonscale.bench.side_by_side import ContenderRecord
@@ -46,3 +46,20 @@ def write_tensorboard(
                 writer.close()
             written.append(run_dir)
     return written
+
+
+def write_tensorboard_or_say_why(
+    per_seed: Mapping[int, Mapping[str, ContenderRecord]],
+    folder: str | Path,
+    log: Callable[[str], None],
+) -> list[Path]:
+    """:func:`write_tensorboard`, called after the report was written: an ``OSError`` (the
+    folder gone, a full disk) is said through ``log`` and the bench goes on (returns [])."""
+    try:
+        return write_tensorboard(per_seed, folder)
+    except OSError as error:
+        log(
+            f"bench: --tensorboard {folder}: the event files could not be written ({error}); "
+            "the report is written without them"
+        )
+        return []

@@ -7,14 +7,21 @@ parameters of each algorithm's groups, divided by the group's learning rate (wei
 included), so Muon's ``match_rms_adamw`` scaling reads directly. The parameters are copied
 before each logged step, outside the step's timing; under ``--parallel fsdp`` the figure is
 rank 0's shards'.
+
+A write that fails with ``OSError`` (a full disk, the folder taken away) stops the logging, not
+the run: it is reported once, on stderr and in the run's metrics (event
+``tensorboard_failed``), and training, checkpoints and the final save go on.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from muonscale.train.run_log import MetricsLog
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -32,7 +39,9 @@ def labelled_groups(optimizer: torch.optim.Optimizer) -> list[tuple[str, dict]]:
 
 
 class TrainTensorBoard:
-    """Writes the scalars of one training run into ``folder`` (needs tensorboard)."""
+    """Writes the scalars of one training run into ``folder`` (needs tensorboard); stops
+    writing at the first ``OSError`` (see the module docstring), which it reports on stderr
+    and in ``log``, the run's metrics."""
 
     def __init__(
         self,
@@ -40,6 +49,7 @@ class TrainTensorBoard:
         optimizer: torch.optim.Optimizer,
         *,
         every: int = 1,
+        log: MetricsLog | None = None,
         land: Callable[[], None] = lambda: None,
     ):
         """``land()``: lands parameters a step left in flight (``DistributedMuon``'s deferred
@@ -48,15 +58,34 @@ class TrainTensorBoard:
 
         self.folder = Path(folder)
         self.writer = SummaryWriter(log_dir=str(self.folder))
+        """None once a write failed."""
         self.optimizer = optimizer
         self.every = max(1, every)
+        self.log = log
         self._land = land
         self._before: list[tuple[str, float, list[torch.Tensor], list[torch.Tensor]]] | None = None
+
+    def _stop(self, step: int, error: OSError) -> None:
+        """Report ``error`` (raised by a write at ``step``) and write nothing more."""
+        writer, self.writer, self._before = self.writer, None, None
+        try:
+            writer.close()
+        except OSError:
+            pass  # the same failure again: nothing more reaches the folder
+        message = str(error)
+        print(
+            f"muonscale train: TensorBoard logging to {self.folder} stopped at step {step}: "
+            f"{message}; training, checkpoints and the final save go on",
+            file=sys.stderr,
+            flush=True,
+        )
+        if self.log is not None:
+            self.log.write(event="tensorboard_failed", step=step, message=message)
 
     def before_step(self, step: int, total: int) -> None:
         """Copy the parameters when the step about to run (``step + 1``) is logged."""
         upcoming = step + 1
-        if upcoming % self.every and upcoming != total:
+        if self.writer is None or (upcoming % self.every and upcoming != total):
             self._before = None
             return
         self._land()  # the previous step's parameters, complete
@@ -66,9 +95,17 @@ class TrainTensorBoard:
             copies = [p.detach().clone() for p in params]
             self._before.append((label, float(group["lr"]), params, copies))
 
-    @torch.no_grad()
     def after_step(self, result) -> None:
         """Log the step's loss, lr, optimizer time, skipped steps and update RMS."""
+        if self.writer is None:
+            return
+        try:
+            self._log_step(result)
+        except OSError as error:
+            self._stop(result.step, error)
+
+    @torch.no_grad()
+    def _log_step(self, result) -> None:
         step = result.step
         self.writer.add_scalar("train_loss", result.loss, step)
         self.writer.add_scalar("lr", result.lr, step)
@@ -94,7 +131,18 @@ class TrainTensorBoard:
         self._before = None
 
     def evaluated(self, step: int, val_loss: float) -> None:
-        self.writer.add_scalar("val_loss", val_loss, step)
+        if self.writer is None:
+            return
+        try:
+            self.writer.add_scalar("val_loss", val_loss, step)
+        except OSError as error:
+            self._stop(step, error)
 
-    def close(self) -> None:
-        self.writer.close()
+    def close(self, step: int) -> None:
+        """Flush and close the event file (``step``: the run's last, for a failure's report)."""
+        if self.writer is None:
+            return
+        try:
+            self.writer.close()
+        except OSError as error:
+            self._stop(step, error)

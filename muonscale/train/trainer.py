@@ -405,7 +405,11 @@ class TrainingRun:
             from muonscale.train.tensorboard_log import TrainTensorBoard
 
             board = TrainTensorBoard(
-                tensorboard, self.optimizer, every=config.log_every, land=self.land_parameters
+                tensorboard,
+                self.optimizer,
+                every=config.log_every,
+                log=log,
+                land=self.land_parameters,
             )
         result: StepResult | None = None
         val_loss: float | None = None
@@ -465,7 +469,7 @@ class TrainingRun:
             if bar is not None:
                 bar.close()
             if board is not None:
-                board.close()
+                board.close(self.step_count)
             log.close()
         stop.saving = True
         if checkpoint_path is not None and self.last_checkpoint != (

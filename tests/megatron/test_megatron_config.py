@@ -67,6 +67,22 @@ def test_from_megatron_reads_optimizer_config():
 
 
 @pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("muon_scale_mode", "spectal", "muon_scale_mode 'spectal'.*'unit_rms_norm'"),
+        ("muon_extra_scale_factor", float("nan"), "muon_extra_scale_factor must be a positive"),
+        ("muon_extra_scale_factor", -1.0, "muon_extra_scale_factor must be a positive"),
+    ],
+)
+def test_from_megatron_refuses_a_bad_field_by_name(field, value, match):
+    """Megatron's own OptimizerConfig takes these values; the adapter names them."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    with pytest.raises(ValueError, match=match):
+        MegatronMuonConfig.from_megatron(OptimizerConfig(optimizer="muon", **{field: value}))
+
+
+@pytest.mark.parametrize(
     "kwargs, match",
     [
         (dict(muon_tp_mode="blockwise"), "approximate_blockwise"),

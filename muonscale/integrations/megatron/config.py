@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
@@ -203,6 +204,13 @@ class MegatronMuonConfig:
             raise ValueError(
                 f"muon_tp_mode must be one of {TP_MODES}, got {self.muon_tp_mode!r}{hint}"
             )
+        factor = self.muon_extra_scale_factor
+        finite = isinstance(factor, (int, float)) and not isinstance(factor, bool)
+        if not (finite and math.isfinite(factor) and factor > 0):
+            raise ValueError(
+                "muon_extra_scale_factor must be a positive finite number (a factor on every "
+                f"Muon update), got {factor!r}"
+            )
         if not (isinstance(self.clip_grad, (int, float)) and self.clip_grad >= 0):
             raise ValueError(
                 f"clip_grad must be a number >= 0 (0 disables), got {self.clip_grad!r}"
@@ -267,9 +275,13 @@ class MegatronMuonConfig:
             muon_split_qkv=bool(c.muon_split_qkv),
             muon_num_ns_steps=steps,
             muon_extra_scale_factor=float(getattr(c, "muon_extra_scale_factor", 1.0)),
-            scale=MEGATRON_SCALE_MODES[c.muon_scale_mode],
+            scale=_megatron_value("muon_scale_mode", c.muon_scale_mode, MEGATRON_SCALE_MODES),
             coefficients=megatron_coefficients(c.muon_coefficient_type, steps),
-            ns_dtype=MEGATRON_MATMUL_PRECISION[getattr(c, "muon_fp32_matmul_prec", "medium")],
+            ns_dtype=_megatron_value(
+                "muon_fp32_matmul_prec",
+                getattr(c, "muon_fp32_matmul_prec", "medium"),
+                MEGATRON_MATMUL_PRECISION,
+            ),
             muon_tp_mode="exact",
             adam_beta1=float(c.adam_beta1),
             adam_beta2=float(c.adam_beta2),
@@ -279,6 +291,17 @@ class MegatronMuonConfig:
         if values["scale"] != "match_rms_adamw":
             values["adam_lr"] = values["lr"]  # Megatron uses one lr for both halves
         return cls(**values).replaced(**overrides)
+
+
+def _megatron_value(field_name: str, value: Any, table: Mapping[str, Any]) -> Any:
+    """What Megatron's ``field_name`` = ``value`` maps to in ``table``; ``ValueError`` naming
+    the field and the values it accepts otherwise."""
+    if not isinstance(value, str) or value not in table:
+        raise ValueError(
+            f"OptimizerConfig.{field_name} {value!r} is not one of the values this adapter "
+            f"reads: {sorted(table)}"
+        )
+    return table[value]
 
 
 def muon_arguments(

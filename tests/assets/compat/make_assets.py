@@ -2,11 +2,20 @@
 
     PYTHONPATH=.:tests python tests/assets/compat/make_assets.py [single|dcp|all]
 
+except the pickles of muonscale 0.1.0, written by that version's code (its checkout first on
+the path; this file and ``compat_cases.py`` from today's):
+
+    git worktree add /tmp/muonscale-0.1 2c7e802
+    PYTHONPATH=/tmp/muonscale-0.1:tests python tests/assets/compat/make_assets.py pickled-0.1
+
 Each asset holds what a run saved after ``SAVE_AT`` steps and the parameters after one more
 step, so that a later version of the code can check that it loads and continues the run:
 
 * ``single/<case>.pt``: single-process ``Muon``'s ``state_dict()``, a pickle of the optimizer
   (``torch.save(opt)``), the parameters, and the next step's parameters.
+* ``pickled-0.1/<case>.pt``: the same for muonscale 0.1.0's ``Muon``, whose pickle holds
+  torch's state only (no parameter names), with ``param_order``: the model's name of every
+  param-group slot.
 * ``dcp/<kind>-<case>/``: a ``torch.distributed.checkpoint`` of ``DistributedMuon`` or
   ``DTensorMuon`` (FSDP2) at 2 gloo ranks, with ``rank<r>.pt``: that rank's local state, its
   parameters and its next step's parameters.
@@ -26,6 +35,7 @@ import torch
 from compat_cases import (
     BASE,
     DISTRIBUTED,
+    PICKLED_BY_0_1,
     SAVE_AT,
     SINGLE_PROCESS,
     Tiny,
@@ -54,6 +64,28 @@ def write_single(case: str) -> None:
     record["next_params"] = params_of(model)
     (HERE / "single").mkdir(exist_ok=True)
     torch.save(record, HERE / "single" / f"{case}.pt")
+
+
+def write_pickled_0_1(case: str) -> None:
+    assert muonscale.__version__ == "0.1.0", "run with muonscale 0.1.0 first on PYTHONPATH"
+    model = Tiny()
+    opt = muonscale.Muon(model, **BASE, **PICKLED_BY_0_1[case])
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    train(model, opt, range(SAVE_AT))
+    saved = io.BytesIO()
+    torch.save({"state_dict": opt.state_dict(), "optimizer": opt}, saved)
+    saved.seek(0)
+    record = torch.load(saved, weights_only=False)
+    record.update(
+        params=params_of(model),
+        platform=recorded_platform(),
+        param_order=[[name_of[id(p)] for p in g["params"]] for g in opt.param_groups],
+        written_by=f"muonscale {muonscale.__version__}",
+    )
+    train(model, opt, range(SAVE_AT, SAVE_AT + 1))
+    record["next_params"] = params_of(model)
+    (HERE / "pickled-0.1").mkdir(exist_ok=True)
+    torch.save(record, HERE / "pickled-0.1" / f"{case}.pt")
 
 
 def dcp_worker(rank: int, world_size: int, kind: str, case: str, path: str) -> None:
@@ -90,3 +122,6 @@ if __name__ == "__main__":
             write_single(name)
     if what in ("dcp", "all"):
         write_dcp()
+    if what == "pickled-0.1":
+        for name in PICKLED_BY_0_1:
+            write_pickled_0_1(name)
