@@ -157,7 +157,8 @@ def adamw_on_device(
         torch._foreach_add_(state_steps, 1)
     else:
         grads = [torch.where(finite, g, 0) for g in grads]
-        torch._foreach_add_(state_steps, finite.to(torch.float32))
+        # alpha= binds the .Tensor overload: .Scalar would read the 0-dim tensor on the host
+        torch._foreach_add_(state_steps, finite.to(torch.float32), alpha=1)
     if weight_decay != 0:
         decay = 1 - lr * weight_decay
         if finite is not None:

@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import muonscale
 from muonscale import Muon, NonFiniteGradientError
@@ -43,12 +44,19 @@ def _no_host_reads():
     def refuse(self, *args, **kwargs):
         raise AssertionError("a capturable step read a tensor on the host")
 
+    class RefuseScalarReads(TorchDispatchMode):  # reads inside an op's own binding too
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                raise AssertionError(f"a capturable step read a tensor on the host ({func})")
+            return func(*args, **(kwargs or {}))
+
     names = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist")
     saved = {n: getattr(torch.Tensor, n) for n in names}
     try:
         for n in names:
             setattr(torch.Tensor, n, refuse)
-        yield
+        with RefuseScalarReads():
+            yield
     finally:
         for n, f in saved.items():
             setattr(torch.Tensor, n, f)
