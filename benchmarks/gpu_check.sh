@@ -1,8 +1,8 @@
-# One device call (~2.5 min on an H200; give it timeout_s 420): the card and versions, the CUDA
-# tests, then the benchmarks/gpu.py sections behind DESIGN.md's GPU targets; all under $OUT.
+# One run on a CUDA machine (~2.5 min on an H200; allow 7): the card and versions, the CUDA
+# tests, then the benchmarks/gpu.py sections behind the GPU targets; all under $OUT.
 # The graph section runs in a process of its own: a failed capture leaves CUDA's RNG state
 # unusable for whatever runs after it in the same process. manifest.txt: SHA-256 of every .py
-# file that ran (the device tool sends a checkout's working tree, whichever commit that is).
+# file that ran (a copied working tree need not be a commit).
 # CPU dry run: PY=.venv/bin/python OUT=/tmp/dry BENCH_ARGS=--smoke bash benchmarks/gpu_check.sh
 O=${OUT:-runs/gpu_check}; P=${PY:-python3}; mkdir -p $O/graph
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
