@@ -1,4 +1,4 @@
-# One run on a CUDA machine (~2.5 min on an H200; allow 7): the card and versions, the CUDA
+# One run on a CUDA machine (~2.5 min on an H200; allow 7 min): the card and versions, the CUDA
 # tests, then the benchmarks/gpu.py sections behind the GPU targets; all under $OUT.
 # The graph section runs in a process of its own: a failed capture leaves CUDA's RNG state
 # unusable for whatever runs after it in the same process. manifest.txt: SHA-256 of every .py
