@@ -1,0 +1,21 @@
+# One run on a CUDA machine (~2.5 min on an H200; allow 7 min): the card and versions, the CUDA
+# tests, then the benchmarks/gpu.py sections behind the GPU targets; all under $OUT.
+# The graph section runs in a process of its own: a failed capture leaves CUDA's RNG state
+# unusable for whatever runs after it in the same process. manifest.txt: SHA-256 of every .py
+# file that ran (a copied working tree need not be a commit).
+# CPU dry run: PY=.venv/bin/python OUT=/tmp/dry BENCH_ARGS=--smoke bash benchmarks/gpu_check.sh
+O=${OUT:-runs/gpu_check}; P=${PY:-python3}; mkdir -p $O/graph
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+{ date -u; nvidia-smi
+$P -c 'import sys,torch,triton,numpy as n;c=torch.cuda.is_available();print(sys.version,"torch",torch.__version__,torch.version.cuda,"triton",triton.__version__,"numpy",n.__version__,torch.cuda.get_device_name() if c else "no CUDA")'
+} >$O/env.txt 2>&1; cat $O/env.txt
+find muonscale benchmarks tests -name '*.py' | sort | xargs sha256sum >$O/manifest.txt
+T=$($P -c 'import pytest_timeout' 2>/dev/null && echo --timeout=90)
+timeout 120 $P -m pytest -q -rs -p no:cacheprovider $T --continue-on-collection-errors \
+ -k 'gpu or cuda' --junitxml=$O/pytest.xml tests/test_kernels.py tests/test_capturable.py \
+ tests/test_triton_elementwise.py tests/test_docs_code.py tests/test_torch_optim_contracts.py \
+ 2>&1 | tee $O/pytest.log
+timeout 240 $P benchmarks/gpu.py --out $O --budget-s ${BUDGET_S:-200} $BENCH_ARGS $(for s in \
+ matmul correctness ns optimizer e2e memory profile backward_ns; do echo --only $s; done) \
+ 2>&1 | tee $O/bench.log
+timeout 60 $P benchmarks/gpu.py --out $O/graph --only graph $BENCH_ARGS 2>&1 | tee $O/graph.log
