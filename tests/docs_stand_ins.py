@@ -96,6 +96,11 @@ STAND_INS = {
         "group_spanning_tp_and_dp_ranks": lambda ns: None,
         "local_maxima": _probed_maxima,
     },
+    "docs/hosts.md": {
+        "model": lambda ns: TinyTransformer(),
+        "batches": lambda ns: [_tokens(20 + i) for i in range(2)],
+        "loss_fn": lambda ns: lambda model, batch: model(batch).loss,
+    },
     "docs/cuda_graphs.md": {
         "build_model": lambda ns: TinyTransformer,
         "warmup_then_cosine": lambda ns: lambda step: min(1.0, (step + 1) / 10),
