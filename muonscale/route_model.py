@@ -10,6 +10,8 @@ muon_for_model` builds: the same names, module types, transposed weights and spl
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,8 @@ def _from_callable(spec: str) -> nn.Module:
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
         raise ModelSpecError(f"expected package.module:callable, got {spec!r}")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # modules beside the user, as ``python -m`` finds them
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:

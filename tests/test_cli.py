@@ -1,6 +1,10 @@
 """`muonscale` command line: help, flag parsing, errors, and one tiny end-to-end bench."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -275,3 +279,22 @@ def test_train_parallel_flags_are_checked(argv, message, capsys):
         main(["train", "--out-dir", "none", *argv])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_route_finds_a_model_module_in_the_current_directory(tmp_path):
+    """``muonscale route my_models:build`` (the console script, not ``python -m``) imports
+    ``my_models.py`` from the folder it runs in."""
+    (tmp_path / "my_models.py").write_text(
+        "import torch\n\n\ndef build():\n    return torch.nn.Sequential(torch.nn.Linear(4, 4))\n"
+    )
+    script = Path(sys.executable).parent / "muonscale"
+    done = subprocess.run(
+        [str(script), "route", "my_models:build"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "0.weight" in done.stdout
