@@ -21,11 +21,8 @@ from pathlib import Path
 
 import torch
 
+from muonscale.distributed.dtensor_layout import local_tensor
 from muonscale.train.run_log import MetricsLog
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def labelled_groups(optimizer: torch.optim.Optimizer) -> list[tuple[str, dict]]:
@@ -91,7 +88,7 @@ class TrainTensorBoard:
         self._land()  # the previous step's parameters, complete
         self._before = []
         for label, group in labelled_groups(self.optimizer):
-            params = [_local(p) for p in group["params"]]
+            params = [local_tensor(p) for p in group["params"]]
             copies = [p.detach().clone() for p in params]
             self._before.append((label, float(group["lr"]), params, copies))
 
