@@ -19,6 +19,7 @@ from . import functional
 from .backward_ns import BackwardOrthogonalizer
 from .capturable import device_lr
 from .compile_boundary import eager_under_compile
+from .experts import ExpertLayout, GateUpMode
 from .group_step import adamw_group_step, muon_group_step, nonempty
 from .kernels import ElementwiseBackend, clear_workspaces, elementwise_backend_from_environment
 from .matrices import MatrixView
@@ -58,7 +59,6 @@ from .optimizer_state import (
     upgraded_groups,
     with_group_defaults,
 )
-from .experts import ExpertLayout, GateUpMode
 from .param_table import ParamTable
 from .params import RouteDecision, Rule
 from .qkv import QKVLayout
