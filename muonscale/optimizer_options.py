@@ -228,6 +228,8 @@ def resolve_splits(
             layouts[name] = spec
             continue
         rows = param.shape[1] if is_transposed(param) else param.shape[0]
+        if by_name[name][1]["matrix_mode"] == "batch" and param.ndim > 2:
+            rows = param.shape[-2]  # the blocks cut each matrix of the stack
         if isinstance(spec, QKVLayout):
             if spec.rows != rows:
                 raise ValueError(
