@@ -133,8 +133,9 @@ UNDECORATED_EXPERT_MODULES: dict[str, dict[str, _Entry]] = {
         "output_linear.weight": _Entry(),
     },
     "JetMoeMoA": {"input_linear.weight": _Entry(), "output_linear.weight": _Entry()},
-    # torchtitan's GroupedExperts: w1 (gate), w3 (up) (E, F, D) and w2 (E, D, F), (out, in).
-    "GroupedExperts": {"w1": _Entry(), "w2": _Entry(), "w3": _Entry()},
+    # torchtitan's GroupedExperts: w1 (gate), w3 (up) (E, F, D) and w2 (E, D, F), multiplied
+    # as x @ W[e].T ((out, in)).
+    "GroupedExperts": {"w1_EFD": _Entry(), "w2_EDF": _Entry(), "w3_EFD": _Entry()},
 }
 """Expert modules that do not carry Hugging Face's decorator, by class name: parameter path
 under the module -> its layout."""
@@ -197,10 +198,10 @@ def _table_layouts(module: nn.Module) -> dict[str, ExpertLayout] | None:
 def find_experts(model: nn.Module) -> ExpertModules:
     """Expert weights, per-expert biases and routers of ``model`` (see the module docstring).
 
-    A router is a 2-D weight of the mixture-of-experts block around an expert module, outside
-    it, with one row per expert (E, D)."""
+    A router is a 2-D weight with one row per expert (E, D) in the nearest enclosing module
+    (up to :data:`ROUTER_SEARCH_DEPTH` levels up) that holds one outside the expert module."""
     found = ExpertModules()
-    blocks: list[tuple[str, nn.Module, str, int]] = []  # (block name, block, experts name, E)
+    blocks: list[tuple[str, int]] = []  # (expert module name, E)
     modules = dict(model.named_modules())
     for name, module in modules.items():
         declared = declared_layouts(module)
@@ -218,17 +219,36 @@ def find_experts(model: nn.Module) -> ExpertModules:
             found.biases.add(prefix + path)
             found.owners[prefix + path] = type(module).__name__
         stacks = [lay.n_experts for lay in layouts.values() if lay.n_experts > 1]
-        if stacks and name:  # the block around the experts holds the router
-            parent = name.rsplit(".", 1)[0] if "." in name else ""
-            blocks.append((parent, modules[parent], name, max(stacks)))
-    for parent, block, experts_name, n in blocks:
+        if stacks and name:
+            blocks.append((name, max(stacks)))
+    for experts_name, n in blocks:
+        _find_router(model, modules, experts_name, n, found)
+    return found
+
+
+ROUTER_SEARCH_DEPTH = 3
+"""How many enclosing modules of an expert module are searched for its router (torchtitan's
+``moe.routed_experts.inner_experts`` sits two levels below ``moe.router.gate``)."""
+
+
+def _find_router(
+    model: nn.Module, modules: dict[str, nn.Module], experts_name: str, n: int, found: ExpertModules
+) -> None:
+    parts = experts_name.split(".")
+    for up in range(1, min(ROUTER_SEARCH_DEPTH, len(parts)) + 1):
+        parent = ".".join(parts[:-up])
+        block = modules[parent] if parent else model
+        inner = ".".join(parts[: len(parts) - up + 1])  # the child that holds the experts
+        hits = []
         for path, param in block.named_parameters():
             full = f"{parent}.{path}" if parent else path
-            inside = full.startswith(f"{experts_name}.")
+            inside = full.startswith(f"{inner}.")
             known = full in found.layouts or full in found.biases
             if not inside and not known and param.ndim == 2 and param.shape[0] == n:
-                found.routers[full] = n
-    return found
+                hits.append(full)
+        if hits:
+            found.routers.update(dict.fromkeys(hits, n))
+            return
 
 
 def convolution_weights(model: nn.Module) -> set[str]:
