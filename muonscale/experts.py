@@ -5,7 +5,8 @@ A stack (E, A, B) or a 2-D concatenation (E·A, B) of E row blocks holds E matri
 (out, in) or, ``transposed``, (in, out). A fused gate/up projection holds two matrices per
 expert along its output features: ``"contiguous"`` ([gate; up]) or ``"interleaved"`` (gate
 rows 0, 2, 4, …; up rows 1, 3, 5, …). Whether gate and up are orthogonalized apart or together
-is the optimizer's ``gate_up`` option (``docs/moe.md`` gives the decision and its sources).
+is the optimizer's ``gate_up`` option (*Mixture of experts* in the docs gives the decision
+and its sources).
 
 Detection reads what a model declares; it never imports the model's library:
 

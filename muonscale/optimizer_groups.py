@@ -323,7 +323,7 @@ def check_layouts(
         "is flattened to one (dim 0, rest) matrix. If it stacks E expert matrices, pass "
         "splits={name: muonscale.ExpertLayout(n_experts=E, ...)}; for a convolution, pass the "
         "model itself; to keep the flattened view, pass matrix_mode='flatten' "
-        "(see docs/moe.md)."
+        "(see *Mixture of experts* in the docs)."
     )
     if strict:
         raise ValueError(f"strict=True: {message}")

@@ -8,7 +8,7 @@ Default rule, applied to each parameter in order:
    one (tied output head), when a module is given → AdamW.
 4. Mixture-of-experts parts, when a module is given (:func:`muonscale.experts.find_experts`):
    a stacked per-expert bias (E, out) → AdamW; a router (E, D) → Muon, as Megatron's Muon and
-   Moonlight train it (``docs/moe.md``); expert weights → Muon, E matrices.
+   Moonlight train it (*Mixture of experts* in the docs); expert weights → Muon, E matrices.
 5. The **last** name component of the owning module is an embedding/head name
    (:data:`EMBEDDING_OR_HEAD_NAMES`) → AdamW. Never a substring match: Hugging Face's
    ``attention.output.dense.weight`` is a hidden matrix, its owning module is ``dense``.
@@ -145,7 +145,8 @@ def route_one(
 
 
 ROUTER_REASON = "router (E={n}): Muon, as Megatron's Muon and Moonlight"
-"""The reason a router weight goes to Muon (the decision and its sources: ``docs/moe.md``)."""
+"""The reason a router weight goes to Muon (the decision and its sources: *Mixture of experts*
+in the docs)."""
 
 
 def _expert_decision(name: str, experts: ExpertModules) -> RouteDecision | None:

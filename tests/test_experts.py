@@ -285,3 +285,18 @@ def test_expert_state_saves_and_resumes_bitwise(options):
         assert torch.equal(a, b), name
     view = pickled.param_table.view(pickled.param_groups[0]["params"][1], "flatten")
     assert view.experts == E  # the pickle keeps the expert layouts
+
+
+def test_a_flatten_viewed_normuon_state_is_refused_by_name_by_the_expert_view():
+    """A state saved under the flatten view (earlier versions' view of an HF expert stack):
+    plain Muon's momentum is parameter-shaped and loads; NorMuon's row state (E rows flattened,
+    E·2F rows as expert matrices) is refused, naming the parameter."""
+    for options, loads in (({}, True), (dict(normalize="row"), False)):
+        model, flat = _expert_model_and_optimizer(6, matrix_mode="flatten", **options)
+        _train(model, flat, range(1))
+        _, expert = _expert_model_and_optimizer(6, **options)
+        if loads:
+            expert.load_state_dict(flat.state_dict())
+            continue
+        with pytest.raises(ValueError, match="mlp.experts.gate_up_proj"):
+            expert.load_state_dict(flat.state_dict())

@@ -15,7 +15,7 @@ parameter. torchtitan hands each optimizer factory param groups with canonical F
   (:class:`muonscale.QKVLayout`; rows are ``[n_kv_heads, heads_per_kv + 2, head_dim]``);
 * treats stacked MoE expert weights (E, F, D) as E matrices (the expert view of
   ``GroupedExperts``, :mod:`muonscale.experts`), and keeps the router on Muon with its reason
-  (``docs/moe.md``);
+  (*Mixture of experts* in the docs);
 * builds :class:`muonscale.DTensorMuon` for FSDP2 / tensor-parallel (DTensor) parameters, on
   the process group of their device mesh (the stage's data-parallel group under pipeline
   parallelism), and :class:`muonscale.Muon` for plain ones (single process, or replicas whose
