@@ -300,3 +300,31 @@ def test_a_flatten_viewed_normuon_state_is_refused_by_name_by_the_expert_view():
             continue
         with pytest.raises(ValueError, match="mlp.experts.gate_up_proj"):
             expert.load_state_dict(flat.state_dict())
+
+
+def test_plain_expert_stacks_take_the_stacked_fast_path_one_slot_per_expert():
+    """Plain Muon of an (E, A, B) stack (and of a 2-D concatenation) goes through the stacked
+    fast path, one Newton–Schulz slot per expert: the same bits as E separate (A, B) matrices
+    stepped together."""
+    from muonscale.matrix_step import stack_key
+
+    torch.manual_seed(7)
+    stack = nn.Parameter(torch.randn(E, D, F))
+    concat = nn.Parameter(torch.randn(E * D, F))
+    singles = [nn.Parameter(m.detach().clone()) for m in (*stack.unbind(0), *concat.view(E, D, F))]
+    layouts = {"stack": ExpertLayout(n_experts=E), "concat": ExpertLayout(n_experts=E)}
+    opt = muonscale.Muon([("stack", stack), ("concat", concat)], experts=layouts, lr=0.02)
+    reference = muonscale.Muon([(f"m{i}", p) for i, p in enumerate(singles)], lr=0.02)
+    settings = muonscale.settings.MuonSettings.from_group(opt.param_groups[0])
+    for p in (stack, concat):
+        assert stack_key(p, opt.param_table.view(p, "flatten"), settings.ns, settings) is not None
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        grads = torch.randn(2 * E, D, F, generator=g)
+        stack.grad, concat.grad = grads[:E].clone(), grads[E:].reshape(E * D, F).clone()
+        for p, grad in zip(singles, grads):
+            p.grad = grad.clone()
+        opt.step()
+        reference.step()
+    got = torch.cat([stack.detach(), concat.detach().view(E, D, F)])
+    assert torch.equal(got, torch.stack([p.detach() for p in singles]))
