@@ -1,5 +1,6 @@
-"""Tiny GPT-2, Llama and Qwen3-MoE models from configs (random init, nothing downloaded) and a learnable
-token data set, shared by the Hugging Face and Lightning tests (and a free port for torchrun)."""
+"""Tiny GPT-2, Llama and Qwen3-MoE models from configs (random init, nothing downloaded) and a
+learnable token data set, shared by the Hugging Face and Lightning tests (and a free port for
+torchrun)."""
 
 from __future__ import annotations
 
