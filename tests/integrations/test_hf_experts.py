@@ -314,3 +314,23 @@ def test_routing_walk(model_type):
             assert decision.algorithm == "muon"
     assert model_type == "phi3" or any(d.reason.startswith("router") for d in routing.values())
     assert any(table.expert_layout(p) is not None for p in model.parameters())
+
+
+def test_muonscale_route_shows_the_expert_view(tmp_path):
+    """``muonscale route config.json`` prints each stack's expert view and the router's reason."""
+    from muonscale.route_model import build_model, routing_table
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=32,
+        hidden_size=16,
+        moe_intermediate_size=8,
+        num_experts=E,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+    )
+    config.save_pretrained(tmp_path)
+    table = routing_table(build_model(str(tmp_path / "config.json")))
+    assert f"(E={E}) × gate|up (8, 16)" in table and f"(E={E}) × (16, 8)" in table
+    assert f"router (E={E}): Muon" in table
