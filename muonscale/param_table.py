@@ -105,14 +105,22 @@ class ParamTable:
             block_roles=GATE_UP_ROLES if rows is not None else None,
         )
 
-    def note(self, p: torch.Tensor) -> str:
-        """How Muon sees ``p`` beyond its shape (the bracket of its summary line)."""
+    def note(self, p: torch.Tensor, group: Mapping[str, Any]) -> str:
+        """How Muon sees ``p`` (of param group ``group``) beyond its shape (the bracket of its
+        summary line): its expert view, its splits, or how a parameter with 3 or more dims was
+        cut into matrices."""
         layout = self.expert_layout(p)
         if layout is not None:
             return layout.describe(p.shape, self.gate_up)
-        return layout_note(
+        note = layout_note(
             self.is_transposed(p), self.split_rows.get(id(p)), self.split_roles.get(id(p))
         )
+        if note or p.ndim < 3 or group["algorithm"] != "muon":
+            return note
+        shapes = self.view(p, group["matrix_mode"]).matrix_shapes
+        if group["matrix_mode"] == "flatten":
+            return f"flattened to {shapes[0]}"
+        return f"{len(shapes)} × {shapes[0]}"
 
     def summary(self, param_groups: Sequence[Mapping[str, Any]]) -> str:
         """The routing table of ``param_groups`` (see :meth:`muonscale.Muon.summary`)."""
@@ -123,7 +131,8 @@ class ParamTable:
             n: self.routing.get(n, RouteDecision(a, "param group"))
             for n, a in zip(names, algorithms)
         }
-        notes = {n: self.note(p) for n, p in zip(names, params)}
+        groups = [g for g in param_groups for _ in g["params"]]
+        notes = {n: self.note(p, g) for n, p, g in zip(names, params, groups)}
         return format_routing_table(decisions, dict(zip(names, params)), notes)
 
     def rebind(self, slots: Sequence[tuple[torch.Tensor, torch.Tensor, str]]) -> None:

@@ -328,3 +328,11 @@ def test_plain_expert_stacks_take_the_stacked_fast_path_one_slot_per_expert():
         reference.step()
     got = torch.cat([stack.detach(), concat.detach().view(E, D, F)])
     assert torch.equal(got, torch.stack([p.detach() for p in singles]))
+
+
+def test_summary_says_how_a_stack_without_a_layout_is_cut():
+    model = Unknown()
+    with pytest.warns(UnknownLayoutWarning):
+        assert "[flattened to (3, 32)]" in muonscale.Muon(model, **OPTIONS).summary()
+    batched = muonscale.Muon(model, matrix_mode="batch", **OPTIONS).summary()
+    assert "[3 × (4, 8)]" in batched
