@@ -22,6 +22,7 @@ _LAZY = {
     "newton_schulz": "newton_schulz",
     "resolve_coefficients": "newton_schulz",
     "newton_schulz_flops": "flops",
+    "ExpertLayout": "experts",
     "MatrixView": "matrices",
     "Muon": "optimizer",
     "NonFiniteGradientError": "nonfinite",

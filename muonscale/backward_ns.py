@@ -102,8 +102,8 @@ class BackwardOrthogonalizer:
                     continue
                 view = self.table.view(p, group["matrix_mode"])
                 key = matrix_step.stack_key(p, view, options.ns, options)
-                if key is None:  # split/transposed views and variants: updated in step()
-                    continue
+                if key is None or len(view.matrix_shapes) != 1:  # split/transposed views,
+                    continue  # expert stacks and variants: updated in step()
                 shape, device, dtype = key
                 size = p.numel() * torch.finfo(dtype).bits // 8
                 key = (*key, tuple(p.shape))  # one scratch stack holds the new momentum

@@ -137,12 +137,17 @@ def orthogonalize_directions_(
     input_written: bool = False,
 ) -> torch.Tensor:
     """The directions of ``grads`` (their momentum already updated) written into the
-    workspace's iterate (one (rows, cols) slot each, cast on the way; ``input_written``: a
+    workspace's iterate (one (rows, cols) slot per matrix, cast on the way; ``input_written``: a
     kernel already wrote them), then Newton–Schulz of that stack; returns the tensor holding
     the (k, rows, cols) result (in the workspace)."""
     k, rows, cols = workspace.shape
     X = workspace.get("x", (k, rows, cols))
-    slots = [X[j].view(g.shape) for j, g in enumerate(grads)]
+    slots, start = [], 0
+    for g in grads:  # one slot per matrix: an expert stack's E matrices are consecutive
+        count = g.numel() // (rows * cols)
+        slot = X[start] if count == 1 else X[start : start + count]
+        slots.append(slot.view(g.shape))
+        start += count
 
     def write() -> None:
         write_directions_(grads, momentum_buffers, slots, momentum=momentum, nesterov=nesterov)
@@ -185,7 +190,8 @@ def muon(
         W ← W − lr · s(m, n) · O             # s: scale rule of each matrix (× the Q/K factor
                                              # for the Q and K blocks of a split QKV weight)
 
-    Plain Muon of single matrices takes the stacked fast path (:func:`stacked_muon_`: two
+    Plain Muon of single matrices and of expert stacks (one slot per expert) takes the
+    stacked fast path (:func:`stacked_muon_`: two
     elementwise passes besides Newton–Schulz, the directions written straight into the
     Newton–Schulz input stacks); every other parameter (split or transposed views, the
     variants of ``settings``, with each parameter's replicated ``row_state`` by declaration,
@@ -285,7 +291,9 @@ def stacked_muon_(
     fused = set()
     if kernels is not None:
         for key, indices in stacks.items():
-            if _kernels_take(kernels, [params, grads, momentum_buffers], indices):
+            (rows, cols), _, _ = key
+            one_each = all(params[i].numel() == rows * cols for i in indices)  # kernels: a slot
+            if one_each and _kernels_take(kernels, [params, grads, momentum_buffers], indices):
                 fused.add(key)
     rest = [i for key, indices in stacks.items() if key not in fused for i in indices]
     update_momentum_(
@@ -296,10 +304,12 @@ def stacked_muon_(
         method = ns_method_for(rows, cols, dtype, ns.method, ns.coefficients, ns.steps)
         alpha = -update_scale(settings.scale, rows, cols)
         per_matrix = workspace_bytes(1, rows, cols, torch.finfo(dtype).bits // 8, method)
-        for part in group_by_budget([per_matrix] * len(indices), max_workspace_bytes):
+        counts = {i: params[i].numel() // (rows * cols) for i in indices}  # matrices of each
+        costs = [per_matrix * counts[i] for i in indices]
+        for part in group_by_budget(costs, max_workspace_bytes):
             members = [indices[j] for j in part]
             ws = get_workspace(
-                (len(members), rows, cols),
+                (sum(counts[i] for i in members), rows, cols),
                 dtype,
                 device,
                 method,
@@ -341,11 +351,18 @@ def stacked_muon_(
                     kernels = None
             (apply_updates or apply_updates_by_rule_)(
                 p_part,
-                list(result.unbind(0)),
+                _per_parameter(result, [counts[i] for i in members]),
                 [ApplyRule(alpha)] * len(members),
                 lr=lr,
                 weight_decay=weight_decay,
             )
+
+
+def _per_parameter(result: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
+    """The slots of a Newton–Schulz result stack by parameter (``counts``: matrices of each)."""
+    if all(c == 1 for c in counts):
+        return list(result.unbind(0))
+    return list(result.split(list(counts)))
 
 
 def _kernels_take(kernels, tensor_lists: Sequence[Sequence[torch.Tensor]], indices) -> bool:

@@ -12,6 +12,9 @@
   features (Q/K/V of a fused ``c_attn``), i.e. columns of the stored tensor.
 * ``block_roles``: with a row partition from a QKV layout, ``"q"``, ``"k"`` or ``"v"`` per block
   (the ``qk_lr_scale`` option reads it).
+* ``experts``: an expert view (:class:`muonscale.ExpertLayout`): a stack (E, A, B), or a 2-D
+  concatenation (E·A, B) of E row blocks, is E matrices; ``transposed`` and the row partition
+  (gate and up) then apply to each expert's matrix, in expert order.
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ class MatrixView:
     _contiguous_blocks: tuple[tuple[int, int], ...] | None = field(default=None, repr=False)
     transposed: bool = False
     block_roles: tuple[str, ...] | None = None
+    experts: int | None = None
+    """Number of expert matrices of an expert view (None: not one)."""
+    _strided_blocks: tuple[tuple[int, int, int], ...] | None = field(default=None, repr=False)
 
     @staticmethod
     def build(
@@ -46,12 +52,15 @@ class MatrixView:
         row_partition: Sequence[torch.Tensor] | Sequence[Sequence[int]] | None = None,
         block_roles: Sequence[str] | None = None,
         transposed: bool = False,
+        experts: int | None = None,
     ) -> MatrixView:
         shape = tuple(int(s) for s in param_shape)
         if len(shape) < 2:
             raise ValueError(f"a Muon parameter needs >= 2 dims, got shape {shape}")
         if mode not in MATRIX_MODES:
             raise ValueError(f"matrix_mode must be one of {MATRIX_MODES}, got {mode!r}")
+        if experts is not None:
+            return _expert_view(shape, experts, transposed, row_partition, block_roles)
         if transposed and len(shape) != 2:
             raise ValueError(
                 f"transposed: only a 2-D (in, out) weight can be transposed, got shape {shape}"
@@ -64,13 +73,9 @@ class MatrixView:
             raise ValueError(
                 f"block_roles: {len(block_roles)} roles for {len(row_partition)} row blocks"
             )
-        if mode == "batch" and len(shape) > 2:
-            raise ValueError(
-                "a row partition (split) applies to 2-D or flattened parameters, "
-                "not matrix_mode='batch'"
-            )
         parts = tuple(torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in row_partition)
-        rows = shape[1] if transposed else shape[0]
+        batched = mode == "batch" and len(shape) > 2  # the partition cuts each matrix's rows
+        rows = shape[-2] if batched else shape[1] if transposed else shape[0]
         covered = torch.cat(parts).sort().values
         if covered.numel() != rows or not torch.equal(covered, torch.arange(rows)):
             what = (
@@ -80,6 +85,9 @@ class MatrixView:
                 f"split: the row blocks must cover each of the {rows} {what} exactly once "
                 f"(got {covered.numel()} row indices for a parameter of shape {shape})"
             )
+        roles = tuple(block_roles) if block_roles is not None else None
+        if batched:
+            return MatrixView(shape, mode, parts, None, False, roles, None, _strided(parts))
         blocks, start = [], 0  # fast path: consecutive blocks in row order
         for p in parts:
             if torch.equal(p, torch.arange(start, start + p.numel())):
@@ -89,8 +97,19 @@ class MatrixView:
                 blocks = None
                 break
         contiguous = tuple(blocks) if blocks is not None else None
-        roles = tuple(block_roles) if block_roles is not None else None
         return MatrixView(shape, mode, parts, contiguous, bool(transposed), roles)
+
+    @property
+    def stacked_shape(self) -> tuple[int, int, int] | None:
+        """(count, A, B) of a view whose matrices are the slices of a stack (an expert view,
+        or ``"batch"`` of a parameter with more than 2 dims); None otherwise."""
+        if self.experts is not None:
+            if len(self.param_shape) == 2:
+                return (self.experts, self.param_shape[0] // self.experts, self.param_shape[1])
+            return (self.experts, *self.param_shape[-2:])
+        if self.mode == "batch" and len(self.param_shape) > 2:
+            return (math.prod(self.param_shape[:-2]), *self.param_shape[-2:])
+        return None
 
     @property
     def matrix_2d_shape(self) -> tuple[int, int]:
@@ -106,9 +125,13 @@ class MatrixView:
 
     @property
     def matrix_shapes(self) -> list[tuple[int, int]]:
-        if self.mode == "batch" and len(self.param_shape) > 2:
-            count = math.prod(self.param_shape[:-2])
-            return [tuple(self.param_shape[-2:])] * count
+        stacked = self.stacked_shape
+        if stacked is not None:
+            count, a, b = stacked
+            m, n = (b, a) if self.transposed else (a, b)
+            if self.row_partition is None:
+                return [(m, n)] * count
+            return [(int(p.numel()), n) for p in self.row_partition] * count
         m, n = self.matrix_2d_shape
         if self.row_partition is None:
             return [(m, n)]
@@ -117,13 +140,26 @@ class MatrixView:
     def lr_factors(self, qk_lr_scale: float) -> list[float]:
         """Learning-rate multiplier of each matrix: ``qk_lr_scale`` for query and key blocks,
         1 for the rest."""
-        roles = self.block_roles or (None,) * len(self.matrix_shapes)
+        roles = self.matrix_roles or (None,) * len(self.matrix_shapes)
         return [qk_lr_scale if role in ("q", "k") else 1.0 for role in roles]
+
+    @property
+    def matrix_roles(self) -> tuple[str, ...] | None:
+        """The role of each matrix (the block roles, repeated for each matrix of a stack)."""
+        if self.block_roles is None:
+            return None
+        stacked = self.stacked_shape
+        return self.block_roles * (stacked[0] if stacked is not None else 1)
 
     def to_matrices(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Views (or gathered copies for a non-contiguous partition) of ``tensor`` as matrices."""
-        if self.mode == "batch" and len(self.param_shape) > 2:
-            return list(tensor.reshape(-1, *self.param_shape[-2:]).unbind(0))
+        stacked = self.stacked_shape
+        if stacked is not None:
+            mats = tensor.reshape(stacked)
+            mats = mats.mT if self.transposed else mats
+            if self.row_partition is None:
+                return list(mats.unbind(0))
+            return [block for mat in mats.unbind(0) for block in self._blocks_of(mat)]
         flat = self._as_matrix(tensor)
         if self.row_partition is None:
             return [flat]
@@ -133,8 +169,21 @@ class MatrixView:
 
     def from_matrices(self, matrices: Sequence[torch.Tensor]) -> torch.Tensor:
         """Inverse of :meth:`to_matrices`: a tensor of ``param_shape``."""
-        if self.mode == "batch" and len(self.param_shape) > 2:
+        stacked = self.stacked_shape
+        if stacked is not None and self.row_partition is None and not self.transposed:
             return torch.stack(list(matrices)).reshape(self.param_shape)
+        if stacked is not None:
+            count, a, b = stacked
+            m, n = (b, a) if self.transposed else (a, b)
+            out = matrices[0].new_empty((count, m, n))
+            if self.row_partition is None:
+                torch._foreach_copy_(list(out.unbind(0)), list(matrices))
+            else:
+                per = len(self.row_partition)
+                for e, mat in enumerate(out.unbind(0)):
+                    self._fill_blocks(mat, matrices[e * per : (e + 1) * per])
+            out = out.mT if self.transposed else out
+            return out.reshape(self.param_shape)
         if self.row_partition is None:
             return self._as_stored(matrices[0])
         if self._contiguous_blocks is not None:
@@ -144,6 +193,85 @@ class MatrixView:
         for p, mat in zip(self.row_partition, matrices):
             out.index_copy_(0, p.to(out.device), mat)
         return self._as_stored(out)
+
+    def _blocks_of(self, mat: torch.Tensor) -> list[torch.Tensor]:
+        """The row blocks of one (out, in) matrix: views for strided blocks, else copies."""
+        if self._strided_blocks is not None:
+            return [mat[s : s + length * step : step] for s, length, step in self._strided_blocks]
+        return [mat.index_select(0, p.to(mat.device)) for p in self.row_partition]
+
+    def _fill_blocks(self, mat: torch.Tensor, blocks: Sequence[torch.Tensor]) -> None:
+        """Write ``blocks`` into the rows of ``mat`` they came from (inverse of
+        :meth:`_blocks_of`)."""
+        if self._strided_blocks is not None:
+            dests = [mat[s : s + n * step : step] for s, n, step in self._strided_blocks]
+            torch._foreach_copy_(dests, list(blocks))
+            return
+        for p, block in zip(self.row_partition, blocks):
+            mat.index_copy_(0, p.to(mat.device), block)
+
+
+def _strided(parts: Sequence[torch.Tensor]) -> tuple[tuple[int, int, int], ...] | None:
+    """(start, length, step) of each row block when every block is an arithmetic progression
+    (contiguous halves, interleaved rows), else None."""
+    out = []
+    for p in parts:
+        start = int(p[0]) if p.numel() else 0
+        step = int(p[1] - p[0]) if p.numel() > 1 else 1
+        if step < 1 or not torch.equal(p, torch.arange(p.numel()) * step + start):
+            return None
+        out.append((start, int(p.numel()), step))
+    return tuple(out)
+
+
+def _expert_view(
+    shape: tuple[int, ...],
+    experts: int,
+    transposed: bool,
+    row_partition: Sequence[torch.Tensor] | Sequence[Sequence[int]] | None,
+    block_roles: Sequence[str] | None,
+) -> MatrixView:
+    """:meth:`MatrixView.build` of an expert view (see the module docstring)."""
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
+        raise ValueError(f"experts: expected a positive number of experts, got {experts!r}")
+    if len(shape) == 3 and shape[0] != experts:
+        raise ValueError(
+            f"experts: a stack of shape {shape} holds {shape[0]} experts, not {experts}"
+        )
+    if len(shape) == 2 and shape[0] % experts:
+        raise ValueError(
+            f"experts: {shape[0]} rows of a 2-D concatenation of shape {shape} do not split "
+            f"into {experts} experts"
+        )
+    if len(shape) > 3:
+        raise ValueError(f"experts: an expert view needs a 2-D or 3-D parameter, got {shape}")
+    a, b = (shape[0] // experts, shape[1]) if len(shape) == 2 else shape[1:]
+    rows = b if transposed else a
+    parts = roles = None
+    if row_partition is not None:
+        parts = tuple(torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in row_partition)
+        covered = torch.cat(parts).sort().values
+        if covered.numel() != rows or not torch.equal(covered, torch.arange(rows)):
+            raise ValueError(
+                f"split: the row blocks must cover each of the {rows} output features of each "
+                f"expert exactly once (got {covered.numel()} for a stack of shape {shape})"
+            )
+        if block_roles is not None and len(block_roles) != len(parts):
+            raise ValueError(f"block_roles: {len(block_roles)} roles for {len(parts)} row blocks")
+        roles = tuple(block_roles) if block_roles is not None else None
+    elif block_roles is not None:
+        raise ValueError("block_roles: a view without a row partition has no blocks")
+    strided = _strided(parts) if parts is not None else None
+    return MatrixView(
+        shape,
+        "batch",
+        parts,
+        None,
+        bool(transposed),
+        roles,
+        experts,
+        strided,
+    )
 
 
 def row_blocks(sizes: Sequence[int]) -> list[torch.Tensor]:

@@ -161,13 +161,14 @@ def matrix_updates(
 
 
 def takes_stacked_path(view: MatrixView, settings: MuonSettings) -> bool:
-    """Whether a parameter's step is plain Muon of one matrix that is a reshape of it (a
-    transposed view is not): the stacked fast path, with the scale in the apply pass."""
+    """Whether a parameter's step is plain Muon of matrices that are slices of a reshape of it
+    (one matrix, or the experts of a stack; a transposed or split view is not): the stacked
+    fast path, with the scale in the apply pass."""
     return (
         settings.variant == PLAIN_MUON.variant
         and not replicated_declarations(settings)
         and settings.preconditioner == "frobenius"
-        and len(view.matrix_shapes) == 1
+        and (len(view.matrix_shapes) == 1 or view.stacked_shape is not None)
         and view.row_partition is None
         and not view.transposed
     )
@@ -180,7 +181,8 @@ def stack_key(
     options: MuonSettings = PLAIN_MUON,
 ) -> tuple | None:
     """(matrix shape, device, Newton–Schulz dtype) of the stack the fast path puts ``param``
-    in, or None when it takes the matrix step (split or transposed views, variants)."""
+    in (one slot per matrix: E consecutive slots for an expert stack), or None when it takes
+    the matrix step (split or transposed views, variants)."""
     if ns.preconditioner != "frobenius" or not takes_stacked_path(view, options):
         return None
     dtype = ns.dtype if ns.dtype is not None else default_ns_dtype(param.device)
@@ -211,7 +213,7 @@ def matrix_rules(
     parameter takes the stacked path (never with ``scaled``: a caller whose apply pass does
     not know the global shapes); the group's replicated row states read and stepped."""
     if not scaled and takes_stacked_path(view, settings):
-        return [MatrixRule(settings.ns, None, settings)]
+        return [MatrixRule(settings.ns, None, settings)] * len(view.matrix_shapes)
     shapes = view.matrix_shapes if shapes is None else shapes
     factors = view.lr_factors(settings.qk_lr_scale)
     return [

@@ -19,6 +19,7 @@ from . import functional
 from .backward_ns import BackwardOrthogonalizer
 from .capturable import device_lr
 from .compile_boundary import eager_under_compile
+from .experts import ExpertLayout, GateUpMode
 from .group_step import adamw_group_step, muon_group_step, nonempty
 from .kernels import ElementwiseBackend, clear_workspaces, elementwise_backend_from_environment
 from .matrices import MatrixView
@@ -131,15 +132,18 @@ class Muon(torch.optim.Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float | None = None,
         nonfinite: str = "raise",
-        splits: Mapping[str, QKVLayout | int | Sequence[int]] | None = None,
+        splits: Mapping[str, QKVLayout | ExpertLayout | int | Sequence[int]] | None = None,
         qkv_split: str = "qkv",
-        matrix_mode: str = PLAIN_MUON.matrix_mode,
+        matrix_mode: str | None = None,
         rules: Sequence[Rule] | None = None,
         ns_method: str = PLAIN_MUON.ns_method,
         capturable: bool = False,
         transposed: Iterable[str] | None = None,
         orthogonalize_in_backward: bool = False,
         strict: bool = False,
+        gate_up: GateUpMode = "apart",
+        experts: Mapping[str, ExpertLayout] | None = None,
+        convolutions: Iterable[str] | None = None,
         **variant_options: Unpack[VariantOptions],
     ) -> None:
         # Every keyword argument by name, for checked_defaults (before any other local exists).
@@ -169,7 +173,11 @@ class Muon(torch.optim.Optimizer):
         self.strict = strict
         """Whether routing unnamed parameters by tensor rank alone is an error."""
         self.param_table = ParamTable(rules or (), transposed or ())
-        """Names, routing, ``splits`` and matrix views of the parameters."""
+        """Names, routing, ``splits``, expert layouts and matrix views of the parameters."""
+        self.param_table.gate_up = gate_up
+        self.param_table.experts.update(experts or {})
+        self.param_table.convolutions.update(convolutions or ())
+        self.param_table.mode_given = matrix_mode is not None
 
         groups = groups_from(
             self.param_table, params, weight_decay, self.adamw_defaults["weight_decay"]

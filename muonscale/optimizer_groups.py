@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .distributed.setup_checks import is_dtensor
+from .experts import convolution_weights, find_experts
 from .matrices import warn_idle_role_factors
 from .optimizer_options import (
     AdamWGroup,
@@ -48,6 +49,9 @@ def groups_from(
         decisions = route(params, table.rules)
         named = dict(params.named_parameters())
         table.transposed |= transposed_weights(params)
+        for name, layout in find_experts(params).layouts.items():
+            table.experts.setdefault(name, layout)  # the experts option wins
+        table.convolutions |= convolution_weights(params)
         table.routing.update(decisions)
         group = {"params": [(n, named[n]) for n in decisions]}
         return split_by_algorithm(group, decisions, named=True, **decays)
@@ -199,6 +203,8 @@ def resolved_group(
         raise ValueError(f"param group 'algorithm' must be one of {ALGORITHMS}, got {algorithm!r}")
     if algorithm == "muon":
         param_group.update(group_schedule(param_group, muon_defaults))
+        if "matrix_mode" in param_group:  # the user's choice beats a found expert layout
+            table.explicit_modes.update(table.names[id(p)] for p in params)
         for key, value in muon_defaults.items():
             param_group.setdefault(key, value)
         validate_muon_group(param_group)
@@ -272,10 +278,54 @@ def check_built_groups(
     warn_unnamed(table, strict, stacklevel=4)  # warnings point at the constructor's caller
     check_transposed(table, param_groups)
     by_name = {table.name(p): (p, g) for g in param_groups for p in g["params"]}
-    table.split_rows, table.split_roles = resolve_splits(
+    table.split_rows, table.split_roles, declared = resolve_splits(
         splits, qkv_split, by_name, table.is_transposed
     )
+    table.experts.update(declared)
+    table.declared |= declared.keys()
     warn_idle_role_factors(table.split_roles, param_groups, stacklevel=4)
+    check_layouts(table, param_groups, strict, stacklevel=4)
+
+
+class UnknownLayoutWarning(UserWarning):
+    """A Muon parameter with 3 or more dims whose matrices nothing declared: it is flattened."""
+
+
+def unknown_layouts(table: ParamTable, param_groups: list[dict[str, Any]]) -> list[str]:
+    """Muon parameters with 3 or more dims flattened without a source: not an expert stack of
+    a known module, not a convolution, no ``splits`` and no ``matrix_mode`` of the user."""
+    out = []
+    for group in param_groups:
+        if group["algorithm"] != "muon":
+            continue
+        for p in group["params"]:
+            name = table.names.get(id(p))
+            if p.ndim < 3 or table.expert_layout(p) is not None or id(p) in table.split_rows:
+                continue
+            if name in table.convolutions or table.mode_given or name in table.explicit_modes:
+                continue
+            out.append(f"{table.label(p, param_groups)} {tuple(p.shape)}")
+    return out
+
+
+def check_layouts(
+    table: ParamTable, param_groups: list[dict[str, Any]], strict: bool, stacklevel: int = 3
+) -> None:
+    """Warn once (:class:`UnknownLayoutWarning`; ``strict``: raise ``ValueError``) naming the
+    Muon parameters of :func:`unknown_layouts`, and what to pass."""
+    unknown = unknown_layouts(table, param_groups)
+    if not unknown:
+        return
+    message = (
+        f"muonscale.Muon: {', '.join(unknown)}: 3 or more dims and no known layout, so each "
+        "is flattened to one (dim 0, rest) matrix. If it stacks E expert matrices, pass "
+        "splits={name: muonscale.ExpertLayout(n_experts=E, ...)}; for a convolution, pass the "
+        "model itself; to keep the flattened view, pass matrix_mode='flatten' "
+        "(see *Mixture of experts* in the docs)."
+    )
+    if strict:
+        raise ValueError(f"strict=True: {message}")
+    warnings.warn(message, UnknownLayoutWarning, stacklevel=stacklevel)
 
 
 def check_transposed(table: ParamTable, param_groups: list[dict[str, Any]]) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .capturable import NonFinitePolicy
+from .experts import GATE_UP_MODES, ExpertLayout
 from .matrices import row_blocks
 from .params import RouteDecision
 from .qkv import QKV_SPLIT_MODES, QKVLayout
@@ -77,6 +78,8 @@ def checked_defaults(
         check_range("adamw_weight_decay", options["adamw_weight_decay"], 0.0, math.inf)
     default_steps, default_coefficients = schedule_defaults(options)
     muon_defaults = {key: options[key] for key in MUON_DEFAULT_KEYS}
+    if muon_defaults["matrix_mode"] is None:  # not given: expert layouts found in the model apply
+        muon_defaults["matrix_mode"] = PLAIN_MUON.matrix_mode
     muon_defaults.update(  # the keyword arguments with a default that depends, or two names
         ns_steps=options["ns_steps"] if options["ns_steps"] is not None else default_steps,
         coefficients=either(
@@ -126,10 +129,14 @@ def check_switches(
             "Newton–Schulz work would run in backward hooks, outside the captured step"
         )
     check_flag("strict", options["strict"])
-    if isinstance(options["transposed"], str):
-        raise TypeError(
-            f"transposed must be a collection of parameter names, got {options['transposed']!r}"
-        )
+    for key in ("transposed", "convolutions"):
+        if isinstance(options[key], str):
+            raise TypeError(f"{key} must be a collection of parameter names, got {options[key]!r}")
+    if options["gate_up"] not in GATE_UP_MODES:
+        raise ValueError(f"gate_up must be one of {GATE_UP_MODES}, got {options['gate_up']!r}")
+    for name, layout in (options["experts"] or {}).items():
+        if not isinstance(layout, ExpertLayout):
+            raise TypeError(f"experts[{name!r}]: expected a muonscale.ExpertLayout, got {layout!r}")
 
 
 def require_adamw_lr(
@@ -203,16 +210,26 @@ def resolve_splits(
     qkv_split: str,
     by_name: Mapping[str | None, tuple[torch.Tensor, Mapping[str, Any]]],
     is_transposed: Callable[[torch.Tensor], bool],
-) -> tuple[dict[int, list[torch.Tensor]], dict[int, tuple[str, ...]]]:
-    """The ``splits`` option as row blocks keyed by ``id(param)``, and the role (``"q"``,
-    ``"k"``, ``"v"``) of each block of the parameters split by a :class:`QKVLayout`;
-    ``by_name`` maps each parameter name to (parameter, its param group)."""
-    out, roles = {}, {}
+) -> tuple[dict[int, list[torch.Tensor]], dict[int, tuple[str, ...]], dict[str, ExpertLayout]]:
+    """The ``splits`` option as row blocks keyed by ``id(param)``, the role (``"q"``,
+    ``"k"``, ``"v"``) of each block of the parameters split by a :class:`QKVLayout`, and the
+    expert layouts declared (by name); ``by_name`` maps each parameter name to (parameter,
+    its param group)."""
+    out, roles, layouts = {}, {}, {}
     for name, spec in splits.items():
         if name not in by_name or by_name[name][1]["algorithm"] != "muon":
             raise ValueError(f"splits: no Muon parameter named {name!r}")
         param = by_name[name][0]
+        if isinstance(spec, ExpertLayout):
+            try:
+                spec.expert_shape(param.shape)
+            except ValueError as error:
+                raise ValueError(f"splits[{name!r}]: {error}") from None
+            layouts[name] = spec
+            continue
         rows = param.shape[1] if is_transposed(param) else param.shape[0]
+        if by_name[name][1]["matrix_mode"] == "batch" and param.ndim > 2:
+            rows = param.shape[-2]  # the blocks cut each matrix of the stack
         if isinstance(spec, QKVLayout):
             if spec.rows != rows:
                 raise ValueError(
@@ -232,7 +249,8 @@ def resolve_splits(
             parts = row_blocks(spec)
         else:
             raise ValueError(
-                f"splits[{name!r}]: expected a QKVLayout, an int or a list of sizes, got {spec!r}"
+                f"splits[{name!r}]: expected a QKVLayout, an ExpertLayout, an int or a list of "
+                f"sizes, got {spec!r}"
             )
         out[id(param)] = parts
-    return out, roles
+    return out, roles, layouts

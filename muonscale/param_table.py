@@ -1,6 +1,6 @@
 """The per-parameter facts of one :class:`muonscale.Muon` beyond torch's param groups, in one
 owned table: each parameter's name, its routing decision, the row blocks and block roles of
-``splits``, whether it is stored transposed, and its (cached) matrix view."""
+``splits``, whether it is stored transposed, its expert layout, and its (cached) matrix view."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .experts import GATE_UP_ROLES, ExpertLayout, GateUpMode
 from .matrices import MatrixView
 from .params import RouteDecision, Rule, format_routing_table, layout_note
 
@@ -29,6 +30,18 @@ class ParamTable:
         self.views: dict[int, MatrixView] = {}
         self.unnamed_to_muon = 0
         """Unnamed parameters routed to Muon by tensor rank alone, not yet warned about."""
+        self.experts: dict[str, ExpertLayout] = {}
+        """name -> the expert layout found in the model (or given) or declared in ``splits``."""
+        self.declared: set[str] = set()
+        """Names whose expert layout the user declared in ``splits`` (it beats ``matrix_mode``)."""
+        self.mode_given = False
+        """Whether the constructor's ``matrix_mode`` was given (it beats found layouts)."""
+        self.explicit_modes: set[str] = set()
+        """Names in param groups that set ``matrix_mode`` themselves."""
+        self.convolutions: set[str] = set()
+        """Names of convolution weights (flattened on purpose, no warning)."""
+        self.gate_up: GateUpMode = "apart"
+        """The optimizer's ``gate_up``: fused gate/up orthogonalized apart or together."""
 
     def name(self, p: torch.Tensor) -> str | None:
         return self.names.get(id(p))
@@ -47,11 +60,30 @@ class ParamTable:
         """Whether ``p`` is a 2-D weight stored (in, out) (its matrix is ``p.T``)."""
         return bool(self.transposed) and self.names.get(id(p)) in self.transposed
 
+    def expert_layout(self, p: torch.Tensor) -> ExpertLayout | None:
+        """``p``'s expert layout, when it has one and nothing the user chose beats it: a layout
+        declared in ``splits`` always applies; a found one yields to a ``matrix_mode`` the user
+        set and to other ``splits``."""
+        name = self.names.get(id(p))
+        layout = self.experts.get(name)
+        if layout is None or name in self.declared:
+            return layout
+        if self.mode_given or name in self.explicit_modes or id(p) in self.split_rows:
+            return None
+        return layout
+
     def view(self, p: torch.Tensor, matrix_mode: str) -> MatrixView:
-        """How ``p`` is split into matrices under ``matrix_mode`` (cached)."""
+        """How ``p`` is split into matrices under ``matrix_mode`` (cached); an expert layout
+        (:meth:`expert_layout`) gives the expert view whatever the mode."""
         view = self.views.get(id(p))
         stale = view is None or view.param_shape != tuple(p.shape)
-        if stale or view.mode != matrix_mode:
+        layout = self.expert_layout(p)
+        if layout is not None:
+            if stale or view.experts is None:
+                view = self._expert_view(p, layout)
+                self.views[id(p)] = view
+            return view
+        if stale or view.mode != matrix_mode or view.experts is not None:
             view = MatrixView.build(
                 p.shape,
                 mode=matrix_mode,
@@ -62,6 +94,34 @@ class ParamTable:
             self.views[id(p)] = view
         return view
 
+    def _expert_view(self, p: torch.Tensor, layout: ExpertLayout) -> MatrixView:
+        out, _ = layout.expert_shape(p.shape)
+        rows = layout.gate_up_rows(out) if self.gate_up == "apart" else None
+        return MatrixView.build(
+            p.shape,
+            experts=layout.n_experts,
+            transposed=layout.transposed,
+            row_partition=rows,
+            block_roles=GATE_UP_ROLES if rows is not None else None,
+        )
+
+    def note(self, p: torch.Tensor, group: Mapping[str, Any]) -> str:
+        """How Muon sees ``p`` (of param group ``group``) beyond its shape (the bracket of its
+        summary line): its expert view, its splits, or how a parameter with 3 or more dims was
+        cut into matrices."""
+        layout = self.expert_layout(p)
+        if layout is not None:
+            return layout.describe(p.shape, self.gate_up)
+        note = layout_note(
+            self.is_transposed(p), self.split_rows.get(id(p)), self.split_roles.get(id(p))
+        )
+        if note or p.ndim < 3 or group["algorithm"] != "muon":
+            return note
+        shapes = self.view(p, group["matrix_mode"]).matrix_shapes
+        if group["matrix_mode"] == "flatten":
+            return f"flattened to {shapes[0]}"
+        return f"{len(shapes)} × {shapes[0]}"
+
     def summary(self, param_groups: Sequence[Mapping[str, Any]]) -> str:
         """The routing table of ``param_groups`` (see :meth:`muonscale.Muon.summary`)."""
         names = [self.label(p, param_groups) for g in param_groups for p in g["params"]]
@@ -71,12 +131,8 @@ class ParamTable:
             n: self.routing.get(n, RouteDecision(a, "param group"))
             for n, a in zip(names, algorithms)
         }
-        notes = {
-            n: layout_note(
-                self.is_transposed(p), self.split_rows.get(id(p)), self.split_roles.get(id(p))
-            )
-            for n, p in zip(names, params)
-        }
+        groups = [g for g in param_groups for _ in g["params"]]
+        notes = {n: self.note(p, g) for n, p, g in zip(names, params, groups)}
         return format_routing_table(decisions, dict(zip(names, params)), notes)
 
     def rebind(self, slots: Sequence[tuple[torch.Tensor, torch.Tensor, str]]) -> None:
@@ -103,6 +159,12 @@ class ParamTable:
             split_rows=per_slot(self.split_rows),
             split_roles=per_slot(self.split_roles),
             transposed=sorted(self.transposed),
+            experts=dict(self.experts),
+            declared=sorted(self.declared),
+            mode_given=self.mode_given,
+            explicit_modes=sorted(self.explicit_modes),
+            convolutions=sorted(self.convolutions),
+            gate_up=self.gate_up,
         )
 
     @classmethod
@@ -113,6 +175,12 @@ class ParamTable:
         block roles have none)."""
         table = cls(transposed=extra.get("transposed", ()))
         table.routing = extra["routing"]
+        table.experts = dict(extra.get("experts", {}))  # pickles from before experts: none
+        table.declared = set(extra.get("declared", ()))
+        table.mode_given = extra.get("mode_given", False)
+        table.explicit_modes = set(extra.get("explicit_modes", ()))
+        table.convolutions = set(extra.get("convolutions", ()))
+        table.gate_up = extra.get("gate_up", "apart")
         no_roles = [[None] * len(g["params"]) for g in param_groups]
         for group, names, rows, roles in zip(
             param_groups, extra["names"], extra["split_rows"], extra.get("split_roles", no_roles)

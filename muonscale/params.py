@@ -6,10 +6,13 @@ Default rule, applied to each parameter in order:
 2. Fewer than 2 dims (norm gains, biases, scalars), or complex → AdamW.
 3. The parameter belongs to an ``nn.Embedding`` / ``nn.EmbeddingBag`` or is the same tensor as
    one (tied output head), when a module is given → AdamW.
-4. The **last** name component of the owning module is an embedding/head name
+4. Mixture-of-experts parts, when a module is given (:func:`muonscale.experts.find_experts`):
+   a stacked per-expert bias (E, out) → AdamW; a router (E, D) → Muon, as Megatron's Muon and
+   Moonlight train it (*Mixture of experts* in the docs); expert weights → Muon, E matrices.
+5. The **last** name component of the owning module is an embedding/head name
    (:data:`EMBEDDING_OR_HEAD_NAMES`) → AdamW. Never a substring match: Hugging Face's
    ``attention.output.dense.weight`` is a hidden matrix, its owning module is ``dense``.
-5. Otherwise (≥ 2-D weight of a hidden layer) → Muon.
+6. Otherwise (≥ 2-D weight of a hidden layer) → Muon.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from .experts import ExpertModules, find_experts
 
 ALGORITHMS = ("muon", "adamw")
 
@@ -116,8 +121,10 @@ def route_one(
     param: torch.Tensor,
     rules: Sequence[Rule] = (),
     embedding_ids: set[int] | None = None,
+    experts: ExpertModules | None = None,
 ) -> RouteDecision:
-    """Decide one parameter (see the module docstring for the rule)."""
+    """Decide one parameter (see the module docstring for the rule; ``experts``: what
+    :func:`~muonscale.experts.find_experts` found in the model)."""
     decision = _apply_user_rules(name, param, rules)
     if decision is not None:
         return decision
@@ -127,10 +134,32 @@ def route_one(
         return RouteDecision("adamw", "complex (Newton–Schulz needs real matrices)")
     if embedding_ids is not None and id(param) in embedding_ids:
         return RouteDecision("adamw", "embedding module (or tied to one)")
+    if experts is not None:
+        decision = _expert_decision(name, experts)
+        if decision is not None:
+            return decision
     owner = _owning_module(name)
     if owner in EMBEDDING_OR_HEAD_NAMES:
         return RouteDecision("adamw", f"embedding/output head (module '{owner}')")
     return RouteDecision("muon", f"{param.ndim}-D hidden weight")
+
+
+ROUTER_REASON = "router (E={n}): Muon, as Megatron's Muon and Moonlight"
+"""The reason a router weight goes to Muon (the decision and its sources: *Mixture of experts*
+in the docs)."""
+
+
+def _expert_decision(name: str, experts: ExpertModules) -> RouteDecision | None:
+    if name in experts.biases:
+        return RouteDecision("adamw", f"per-expert bias ({experts.owners[name]})")
+    if name in experts.routers:
+        return RouteDecision("muon", ROUTER_REASON.format(n=experts.routers[name]))
+    layout = experts.layouts.get(name)
+    if layout is None:
+        return None
+    if layout.n_experts == 1:
+        return RouteDecision("muon", "fused gate/up weight")
+    return RouteDecision("muon", f"expert weights ({experts.owners[name]})")
 
 
 def route(
@@ -143,9 +172,11 @@ def route(
     them); with ``named_parameters()`` only names and shapes are seen.
     """
     rules = list(rules or ())
+    experts = None
     if isinstance(model_or_named_parameters, nn.Module):
         embedding_ids = _embedding_tensors(model_or_named_parameters)
         named = list(model_or_named_parameters.named_parameters())
+        experts = find_experts(model_or_named_parameters)
     else:
         embedding_ids = None
         named = list(model_or_named_parameters)
@@ -156,7 +187,7 @@ def route(
                 "route: expected (name, tensor) pairs, "
                 f"got {(type(name).__name__, type(param).__name__)}"
             )
-        out[name] = route_one(name, param, rules, embedding_ids)
+        out[name] = route_one(name, param, rules, embedding_ids, experts)
     return out
 
 

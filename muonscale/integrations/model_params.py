@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..distributed.setup_checks import is_dtensor
+from ..experts import convolution_weights, find_experts
 from ..optimizer import Muon
 from ..params import route, transposed_weights
 
@@ -32,7 +33,8 @@ def trainable_named_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor
 
 def muon_for_model(model: nn.Module, *, build: Any = Muon, **muon_kwargs: Any) -> Muon:
     """``muonscale.Muon`` over the trainable parameters of ``model``, routed by name and by module
-    type (embeddings and heads tied to them go to AdamW), and kept bound to the model's
+    type (embeddings and heads tied to them go to AdamW; expert stacks get their expert view,
+    :mod:`muonscale.experts`), and kept bound to the model's
     parameters by name (see :func:`follow_model_parameters`). ``build``: the optimizer class or
     factory called as ``build(param_groups, **muon_kwargs)`` (e.g.
     :func:`muonscale.distributed_muon`)."""
@@ -51,6 +53,8 @@ def muon_for_model(model: nn.Module, *, build: Any = Muon, **muon_kwargs: Any) -
         for algorithm in ("muon", "adamw")
     ]
     muon_kwargs.setdefault("transposed", transposed_weights(model))
+    muon_kwargs.setdefault("experts", find_experts(model).layouts)
+    muon_kwargs.setdefault("convolutions", convolution_weights(model))
     optimizer = build([g for g in groups if g["params"]], **muon_kwargs)
     for name, _ in named:  # keep the reasons (module type, name) in opt.summary()
         optimizer.routing[name] = decisions[name]

@@ -13,7 +13,9 @@ parameter. torchtitan hands each optimizer factory param groups with canonical F
   group, so torchtitan's flat, FQN-keyed optimizer state dict saves and loads;
 * orthogonalizes the Q, K and V blocks of each ``FusedQKVLinear.wqkv`` separately
   (:class:`muonscale.QKVLayout`; rows are ``[n_kv_heads, heads_per_kv + 2, head_dim]``);
-* treats stacked MoE expert weights (E, F, D) as E matrices (``matrix_mode="batch"``);
+* treats stacked MoE expert weights (E, F, D) as E matrices (the expert view of
+  ``GroupedExperts``, :mod:`muonscale.experts`), and keeps the router on Muon with its reason
+  (*Mixture of experts* in the docs);
 * builds :class:`muonscale.DTensorMuon` for FSDP2 / tensor-parallel (DTensor) parameters, on
   the process group of their device mesh (the stage's data-parallel group under pipeline
   parallelism), and :class:`muonscale.Muon` for plain ones (single process, or replicas whose
@@ -33,6 +35,7 @@ from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 from torchtitan.tools.logging import logger
 
+from ..experts import find_experts
 from ..optimizer import Muon
 from ..params import RouteDecision, route
 from ..qkv import QKVLayout
@@ -178,7 +181,11 @@ def build_muonscale(
     ]
     groups = [g for g in groups if g["params"]]
 
-    options.setdefault("matrix_mode", "batch")  # stacked experts (E, F, D): E matrices
+    layouts = find_experts(part).layouts  # stacked experts (E, F, D): E matrices
+    by_id_layout = {id(p): layouts[n] for n, p in part.named_parameters() if n in layouts}
+    options.setdefault(
+        "experts", {n: by_id_layout[id(p)] for n, p in named if id(p) in by_id_layout}
+    )
     if split_fused_qkv and "splits" not in options:
         options["splits"] = {
             n: layout

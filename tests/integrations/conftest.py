@@ -16,6 +16,7 @@ _FILES = {
     "test_hf.py": ("transformers", "accelerate"),
     "test_lightning.py": ("lightning", "transformers"),
     "test_torchtitan.py": ("torchtitan",),
+    "test_hf_experts.py": ("transformers",),
     "test_integrations_docs_code.py": ("transformers", "accelerate", "lightning", "torchtitan"),
 }
 collect_ignore = [

@@ -1,4 +1,5 @@
-"""muonscale.integrations.hf under a real Hugging Face Trainer, on tiny GPT-2 and Llama models.
+"""muonscale.integrations.hf under a real Hugging Face Trainer, on tiny GPT-2, Llama and
+Qwen3-MoE models (the last: expert stacks in their expert view).
 
 Oracles: a plain torch loop with the same muonscale.Muon (clipping, accumulation, DDP, FSDP2),
 an uninterrupted Trainer run (resume), and the same optimizer without the parameter swap (FSDP2
@@ -77,13 +78,34 @@ def _args(tmp_path, **overrides) -> TrainingArguments:
     return TrainingArguments(**kwargs)
 
 
-def _trainer(model, tmp_path, **overrides) -> SequentialTrainer:
-    return SequentialTrainer(
+class ConvertingResumeTrainer(SequentialTrainer):
+    """transformers 5.24's Trainer resumes by loading the checkpoint's safetensors with
+    ``load_state_dict``, without the weight conversion that ``from_pretrained`` applies to
+    mixture-of-experts checkpoints (their expert stacks are saved per expert): the stacks
+    would be reported missing and keep their initial values. Loaded as ``from_pretrained``
+    loads them, the resume tests the optimizer's part."""
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        loaded = type(self.model).from_pretrained(resume_from_checkpoint)
+        (model or self.model).load_state_dict(loaded.state_dict())
+
+
+def _trainer(model, tmp_path, cls=None, **overrides) -> SequentialTrainer:
+    return (cls or SequentialTrainer)(
         model=model,
         args=_args(tmp_path, **overrides),
         train_dataset=TokenData(),
         optimizer_cls_and_kwargs=(MuonFactory, dict(MUON_KWARGS)),
     )
+
+
+def test_factory_gives_expert_stacks_their_expert_view(tmp_path):
+    trainer = _trainer(tiny_model("qwen3_moe"), tmp_path)
+    trainer.create_optimizer()
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    stacks = [p for p in trainer.model.parameters() if p.ndim == 3]
+    assert stacks and all(optimizer.param_table.expert_layout(p) is not None for p in stacks)
+    assert "(E=4) × gate|up (16, 32)" in optimizer.summary()
 
 
 def plain_loop(model, steps: int, batch: int, max_grad_norm: float | None):
@@ -100,7 +122,7 @@ def plain_loop(model, steps: int, batch: int, max_grad_norm: float | None):
     return model
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen3_moe"])
 def test_factory_routes_embeddings_and_head_to_adamw(kind, tmp_path):
     trainer = _trainer(tiny_model(kind), tmp_path)
     trainer.create_optimizer()
@@ -121,7 +143,7 @@ def test_loss_falls(kind, tmp_path):
     assert losses[-1] < 0.5 * losses[0], losses
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen3_moe"])
 def test_clipping_and_accumulation_match_plain_loop(kind, tmp_path):
     max_grad_norm = 0.05
     trainer = _trainer(
@@ -143,7 +165,7 @@ def test_clipping_and_accumulation_match_plain_loop(kind, tmp_path):
     assert far > 10 * PARAM_ATOL, "the unclipped run must differ, or the comparison proves nothing"
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen3_moe"])
 def test_resume_is_bit_exact(kind, tmp_path):
     full = _trainer(tiny_model(kind), tmp_path / "full", max_steps=6)
     full.train()
@@ -151,7 +173,8 @@ def test_resume_is_bit_exact(kind, tmp_path):
         tiny_model(kind), tmp_path / "resumed", max_steps=6, save_strategy="steps", save_steps=3
     )
     first.train()
-    resumed = _trainer(tiny_model(kind, seed=1), tmp_path / "resumed", max_steps=6)
+    cls = ConvertingResumeTrainer if kind == "qwen3_moe" else None
+    resumed = _trainer(tiny_model(kind, seed=1), tmp_path / "resumed", cls, max_steps=6)
     resumed.train(resume_from_checkpoint=str(tmp_path / "resumed" / "checkpoint-3"))
     want = dict(full.model.named_parameters())
     for name, p in resumed.model.named_parameters():

@@ -364,3 +364,21 @@ def test_spmd_types_local_shards_refused():
         build([model])
     _set_partition_spec(wqkv, PartitionSpec(None, None))  # a replicated spec is a whole tensor
     build([model])
+
+
+def test_moe_router_on_muon_with_its_reason_and_experts_as_views():
+    """The router decision (docs/moe.md): torchtitan's ``moe.router.gate.weight`` (E, D) stays
+    on Muon and the summary says why; ``GroupedExperts`` stacks show their expert view."""
+    model = tiny_model("qwen3_moe")
+    optimizer = build([model]).optimizers[0]
+    named = dict(model.named_parameters())
+    routers = [n for n in named if n.endswith("router.gate.weight")]
+    assert routers
+    for name in routers:
+        decision = optimizer.routing[name]
+        assert decision.algorithm == "muon" and decision.reason.startswith("router (E="), name
+    summary = optimizer.summary()
+    assert "router (E=" in summary and "(E=" in summary and "× (" in summary
+    for name, p in named.items():
+        if p.ndim == 3:
+            assert optimizer.param_table.expert_layout(p) is not None, name

@@ -1,5 +1,6 @@
-"""Tiny GPT-2 and Llama models from configs (random init, nothing downloaded) and a learnable
-token data set, shared by the Hugging Face and Lightning tests (and a free port for torchrun)."""
+"""Tiny GPT-2, Llama and Qwen3-MoE models from configs (random init, nothing downloaded) and a
+learnable token data set, shared by the Hugging Face and Lightning tests (and a free port for
+torchrun)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,24 @@ def tiny_model(kind: str, seed: int = 0):
             tie_word_embeddings=False,
         )
         return LlamaForCausalLM(config)
+    if kind == "qwen3_moe":  # stacked experts (E, 2F, D) and (E, D, F), a router per layer
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        config = Qwen3MoeConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=SEQ,
+            tie_word_embeddings=False,
+        )
+        return Qwen3MoeForCausalLM(config)
     raise ValueError(kind)
 
 
@@ -60,6 +79,7 @@ class TokenData(torch.utils.data.Dataset):
 EMBEDDING_AND_HEAD = {
     "gpt2": ("transformer.wte.weight", "transformer.wpe.weight"),  # lm_head is tied to wte
     "llama": ("model.embed_tokens.weight", "lm_head.weight"),
+    "qwen3_moe": ("model.embed_tokens.weight", "lm_head.weight"),
 }
 
 
