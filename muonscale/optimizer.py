@@ -140,7 +140,7 @@ class Muon(torch.optim.Optimizer):
         capturable: bool = False,
         transposed: Iterable[str] | None = None,
         orthogonalize_in_backward: bool = False,
-        strict: bool = False,
+        strict: bool | None = None,
         gate_up: GateUpMode = "apart",
         experts: Mapping[str, ExpertLayout] | None = None,
         convolutions: Iterable[str] | None = None,
@@ -171,7 +171,8 @@ class Muon(torch.optim.Optimizer):
         self.elementwise_backend: ElementwiseBackend = elementwise_backend_from_environment()
         self.momentum_stacks = MomentumStacks()
         self.strict = strict
-        """Whether routing unnamed parameters by tensor rank alone is an error."""
+        """None: routing by tensor rank alone is an error where it is certainly wrong; True:
+        always; False: never (a warning)."""
         self.param_table = ParamTable(rules or (), transposed or ())
         """Names, routing, ``splits``, expert layouts and matrix views of the parameters."""
         self.param_table.gate_up = gate_up

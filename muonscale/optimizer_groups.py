@@ -4,6 +4,7 @@ re-binding the groups to replaced parameter objects."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 from collections.abc import Iterable, Mapping
@@ -32,6 +33,10 @@ FALLBACK_WARNING = (
     "muonscale.Muon: {n} unnamed parameter(s) with >= 2 dims were routed to Muon by tensor rank "
     "alone, so embeddings and output heads cannot be told apart from hidden matrices. {fix}"
 )
+MODULE_PARAMETERS_FIX = (
+    "Pass model.named_parameters() or the model itself instead of model.parameters(): names "
+    "and module types tell embeddings and output heads apart."
+)
 GENERIC_FIX = (
     "Pass model.named_parameters() or the model itself, give each param group 'param_names', or "
     "pin a group with 'algorithm': 'adamw'."
@@ -55,6 +60,9 @@ def groups_from(
         table.routing.update(decisions)
         group = {"params": [(n, named[n]) for n in decisions]}
         return split_by_algorithm(group, decisions, named=True, **decays)
+    table.from_module_parameters = (
+        inspect.isgenerator(params) and params.gi_code is nn.Module.parameters.__code__
+    )
     params = list(params)
     if not params:
         raise ValueError("params: the optimizer got an empty parameter list")
@@ -134,6 +142,7 @@ def expand_user_group(
         if not has_names:
             by_rank = [n for n, _ in named if not decisions[n].reason.startswith("user")]
             table.unnamed_to_muon += sum(decisions[n].algorithm == "muon" for n in by_rank)
+            table.unnamed_low_rank += sum(p.ndim < 2 for n, p in named if n in by_rank)
     for name, decision in decisions.items():
         table.routing.setdefault(name, decision)
     return split_by_algorithm(
@@ -383,16 +392,33 @@ def framework_fix(max_depth: int = 64) -> str | None:
     return None
 
 
-def warn_unnamed(table: ParamTable, strict: bool, stacklevel: int = 3) -> None:
-    """Warn (``strict``: raise ``ValueError``) when unnamed parameters went to Muon by rank
-    alone (``stacklevel``: ``warnings.warn``'s, counted from here)."""
-    if table.unnamed_to_muon:
-        fix = framework_fix() or GENERIC_FIX  # a framework's users cannot pass names
-        message = FALLBACK_WARNING.format(n=table.unnamed_to_muon, fix=fix)
-        table.unnamed_to_muon = 0
-        if strict:
-            raise ValueError(f"strict=True: {message}")
-        warnings.warn(message, UserWarning, stacklevel=stacklevel)
+def warn_unnamed(table: ParamTable, strict: bool | None, stacklevel: int = 3) -> None:
+    """Judge unnamed parameters routed to Muon by rank alone (``stacklevel``: ``warnings.warn``'s,
+    counted from here). ``strict=None``: raise where the misrouting is certain (a training
+    framework builds the optimizer, or ``params`` was ``model.parameters()``), accept a list of
+    matrices alone silently (what ``torch.optim.Muon`` takes), warn for a mixed list.
+    ``False``: warn. ``True``: raise."""
+    if not table.unnamed_to_muon:
+        return
+    framework = framework_fix()  # a framework's users cannot pass names
+    if framework is not None:
+        fix = framework
+    elif table.from_module_parameters:
+        fix = MODULE_PARAMETERS_FIX
+    else:
+        fix = GENERIC_FIX
+    message = FALLBACK_WARNING.format(n=table.unnamed_to_muon, fix=fix)
+    certain = framework is not None or table.from_module_parameters
+    matrices_only = table.unnamed_low_rank == 0
+    table.unnamed_to_muon = table.unnamed_low_rank = 0
+    table.from_module_parameters = False
+    if strict is True:
+        raise ValueError(f"strict=True: {message}")
+    if strict is None and certain:
+        raise ValueError(f"{message} (strict=False accepts routing by shape alone.)")
+    if strict is None and matrices_only:
+        return
+    warnings.warn(message, UserWarning, stacklevel=stacklevel)
 
 
 def rebind_groups_and_state(

@@ -128,7 +128,12 @@ def check_switches(
             "orthogonalize_in_backward=True cannot be combined with capturable=True: the "
             "Newton–Schulz work would run in backward hooks, outside the captured step"
         )
-    check_flag("strict", options["strict"])
+    if options["strict"] is not None and not isinstance(options["strict"], bool):
+        raise ValueError(
+            "strict must be None (refuse certain misrouting), False (accept routing by shape "
+            f"alone, with a warning) or True (refuse any routing by shape alone), got "
+            f"{options['strict']!r}"
+        )
     for key in ("transposed", "convolutions"):
         if isinstance(options[key], str):
             raise TypeError(f"{key} must be a collection of parameter names, got {options[key]!r}")

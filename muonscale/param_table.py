@@ -29,6 +29,13 @@ class ParamTable:
         self.split_roles: dict[int, tuple[str, ...]] = {}
         self.views: dict[int, MatrixView] = {}
         self.unnamed_to_muon = 0
+        """Unnamed parameters with >= 2 dims routed to Muon by tensor rank (since the last
+        check)."""
+        self.unnamed_low_rank = 0
+        """Unnamed parameters with < 2 dims beside them (a mixed list: norms, biases)."""
+        self.from_module_parameters = False
+        """Whether ``params`` was a ``Module.parameters()`` generator (a model's every weight,
+        unnamed: certain misrouting)."""
         """Unnamed parameters routed to Muon by tensor rank alone, not yet warned about."""
         self.experts: dict[str, ExpertLayout] = {}
         """name -> the expert layout found in the model (or given) or declared in ``splits``."""

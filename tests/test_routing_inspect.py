@@ -1,5 +1,6 @@
-"""Routing is inspectable before training: ``summary()`` names transposed and split weights,
-and ``strict=True`` turns routing by tensor rank alone into an error."""
+"""Routing is inspectable before training: ``summary()`` names transposed and split weights;
+``strict`` judges routing by tensor rank alone: ``None`` (the default) refuses it where it is
+certainly wrong, ``True`` always, ``False`` never (a warning)."""
 
 import warnings
 
@@ -58,14 +59,64 @@ def test_strict_refuses_rank_only_routing():
     with pytest.raises(ValueError, match="strict=True"):
         opt.add_param_group({"params": list(extra.parameters())})
     assert len(opt.param_groups) == groups, "a refused group is not added"
-    with pytest.raises(ValueError, match="strict must be True or False"):
+    with pytest.raises(ValueError, match="strict must be None .*, False .* or True"):
         Muon(model.named_parameters(), lr=0.02, strict="yes")
 
 
-def test_without_strict_rank_only_routing_warns():
+def test_model_parameters_is_refused_by_default_naming_the_fix():
+    """``Muon(model.parameters())`` puts the embedding on Muon: certain, so refused."""
     model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4))
-    with pytest.warns(UserWarning, match="routed to Muon by tensor rank"):
+    with pytest.raises(ValueError, match=r"instead of model\.parameters\(\).*strict=False"):
         Muon(model.parameters(), lr=0.02)
+
+
+def test_strict_false_accepts_rank_only_routing_with_a_warning_bitwise_as_before():
+    """``strict=False`` is 0.5.0's behaviour: a warning, and the same step as routing the
+    same tensors by hand (2-D to Muon, 1-D to AdamW)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4))
+    pinned = [copy_param(p) for p in model.parameters()]
+    with pytest.warns(UserWarning, match="routed to Muon by tensor rank"):
+        opt = Muon(model.parameters(), lr=0.02, strict=False)
+    by_hand = Muon(
+        [
+            {"params": [p for p in pinned if p.ndim >= 2], "algorithm": "muon"},
+            {"params": [p for p in pinned if p.ndim < 2], "algorithm": "adamw"},
+        ],
+        lr=0.02,
+    )
+    for p, q in zip(model.parameters(), pinned):
+        p.grad = torch.full_like(p, 0.5).add_(torch.arange(p.numel()).view(p.shape) / 10)
+        q.grad = p.grad.clone()
+    opt.step()
+    by_hand.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), pinned))
+
+
+def copy_param(p: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(p.detach().clone())
+
+
+def test_a_list_of_matrices_steps_without_a_warning():
+    """What ``torch.optim.Muon`` users pass: hidden matrices alone, unnamed."""
+    w1, w2 = nn.Parameter(torch.randn(4, 6)), nn.Parameter(torch.randn(6, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = Muon([w1, w2], lr=0.02)
+    w1.grad, w2.grad = torch.ones_like(w1), torch.ones_like(w2)
+    before = w1.detach().clone()
+    opt.step()
+    assert not torch.equal(w1, before)
+
+
+def test_a_mixed_unnamed_list_warns_and_steps():
+    """Keller Jordan's style: hidden matrices with norm gains and biases, unnamed: not
+    certainly wrong (no embedding), so a warning, and the step runs."""
+    w, gain = nn.Parameter(torch.randn(4, 6)), nn.Parameter(torch.ones(4))
+    with pytest.warns(UserWarning, match="routed to Muon by tensor rank"):
+        opt = Muon([w, gain], lr=0.02)
+    w.grad, gain.grad = torch.ones_like(w), torch.ones_like(gain)
+    opt.step()
 
 
 def test_strict_survives_pickling():

@@ -24,9 +24,9 @@ def _warned_at(call) -> tuple[list[tuple[str, int]], tuple[str, int]]:
 
 
 def test_construction_warnings_point_at_the_constructor_call():
-    w = torch.nn.Parameter(torch.randn(12, 6))
-    found, line = _warned_at(lambda: Muon([w], qk_lr_scale=2.0))
-    assert len(found) == 2  # unnamed parameter, idle qk_lr_scale
+    w, gain = torch.nn.Parameter(torch.randn(12, 6)), torch.nn.Parameter(torch.ones(6))
+    found, line = _warned_at(lambda: Muon([w, gain], qk_lr_scale=2.0))
+    assert len(found) == 2  # unnamed parameter in a mixed list, idle qk_lr_scale
     assert found == [line, line]
 
 
@@ -34,8 +34,8 @@ def test_add_param_group_warning_points_at_its_call():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the constructor's own warning: the test above
         opt = Muon([torch.nn.Parameter(torch.randn(4, 4))])
-    extra = torch.nn.Parameter(torch.randn(4, 4))
-    found, line = _warned_at(lambda: opt.add_param_group({"params": [extra]}))
+    extra = [torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.ones(4))]
+    found, line = _warned_at(lambda: opt.add_param_group({"params": extra}))
     assert found == [line]
 
 

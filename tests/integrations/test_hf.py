@@ -477,3 +477,19 @@ def test_distributed_factory_without_callback_fails_fast(tmp_path):
         assert "DistributedCheckpointCallback" in record["error"], record["error"]
         assert record["seconds"] < 60, record
     assert not (tmp_path / "run" / "checkpoint-1").exists()
+
+
+def test_trainer_with_muonscale_muon_itself_is_refused_naming_the_factory(tmp_path):
+    """``optimizer_cls_and_kwargs=(muonscale.Muon, ...)``: the Trainer hands unnamed tensors,
+    so the embeddings and head would go to Muon. A framework caller is certain misrouting:
+    refused, naming ``MuonFactory``."""
+    import muonscale
+
+    trainer = SequentialTrainer(
+        model=tiny_model("llama"),
+        args=_args(tmp_path),
+        train_dataset=TokenData(),
+        optimizer_cls_and_kwargs=(muonscale.Muon, dict(MUON_KWARGS)),
+    )
+    with pytest.raises(ValueError, match="MuonFactory"):
+        trainer.create_optimizer()
