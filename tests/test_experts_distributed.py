@@ -70,3 +70,71 @@ def test_expert_views_equal_single_process_bitwise_at_2_ranks(kind, options):
     for rank, got in enumerate(shared_pool(2).run(_distributed, kind, options)):
         for name, tensor in want.items():
             assert torch.equal(got[name], tensor), (kind, rank, name)
+
+
+EXPERTS_ONLY = [(r"^(?!mlp\.experts\.)", "adamw")]  # Muon on the expert stacks alone
+
+
+def _expert_bytes(rank: int, world_size: int, options: dict) -> dict:
+    """FSDP2 shards the expert dimension: each expert whole on one rank. The bytes the
+    optimizer sends per step with the expert stacks as its only Muon parameters, and the
+    weights after the steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from muonscale.distributed import DTensorMuon
+
+    torch.manual_seed(0)
+    model = Model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    opt = DTensorMuon(model, rules=EXPERTS_ONLY, **OPTIONS, **options)
+    sent = []
+    for step in range(STEPS):
+        for name, grad in _gradients(model, step).items():
+            p = dict(model.named_parameters())[name]
+            p.grad = distribute_tensor(grad, p.device_mesh, p.placements)
+        opt.step()
+        sent.append(dict(opt.last_step_wire_breakdown))
+    weights = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    return {"sent": sent, "weights": weights}
+
+
+def _single_process_experts_only(options: dict) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Model()
+    opt = muonscale.Muon(model, rules=EXPERTS_ONLY, **OPTIONS, **options)
+    for step in range(STEPS):
+        for name, grad in _gradients(model, step).items():
+            dict(model.named_parameters())[name].grad = grad
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_experts_sharded_on_the_expert_dimension_move_no_optimizer_bytes(world_size):
+    """Each expert is stepped by the rank that holds it: the Muon exchange sends nothing
+    (only the non-finite check's control bytes remain), and the weights equal single-process
+    Muon's bitwise."""
+    want = _single_process_experts_only({})
+    for rank, got in enumerate(shared_pool(world_size).run(_expert_bytes, {})):
+        for step, breakdown in enumerate(got["sent"]):
+            muon = {k: v for k, v in breakdown.items() if k.startswith("muon/")}
+            assert sum(muon.values()) == 0, (rank, step, breakdown)
+        for name, tensor in want.items():
+            assert torch.equal(got["weights"][name], tensor), (rank, name)
+    print(f"\n{world_size} ranks, experts only, bytes per step: {got['sent'][-1]}")
+
+
+def test_normuon_experts_share_only_their_row_statistics():
+    """NorMuon keeps a row state replicated on every rank: the holders' row statistics reach
+    the other ranks in one float32 all-reduce per step, the experts themselves move nothing."""
+    options = dict(normalize="row")
+    want = _single_process_experts_only(options)
+    for rank, got in enumerate(shared_pool(2).run(_expert_bytes, options)):
+        breakdown = got["sent"][-1]
+        assert breakdown.get("muon/all_to_all", 0) == 0, breakdown
+        assert breakdown.get("muon/all_reduce", 0) > 0, breakdown
+        for name, tensor in want.items():
+            assert torch.equal(got["weights"][name], tensor), (rank, name)

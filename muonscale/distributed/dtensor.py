@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,6 +56,7 @@ import torch.distributed as dist
 from .. import functional, matrix_step
 from ..declared_state import kept_state, replicated_state
 from ..group_step import adamw_group_step
+from ..matrices import MatrixView
 from ..newton_schulz import default_ns_dtype
 from ..optimizer import Muon
 from ..optimizer_state import parameter_states
@@ -72,6 +74,90 @@ __all__ = ["DTensorMuon", "dtensor_layout", "local_indices", "local_tensor"]
 def _narrower(a: torch.dtype, b: torch.dtype) -> torch.dtype:
     """The floating dtype of fewer bits (``b`` on a tie)."""
     return a if torch.finfo(a).bits < torch.finfo(b).bits else b
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """What one matrix of the exchange is: a whole parameter, or one expert of a stack."""
+
+    param: torch.Tensor
+    group: Mapping[str, Any]
+    view: MatrixView
+    layout: MatrixLayout
+    expert: int | None = None
+    shape: tuple[int, ...] = ()
+    """The stored shape the owner steps (the parameter's, or one expert's)."""
+    holder: int | None = None
+    """The rank that holds the expert whole (its owner)."""
+    local_rows: slice | None = None
+    """The holder's rows of its local 2-D shard that hold this expert."""
+    row_span: slice | None = None
+    """The expert's rows of the parameter's replicated row states."""
+
+    def __post_init__(self) -> None:
+        if not self.shape:
+            object.__setattr__(self, "shape", tuple(self.param.shape))
+
+    def replicas(self, held: dict) -> dict:
+        """This unit's rows of the parameter's replicated row states (views)."""
+        if self.row_span is None:
+            return held
+        return {spec: tensor[self.row_span] for spec, tensor in held.items()}
+
+
+def expert_units(p: torch.Tensor, view: MatrixView, layout: MatrixLayout) -> list[tuple] | None:
+    """``(view, layout, expert, shape, holder, local rows, row span)`` of each expert of an
+    expert stack whose every expert some single rank holds whole (contiguous rows of the 2-D
+    matrix, every column; no replica), else None."""
+    if view.experts is None or layout.whole_everywhere or p.ndim not in (2, 3):
+        return None
+    count = view.experts
+    m, n = layout.shape  # 3-D: (E, A·B); 2-D concatenation: (E·A, B)
+    per = m // count
+    shape = tuple(p.shape[1:]) if p.ndim == 3 else (per, n)
+    holder_of: dict[int, tuple[int, int]] = {}  # expert -> (rank, first local row)
+    for rank, (rows, cols) in enumerate(layout.pieces):
+        if not isinstance(rows, slice) or rows.start == rows.stop:
+            continue
+        if not isinstance(cols, slice) or (cols.start, cols.stop) != (0, n):
+            return None
+        if rows.start % per or rows.stop % per:
+            return None
+        for e in range(rows.start // per, rows.stop // per):
+            if e in holder_of:
+                return None  # held by two ranks: not one owner
+            holder_of[e] = (rank, e * per - rows.start)
+    if len(holder_of) != count:
+        return None
+    expert_view = MatrixView.build(
+        shape,
+        transposed=view.transposed,
+        row_partition=view.row_partition,
+        block_roles=view.block_roles,
+    )
+    rows_per_expert = sum(r for r, _ in expert_view.matrix_shapes)
+    world = len(layout.pieces)
+    out = []
+    for e in range(count):
+        rank, first = holder_of[e]
+        pieces = [
+            (torch.arange(per), torch.arange(n))
+            if r == rank
+            else (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+            for r in range(world)
+        ]
+        out.append(
+            (
+                expert_view,
+                MatrixLayout.from_indices((per, n), pieces),
+                e,
+                shape,
+                rank,
+                slice(first, first + per),
+                slice(e * rows_per_expert, (e + 1) * rows_per_expert),
+            )
+        )
+    return out
 
 
 class DTensorMuon(Muon):
@@ -179,22 +265,35 @@ class DTensorMuon(Muon):
             self._layouts[id(p)] = layout
         return layout
 
-    def _exchange(self, entries: list[tuple[torch.Tensor, Mapping[str, Any]]], dtype: torch.dtype):
-        """The exchange of these parameters' matrices (cached): FLOP-balanced owners."""
-        key = (tuple(id(p) for p, _ in entries), dtype)
+    def _exchange(self, units: list[_Unit], dtype: torch.dtype) -> PieceExchange:
+        """The exchange of these units' matrices (cached): FLOP-balanced owners, except that an
+        expert held whole by one rank is owned by that rank (nothing moves for it)."""
+        key = (tuple((id(u.param), u.expert) for u in units), dtype)
         if key not in self._exchanges:
-            layouts = [self.matrix_layout(p) for p, _ in entries]
-            costs = [self._matrix_view(p, g).matrix_shapes for p, g in entries]
+            layouts = [u.layout for u in units]
+            costs = [u.view.matrix_shapes for u in units]
+            owners = default_owners(layouts, self.comm.world_size, matrix_shapes=costs)
+            owners = [owner if u.holder is None else u.holder for u, owner in zip(units, owners)]
             self._exchanges[key] = PieceExchange(
                 layouts,
                 group=self.process_group,
-                owners=default_owners(layouts, self.comm.world_size, matrix_shapes=costs),
+                owners=owners,
                 counter=self.wire_counter,
                 tag="muon",
                 hosts=self.comm.hosts,
                 row_comm=self.comm,
             )
         return self._exchanges[key]
+
+    def _units(self, p: torch.Tensor, group: Mapping[str, Any]) -> list[_Unit]:
+        """What the exchange moves for ``p``: its whole matrix, or, for an expert stack whose
+        every expert is held whole by one rank (FSDP2 sharding the expert dimension, expert
+        parallelism), one unit per expert, owned by that rank."""
+        view, layout = self._matrix_view(p, group), self.matrix_layout(p)
+        experts = expert_units(p, view, layout)
+        if experts is None:
+            return [_Unit(p, group, view, layout)]
+        return [_Unit(p, group, *unit) for unit in experts]
 
     def _after_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """New parameter objects: lay them out again (and fail fast on unsupported ones)."""
@@ -312,7 +411,8 @@ class DTensorMuon(Muon):
             updates = {}
             for dtype in sorted({local_grads[id(p)].dtype for p, _ in entries}, key=str):
                 part = [(p, g) for p, g in entries if local_grads[id(p)].dtype == dtype]
-                exchange = self._exchange(part, dtype)
+                units = [u for p, g in part for u in self._units(p, g)]
+                exchange = self._exchange(units, dtype)
                 result_dtype = self._result_dtype(part, dtype)
                 # U written straight where the all-to-all sends it from (no packing copy), in
                 # Newton–Schulz's dtype where that is narrower: the owner's first step casts
@@ -320,19 +420,21 @@ class DTensorMuon(Muon):
                 wire_dtype = _narrower(result_dtype, dtype)
                 device = local_grads[id(part[0][0])].device
                 packed, pieces = exchange.piece_buffer(wire_dtype, device)
-                self._write_directions(
-                    part, local_grads, momenta, {id(p): x for (p, _), x in zip(part, pieces)}
-                )
+                self._write_unit_directions(part, units, pieces, local_grads, momenta)
                 out = step_through_exchange(
                     exchange,
                     pieces,
-                    lambda idx, mats, part=part: self._owner_step(part, idx, mats),
-                    [self._replicas(p, g) for p, g in part],
-                    [MuonSettings.from_group(g) for _, g in part],
+                    lambda idx, mats, units=units: self._owner_step(units, idx, mats),
+                    [u.replicas(self._replicas(u.param, u.group)) for u in units],
+                    [MuonSettings.from_group(u.group) for u in units],
                     result_dtype=result_dtype,
                     packed=packed,
                 )
-                updates.update({id(p): o for (p, _), o in zip(part, out)})
+                for p, _ in part:
+                    mine = [o for u, o in zip(units, out) if u.param is p]
+                    updates[id(p)] = (
+                        mine[0] if len(mine) == 1 else torch.cat([o.reshape(-1) for o in mine])
+                    )
 
         # phase 3: weight decay and update on local shards, per group for its lr / λ, each
         # with the rule it is applied with (the same on every rank)
@@ -361,22 +463,35 @@ class DTensorMuon(Muon):
                 nesterov=group["nesterov"],
             )
 
+    def _write_unit_directions(self, part, units, pieces, grads, momenta) -> None:
+        """U of every parameter of ``part`` into the exchange's piece buffers: straight into a
+        whole parameter's piece, through one scratch tensor for an expert stack's units (each
+        takes its rows of the local shard)."""
+        split = {id(u.param) for u in units if u.expert is not None}
+        direct = {id(u.param): x for u, x in zip(units, pieces) if u.expert is None}
+        scratch = {id(p): torch.empty_like(grads[id(p)]) for p, _ in part if id(p) in split}
+        self._write_directions(part, grads, momenta, {**direct, **scratch})
+        for u, x in zip(units, pieces):
+            if u.expert is not None and x.numel():
+                x.copy_(as_2d(scratch[id(u.param)])[u.local_rows])
+
     def _owner_step(
-        self, part, indices: list[int], whole: list[torch.Tensor]
+        self, units: list[_Unit], indices: list[int], whole: list[torch.Tensor]
     ) -> tuple[list[torch.Tensor], list[dict]]:
-        """On the owner: the matrix step of whole parameters (2-D U → the parameter's view →
-        :func:`~muonscale.matrix_step.parameter_updates`), as 2-D matrices, and their row
-        statistics, from which every rank steps its replicas after the exchange."""
-        entries = [part[i] for i in indices]
+        """On the owner: the matrix step of whole matrices (2-D U → the parameter's, or the
+        expert's, stored shape and view → :func:`~muonscale.matrix_step.parameter_updates`), as
+        2-D matrices, and their row statistics, from which every rank steps its replicas after
+        the exchange."""
+        chosen = [units[i] for i in indices]
         updates, _, stats = matrix_step.parameter_updates(
-            [u.reshape(p.shape) for (p, _), u in zip(entries, whole)],
-            [self._matrix_view(p, g) for p, g in entries],
-            [MuonSettings.from_group(g) for _, g in entries],
-            [self._replicas(p, g) for p, g in entries],
+            [x.reshape(u.shape) for u, x in zip(chosen, whole)],
+            [u.view for u in chosen],
+            [MuonSettings.from_group(u.group) for u in chosen],
+            [u.replicas(self._replicas(u.param, u.group)) for u in chosen],
             step_row_state=False,  # replicas: every rank steps its own after the exchange
             max_workspace_bytes=self.memory.ns_workspace_bytes,
         )
-        return [o.reshape(u.shape) for o, u in zip(updates, whole)], stats
+        return [o.reshape(x.shape) for o, x in zip(updates, whole)], stats
 
     def _replicas(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict:
         """This rank's replicas of ``p``'s replicated row states (whole rows, by declaration)."""
