@@ -47,7 +47,7 @@ DEFAULT_LR = {"adamw": 2e-3, "muon": 1.6e-2, "torch-muon": 1.6e-2}
 # Inside the Muon contenders (muon, torch-muon, variants) the AdamW half (embeddings, head,
 # norms, biases) trains at its own peak rate, searched at the full 320 steps on seed 0 for
 # muon, torch-muon and NorMuon + cautious weight decay alike (5e-4 .. 1.6e-2 at momentum 0.85;
-# *Benchmarks* in the docs, "the AdamW half's learning rate"): 1e-3 is the best for all three.
+# *Tuning* in the docs, "The levers one by one"): 1e-3 is the best for all three.
 # Over seeds 0-2 muon then reaches AdamW's final loss in 88.5 steps at momentum 0.95 against
 # 144.6 with the AdamW half at muon's own 1.6e-2 (the bench's earlier default); at 0.85 in 83.3
 # against 134.9, in 270.8 against 311.6 at 1000 steps, and on the World English Bible in fewer
