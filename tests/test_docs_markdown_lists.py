@@ -52,6 +52,7 @@ def test_defects_are_found_with_their_line(text, line, words):
         "```text\n- not a list\n  text in a code block\n```\n",
         "- item\n\n    ```python\n    x = 1\n    ```\n",
         "1. first\n\n    Its second paragraph.\n2. second\n",
+        "chunks of `MUONSCALE_UPDATE_CHUNK_MB` (default\n128) and the cache\n",  # not a marker
     ],
 )
 def test_what_renders_right_passes(text):
