@@ -212,7 +212,8 @@ def test_site_opens_in_chromium(served, browser):
     targets = [a.get_attribute("href") for a in hits]
     assert all(t.startswith(served) for t in targets), targets
     browser.get(targets[0])
-    assert "orthogonaliz" in browser.page_source.lower()
+    # the hit's page, once loaded (under load the driver returned with the document still empty)
+    wait.until(lambda driver: "orthogonaliz" in driver.page_source.lower())
 
 
 def test_api_pages_open_on_their_lead_fold_long_tables_and_show_no_private_bases(site):
