@@ -96,3 +96,4 @@ def test_the_wheel_runs_version_train_and_bench_in_a_fresh_venv(tmp_path):
     assert (tmp_path / "bench" / "report.md").is_file()
     assert (tmp_path / "bench" / "report.json").is_file()
     assert "report:" in bench.stdout
+    assert "- note: 10 steps are too short for this comparison" in bench.stdout
