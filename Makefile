@@ -45,10 +45,12 @@ $(DOCS_STAMP): $(STAMP) pyproject.toml
 docs: $(DOCS_STAMP)
 	$(VENV)/bin/mkdocs build --strict
 
-# Formatting is the tool's: `ruff format .` fixes what `ruff format --check` reports.
+# Formatting is the tool's: `ruff format .` fixes what `ruff format --check` reports. The docs
+# check: list indentation that the site's Markdown renders wrongly (tools/check_markdown_lists.py).
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
+	$(PY) tools/check_markdown_lists.py
 
 # The sdist and wheel in dist/ (python -m build), their metadata checked (twine check), then
 # the wheel installed with torch alone into a fresh venv and run (tests/test_wheel_install.py).

@@ -11,6 +11,8 @@ documented too and no public name can be left out.
 from __future__ import annotations
 
 import ast
+import html
+import re
 import tomllib
 from pathlib import Path
 
@@ -19,7 +21,8 @@ from mkdocs.structure.files import File, Files
 ROOT = Path(__file__).resolve().parent.parent
 ROOT_PAGES = ("README.md", "BENCHMARKS.md")  # the repository's top-level documents
 
-# (page under docs/api/, module, title, one line on what it needs)
+# (page under docs/api/, module, title, one line on what it needs); a page opens on its LEADS
+# names, then its classes, functions and constants, each alphabetical.
 API_PAGES = (
     ("muonscale.md", "muonscale", "muonscale", "`import muonscale` needs only torch."),
     (
@@ -53,6 +56,53 @@ API_PAGES = (
         'Needs `pip install "muonscale[megatron]"` (see *Megatron-Core*).',
     ),
 )
+
+
+LEADS = {
+    "muonscale": ("Muon",),
+    "muonscale.distributed": ("distributed_muon", "DistributedMuon", "DTensorMuon"),
+}
+LONG_VALUE_LINES = 4  # a constant whose value's source is longer shows it folded
+
+
+def entry_order(module: str, name: str) -> tuple:
+    """Sort key of a public name on its API page: the module's leads first, then classes,
+    functions and constants (``UPPER_CASE``), alphabetical within each."""
+    leads = LEADS.get(module, ())
+    if name in leads:
+        return (0, leads.index(name), "")
+    kind = 3 if name.isupper() else 1 if name[:1].isupper() else 2
+    return (kind, 0, name.lower())
+
+
+def folded_value(path: str) -> str | None:
+    """For a module constant whose value runs over :data:`LONG_VALUE_LINES` source lines (a
+    table such as ``COEFFICIENT_PRESETS``): the assignments that build it, comments dropped,
+    as a folded HTML block to show under its entry; ``None`` for anything else."""
+    module, name = path.rsplit(".", 1)
+    source = module_file(module).read_text(encoding="utf-8")
+    tree = ast.parse(source)
+    pieces, long = [], False
+    for node in tree.body:
+        if isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            base = [t.value if isinstance(t, ast.Subscript) else t for t in targets]
+            if not any(isinstance(b, ast.Name) and b.id == name for b in base):
+                continue
+            if isinstance(node, ast.AnnAssign) and node.value is None:
+                continue
+            text = ast.get_source_segment(source, node) or ""
+            long |= node.end_lineno - node.lineno + 1 > LONG_VALUE_LINES
+            lines = [ln for ln in text.splitlines() if not ln.strip().startswith("#")]
+            pieces.append("\n".join(lines))
+    if not long:
+        return None
+    code = html.escape("\n".join(pieces))
+    return (
+        f"<details><summary>The value of <code>{name}</code> "
+        f"({sum(p.count(chr(10)) + 1 for p in pieces)} lines of source)</summary>"
+        f"<pre><code>{code}</code></pre></details>"
+    )
 
 
 def module_file(module: str) -> Path:
@@ -160,16 +210,37 @@ def api_page(module: str, title: str, needs: str, documented: set[str]) -> str:
     documented on an earlier page (re-exported) links there."""
     lines = [f"# {title}", "", f"`{module}`: {needs}", ""]
     again = []
-    for name in sorted(public_names(module), key=str.lower):
+    for name in sorted(public_names(module), key=lambda n: entry_order(module, n)):
         path = defining_path(module, name)
         if path in documented:
             again.append(f"- [`{module}.{name}`][{path}]")
             continue
         documented.add(path)
-        lines += [f"::: {path}", "    options:", f"      heading: {module}.{name}", ""]
+        lines += [f"::: {path}", "    options:", f"      heading: {module}.{name}"]
+        folded = folded_value(path) if name.isupper() else None
+        if folded is not None:
+            lines += ["      show_attribute_values: false", "", folded]
+        lines.append("")
     if again:
         lines += ["## Documented on another page", "", *again, ""]
     return "\n".join(lines)
+
+
+_HEADING = re.compile(r"(<h[1-6][^>]*>)(.*?)(</h[1-6]>)", re.S)
+_DOTTED = re.compile(r"(?<=\w)\.(?=[A-Za-z_])")
+
+
+def on_page_content(html_text: str, page, config, files) -> str:
+    """A line may break after each dot of a dotted name in a heading (``muonscale.<wbr>...``),
+    so long API paths wrap there rather than mid-word (the theme's CSS breaks anywhere as a last
+    resort)."""
+
+    def wrap(match: re.Match) -> str:
+        parts = re.split(r"(<[^>]+>)", match.group(2))  # text outside the tags only
+        inner = "".join(p if p.startswith("<") else _DOTTED.sub(".<wbr>", p) for p in parts)
+        return match.group(1) + inner + match.group(3)
+
+    return _HEADING.sub(wrap, html_text)
 
 
 def on_config(config):

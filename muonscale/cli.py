@@ -1,4 +1,5 @@
-"""``muonscale`` command line: ``muonscale bench``, ``muonscale train`` and ``muonscale route``.
+"""``muonscale`` command line: ``muonscale bench``, ``muonscale train``, ``muonscale route`` and
+``muonscale docs``.
 
 Flags are generated from the config dataclasses (``BenchConfig``, ``TrainConfig``), with each
 field's docstring as help, so the command line and the configs cannot drift apart. torch is
@@ -9,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.resources
 import importlib.util
+import json
+import re
 import signal
 import sys
 from pathlib import Path
@@ -95,6 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="how a model's fused QKV weights (model.qkv_layout) are split (default: qkv)",
     )
     route.set_defaults(command_parser=route)
+
+    docs = commands.add_parser(
+        "docs",
+        help="list the documentation's pages, or print one (they ship with the package)",
+        description="The documentation as Markdown, the pages of the docs site: without PAGE "
+        "the list of pages, with PAGE that page (by its name or title, e.g. options or "
+        "'Newton-Schulz', as docstrings name them).",
+    )
+    docs.add_argument("page", metavar="PAGE", nargs="?", help="a page's name or title")
+    docs.set_defaults(command_parser=docs)
     return parser
 
 
@@ -106,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             return _bench(args)
         if args.command == "route":
             return _route(args)
+        if args.command == "docs":
+            return _docs(args)
         return _train(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -220,6 +236,66 @@ def _route(args: argparse.Namespace) -> int:
         args.command_parser.error(str(error))
     print(routing_table(model, qkv_split=args.qkv_split))
     return 0
+
+
+DOCS_INDEX = "index.json"
+"""In the installed package's ``docs/`` folder: ``[{"name", "title", "file"}, ...]`` in the
+site's order, written by the build (``setup.py``) from ``mkdocs.yml``."""
+
+
+def page_name(title: str) -> str:
+    """A page's name on the command line: its title in lowercase, other characters as ``-``
+    (``"Newton–Schulz"`` -> ``newton-schulz``)."""
+    return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
+
+
+def nav_pages(mkdocs_yml: str) -> list[tuple[str, str]]:
+    """``[(title, path)]`` of the Markdown pages in ``mkdocs.yml``'s nav, in its order."""
+    found = []
+    for line in mkdocs_yml.splitlines():
+        match = re.fullmatch(r"\s*- (.+?): (\S+\.md)\s*", line)
+        if match:
+            found.append((match.group(1), match.group(2)))
+    return found
+
+
+def doc_pages() -> list[dict]:
+    """The documentation's pages, ``{"name", "title", "path"}`` each: from the installed
+    package's ``docs/`` folder, or in a source checkout from the repository itself (an
+    editable install); ``[]`` when neither is there."""
+    shipped = importlib.resources.files("muonscale") / "docs"
+    if shipped.joinpath(DOCS_INDEX).is_file():
+        index = json.loads(shipped.joinpath(DOCS_INDEX).read_text(encoding="utf-8"))
+        return [{**p, "path": shipped.joinpath(p["file"])} for p in index]
+    root = Path(muonscale.__file__).resolve().parent.parent
+    if not (root / "mkdocs.yml").is_file():
+        return []
+    pages = nav_pages((root / "mkdocs.yml").read_text(encoding="utf-8"))
+    return [
+        {"name": page_name(title), "title": title, "path": root / path}
+        for title, path in pages
+        if (root / path).is_file()
+    ]
+
+
+def _docs(args: argparse.Namespace) -> int:
+    pages = doc_pages()
+    if not pages:
+        print("muonscale docs: this installation carries no documentation", file=sys.stderr)
+        return 1
+    if args.page is None:
+        width = max(len(p["name"]) for p in pages)
+        print("The documentation (muonscale docs PAGE prints one):\n")
+        for p in pages:
+            print(f"  {p['name']:<{width}}  {p['title']}")
+        return 0
+    wanted = page_name(args.page)
+    for p in pages:
+        if wanted in (p["name"], page_name(Path(str(p["path"])).stem)):
+            sys.stdout.write(p["path"].read_text(encoding="utf-8"))
+            return 0
+    names = ", ".join(p["name"] for p in pages)
+    args.command_parser.error(f"no page {args.page!r}; the pages: {names}")
 
 
 if __name__ == "__main__":

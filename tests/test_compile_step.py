@@ -11,7 +11,11 @@ from torch import nn
 
 from muonscale import DistributedMuon, Muon
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [
+    pytest.mark.timeout(300),
+    # torch.compile's own import of torch.jit, not this project's code
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+]
 
 
 class TinyLM(nn.Module):

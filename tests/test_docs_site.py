@@ -1,7 +1,9 @@
 """The docs site (``make docs``): it builds with ``--strict``, its API reference lists every public
-name of muonscale and its integrations, and, served on 127.0.0.1, it opens in headless Chromium
-(Debian's ``chromium`` and ``chromium-driver``, driven by selenium) with a working index, API page
-and search. Without the ``[docs]`` extra or the browser the tests skip, and fail under CI=true.
+name of muonscale and its integrations (``Muon`` first, long constant tables folded, no private
+base classes), and, served on 127.0.0.1, it opens in headless Chromium (Debian's ``chromium`` and
+``chromium-driver``, driven by selenium) with a working index, API page and search, and with no
+heading or sidebar entry running out of its box or over another one. Without the ``[docs]``
+extra or the browser the tests skip, and fail under CI=true.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ CHROMIUM_FLAGS = (
     "--headless",
     "--no-sandbox",
     "--disable-gpu",
+    "--disable-quic",
     "--disable-background-networking",
     "--disable-component-update",
     "--disable-sync",
@@ -101,7 +104,7 @@ def served(site):
 
 
 @pytest.fixture(scope="module")
-def browser():
+def browser(tmp_path_factory):
     if importlib.util.find_spec("selenium") is None:
         _missing("selenium is not installed (the [docs] extra)")
     for path, package in ((CHROMIUM, "chromium"), (CHROMEDRIVER, "chromium-driver")):
@@ -114,6 +117,7 @@ def browser():
     options.binary_location = CHROMIUM
     for flag in CHROMIUM_FLAGS:
         options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
     driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
     driver.set_page_load_timeout(60)
     try:
@@ -147,6 +151,7 @@ def test_docstrings_name_pages_of_the_docs():
 def test_api_reference_lists_every_public_name(site):
     for page, module in API_MODULES:
         html = (site / "docs" / "api" / page / "index.html").read_text(encoding="utf-8")
+        html = html.replace("<wbr>", "")  # the break points after a heading's dots
         missing = [n for n in _all_of(module) if f"{module}.{n}" not in html]
         assert not missing, f"docs/api/{page}: no entry for {missing}"
 
@@ -207,4 +212,103 @@ def test_site_opens_in_chromium(served, browser):
     targets = [a.get_attribute("href") for a in hits]
     assert all(t.startswith(served) for t in targets), targets
     browser.get(targets[0])
-    assert "orthogonaliz" in browser.page_source.lower()
+    # the hit's page, once loaded (under load the driver returned with the document still empty)
+    wait.until(lambda driver: "orthogonaliz" in driver.page_source.lower())
+
+
+def test_api_pages_open_on_their_lead_fold_long_tables_and_show_no_private_bases(site):
+    html = (site / "docs" / "api" / "muonscale" / "index.html").read_text(encoding="utf-8")
+    entries = re.findall(r'<h2 id="(muonscale\.[\w.]+)" class="doc doc-heading"', html)
+    assert entries[0] == "muonscale.optimizer.Muon", entries[:3]
+    table = html.index('id="muonscale.newton_schulz.COEFFICIENT_PRESETS"')
+    folded = html.index("<details><summary>The value of <code>COEFFICIENT_PRESETS</code>", table)
+    assert "polar_express" not in html[table:folded], "the preset table shows unfolded"
+    for page in (site / "docs" / "api").glob("*/index.html"):
+        for bases in re.findall(r"Bases: (.*?)</p>", page.read_text(encoding="utf-8")):
+            names = re.findall(r"<code>(.*?)</code>", bases)
+            shown = [re.sub(r"<[^>]+>", "", n) for n in names]
+            assert not [n for n in shown if re.search(r"(^|\.)_|\(", n)], (page, shown)
+
+
+# Every heading of the article and every entry of the sidebar, as the rectangle of its text
+# (a Range over its contents: text that overflows its element is in it), with the box it must
+# stay in (the article's column, the sidebar's card).
+BOXES_JS = """
+const rect = (r) => ({left: r.left, right: r.right, top: r.top, bottom: r.bottom});
+const textRect = (el) => { const r = document.createRange(); r.selectNodeContents(el);
+                           return rect(r.getBoundingClientRect()); };
+const main = document.querySelector('[role="main"]');
+const side = document.querySelector('#toc-collapse');
+const out = [];
+for (const el of main.querySelectorAll('h1, h2, h3, h4, h5, h6')) {
+  out.push({kind: 'heading', text: el.textContent.trim().slice(0, 80), box: textRect(el),
+            within: rect(main.getBoundingClientRect())});
+}
+for (const el of side.querySelectorAll('a')) {
+  out.push({kind: 'sidebar', text: el.textContent.trim().slice(0, 80), box: textRect(el),
+            within: rect(side.getBoundingClientRect())});
+}
+return {boxes: out, scrollWidth: document.documentElement.scrollWidth,
+        innerWidth: window.innerWidth};
+"""
+
+
+def layout_defects(found: dict) -> list[str]:
+    """What is wrong in :data:`BOXES_JS`'s answer: a text outside its box, two texts that
+    overlap, a page wider than the window."""
+    slack = 1.0  # CSS pixels of rounding
+    defects = []
+    if found["scrollWidth"] > found["innerWidth"] + slack:
+        defects.append(f"the page scrolls sideways: {found['scrollWidth']} > {found['innerWidth']}")
+    boxes = [b for b in found["boxes"] if b["box"]["right"] > b["box"]["left"]]
+    for b in boxes:
+        r, w = b["box"], b["within"]
+        if r["left"] < w["left"] - slack or r["right"] > w["right"] + slack:
+            defects.append(f"{b['kind']} {b['text']!r} runs out of its box: {r} not in {w}")
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            ra, rb = a["box"], b["box"]
+            if (
+                min(ra["right"], rb["right"]) - max(ra["left"], rb["left"]) > slack
+                and min(ra["bottom"], rb["bottom"]) - max(ra["top"], rb["top"]) > slack
+            ):
+                defects.append(f"{a['kind']} {a['text']!r} overlaps {b['kind']} {b['text']!r}")
+    return defects
+
+
+def test_layout_defects_are_found_in_boxes():
+    page = {"left": 0, "right": 1000, "top": 0, "bottom": 900}
+    side = {"left": 0, "right": 250, "top": 0, "bottom": 900}
+    fine = [
+        {
+            "kind": "sidebar",
+            "text": "a",
+            "box": {"left": 10, "right": 240, "top": 10, "bottom": 30},
+            "within": side,
+        },
+        {
+            "kind": "heading",
+            "text": "b",
+            "box": {"left": 280, "right": 990, "top": 10, "bottom": 40},
+            "within": page,
+        },
+    ]
+    ok = {"boxes": fine, "scrollWidth": 1000, "innerWidth": 1000}
+    assert layout_defects(ok) == []
+    spilled = [{**fine[0], "box": {**fine[0]["box"], "right": 300}}, fine[1]]
+    found = layout_defects({**ok, "boxes": spilled})
+    assert any("runs out of its box" in d for d in found)
+    assert any("overlaps heading" in d for d in found)
+    assert layout_defects({**ok, "scrollWidth": 1100}) == ["the page scrolls sideways: 1100 > 1000"]
+
+
+@pytest.mark.parametrize(
+    "page",
+    ["/docs/integrations/", "/docs/api/muonscale/", "/docs/api/hf/", "/docs/api/distributed/"],
+)
+def test_no_heading_or_sidebar_entry_overflows_or_overlaps(served, browser, page):
+    browser.get(served + page)
+    found = browser.execute_script(BOXES_JS)
+    assert len([b for b in found["boxes"] if b["kind"] == "sidebar"]) >= 3, found["boxes"][:3]
+    defects = layout_defects(found)
+    assert not defects, "\n".join(defects[:20])

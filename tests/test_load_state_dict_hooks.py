@@ -58,6 +58,7 @@ def _step(model, opt, seed):
     opt.step()
 
 
+@pytest.mark.bare_tensors  # torch's OptimizerInfo cases pass bare tensors
 @pytest.mark.parametrize("pre", [False, True], ids=["post_hook", "pre_post_hook"])
 def test_load_state_dict_hooks_run(world_of_one, pre):
     """TestOptimRenewed.test_load_state_dict_post_hook / _pre_post_hook, for DistributedMuon."""

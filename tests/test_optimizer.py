@@ -43,6 +43,7 @@ def _run(opt_a, params_a, opt_b, params_b, steps, seed=1):
         opt_b.step()
 
 
+@pytest.mark.bare_tensors
 @pytest.mark.parametrize(
     "scale,adjust", [("shape", "original"), ("match_rms_adamw", "match_rms_adamw")]
 )
@@ -59,6 +60,7 @@ def test_matches_torch_muon_exactly_in_float64(monkeypatch, scale, adjust, neste
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
 
 
+@pytest.mark.bare_tensors
 def test_default_bfloat16_path_close_to_torch_muon():
     shapes = [(64, 32), (32, 96)]
     ours, theirs = _pair(shapes, dtype=torch.float32)
@@ -91,6 +93,7 @@ def test_adamw_half_matches_torch_adamw():
     assert float(ours.state[vec]["step"]) == 7
 
 
+@pytest.mark.bare_tensors
 def test_batched_equals_one_matrix_at_a_time():
     shapes = [(16, 24)] * 3 + [(24, 16)]
     together, _ = _pair(shapes)
@@ -181,6 +184,7 @@ def test_update_chunk_defaults_per_device(monkeypatch):
         chunk_bytes_for(-1, torch.device("cpu"))
 
 
+@pytest.mark.bare_tensors
 def test_memory_budget_is_read_from_the_environment_at_construction(monkeypatch):
     """The environment variables are read once, when the optimizer is built; the functional
     layer receives plain numbers (and never reads the environment)."""
@@ -269,6 +273,7 @@ def test_chunked_adamw_equals_one_chunk(budget):
         assert torch.equal(a, b)
 
 
+@pytest.mark.bare_tensors
 def test_step_releases_newton_schulz_workspaces():
     """NS scratch is not held between steps (it would sit on top of the next forward/backward's
     activations); within a step it is reused."""
@@ -469,6 +474,7 @@ def test_qkv_split_orthogonalizes_each_block_alone():
     ]
 
 
+@pytest.mark.bare_tensors
 def test_equal_row_blocks_and_higher_dim_modes():
     conv = torch.randn(8, 3, 2, 2, dtype=torch.float64, requires_grad=True)
     experts = torch.randn(3, 5, 7, dtype=torch.float64, requires_grad=True)

@@ -101,7 +101,8 @@ def test_cli_resume_applies_and_reports_a_new_momentum_dtype(tmp_path, capsys):
     assert main(["train", *MICRO_FLAGS, *out, "--steps", "2", "--momentum-dtype", "bfloat16"]) == 0
     assert _momentum_dtypes(tmp_path / "checkpoint.pt") == {torch.bfloat16}
     capsys.readouterr()
-    assert main(["train", *MICRO_FLAGS, *out, "--steps", "3", "--resume", "auto"]) == 0
+    with pytest.warns(UserWarning, match="momentum_dtype differs from the state dict's"):
+        assert main(["train", *MICRO_FLAGS, *out, "--steps", "3", "--resume", "auto"]) == 0
     assert "resuming with momentum_dtype=None (the checkpoint had bfloat16)" in (
         capsys.readouterr().err
     )

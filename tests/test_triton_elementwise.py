@@ -375,6 +375,7 @@ def _muon_run(*, momentum, lr, scale, nesterov, env, monkeypatch, calls=None, de
 
 
 @needs_triton
+@pytest.mark.bare_tensors
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_muon_step_triton_forced_equals_foreach_bitwise(monkeypatch, nesterov):
     """μ = 1/2, dyadic gradients and lr · s(m, n) a power of two (scale "none"): every
@@ -404,6 +405,7 @@ def test_muon_step_triton_forced_equals_foreach_bitwise(monkeypatch, nesterov):
 
 
 @needs_triton
+@pytest.mark.bare_tensors
 @pytest.mark.parametrize(
     "device",
     [
@@ -436,6 +438,7 @@ def test_muon_step_triton_forced_close_to_foreach(monkeypatch, device):
 
 
 @needs_triton
+@pytest.mark.bare_tensors
 def test_auto_falls_back_to_foreach_when_a_kernel_fails(monkeypatch):
     """Under "auto", a kernel that fails to compile (before writing anything) warns once and
     the step finishes with the foreach passes: the same result as foreach throughout."""

@@ -1,5 +1,6 @@
 """The built wheel, installed alone with torch into a fresh virtual environment, runs the main
-jobs: ``muonscale --version``, a 10-step ``train`` and a 10-step ``bench``.
+jobs: ``muonscale --version``, a 10-step ``train`` and a 10-step ``bench``; and its documentation
+is there: ``muonscale docs`` lists the site's pages and prints them as the repository has them.
 
 ``slow``: it builds a venv and installs torch (from the local wheel cache or the index), then
 trains twice, about a minute and a half on two shared CPU cores. ``make dist`` runs it on the
@@ -64,6 +65,17 @@ def test_the_wheel_runs_version_train_and_bench_in_a_fresh_venv(tmp_path):
     ).stdout.strip()
     assert (Path(typed).parent / "py.typed").is_file()
 
+    listed = _run([muonscale, "docs"], cwd=tmp_path).stdout
+    for name, title in (("options", "Options"), ("benchmarks", "Benchmarks"), ("home", "Home")):
+        assert f"  {name} " in listed and listed.rstrip().count("\n") > 10, listed
+        assert title in listed
+    for asked, source in (
+        ("options", "docs/options.md"),
+        ("Newton–Schulz", "docs/newton_schulz.md"),
+    ):
+        printed = _run([muonscale, "docs", asked], cwd=tmp_path).stdout
+        assert printed == (ROOT / source).read_text(encoding="utf-8"), asked
+
     train = _run(
         [muonscale, "train", *TINY_MODEL, "--micro-batch-size", "2", "--eval-every", "5"]
         + ["--eval-batches", "1", "--out-dir", tmp_path / "train"],
@@ -84,3 +96,4 @@ def test_the_wheel_runs_version_train_and_bench_in_a_fresh_venv(tmp_path):
     assert (tmp_path / "bench" / "report.md").is_file()
     assert (tmp_path / "bench" / "report.json").is_file()
     assert "report:" in bench.stdout
+    assert "- note: 10 steps are too short for this comparison" in bench.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -135,21 +136,30 @@ def plot_report(report: Mapping, out_dir: Path, *, train_loss: bool = True) -> l
         fig, ax = plt.subplots(figsize=(8, 4.8))
         for name, c in contenders.items():
             losses = [float("nan") if x is None else x for x in c["curves"]["train_loss"]]
-            ax.plot(
-                range(1, len(losses) + 1),
-                _smooth(losses),
-                label=_label(name, c),
-                color=_color(name),
-                linewidth=1.5,
-            )
+            steps = range(1, len(losses) + 1)
+            ax.plot(steps, losses, color=_color(name), linewidth=0.6, alpha=0.3)
+            ax.plot(steps, _smooth(losses), label=_label(name, c), color=_color(name), lw=1.5)
         ylim = _loss_ylim(contenders)
         if ylim is not None:
             ax.set_ylim(ylim[0], ylim[1] + 0.2)
+        for step, rise in shared_spikes(contenders):
+            ax.axvline(step, color="0.35", linestyle=":", linewidth=1)
+            ax.annotate(
+                f"step {step}: a harder batch, +{rise:.2f} for every contender\n"
+                "(all train on the same batches; the EMA carries it on)",
+                (step, ax.get_ylim()[1]),
+                textcoords="offset points",
+                xytext=(-4, -4),
+                ha="right",
+                va="top",
+                fontsize=8,
+                color="0.25",
+            )
         ax.set_xlabel("optimizer step")
-        ax.set_ylabel("train loss (EMA 0.9)")
+        ax.set_ylabel("train loss (faint: per step; line: EMA 0.9)")
         ax.set_title("training loss")
         ax.grid(alpha=0.3)
-        ax.legend(loc="upper right")
+        ax.legend(loc="lower left" if shared_spikes(contenders) else "upper right")
         fig.tight_layout()
         fig.savefig(out_dir / "train_loss.png", dpi=110)
         plt.close(fig)
@@ -195,6 +205,48 @@ def plot_max_logits(report: Mapping, out_dir: Path) -> list[str]:
     fig.savefig(out_dir / "max_logit.png", dpi=110)
     plt.close(fig)
     return ["max_logit.png"]
+
+
+def shared_spikes(
+    contenders: Mapping, *, window: int = 10, threshold: float = 6.0, most: int = 3
+) -> list[tuple[int, float]]:
+    """``[(step, rise)]``: the steps whose training loss stands out of its neighbourhood for
+    every contender, at most ``most``, largest first.
+
+    Every contender trains on the same batches (a pure function of seed and step), so one batch
+    that is harder than the rest (say, windows of a line of underscores in the text) raises
+    every curve at the same step; the EMA turns that into a jump that decays. ``rise`` is the
+    smallest, over the contenders, of the loss minus the larger of the medians of the ``window``
+    steps before and after it (NaN at either end); a step counts where every contender's rise
+    exceeds ``threshold`` robust standard deviations (1.4826 x the median absolute rise) of its
+    own curve."""
+    rises_per_contender = []
+    for c in contenders.values():
+        losses = [float("nan") if x is None else float(x) for x in c["curves"]["train_loss"]]
+        rises = []
+        for i, loss in enumerate(losses):
+            left = _median(losses[max(0, i - window) : i])
+            right = _median(losses[i + 1 : i + 1 + window])
+            # the larger side: a falling curve is no spike; NaN at either end (NaN - x is NaN)
+            rises.append(loss - max(left, right) if math.isfinite(left + right) else math.nan)
+        finite = sorted(abs(r) for r in rises if math.isfinite(r))
+        if not finite:
+            return []
+        scale = 1.4826 * finite[len(finite) // 2]
+        rises_per_contender.append((rises, threshold * scale))
+    if not rises_per_contender:
+        return []
+    steps = min(len(rises) for rises, _ in rises_per_contender)
+    found = []
+    for i in range(steps):
+        if all(rises[i] > limit for rises, limit in rises_per_contender):
+            found.append((i + 1, min(rises[i] for rises, _ in rises_per_contender)))
+    return sorted(found, key=lambda s: -s[1])[:most]
+
+
+def _median(values: list[float]) -> float:
+    finite = sorted(x for x in values if math.isfinite(x))
+    return finite[len(finite) // 2] if finite else float("nan")
 
 
 def _smooth(values: list[float], beta: float = 0.9) -> list[float]:
