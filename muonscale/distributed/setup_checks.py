@@ -3,13 +3,14 @@ a process group, a DDP-wrapped model, and ranks that built different parameter l
 
 from __future__ import annotations
 
-import hashlib
 import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from .agreement import digests_agree
 
 if TYPE_CHECKING:
     from .comm import Communicator
@@ -45,13 +46,7 @@ def unwrap_ddp(params: Any) -> tuple[Any, bool]:
 def require_same_parameters(comm: Communicator, world_size: int, signature: list[tuple]) -> None:
     """Raise naming the first difference unless every rank holds the same parameter list
     (``signature``: one (name, shape, dtype, algorithm, sends its update) per parameter)."""
-    digest = hashlib.sha256(repr(signature).encode()).digest()
-    mine = torch.tensor(
-        [int.from_bytes(digest[:7], "little")], dtype=torch.int64, device=comm.device
-    )
-    every = torch.empty(world_size, dtype=torch.int64, device=comm.device)
-    comm.all_gather(every, mine, tag="setup")
-    if bool((every == every[0]).all()):
+    if digests_agree(comm, signature):
         return
     signatures = comm.all_gather_object(signature)
     reference = signatures[0]
@@ -66,30 +61,6 @@ def require_same_parameters(comm: Communicator, world_size: int, signature: list
                     "sends its update). Every rank must build the same model and optimizer."
                 )
     raise ValueError("DistributedMuon: the parameter lists differ between ranks")
-
-
-def require_same_options(comm: Communicator, options: dict[str, Any], who: str) -> None:
-    """Raise naming the first option whose value differs between ranks (``options``: the
-    constructor's options that every rank's collectives depend on; compared by ``repr``)."""
-    mine = {name: repr(value) for name, value in options.items()}
-    digest = hashlib.sha256(repr(sorted(mine.items())).encode()).digest()
-    token = torch.tensor(
-        [int.from_bytes(digest[:7], "little")], dtype=torch.int64, device=comm.device
-    )
-    every = torch.empty(comm.world_size, dtype=torch.int64, device=comm.device)
-    comm.all_gather(every, token, tag="setup")
-    if bool((every == every[0]).all()):
-        return
-    per_rank = comm.all_gather_object(mine)
-    for name in mine:
-        values = [r.get(name) for r in per_rank]
-        if any(v != values[0] for v in values):
-            shown = ", ".join(f"{v} on rank {rank}" for rank, v in enumerate(values))
-            raise ValueError(
-                f"{who}: option {name!r} differs between ranks ({shown}); every rank must "
-                "build the optimizer with the same options"
-            )
-    raise ValueError(f"{who}: the options differ between ranks")
 
 
 _WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

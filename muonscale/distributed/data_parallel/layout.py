@@ -16,15 +16,11 @@ import torch.distributed as dist
 
 from ...declared_state import MOMENTUM, kept_state
 from ...settings import MuonSettings
+from ..agreement import require_same_options
 from ..comm import Communicator, WireCounter
 from ..hosts import discover_host_map
 from ..ownership import assign_owners, format_ownership_table, rank_loads
-from ..setup_checks import (
-    is_dtensor,
-    require_same_options,
-    require_same_parameters,
-    require_same_values,
-)
+from ..setup_checks import is_dtensor, require_same_parameters, require_same_values
 from .reduction import BucketedReduction
 
 
