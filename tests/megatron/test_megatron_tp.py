@@ -150,6 +150,8 @@ def test_moe_experts_use_the_expert_tensor_group(pool2, etp):
         steps=2,
     )
     assert "expert" in moe["summary"]
+    router = next(line for line in moe["summary"].splitlines() if "router.weight" in line)
+    assert "muon" in router and "router (E=2)" in router  # the decision, with its reason
     delta = W.max_abs_diff(ref["params"], moe["params"])
     print(f"\nMoE TP1 vs TP2 (ETP {etp}), identical gradients: max|dW| = {delta:.3g}")
     assert delta <= 1e-6

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from muonscale.params import route_one
+from muonscale.params import ROUTER_REASON, route_one
 from muonscale.qkv import QKVLayout
 
 
@@ -210,6 +210,8 @@ def plan_parameters(
                     f"{name}: legacy GroupedMLP stores all experts in one matrix; "
                     "use SequentialMLP or TEGroupedMLP (one weight per expert)"
                 )
+            elif raw_name.endswith("router.weight"):  # (E, D): replicated, never TP-sharded
+                algorithm, reason = "muon", ROUTER_REASON.format(n=p.shape[0])
             else:
                 algorithm = "muon"
                 reason = "hidden matrix" + (
