@@ -138,3 +138,92 @@ def test_normuon_experts_share_only_their_row_statistics():
         assert breakdown.get("muon/all_reduce", 0) > 0, breakdown
         for name, tensor in want.items():
             assert torch.equal(got["weights"][name], tensor), (rank, name)
+
+
+SAVE_AT, TOTAL = 2, 4
+
+
+def _build(kind: str, world_size: int, seed: int = 0):
+    """The expert model and its optimizer for ``kind`` at ``world_size`` (1: plain Muon)."""
+    from muonscale.distributed import DistributedMuon, DTensorMuon
+
+    torch.manual_seed(seed)
+    model = Model()
+    if world_size == 1:
+        return model, muonscale.Muon(model, **OPTIONS)
+    if kind == "dtensor":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+        return model, DTensorMuon(model, **OPTIONS)
+    return model, DistributedMuon(model, **OPTIONS)
+
+
+def _train_injected(model, opt, first: int, last: int) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for step in range(first, last):
+        for name, grad in _gradients(model, step).items():
+            p = dict(model.named_parameters())[name]
+            if isinstance(p, DTensor):
+                grad = distribute_tensor(grad, p.device_mesh, p.placements)
+            p.grad = grad
+        opt.step()
+
+
+def _full(model) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
+
+
+def _save_at(rank: int, world_size: int, kind: str, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = _build(kind, world_size)
+    _train_injected(model, opt, 0, SAVE_AT)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+
+def _resume_at(rank: int, world_size: int, kind: str, path: str) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = _build(kind, world_size, seed=123)  # other weights: all of them come loaded
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _train_injected(model, opt, SAVE_AT, TOTAL)
+    return _full(model)
+
+
+def _uninterrupted() -> dict[str, torch.Tensor]:
+    model, opt = _build("", 1)
+    _train_injected(model, opt, 0, TOTAL)
+    return _full(model)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
+@pytest.mark.parametrize("kind", ["distributed", "dtensor"])
+def test_expert_state_resumes_across_world_sizes_bitwise(kind, tmp_path):
+    """DCP checkpoints of expert stacks: saved at 4 ranks and resumed at 2, saved at 2 and
+    resumed in one process; with identical gradients injected, each resumed run ends on the
+    uninterrupted run's weights bit for bit (every layout computes single-process Muon's
+    update)."""
+    want = _uninterrupted()
+    path4, path2 = str(tmp_path / "at4"), str(tmp_path / "at2")
+    shared_pool(4).run(_save_at, kind, path4)
+    for rank, got in enumerate(shared_pool(2).run(_resume_at, kind, path4)):
+        for name, tensor in want.items():
+            assert torch.equal(got[name], tensor), ("4 -> 2", rank, name)
+    shared_pool(2).run(_save_at, kind, path2)
+    got = _resume_at(0, 1, kind, path2)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), ("2 -> 1", name)
