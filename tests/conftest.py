@@ -12,8 +12,9 @@ exactly that message is run again (at most twice) when pytest-rerunfailures is i
 ``dev`` extra); every other failure fails at once, and a rerun checks the same results.
 
 ``@pytest.mark.bare_tensors`` marks a test that hands ``muonscale.Muon`` bare tensors on purpose
-(torch's optimizer tests, the float64 oracles): the warning that those were routed by tensor
-rank alone is expected there and filtered for that test only; everywhere else it shows.
+(torch's optimizer tests, the float64 oracles): the warnings that those were routed by tensor
+rank alone, and that a bare weight of 3 or more dims is flattened, are expected there and
+filtered for that test only; everywhere else they show.
 """
 
 import pytest
@@ -22,6 +23,8 @@ EXIT_ABORT = "terminate called without an active exception"
 # muonscale's routing warning (optimizer_groups.FALLBACK_WARNING), as a filterwarnings regex
 # (a "." for the ":" after the class name: the filter's fields are split at colons)
 ROUTED_BY_RANK = "ignore:muonscale.Muon. [0-9]+ unnamed parameter.s. with >= 2 dims:UserWarning"
+# a weight of 3 or more dims without its module (a bare convolution): flattened on purpose
+FLATTENED = "ignore::muonscale.optimizer_groups.UnknownLayoutWarning"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -29,5 +32,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("bare_tensors") is not None:
             item.add_marker(pytest.mark.filterwarnings(ROUTED_BY_RANK))
+            item.add_marker(pytest.mark.filterwarnings(FLATTENED))
         if reruns:
             item.add_marker(pytest.mark.flaky(reruns=2, only_rerun=[EXIT_ABORT]))

@@ -30,7 +30,12 @@ from distributed_harness import shared_pool
 import muonscale
 
 ASSETS = Path(__file__).parent / "assets" / "compat"
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [
+    pytest.mark.timeout(120),
+    # the cases' bare 3-D "experts" keep 0.5.0's flatten view, and so its warning
+    # (tests/test_experts.py asserts that warning)
+    pytest.mark.filterwarnings("ignore::muonscale.optimizer_groups.UnknownLayoutWarning"),
+]
 
 
 def state_mismatches(saved: dict, loaded: dict) -> list[str]:
