@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -308,7 +308,7 @@ def _as_vector(values: Sequence[Any]) -> torch.Tensor:
             by_device.setdefault(v.device, []).append(i)
         else:
             out[i] = float(v)
-    for device, idx in by_device.items():
+    for idx in by_device.values():
         stacked = torch.stack([values[i].detach().reshape(()).double() for i in idx])
         out[torch.tensor(idx)] = stacked.cpu()
     return out
