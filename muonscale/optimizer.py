@@ -336,7 +336,16 @@ class Muon(torch.optim.Optimizer):
     def _count_step(self, metrics: StepMetrics, grads: Any, ran: bool) -> None:
         """Count where each parameter went this step (``grads``: of :meth:`_step_gradients`;
         ``ran``: False when a non-finite gradient stopped it)."""
-        metrics.count_step(self.param_groups, lambda p: ran and id(p) in grads)
+        metrics.count_step(self.param_groups, lambda p: ran and id(p) in grads, self._logical_numel)
+
+    def _counts_update(self, p: torch.Tensor) -> bool:
+        """Whether this rank adds ``p``'s update to the update RMS (a layout whose ranks hold
+        copies of ``p`` counts it on one of them)."""
+        return True
+
+    def _logical_numel(self, p: torch.Tensor) -> int:
+        """Elements of the parameter ``p`` stands for (a layout's piece: the whole's)."""
+        return p.numel()
 
     def _group_label(self, group: Mapping[str, Any]) -> str:
         index = next(i for i, g in enumerate(self.param_groups) if g is group)
@@ -584,7 +593,8 @@ class Muon(torch.optim.Optimizer):
                 max_chunk_bytes=self.memory.update_chunk_bytes,
             )
             if metrics is not None:
-                metrics.record_adamw(self._group_label(group), group, states)
+                kept = [s for p, s in zip(params, states) if self._counts_update(p)]
+                metrics.record_adamw(self._group_label(group), group, kept)
             return
         settings = MuonSettings.from_group(group)
         states = [self._init_state(p, group, settings) for p in params]

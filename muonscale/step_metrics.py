@@ -182,6 +182,17 @@ class StepMetrics:
 
         return metered
 
+    def metered_updates(self, label: str, make: Callable[..., Any]) -> Callable[..., Any]:
+        """``make`` (returns already scaled updates, applied with α = −1: an injected
+        orthogonalizer) that first adds its updates to ``label``'s squares."""
+
+        def metered(*args: Any, **kwargs: Any) -> Any:
+            updates = make(*args, **kwargs)
+            self.record_updates(label, updates, [1.0] * len(updates))
+            return updates
+
+        return metered
+
     def record_updates(
         self, label: str, updates: Sequence[torch.Tensor], scales: Sequence[float]
     ) -> None:

@@ -515,7 +515,8 @@ class DistributedMuon(Muon):
     # ================================================================ step metrics
     def _count_step(self, metrics: StepMetrics, grads: AgreedGradients, ran: bool) -> None:
         present = grads.present
-        metrics.count_step(self.param_groups, lambda p: ran and present[self.index_of(p)])
+        stepped = lambda p: ran and present[self.index_of(p)]  # noqa: E731
+        metrics.count_step(self.param_groups, stepped, self._logical_numel)
 
     def _record_adamw_shards(self, metrics: StepMetrics, present: list[bool]) -> None:
         """The AdamW updates of this rank's segments (the owners' Muon updates pass through
