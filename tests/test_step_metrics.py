@@ -217,3 +217,70 @@ def test_distributed_muon_sums_its_ranks_into_the_one_process_figures(defer):
         assert got[P + "gather_wait_seconds"] >= 0
         # alone, a rank reports its own update squares (the matrices it owns)
         assert per_rank[0][step][0][P + "wire_bytes"] == per_rank[0][step][2]
+
+
+def _dtensor_reads(rank: int, world_size: int):
+    import gc
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from muonscale.distributed import DTensorMuon
+
+    model = _model()
+    # the embedding under a name routing knows ("wte"), as the model itself routes it
+    full = [(n.replace("0.", "wte.", 1), p) for n, p in model.named_parameters()]
+    grads = [dict(zip([n for n, _ in full], g)) for g in _fixed_grads()]
+    mesh = init_device_mesh("cpu", (world_size,))
+    named = [
+        (n, torch.nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [Shard(0)])))
+        for n, p in full
+    ]
+    opt = DTensorMuon(named, lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float32, splits={})
+    opt.enable_step_metrics()
+    reads = []
+    for step in range(2):
+        for n, p in named:
+            if not (step == 1 and n == "2.weight"):
+                p.grad = distribute_tensor(grads[step][n], mesh, [Shard(0)])
+        opt.step()
+        opt.zero_grad()
+        reads.append((opt.read_step_metrics(across_ranks=True), opt.last_step_wire_bytes))
+    del named, opt
+    gc.collect()
+    return reads
+
+
+def _fixed_grads() -> list[list[torch.Tensor]]:
+    """Two steps' gradients, both at the initial weights (every layout is handed the same)."""
+    model = _model()
+    out = []
+    for seed in range(2):
+        _backward(model, seed)
+        out.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad()
+    return out
+
+
+def test_dtensor_muon_sums_its_ranks_into_the_one_process_figures():
+    model = _model()
+    single = muonscale.Muon(model, lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float32)
+    single.enable_step_metrics()
+    expected = []
+    for seed, grads in enumerate(_fixed_grads()):
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g
+        if seed == 1:
+            model[2].weight.grad = None
+        single.step()
+        single.zero_grad()
+        expected.append(single.read_step_metrics())
+    per_rank = run_workers(_dtensor_reads, 2)
+    for step, want in enumerate(expected):
+        got = per_rank[0][step][0]
+        assert got == per_rank[1][step][0]
+        for name, value in want.items():
+            if name.startswith(P + "ns_sample/"):
+                continue  # shards: no orthogonality sample
+            assert got[name] == pytest.approx(value, rel=1e-5), name
+        assert got[P + "wire_bytes"] == sum(r[step][1] for r in per_rank) > 0
