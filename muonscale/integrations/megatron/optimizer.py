@@ -20,7 +20,7 @@ from muonscale.memory import MemoryBudget
 from muonscale.optimizer import Muon
 from muonscale.params import RouteDecision
 from muonscale.settings import MuonSettings
-from muonscale.step_metrics import Reduction
+from muonscale.step_metrics import Reduction, StepMetrics
 
 from .config import MegatronMuonConfig, muon_arguments
 from .grad_norm import GlobalGradNorm
@@ -145,7 +145,9 @@ class MegatronMuon(Muon):
         if apply_updates is not None:  # the orthogonalizer applies its own updates
             raise NotImplementedError("the Megatron Muon step takes no apply_updates")
         states = [self._init_state(p, group) for p in params]
-        orthogonalizer, timed = metered_orthogonalizer(self, group)
+        orthogonalizer, timed = metered_orthogonalizer(
+            self.orthogonalizer, self.step_metrics, self._group_label(group), params[0].device
+        )
         with timed:
             muon_update_(
                 params,
@@ -358,7 +360,9 @@ class MegatronDistributedMuon(DistributedMuon):
         if apply_updates is not None:  # the orthogonalizer applies its own updates
             raise NotImplementedError("the Megatron Muon step takes no apply_updates")
         states = [self._init_state(p, group) for p in params]
-        orthogonalizer, timed = metered_orthogonalizer(self, group)
+        orthogonalizer, timed = metered_orthogonalizer(
+            self.orthogonalizer, self.step_metrics, self._group_label(group), params[0].device
+        )
         with timed:
             muon_update_(
                 params,
@@ -422,15 +426,14 @@ def world_reduction(values: torch.Tensor, ops: Sequence[str]) -> torch.Tensor:
     return combine_over_ranks(values, ops, None)
 
 
-def metered_orthogonalizer(optimizer: Muon, group: Mapping[str, Any]) -> tuple[Any, Any]:
-    """The optimizer's orthogonalizer and a timing context, metered when its step metrics are
-    on (the scaled updates' squares go to the group's update RMS)."""
-    metrics = optimizer.step_metrics
+def metered_orthogonalizer(
+    orthogonalizer: Orthogonalizer, metrics: StepMetrics | None, label: str, device: torch.device
+) -> tuple[Any, Any]:
+    """``orthogonalizer`` and a timing context, metered when the step metrics are on (the
+    scaled updates' squares go to the update RMS of group ``label``)."""
     if metrics is None:
-        return optimizer.orthogonalizer, contextlib.nullcontext()
-    label = optimizer._group_label(group)
-    device = group["params"][0].device
-    return metrics.metered_updates(label, optimizer.orthogonalizer), metrics.timed(device)
+        return orthogonalizer, contextlib.nullcontext()
+    return metrics.metered_updates(label, orthogonalizer), metrics.timed(device)
 
 
 def _check_self_reduction(plans: Sequence[ParamPlan], groups: MegatronGroups) -> None:
