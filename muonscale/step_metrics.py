@@ -205,17 +205,21 @@ class StepMetrics:
         self.update_elements[label] += sum(u.numel() for u in updates)
 
     def record_adamw(self, label: str, group: Mapping[str, Any], states: Sequence[dict]) -> None:
-        """Add AdamW's updates per unit lr, m̂ / (√v̂ + ε), of ``states`` (after their step)."""
+        """Add AdamW's updates per unit lr, m̂ / (√v̂ + ε) = (c₂ / c₁) · m / (√v + ε c₂) with
+        c₁ = 1 − β₁ᵗ, c₂ = √(1 − β₂ᵗ), of ``states`` (after their step): one float32 temporary
+        and four passes per tensor."""
         beta1, beta2 = group["betas"]
-        squares: list[torch.Tensor] = []
+        norms: list[torch.Tensor] = []
         for s in states:
             m, v, t = s["exp_avg"], s["exp_avg_sq"], s["step"]
             t = t.to(device=m.device, dtype=torch.float32) if torch.is_tensor(t) else float(t)
             c1, c2 = 1 - beta1**t, (1 - beta2**t) ** 0.5
-            u = (m.float() / c1) / (v.float().sqrt() / c2 + group["eps"])
-            squares.append(u.square().sum())
-        if squares:
-            self.update_squares[label] = self.update_squares[label] + torch.stack(squares).sum()
+            update = v.float().sqrt().add_(group["eps"] * c2)  # √v + ε c₂
+            torch.div(m, update, out=update)  # m / (√v + ε c₂), in place
+            norms.append(torch.linalg.vector_norm(update) * (c2 / c1))
+        if norms:
+            squares = torch.stack([n.float() for n in norms]).square().sum()
+            self.update_squares[label] = self.update_squares[label] + squares
             self.update_elements[label] += sum(s["exp_avg"].numel() for s in states)
 
     def _sample(self, params, updates, view_of) -> None:
