@@ -102,6 +102,12 @@ def main(argv=None) -> dict:
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument(
+        "--step-metrics",
+        action="store_true",
+        help="muonscale records its step metrics (opt.enable_step_metrics(timing=True)) and "
+        "they are read after every step, inside the timing",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -113,7 +119,11 @@ def main(argv=None) -> dict:
         dtype = getattr(torch, dtype_name)
         named = gpt2_small_parameters(args.layers)
         ours = muonscale.Muon(named, lr=1e-3, ns_dtype=dtype)
-        contenders[f"muonscale[{dtype_name}]"] = (ours.step, None)
+        step = ours.step
+        if args.step_metrics:
+            ours.enable_step_metrics(timing=True)
+            step = lambda ours=ours: (ours.step(), ours.read_step_metrics())  # noqa: E731
+        contenders[f"muonscale[{dtype_name}]"] = (step, None)
         states[f"muonscale[{dtype_name}]"] = (named, ours)
         named_t = gpt2_small_parameters(args.layers)
         theirs = TorchMuonPair(named_t, lr=1e-3)

@@ -10,6 +10,7 @@ step (:mod:`~muonscale.group_step`) and non-finite gradients (:mod:`~muonscale.n
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Unpack
 
@@ -23,6 +24,7 @@ from .experts import ExpertLayout, GateUpMode
 from .group_step import adamw_group_step, muon_group_step, nonempty
 from .kernels import ElementwiseBackend, clear_workspaces, elementwise_backend_from_environment
 from .matrices import MatrixView
+from .matrix_step import apply_updates_by_rule_
 from .memory import MemoryBudget
 from .newton_schulz import Coefficients
 from .nonfinite import (  # noqa: F401 (NonFiniteGradientError: re-exported, users import it here)
@@ -64,6 +66,7 @@ from .param_table import ParamTable
 from .params import RouteDecision, Rule
 from .qkv import QKVLayout
 from .settings import PLAIN_MUON, MuonSettings, VariantOptions, checked_variant_options
+from .step_metrics import Reduction, StepMetrics, group_label
 
 
 class Muon(torch.optim.Optimizer):
@@ -166,6 +169,8 @@ class Muon(torch.optim.Optimizer):
         self.capturable = capturable
         self.nonfinite_steps = NonFiniteSteps()
         """Skipped steps and the device record of capturable ones (see ``nonfinite``)."""
+        self.step_metrics: StepMetrics | None = None
+        """What the last step did (:meth:`enable_step_metrics`); None: not recorded."""
         # The environment is read here only; every step passes these on.
         self.memory = MemoryBudget.from_environment()
         self.elementwise_backend: ElementwiseBackend = elementwise_backend_from_environment()
@@ -306,6 +311,56 @@ class Muon(torch.optim.Optimizer):
         self.check_finite()  # capturable "raise": a pending non-finite step raises here
         return super().state_dict()
 
+    # ---------------------------------------------------------------- step metrics
+    def enable_step_metrics(
+        self, *, timing: bool = False, orthogonality: bool = True, prefix: str = "muon/"
+    ) -> StepMetrics:
+        """Record what each step does from now on (:class:`~muonscale.step_metrics.StepMetrics`:
+        tensors and elements through Newton–Schulz, AdamW or skipped, update RMS per group, an
+        orthogonality check, and with ``timing`` the Muon update's seconds); read them with
+        :meth:`read_step_metrics`. Returns the record (already enabled: the same one)."""
+        if self.__dict__.get("step_metrics") is None:
+            self.step_metrics = StepMetrics(
+                timing=timing, orthogonality=orthogonality, prefix=prefix
+            )
+        return self.step_metrics
+
+    def read_step_metrics(self, across_ranks: bool = False) -> dict[str, float]:
+        """The last step's metrics as ``{name: float}`` (waits for the device), with
+        ``skipped_steps``; ``across_ranks``: combined over the ranks of a distributed optimizer
+        (one collective: every rank calls it)."""
+        metrics = self.__dict__.get("step_metrics")
+        if metrics is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: step metrics are off; call "
+                "optimizer.enable_step_metrics() before the steps to record"
+            )
+        read = metrics.read(self._metrics_reduction() if across_ranks else None)
+        read[metrics.prefix + "skipped_steps"] = float(self.skipped_steps)
+        return read
+
+    def _metrics_reduction(self) -> Reduction | None:
+        """How a layout combines the metrics over its ranks (None: one process)."""
+        return None
+
+    def _count_step(self, metrics: StepMetrics, grads: Any, ran: bool) -> None:
+        """Count where each parameter went this step (``grads``: of :meth:`_step_gradients`;
+        ``ran``: False when a non-finite gradient stopped it)."""
+        metrics.count_step(self.param_groups, lambda p: ran and id(p) in grads, self._logical_numel)
+
+    def _counts_update(self, p: torch.Tensor) -> bool:
+        """Whether this rank adds ``p``'s update to the update RMS (a layout whose ranks hold
+        copies of ``p`` counts it on one of them)."""
+        return True
+
+    def _logical_numel(self, p: torch.Tensor) -> int:
+        """Elements of the parameter ``p`` stands for (a layout's piece: the whole's)."""
+        return p.numel()
+
+    def _group_label(self, group: Mapping[str, Any]) -> str:
+        index = next(i for i, g in enumerate(self.param_groups) if g is group)
+        return group_label(index, group)
+
     # ---------------------------------------------------------------- state
     def _init_state(
         self, p: torch.Tensor, group: Mapping[str, Any], settings: MuonSettings | None = None
@@ -353,6 +408,7 @@ class Muon(torch.optim.Optimizer):
         super().__setstate__(state)
         self.__dict__.update(attributes_added_since(self.__dict__))
         self.__dict__.setdefault("_backward_ns", None)
+        self.__dict__.setdefault("step_metrics", None)
         self.momentum_stacks = MomentumStacks()  # new state tensors: restacked at the next step
         upgraded_groups(self.param_groups)
         if extras is None and "param_table" not in self.__dict__:  # pickled by muonscale 0.1
@@ -457,6 +513,9 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        metrics = self.__dict__.get("step_metrics")
+        if metrics is not None:
+            metrics.begin(self.param_groups)
         if self.capturable:
             self._capturable_step()
             return loss
@@ -464,6 +523,8 @@ class Muon(torch.optim.Optimizer):
             work = self._begin_step()
             grads = self._step_gradients()
             bad = self._check_gradients(grads)
+            if metrics is not None:
+                self._count_step(metrics, grads, ran=bad is None)
             if bad is None:
                 self._apply_updates(grads, work)
             else:
@@ -491,6 +552,9 @@ class Muon(torch.optim.Optimizer):
         record.raise_recorded(self.nonfinite, wait=False)  # only a record already on the host
         grads = self._step_gradients()
         step_ok = record.gate(self.param_groups, grads, self._name, self.nonfinite)
+        if self.step_metrics is not None:
+            self._count_step(self.step_metrics, grads, ran=True)
+            self.step_metrics.gate(step_ok)
         try:
             self._apply_updates(grads, step_ok=step_ok)
         finally:
@@ -528,6 +592,7 @@ class Muon(torch.optim.Optimizer):
         (:func:`muonscale.functional.muon`)."""
         if not params:
             return
+        metrics = self.__dict__.get("step_metrics")
         if group["algorithm"] != "muon":
             states = [self._init_state(p, group) for p in params]
             adamw_group_step(
@@ -539,23 +604,35 @@ class Muon(torch.optim.Optimizer):
                 step_ok=step_ok,
                 max_chunk_bytes=self.memory.update_chunk_bytes,
             )
+            if metrics is not None:
+                kept = [s for p, s in zip(params, states) if self._counts_update(p)]
+                metrics.record_adamw(self._group_label(group), group, kept)
             return
         settings = MuonSettings.from_group(group)
         states = [self._init_state(p, group, settings) for p in params]
         params, grads, states = nonempty(params, grads, states)
         if not params:
             return
-        muon_group_step(
-            group,
-            settings,
-            params,
-            grads,
-            states,
-            self._stacked_momentum(group, params, states),
-            [self._matrix_view(p, group) for p in params],
-            capturable=self.capturable,
-            step_ok=step_ok,
-            memory=self.memory,
-            elementwise_backend=self.elementwise_backend,
-            apply_updates=apply_updates,
-        )
+        timed = contextlib.nullcontext()
+        if metrics is not None:  # the updates' squares and a sample pass through the apply
+            apply_updates = metrics.metered_apply(
+                self._group_label(group),
+                apply_updates or apply_updates_by_rule_,
+                (lambda p: self._matrix_view(p, group)) if settings.normalize == "none" else None,
+            )
+            timed = metrics.timed(params[0].device)
+        with timed:
+            muon_group_step(
+                group,
+                settings,
+                params,
+                grads,
+                states,
+                self._stacked_momentum(group, params, states),
+                [self._matrix_view(p, group) for p in params],
+                capturable=self.capturable,
+                step_ok=step_ok,
+                memory=self.memory,
+                elementwise_backend=self.elementwise_backend,
+                apply_updates=apply_updates,
+            )

@@ -15,8 +15,10 @@ TORCH_OPTIMIZER_API = {  # torch.optim.Optimizer's public names, inherited as th
 }
 MUON_METHODS = {  # what a user of muonscale.Muon calls beyond torch's
     "check_finite",
+    "enable_step_metrics",
     "init_all_state",
     "optimizer_state_bytes",
+    "read_step_metrics",
     "rebind_parameters",
     "summary",
 }

@@ -2,7 +2,8 @@
 
 Oracle: training on CPU is seeded and bitwise reproducible, so a second ``TrainingRun`` of the
 same config, stepped by hand, gives each step's loss and parameter change; the update RMS is
-recomputed from those in float64 and compared with the logged (float32) scalars.
+recomputed from those in float64 and compared with the logged (float32) scalars, which come
+from the optimizer's step metrics.
 """
 
 import dataclasses
@@ -34,28 +35,31 @@ def _scalars(folder):
 
 
 def _replay(optimizer_name):
+    """Each step's loss and each group's update RMS per unit lr, (W₁ − W₀(1 − ηλ)) / η in
+    float64, under the name the step metrics give it."""
     config = dataclass_from_args(
         TrainConfig, build_parser().parse_args(["train", *ARGV, "--optimizer", optimizer_name])
     )
     run = TrainingRun(config)
+    prefix = "muon/" if optimizer_name == "muon" else "adamw/"
     rms, losses = {}, {}
     for _ in range(config.steps):
         before = [
-            (g.get("algorithm", "adamw"), g["lr"], p, p.detach().clone())
-            for g in run.optimizer.param_groups
+            (f"group{i}_{g.get('algorithm', 'adamw')}", dict(g), p, p.detach().double().clone())
+            for i, g in enumerate(run.optimizer.param_groups)
             for p in g["params"]
         ]
         result = run.step()
         losses[result.step] = result.loss
         sums, counts = {}, {}
-        for algorithm, lr, p, old in before:
-            change = (p.detach().double() - old.double()) / lr
-            sums[algorithm] = sums.get(algorithm, 0.0) + float(change.square().sum())
-            counts[algorithm] = counts.get(algorithm, 0) + change.numel()
-        for algorithm in sums:
-            rms.setdefault(algorithm, {})[result.step] = math.sqrt(
-                sums[algorithm] / counts[algorithm]
-            )
+        for label, group, p, old in before:  # the group as the step saw it (lr scheduled)
+            decayed = old * (1 - group["lr"] * group["weight_decay"])
+            change = (p.detach().double() - decayed) / group["lr"]
+            sums[label] = sums.get(label, 0.0) + float(change.square().sum())
+            counts[label] = counts.get(label, 0) + change.numel()
+        for label in sums:
+            name = f"{prefix}update_rms/{label}"
+            rms.setdefault(name, {})[result.step] = math.sqrt(sums[label] / counts[label])
     return rms, losses, run.evaluate()
 
 
@@ -71,16 +75,18 @@ def test_tensorboard_logs_losses_and_the_optimizers_figures(tmp_path, optimizer_
     assert set(scalars["optimizer_ms"]) == {1, 2, 3}
     assert all(v > 0 for v in scalars["optimizer_ms"].values())
     assert set(scalars["lr"]) == {1, 2, 3}
-    for algorithm, by_step in rms.items():
-        # the replay's lr is the group's at each step; a step at lr 0 is not logged
-        logged = scalars[f"update_rms/{algorithm}"]
-        assert logged == pytest.approx(by_step, rel=1e-5), algorithm
+    for name, by_step in rms.items():
+        # float32 parameters: the replay's change W₁ − W₀ is resolved to ~eps32 · |W|, a
+        # relative error of eps32 · |W| / (lr · rms) ≲ 1e-3 at these sizes; event files: float32
+        assert scalars[name] == pytest.approx(by_step, rel=1e-3), name
     if optimizer_name == "muon":
-        assert set(rms) == {"muon", "adamw"}
-        assert scalars["skipped_steps"] == {1: 0.0, 2: 0.0, 3: 0.0}
+        assert {n.split("_")[-1] for n in rms} == {"muon", "adamw"}
+        assert scalars["muon/skipped_steps"] == {1: 0.0, 2: 0.0, 3: 0.0}
+        assert set(scalars["muon/ns_elements"]) == {1, 2, 3}
         # match_rms_adamw: Muon's update RMS is 0.2 for an exactly orthogonal update; the
         # Newton-Schulz iteration leaves singular values within about [0.7, 1.2] of 1
-        assert all(0.2 * 0.7 <= v <= 0.2 * 1.2 for v in scalars["update_rms/muon"].values())
+        (muon,) = [n for n in rms if n.endswith("_muon")]
+        assert all(0.2 * 0.7 <= v <= 0.2 * 1.2 for v in scalars[muon].values())
 
 
 def test_tensorboard_without_the_package_names_the_install(capsys, monkeypatch):

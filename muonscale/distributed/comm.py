@@ -491,3 +491,18 @@ def gather_wire_stats(source, group: dist.ProcessGroup | None = None) -> dict[st
         "min": values.min().item(),
         "world_size": comm.world_size,
     }
+
+
+def combine_over_ranks(
+    values: torch.Tensor, ops: Sequence[str], group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """``values`` (K,) of every rank of ``group`` combined per entry by ``ops[k]``
+    (``"sum"``, ``"max"`` or ``"min"``), in one all-gather (collective; not counted, like
+    :func:`gather_wire_stats`): how the step metrics sum over ranks."""
+    comm = Communicator(group)
+    mine = values.to(device=comm.device, dtype=torch.float64).reshape(-1)
+    every = torch.zeros(comm.world_size * mine.numel(), dtype=torch.float64, device=comm.device)
+    comm.all_gather(every, mine, tag="stats")
+    every = every.view(comm.world_size, -1)
+    reduce = {"sum": lambda c: c.sum(), "max": lambda c: c.max(), "min": lambda c: c.min()}
+    return torch.stack([reduce[op](every[:, k]) for k, op in enumerate(ops)]).cpu()

@@ -45,6 +45,7 @@ rule still uses the full matrix shape, and ``splits`` are ignored.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -61,8 +62,9 @@ from ..newton_schulz import default_ns_dtype
 from ..optimizer import Muon
 from ..optimizer_state import parameter_states
 from ..settings import MuonSettings
+from ..step_metrics import Reduction
 from .agreement import check_same_on_every_rank
-from .comm import Communicator, WireCounter
+from .comm import Communicator, WireCounter, combine_over_ranks
 from .dtensor_layout import as_2d, dtensor_layout, local_indices, local_tensor, parameter_layout
 from .exchange import PieceExchange, step_through_exchange
 from .setup_checks import check_process_group
@@ -357,9 +359,27 @@ class DTensorMuon(Muon):
             else:
                 self._adamw_on_shards(group, params, grads)
         if muon_entries:
-            self._muon(muon_entries, grads)
+            metrics = self.step_metrics
+            timed = (
+                metrics.timed(self.comm.device) if metrics is not None else contextlib.nullcontext()
+            )
+            with timed:
+                self._muon(muon_entries, grads)
         self.last_step_wire_links = self.wire_counter.by_link()
         self.last_step_wire_bytes, self.last_step_wire_breakdown = self.wire_counter.take()
+        if self.step_metrics is not None:
+            self.step_metrics.add("wire_bytes", self.last_step_wire_bytes, "sum")
+
+    def _metrics_reduction(self) -> Reduction:
+        return lambda values, ops: combine_over_ranks(values, ops, self.comm.group)
+
+    def _shard_apply(self, group: Mapping[str, Any]) -> matrix_step.ApplyUpdates:
+        """Muon's last pass on local shards; with step metrics, their updates' squares go to
+        the group's update RMS (pieces: no orthogonality sample)."""
+        if self.step_metrics is None:
+            return matrix_step.apply_updates_by_rule_
+        label = self._group_label(group)
+        return self.step_metrics.metered_apply(label, matrix_step.apply_updates_by_rule_, None)
 
     def _adamw_on_shards(
         self, group: Mapping[str, Any], params: list[torch.Tensor], grads: Mapping[int, Any]
@@ -384,6 +404,8 @@ class DTensorMuon(Muon):
             step_ok=None,
             max_chunk_bytes=self.memory.update_chunk_bytes,
         )
+        if self.step_metrics is not None:
+            self.step_metrics.record_adamw(self._group_label(group), group, local_states)
 
     def _muon(
         self, entries: list[tuple[torch.Tensor, Mapping[str, Any]]], grads: Mapping[int, Any]
@@ -441,7 +463,7 @@ class DTensorMuon(Muon):
         for group in groups:
             params = [p for p, g in entries if g is group]
             shards = [local_tensor(p) for p in params]
-            matrix_step.apply_updates_by_rule_(
+            self._shard_apply(group)(
                 shards,
                 [updates[id(p)].reshape(x.shape) for p, x in zip(params, shards)],
                 [self._apply_rule(p, group) for p in params],

@@ -39,6 +39,10 @@ rank call ``opt.prepare_state_dict()`` (the collective part) just before a save;
 nothing (every rank reads the file and keeps its part). Without the callback, the first
 ``step()`` of a multi-process run raises on every rank, naming it, instead of the first save
 hanging.
+
+Step metrics (what Muon did each step: :mod:`muonscale.step_metrics`) in every ``report_to``
+backend and in ``trainer.state.log_history``: ``add_step_metrics(trainer)`` before
+``trainer.train()``.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ from .model_params import follow_model_parameters, muon_for_model, rebind_parame
 
 __all__ = [
     "DistributedCheckpointCallback",
+    "StepMetricsCallback",
+    "add_step_metrics",
     "DistributedMuonFactory",
     "MuonFactory",
     "accelerate_fsdp_version",
@@ -265,3 +271,66 @@ class DistributedCheckpointCallback(_transformers_callback_base()):
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kw: Any):
         self._prepare(control, optimizer)
+
+
+def add_step_metrics(
+    trainer: Any, *, timing: bool = False, across_ranks: bool = True
+) -> StepMetricsCallback:
+    """Put the optimizer's step metrics (:mod:`muonscale.step_metrics`) into every training log
+    of ``trainer`` (any ``Trainer`` subclass): ``trainer.state.log_history`` and every
+    ``report_to`` backend. Call before ``trainer.train()``; returns the callback.
+
+    The Trainer appends a copy of the logs to ``log_history`` and then calls each callback's
+    ``on_log`` with the logs, in list order, reporting callbacks first. So the callback goes to
+    the front of the list: its ``on_log`` adds the metrics to the logs the reporting callbacks
+    then write, and to the ``log_history`` entry just appended. The metrics are read (one host
+    sync; ``across_ranks``: one collective, every rank logs) only at logging steps."""
+    callback = StepMetricsCallback(timing=timing, across_ranks=across_ranks)
+    callback.installed = True
+    trainer.callback_handler.callbacks.insert(0, callback)
+    return callback
+
+
+def _muonscale_optimizer(optimizer: Any) -> Muon:
+    from ..step_metrics import find_step_metrics_optimizer
+
+    found = find_step_metrics_optimizer(optimizer)
+    if found is None:
+        raise TypeError(
+            "muonscale step metrics: the Trainer's optimizer is "
+            f"{type(getattr(optimizer, 'optimizer', optimizer)).__name__}, not a muonscale "
+            "optimizer (build it with MuonFactory or DistributedMuonFactory)"
+        )
+    return found
+
+
+class StepMetricsCallback(_transformers_callback_base()):
+    """Adds the optimizer's step metrics to the Trainer's training logs; installed by
+    :func:`add_step_metrics` (ahead of the reporting callbacks, which a callback passed in
+    ``callbacks=[...]`` would come after)."""
+
+    def __init__(self, *, timing: bool = False, across_ranks: bool = True) -> None:
+        self.timing, self.across_ranks = timing, across_ranks
+        self.installed = False
+        self.optimizer: Muon | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kw):
+        if not self.installed:
+            raise RuntimeError(
+                "StepMetricsCallback passed in Trainer(callbacks=[...]) runs after the "
+                "reporting callbacks, so no logger would see the metrics: call "
+                "muonscale.integrations.hf.add_step_metrics(trainer) instead"
+            )
+        self.optimizer = _muonscale_optimizer(optimizer)
+        self.optimizer.enable_step_metrics(timing=self.timing)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any):
+        if logs is None or "loss" not in logs or self.optimizer is None:
+            return  # not a training log (evaluation, the run's summary)
+        if self.optimizer.step_metrics is None or not self.optimizer.step_metrics.steps:
+            return
+        metrics = self.optimizer.read_step_metrics(across_ranks=self.across_ranks)
+        logs.update(metrics)
+        history = state.log_history
+        if history and history[-1].get("step") == state.global_step and "loss" in history[-1]:
+            history[-1].update(metrics)  # the copy Trainer.log appended just before on_log

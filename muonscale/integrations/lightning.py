@@ -13,6 +13,9 @@ Accumulation (``accumulate_grad_batches``) and DDP (``strategy="ddp"``) need not
 Lightning sums or averages ``p.grad`` before ``step()``, where ``muonscale.Muon`` reads it.
 Under FSDP2 / tensor parallelism (``ModelParallelStrategy``, parameters made DTensors in
 ``configure_model``) the same call builds :class:`muonscale.distributed.DTensorMuon`.
+
+Step metrics (what Muon did each step: :mod:`muonscale.step_metrics`) through
+``pl_module.log``: ``Trainer(callbacks=[StepMetricsCallback()])``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from ..distributed.setup_checks import is_dtensor
 from ..optimizer import Muon
 from .model_params import muon_for_model
 
-__all__ = ["configure_gradient_clipping", "configure_optimizers"]
+__all__ = ["StepMetricsCallback", "configure_gradient_clipping", "configure_optimizers"]
 
 
 def configure_optimizers(module: nn.Module, **muon_kwargs: Any) -> Muon:
@@ -60,3 +63,49 @@ def configure_gradient_clipping(
             "by norm only"
         )
     own(float(gradient_clip_val))
+
+
+def _lightning_callback_base() -> type:
+    try:
+        from lightning.pytorch import Callback
+    except ImportError:  # pragma: no cover - the class is only useful with Lightning
+        return object
+    return Callback
+
+
+class StepMetricsCallback(_lightning_callback_base()):
+    """Logs the optimizer's step metrics (:mod:`muonscale.step_metrics`) with
+    ``pl_module.log_dict`` after the optimizer steps that Lightning logs (every
+    ``log_every_n_steps`` optimizer steps), so every Lightning logger gets them and
+    ``trainer.logged_metrics`` holds them. They are read (one host sync; ``across_ranks``: one
+    collective, every rank reads) only then."""
+
+    def __init__(self, *, timing: bool = False, across_ranks: bool = True) -> None:
+        self.timing, self.across_ranks = timing, across_ranks
+        self.optimizer: Muon | None = None
+        self._read_at = 0  # the metrics' step count when last read
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        from ..step_metrics import find_step_metrics_optimizer
+
+        found = [find_step_metrics_optimizer(o) for o in trainer.optimizers]
+        found = [o for o in found if o is not None]
+        if not found:
+            raise TypeError(
+                "StepMetricsCallback: none of the Trainer's optimizers is a muonscale optimizer "
+                "(return muonscale.integrations.lightning.configure_optimizers(...) from "
+                "configure_optimizers)"
+            )
+        self.optimizer = found[0]
+        self.optimizer.enable_step_metrics(timing=self.timing)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
+        metrics = None if self.optimizer is None else self.optimizer.step_metrics
+        if metrics is None or metrics.steps == self._read_at:
+            return  # no optimizer step since the last read (gradient accumulation)
+        every = trainer.log_every_n_steps
+        if not every or trainer.global_step % every:
+            return  # Lightning's logger connector does not log this step
+        self._read_at = metrics.steps
+        read = self.optimizer.read_step_metrics(across_ranks=self.across_ranks)
+        pl_module.log_dict(read, on_step=True, on_epoch=False, batch_size=1)

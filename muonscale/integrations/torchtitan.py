@@ -20,6 +20,9 @@ parameter. torchtitan hands each optimizer factory param groups with canonical F
   the process group of their device mesh (the stage's data-parallel group under pipeline
   parallelism), and :class:`muonscale.Muon` for plain ones (single process, or replicas whose
   gradients the data-parallel wrapper already averaged).
+
+Step metrics (what Muon did each step: :mod:`muonscale.step_metrics`) in torchtitan's metrics
+output (TensorBoard, W&B): ``metrics=MuonScaleMetricsProcessor.Config(...)`` in the config.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchtitan.components.checkpointer.utils import canonical_fqn
+from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 from torchtitan.tools.logging import logger
 
@@ -42,6 +46,7 @@ from ..qkv import QKVLayout
 
 __all__ = [
     "OPTIMIZER_NAME",
+    "MuonScaleMetricsProcessor",
     "MuonScaleOptimizersContainer",
     "build_muonscale",
     "fused_qkv_layouts",
@@ -255,3 +260,57 @@ def muonscale_optimizers(
         implementation="for-loop",
         optimizer_factory_kwargs_by_name={OPTIMIZER_NAME: dict(factory_kwargs or {})},
     )
+
+
+class MuonScaleMetricsProcessor(MetricsProcessor):
+    """torchtitan's ``MetricsProcessor`` that adds the step metrics of the muonscale optimizers
+    (:mod:`muonscale.step_metrics`) to each log, as ``extra_metrics``: every logger torchtitan
+    writes gets them. Metrics are enabled when the trainer hands the processor its
+    optimizers, and read (one host sync, one collective over each optimizer's ranks: every rank
+    logs) only at torchtitan's logging steps. With several model parts on a rank, each part's
+    names carry ``part<k>/`` after the prefix."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MetricsProcessor.Config):
+        step_metrics_timing: bool = False
+        """Also time the Muon update (:class:`muonscale.step_metrics.StepMetrics`)."""
+
+    @property
+    def optimizers(self) -> OptimizersContainer | None:
+        return self.__dict__.get("_optimizers")
+
+    @optimizers.setter
+    def optimizers(self, container: OptimizersContainer | None) -> None:
+        self.__dict__["_optimizers"] = container
+        for optimizer in self._muonscale_optimizers():
+            optimizer.enable_step_metrics(timing=self.config.step_metrics_timing)
+
+    def _muonscale_optimizers(self) -> list[Muon]:
+        container = self.optimizers
+        inner = [] if container is None else getattr(container, "optimizers", [])
+        return [o for o in inner if isinstance(o, Muon)]
+
+    def step_metrics(self) -> dict[str, float]:
+        """The step metrics of every muonscale optimizer on this rank (collective)."""
+        optimizers = self._muonscale_optimizers()
+        figures: dict[str, float] = {}
+        for k, optimizer in enumerate(optimizers):
+            metrics = optimizer.step_metrics
+            if metrics is None or not metrics.steps:
+                continue
+            for name, value in optimizer.read_step_metrics(across_ranks=True).items():
+                if len(optimizers) > 1:
+                    name = f"{metrics.prefix}part{k}/{name[len(metrics.prefix) :]}"
+                figures[name] = value
+        return figures
+
+    def log(
+        self,
+        step: int,
+        global_avg_loss: float,
+        global_max_loss: float,
+        grad_norm: float,
+        extra_metrics: dict[str, Any] | None = None,
+    ) -> None:
+        extra = {**(extra_metrics or {}), **self.step_metrics()}
+        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)

@@ -1,12 +1,11 @@
 """``muonscale train --tensorboard DIR``: the run's curves as TensorBoard event files.
 
 Scalars (x: optimizer step): ``train_loss``, ``val_loss``, ``lr``, ``optimizer_ms`` (wall time
-of ``optimizer.step()``), ``skipped_steps`` (for an optimizer that counts them, e.g.
-``nonfinite="skip"``) and ``update_rms/<algorithm>``: the RMS of the change a step made to the
-parameters of each algorithm's groups, divided by the group's learning rate (weight decay
-included), so Muon's ``match_rms_adamw`` scaling reads directly. The parameters are copied
-before each logged step, outside the step's timing; under ``--parallel fsdp`` the figure is
-rank 0's shards'.
+of ``optimizer.step()``) and, for a muonscale optimizer, its step metrics
+(:mod:`muonscale.step_metrics`: ``muon/ns_elements``, ``muon/update_rms/<group>``,
+``muon/skipped_steps``, ...), read at the logged steps; under ``--parallel`` they are rank 0's
+(the writer's). For the other contenders, the update RMS of their AdamW groups
+(``adamw/update_rms/<group>``), computed from their moments by the same formula.
 
 A write that fails with ``OSError`` (a full disk, the folder taken away) stops the logging, not
 the run: it is reported once, on stderr and in the run's metrics (event
@@ -16,12 +15,11 @@ the run: it is reported once, on stderr and in the run's metrics (event
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from muonscale.distributed.dtensor_layout import local_tensor
+from muonscale.step_metrics import StepMetrics, find_step_metrics_optimizer
 from muonscale.train.run_log import MetricsLog
 
 
@@ -35,8 +33,24 @@ def labelled_groups(optimizer: torch.optim.Optimizer) -> list[tuple[str, dict]]:
     return [(g.get("algorithm", default), g) for g in optimizer.param_groups]
 
 
+def adamw_update_rms(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """``adamw/update_rms/group<i>_<algorithm>`` of every group whose parameters hold AdamW's
+    moments (``exp_avg``, ``exp_avg_sq``, ``step``), by :meth:`StepMetrics.record_adamw`."""
+    inner = getattr(optimizer, "optimizers", None)
+    optimizers = list(inner.values()) if isinstance(inner, dict) else [optimizer]
+    state = {p: s for opt in optimizers for p, s in opt.state.items()}
+    labelled = labelled_groups(optimizer)
+    metrics = StepMetrics(orthogonality=False, prefix="adamw/")
+    metrics.begin([{**g, "algorithm": algorithm} for algorithm, g in labelled])
+    for label, (_, group) in zip(metrics.labels, labelled):
+        states = [state[p] for p in group["params"] if "exp_avg" in state.get(p, {})]
+        if states and "betas" in group:
+            metrics.record_adamw(label, group, states)
+    return {k: v for k, v in metrics.read().items() if "/update_rms/" in k}
+
+
 class TrainTensorBoard:
-    """Writes the scalars of one training run into ``folder`` (needs tensorboard); stops
+    """Writes the scalars of one training run into ``folder`` (needs tensorboard). Stops
     writing at the first ``OSError`` (see the module docstring), which it reports on stderr
     and in ``log``, the run's metrics."""
 
@@ -47,24 +61,23 @@ class TrainTensorBoard:
         *,
         every: int = 1,
         log: MetricsLog | None = None,
-        land: Callable[[], None] = lambda: None,
     ):
-        """``land()``: lands parameters a step left in flight (``DistributedMuon``'s deferred
-        gathers), called before the parameters are read."""
         from torch.utils.tensorboard import SummaryWriter
 
         self.folder = Path(folder)
         self.writer = SummaryWriter(log_dir=str(self.folder))
         """None once a write failed."""
         self.optimizer = optimizer
+        self.muonscale = find_step_metrics_optimizer(optimizer)
+        if self.muonscale is not None:
+            self.muonscale.enable_step_metrics()
         self.every = max(1, every)
         self.log = log
-        self._land = land
-        self._before: list[tuple[str, float, list[torch.Tensor], list[torch.Tensor]]] | None = None
+        self._logged = False
 
     def _stop(self, step: int, error: OSError) -> None:
         """Report ``error`` (raised by a write at ``step``) and write nothing more."""
-        writer, self.writer, self._before = self.writer, None, None
+        writer, self.writer = self.writer, None
         try:
             writer.close()
         except OSError:
@@ -80,20 +93,12 @@ class TrainTensorBoard:
             self.log.write(event="tensorboard_failed", step=step, message=message)
 
     def before_step(self, step: int, total: int) -> None:
-        """Copy the parameters when the step about to run (``step + 1``) is logged."""
+        """Note whether the step about to run (``step + 1``) is logged."""
         upcoming = step + 1
-        if self.writer is None or (upcoming % self.every and upcoming != total):
-            self._before = None
-            return
-        self._land()  # the previous step's parameters, complete
-        self._before = []
-        for label, group in labelled_groups(self.optimizer):
-            params = [local_tensor(p) for p in group["params"]]
-            copies = [p.detach().clone() for p in params]
-            self._before.append((label, float(group["lr"]), params, copies))
+        self._logged = not (upcoming % self.every) or upcoming == total
 
     def after_step(self, result) -> None:
-        """Log the step's loss, lr, optimizer time, skipped steps and update RMS."""
+        """Log the step's loss, lr, optimizer time and the optimizer's figures."""
         if self.writer is None:
             return
         try:
@@ -107,25 +112,15 @@ class TrainTensorBoard:
         self.writer.add_scalar("train_loss", result.loss, step)
         self.writer.add_scalar("lr", result.lr, step)
         self.writer.add_scalar("optimizer_ms", result.optimizer_seconds * 1e3, step)
-        skipped = getattr(self.optimizer, "skipped_steps", None)
-        if skipped is not None:
-            self.writer.add_scalar("skipped_steps", int(skipped), step)
-        if self._before is None:
+        if not self._logged:
             return
-        self._land()  # this step's parameters, complete
-        squares: dict[str, float] = {}
-        counts: dict[str, int] = {}
-        for label, lr, params, copies in self._before:
-            if lr == 0.0:
-                continue
-            for p, before in zip(params, copies):
-                change = (p.detach().double() - before.double()) / lr
-                squares[label] = squares.get(label, 0.0) + float(change.square().sum())
-                counts[label] = counts.get(label, 0) + change.numel()
-        for label, total in squares.items():
-            if counts[label]:
-                self.writer.add_scalar(f"update_rms/{label}", (total / counts[label]) ** 0.5, step)
-        self._before = None
+        if self.muonscale is not None:
+            figures = self.muonscale.read_step_metrics()  # rank 0 only writes: no collective
+        else:
+            figures = adamw_update_rms(self.optimizer)
+        for name, value in figures.items():
+            self.writer.add_scalar(name, value, step)
+        self._logged = False
 
     def evaluated(self, step: int, val_loss: float) -> None:
         if self.writer is None:

@@ -404,13 +404,7 @@ class TrainingRun:
         if tensorboard is not None and self.rank == 0:
             from muonscale.train.tensorboard_log import TrainTensorBoard
 
-            board = TrainTensorBoard(
-                tensorboard,
-                self.optimizer,
-                every=config.log_every,
-                log=log,
-                land=self.land_parameters,
-            )
+            board = TrainTensorBoard(tensorboard, self.optimizer, every=config.log_every, log=log)
         result: StepResult | None = None
         val_loss: float | None = None
         interrupted = False

@@ -493,3 +493,46 @@ def test_trainer_with_muonscale_muon_itself_is_refused_naming_the_factory(tmp_pa
     )
     with pytest.raises(ValueError, match="MuonFactory"):
         trainer.create_optimizer()
+
+
+def test_step_metrics_reach_log_history_and_tensorboard(tmp_path):
+    """add_step_metrics: Muon's metrics in every training entry of log_history and in the
+    TensorBoard event file the Trainer's reporting callback writes (read back)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from muonscale.integrations.hf import add_step_metrics
+
+    model = tiny_model("llama")
+    trainer = _trainer(
+        model,
+        tmp_path,
+        max_steps=4,
+        logging_steps=2,
+        report_to=["tensorboard"],
+    )
+    add_step_metrics(trainer)
+    trainer.train()
+    muon = [n for n, p in model.named_parameters() if p.ndim == 2]
+    muon = [n for n in muon if n not in EMBEDDING_AND_HEAD["llama"]]
+    ns_elements = sum(model.get_parameter(n).numel() for n in muon)
+    entries = [e for e in trainer.state.log_history if "loss" in e]
+    assert [e["step"] for e in entries] == [2, 4]
+    for entry in entries:
+        assert entry["muon/ns_tensors"] == len(muon)
+        assert entry["muon/ns_elements"] == ns_elements
+        assert entry["muon/skipped_tensors"] == 0
+        assert entry["muon/update_rms/group0_muon"] > 0
+    (event_file,) = tmp_path.glob("runs/*/events.out.tfevents.*")  # the Trainer's default
+    events = EventAccumulator(str(event_file)).Reload()
+    assert "train/muon/ns_elements" in events.Tags()["scalars"]
+    logged = events.Scalars("train/muon/ns_elements")
+    assert [(e.step, e.value) for e in logged] == [(2, ns_elements), (4, ns_elements)]
+
+
+def test_step_metrics_callback_in_callbacks_list_is_refused(tmp_path):
+    from muonscale.integrations.hf import StepMetricsCallback
+
+    trainer = _trainer(tiny_model("llama"), tmp_path, max_steps=1)
+    trainer.add_callback(StepMetricsCallback())
+    with pytest.raises(RuntimeError, match="add_step_metrics"):
+        trainer.train()

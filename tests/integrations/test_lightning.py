@@ -52,9 +52,8 @@ def _fit(
     data = TokenData(n=n)
     loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=False, sampler=sampler)
     checkpointing = any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint) for c in callbacks)
-    trainer_kwargs = {"accelerator": "cpu", "devices": 1, **trainer_kwargs}
+    trainer_kwargs = {"accelerator": "cpu", "devices": 1, "logger": False, **trainer_kwargs}
     trainer = L.Trainer(
-        logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(tmp_path),
@@ -251,3 +250,32 @@ def test_unnamed_parameter_warning_names_configure_optimizers(tmp_path):
     message = next(str(w.message) for w in caught if "unnamed" in str(w.message))
     assert "muonscale.integrations.lightning.configure_optimizers(self" in message, message
     assert "MuonFactory" not in message and "named_parameters()" not in message
+
+
+def test_step_metrics_reach_logged_metrics(tmp_path):
+    """StepMetricsCallback: Muon's metrics in trainer.logged_metrics (what the loggers got), at
+    the optimizer steps Lightning logs, with gradient accumulation (2 batches per step)."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    module = LM("llama")
+    trainer = _fit(
+        module,
+        tmp_path,
+        n=16,
+        callbacks=[ms_lightning.StepMetricsCallback()],
+        logger=CSVLogger(str(tmp_path)),
+        log_every_n_steps=1,
+        accumulate_grad_batches=2,
+        max_steps=2,
+    )
+    muon = [
+        p
+        for n, p in module.model.named_parameters()
+        if p.ndim == 2 and n not in EMBEDDING_AND_HEAD["llama"]
+    ]
+    logged = trainer.logged_metrics
+    assert logged["muon/ns_tensors"] == len(muon)
+    assert logged["muon/ns_elements"] == sum(p.numel() for p in muon)
+    assert logged["muon/update_rms/group0_muon"] > 0
+    callback = trainer.callbacks[0]
+    assert callback.optimizer.step_metrics.steps == trainer.global_step == 2

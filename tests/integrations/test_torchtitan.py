@@ -382,3 +382,62 @@ def test_moe_router_on_muon_with_its_reason_and_experts_as_views():
     for name, p in named.items():
         if p.ndim == 3:
             assert optimizer.param_table.expert_layout(p) is not None, name
+
+
+class _CPUMemoryMonitor:
+    """torchtitan's device memory monitor reads CUDA; on CPU, a stand-in with no figures."""
+
+    device_name = "cpu"
+
+    def reset_peak_stats(self) -> None:
+        pass
+
+    def get_peak_stats(self):
+        from torchtitan.components.metrics import DeviceMemStats
+
+        return DeviceMemStats(0.0, 0.0, 0.0, 0.0, 0, 0)
+
+
+def test_step_metrics_in_the_metrics_processors_output(tmp_path, monkeypatch):
+    """MuonScaleMetricsProcessor: Muon's step metrics in what torchtitan's processor writes
+    (its TensorBoard logger, read back), at every logging step."""
+    import torchtitan.components.metrics as titan_metrics
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    monkeypatch.setattr(titan_metrics, "build_device_memory_monitor", _CPUMemoryMonitor)
+
+    from muonscale.integrations.torchtitan import MuonScaleMetricsProcessor
+
+    model = tiny_model("llama3")
+    optimizers = build([model])
+    config = MuonScaleMetricsProcessor.Config(
+        enable_tensorboard=True, save_for_all_ranks=True, log_freq=1
+    )
+    # torchtitan's processor reads the rank: a one-rank process group, as its trainer has
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1
+    )
+    try:
+        processor = config.build(
+            parallel_dims=ParallelDims(1, 1, 1, 1, 1, 1, world_size=1), dump_folder=str(tmp_path)
+        )
+        processor.num_flops_per_token = 1  # set by the trainer from the model
+        processor.optimizers = optimizers  # as the trainer does: the metrics are enabled here
+        for step in (1, 2):
+            (loss,) = train([model], optimizers, step - 1, 1)
+            processor.ntokens_since_last_log = 1
+            processor.data_loading_times.append(0.0)
+            processor.log(step, loss, loss, 1.0)
+        processor.logger.close()
+    finally:
+        torch.distributed.destroy_process_group()
+    muon = optimizers.optimizers[0]
+    ns_elements = sum(
+        p.numel() for g in muon.param_groups if g["algorithm"] == "muon" for p in g["params"]
+    )
+    (event_file,) = tmp_path.glob("tb/**/events.out.tfevents.*")
+    events = EventAccumulator(str(event_file)).Reload()
+    logged = events.Scalars("muon/ns_elements")
+    assert [(e.step, e.value) for e in logged] == [(1, ns_elements), (2, ns_elements)]
+    assert all(e.value > 0 for e in events.Scalars("muon/update_rms/group0_muon"))

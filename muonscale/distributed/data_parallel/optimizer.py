@@ -24,7 +24,8 @@ import torch.distributed as dist
 from ...matrices import MatrixView
 from ...optimizer import Muon
 from ...settings import MuonSettings
-from ..comm import Communicator, WireCounter
+from ...step_metrics import Reduction, StepMetrics
+from ..comm import Communicator, WireCounter, combine_over_ranks
 from ..setup_checks import check_process_group, unwrap_ddp
 from . import checkpoint, gathers, grad_clip
 from . import step as phases
@@ -483,6 +484,8 @@ class DistributedMuon(Muon):
     def _begin_step(self) -> Sequence[Any]:
         self._prepared_state = None  # the state is about to change
         self.wait_for_parameters()  # a second step() without a forward
+        if self.step_metrics is not None:  # the wait for the last step's gathers, all landed
+            self.step_metrics.add("gather_wait_seconds", self.gather_wait_seconds, "max")
         return ()
 
     def _step_gradients(self) -> AgreedGradients:  # type: ignore[override]
@@ -512,6 +515,8 @@ class DistributedMuon(Muon):
         self.update_gather.capture(self.layout, self.param_table, present)  # lr, decay now
         chunk = self.memory.update_chunk_bytes
         phases.update_adamw_shards(self.layout, self.reduction, self.state, present, chunk)
+        if self.step_metrics is not None:
+            self._record_adamw_shards(self.step_metrics, present)
         wave = functools.partial(self._update_owned_matrices, present)
         apply = self.update_gather.apply_gathered
         if self.deferred is not None:  # landed in the next forward's pre-hooks
@@ -532,6 +537,29 @@ class DistributedMuon(Muon):
         self.reduction.start_cycle()
         self.last_step_wire_links = self.comm.counter.by_link()
         self.last_step_wire_bytes, self.last_step_wire_breakdown = self.comm.counter.take()
+        if self.step_metrics is not None:
+            self.step_metrics.add("wire_bytes", self.last_step_wire_bytes, "sum")
+
+    # ================================================================ step metrics
+    def _count_step(self, metrics: StepMetrics, grads: AgreedGradients, ran: bool) -> None:
+        present = grads.present
+        stepped = lambda p: ran and present[self.index_of(p)]  # noqa: E731
+        metrics.count_step(self.param_groups, stepped, self._logical_numel)
+
+    def _record_adamw_shards(self, metrics: StepMetrics, present: list[bool]) -> None:
+        """The AdamW updates of this rank's segments (the owners' Muon updates pass through
+        :meth:`_update_group`)."""
+        for group in self.param_groups:
+            if group["algorithm"] != "adamw":
+                continue
+            local = [self.index_of(p) for p in group["params"]]
+            local = [i for i in local if present[i] and i in self.reduction.segments]
+            if local:
+                states = [self.state[self.params[i]] for i in local]
+                metrics.record_adamw(self._group_label(group), group, states)
+
+    def _metrics_reduction(self) -> Reduction:
+        return lambda values, ops: combine_over_ranks(values, ops, self.comm.group)
 
     def _reduce_again(self, changed: list[int]) -> None:
         """``p.grad`` changed after its reduction read it (on some rank): reduce every gradient

@@ -46,7 +46,8 @@ ZeRO-1 AdamW, all-gather); ``"replicated"``: every DP replica runs the same dete
 on gradients reduced by Megatron's DDP (``main_grad``) or by one all-reduce here. The TP
 all-to-alls use :class:`muonscale.distributed.exchange.PieceExchange`; every byte is counted
 by :mod:`muonscale.distributed.comm` (``opt.last_step_wire_bytes`` / ``_breakdown``).
-The row state and how checkpoints hold it: :mod:`.row_state`.
+The row state and how checkpoints hold it: :mod:`.row_state`. Step metrics (what Muon did
+each step) into Megatron's writers and ``log_string``: :func:`.step_log.log_step_metrics`.
 """
 
 from .config import (
@@ -61,6 +62,7 @@ from .config import (
 )
 from .optimizer import MegatronDistributedMuon, MegatronMuon, megatron_muon
 from .plan import MegatronGroups, ParamPlan, plan_parameters
+from .step_log import log_step_metrics
 
 __all__ = [
     "DP_MODES",
@@ -74,6 +76,7 @@ __all__ = [
     "MegatronMuonConfig",
     "ParamPlan",
     "TP_MODES",
+    "log_step_metrics",
     "megatron_coefficients",
     "megatron_muon",
     "plan_parameters",

@@ -4,21 +4,24 @@ collaborators: a :class:`~.grad_norm.GlobalGradNorm` and an orthogonalizer (by d
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from muonscale.declared_state import replicated_declarations, replicated_state
-from muonscale.distributed.comm import Communicator, WireCounter
+from muonscale.distributed.comm import Communicator, WireCounter, combine_over_ranks
 from muonscale.distributed.data_parallel import AgreedGradients, DistributedMuon
 from muonscale.matrix_step import ApplyUpdates
 from muonscale.memory import MemoryBudget
 from muonscale.optimizer import Muon
 from muonscale.params import RouteDecision
 from muonscale.settings import MuonSettings
+from muonscale.step_metrics import Reduction, StepMetrics
 
 from .config import MegatronMuonConfig, muon_arguments
 from .grad_norm import GlobalGradNorm
@@ -143,16 +146,20 @@ class MegatronMuon(Muon):
         if apply_updates is not None:  # the orthogonalizer applies its own updates
             raise NotImplementedError("the Megatron Muon step takes no apply_updates")
         states = [self._init_state(p, group) for p in params]
-        muon_update_(
-            params,
-            grads,
-            self._stacked_momentum(group, params, states),
-            [self._matrix_view(p, group) for p in params],
-            [self._plan_by_id[id(p)] for p in params],
-            group,
-            self.orthogonalizer,
-            [replicated_state(s, MuonSettings.from_group(group)) for s in states],
+        orthogonalizer, timed = metered_orthogonalizer(
+            self.orthogonalizer, self.step_metrics, self._group_label(group), params[0].device
         )
+        with timed:
+            muon_update_(
+                params,
+                grads,
+                self._stacked_momentum(group, params, states),
+                [self._matrix_view(p, group) for p in params],
+                [self._plan_by_id[id(p)] for p in params],
+                group,
+                orthogonalizer,
+                [replicated_state(s, MuonSettings.from_group(group)) for s in states],
+            )
 
     def _begin_step(self) -> Sequence[Any]:
         """Gradients into the main copies, averaged over data parallel unless reduced."""
@@ -170,6 +177,17 @@ class MegatronMuon(Muon):
     def _end_step(self) -> None:
         super()._end_step()
         self.last_step_wire_bytes, self.last_step_wire_breakdown = self.wire_counter.take()
+        if self.step_metrics is not None:
+            self.step_metrics.add("wire_bytes", self.last_step_wire_bytes, "sum")
+
+    def _logical_numel(self, p: torch.Tensor) -> int:
+        return whole_numel(self._plan_of(p), p)
+
+    def _metrics_reduction(self) -> Reduction:
+        return world_reduction
+
+    def _counts_update(self, p: torch.Tensor) -> bool:
+        return counted_on_this_tp_rank(self._plan_of(p), self.groups)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of the optimizer's tensors and of the model's bf16 parameters
@@ -289,6 +307,15 @@ class MegatronDistributedMuon(DistributedMuon):
         """Global gradient norm of the latest step, before clipping."""
         return self.grad_norm.last_norm
 
+    def _logical_numel(self, p: torch.Tensor) -> int:
+        return whole_numel(self._plan_of(p), p)
+
+    def _metrics_reduction(self) -> Reduction:
+        return world_reduction  # the data-parallel group's ranks and their TP pieces
+
+    def _counts_update(self, p: torch.Tensor) -> bool:
+        return counted_on_this_tp_rank(self._plan_of(p), self.groups)
+
     def _plan_of(self, p: torch.Tensor) -> ParamPlan:
         return self._plan_by_id[id(self.model_param(p))]
 
@@ -334,16 +361,20 @@ class MegatronDistributedMuon(DistributedMuon):
         if apply_updates is not None:  # the orthogonalizer applies its own updates
             raise NotImplementedError("the Megatron Muon step takes no apply_updates")
         states = [self._init_state(p, group) for p in params]
-        muon_update_(
-            params,
-            grads,
-            self._stacked_momentum(group, params, states),
-            [self._matrix_view(p, group) for p in params],
-            [self._plan_by_id[id(self.model_param(p))] for p in params],
-            group,
-            self.orthogonalizer,
-            [replicated_state(s, MuonSettings.from_group(group)) for s in states],
+        orthogonalizer, timed = metered_orthogonalizer(
+            self.orthogonalizer, self.step_metrics, self._group_label(group), params[0].device
         )
+        with timed:
+            muon_update_(
+                params,
+                grads,
+                self._stacked_momentum(group, params, states),
+                [self._matrix_view(p, group) for p in params],
+                [self._plan_by_id[id(self.model_param(p))] for p in params],
+                group,
+                orthogonalizer,
+                [replicated_state(s, MuonSettings.from_group(group)) for s in states],
+            )
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -375,6 +406,35 @@ class MegatronDistributedMuon(DistributedMuon):
                     agreed.present, "(a parameter on another tensor-parallel rank)"
                 )
         return agreed
+
+
+def whole_numel(plan: ParamPlan, p: torch.Tensor) -> int:
+    """Elements of the whole parameter whose TP piece ``p`` is (its step metrics' count)."""
+    return p.numel() * (plan.tp_size if plan.partition_dim is not None else 1)
+
+
+def counted_on_this_tp_rank(plan: ParamPlan, groups: MegatronGroups) -> bool:
+    """A TP-sharded parameter's piece counts on every TP rank, a replicated one on the first
+    (so that the update RMS summed over ranks weighs every element once per replica)."""
+    if plan.partition_dim is not None:
+        return True
+    group = groups.expt_tp if plan.expert else groups.tp
+    return group is None or dist.get_rank(group) == 0
+
+
+def world_reduction(values: torch.Tensor, ops: Sequence[str]) -> torch.Tensor:
+    """The step metrics over every rank (TP pieces and data-parallel replicas or owners)."""
+    return combine_over_ranks(values, ops, None)
+
+
+def metered_orthogonalizer(
+    orthogonalizer: Orthogonalizer, metrics: StepMetrics | None, label: str, device: torch.device
+) -> tuple[Any, Any]:
+    """``orthogonalizer`` and a timing context, metered when the step metrics are on (the
+    scaled updates' squares go to the update RMS of group ``label``)."""
+    if metrics is None:
+        return orthogonalizer, contextlib.nullcontext()
+    return metrics.metered_updates(label, orthogonalizer), metrics.timed(device)
 
 
 def _check_self_reduction(plans: Sequence[ParamPlan], groups: MegatronGroups) -> None:
