@@ -71,7 +71,7 @@ def test_misrouted_parameters_show_the_embedding_on_the_muon_side():
     # bare parameters: routing by tensor rank alone (strict=False accepts it), so the
     # embedding table is orthogonalized as if it were a hidden matrix
     with pytest.warns(UserWarning, match="tensor rank alone"):
-        opt = muonscale.Muon(model.parameters(), lr=0.02, adamw_lr=1e-3)
+        opt = muonscale.Muon(model.parameters(), lr=0.02, adamw_lr=1e-3, strict=False)
     opt.enable_step_metrics()
     _backward(model, 0)
     opt.step()
