@@ -48,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,7 +56,6 @@ import torch.distributed as dist
 from .. import functional, matrix_step
 from ..declared_state import kept_state, replicated_state
 from ..group_step import adamw_group_step
-from ..matrices import MatrixView
 from ..newton_schulz import default_ns_dtype
 from ..optimizer import Muon
 from ..optimizer_state import parameter_states
@@ -65,7 +63,15 @@ from ..settings import MuonSettings
 from ..step_metrics import Reduction
 from .agreement import check_same_on_every_rank
 from .comm import Communicator, WireCounter, combine_over_ranks
-from .dtensor_layout import as_2d, dtensor_layout, local_indices, local_tensor, parameter_layout
+from .dtensor_layout import (
+    MatrixUnit,
+    as_2d,
+    dtensor_layout,
+    expert_units,
+    local_indices,
+    local_tensor,
+    parameter_layout,
+)
 from .exchange import PieceExchange, step_through_exchange
 from .setup_checks import check_process_group
 from .sharded import MatrixLayout, default_owners
@@ -76,90 +82,6 @@ __all__ = ["DTensorMuon", "dtensor_layout", "local_indices", "local_tensor"]
 def _narrower(a: torch.dtype, b: torch.dtype) -> torch.dtype:
     """The floating dtype of fewer bits (``b`` on a tie)."""
     return a if torch.finfo(a).bits < torch.finfo(b).bits else b
-
-
-@dataclass(frozen=True)
-class _Unit:
-    """What one matrix of the exchange is: a whole parameter, or one expert of a stack."""
-
-    param: torch.Tensor
-    group: Mapping[str, Any]
-    view: MatrixView
-    layout: MatrixLayout
-    expert: int | None = None
-    shape: tuple[int, ...] = ()
-    """The stored shape the owner steps (the parameter's, or one expert's)."""
-    holder: int | None = None
-    """The rank that holds the expert whole (its owner)."""
-    local_rows: slice | None = None
-    """The holder's rows of its local 2-D shard that hold this expert."""
-    row_span: slice | None = None
-    """The expert's rows of the parameter's replicated row states."""
-
-    def __post_init__(self) -> None:
-        if not self.shape:
-            object.__setattr__(self, "shape", tuple(self.param.shape))
-
-    def replicas(self, held: dict) -> dict:
-        """This unit's rows of the parameter's replicated row states (views)."""
-        if self.row_span is None:
-            return held
-        return {spec: tensor[self.row_span] for spec, tensor in held.items()}
-
-
-def expert_units(p: torch.Tensor, view: MatrixView, layout: MatrixLayout) -> list[tuple] | None:
-    """``(view, layout, expert, shape, holder, local rows, row span)`` of each expert of an
-    expert stack whose every expert some single rank holds whole (contiguous rows of the 2-D
-    matrix, every column; no replica), else None."""
-    if view.experts is None or layout.whole_everywhere or p.ndim not in (2, 3):
-        return None
-    count = view.experts
-    m, n = layout.shape  # 3-D: (E, A·B); 2-D concatenation: (E·A, B)
-    per = m // count
-    shape = tuple(p.shape[1:]) if p.ndim == 3 else (per, n)
-    holder_of: dict[int, tuple[int, int]] = {}  # expert -> (rank, first local row)
-    for rank, (rows, cols) in enumerate(layout.pieces):
-        if not isinstance(rows, slice) or rows.start == rows.stop:
-            continue
-        if not isinstance(cols, slice) or (cols.start, cols.stop) != (0, n):
-            return None
-        if rows.start % per or rows.stop % per:
-            return None
-        for e in range(rows.start // per, rows.stop // per):
-            if e in holder_of:
-                return None  # held by two ranks: not one owner
-            holder_of[e] = (rank, e * per - rows.start)
-    if len(holder_of) != count:
-        return None
-    expert_view = MatrixView.build(
-        shape,
-        transposed=view.transposed,
-        row_partition=view.row_partition,
-        block_roles=view.block_roles,
-    )
-    rows_per_expert = sum(r for r, _ in expert_view.matrix_shapes)
-    world = len(layout.pieces)
-    out = []
-    for e in range(count):
-        rank, first = holder_of[e]
-        pieces = [
-            (torch.arange(per), torch.arange(n))
-            if r == rank
-            else (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
-            for r in range(world)
-        ]
-        out.append(
-            (
-                expert_view,
-                MatrixLayout.from_indices((per, n), pieces),
-                e,
-                shape,
-                rank,
-                slice(first, first + per),
-                slice(e * rows_per_expert, (e + 1) * rows_per_expert),
-            )
-        )
-    return out
 
 
 class DTensorMuon(Muon):
@@ -267,7 +189,7 @@ class DTensorMuon(Muon):
             self._layouts[id(p)] = layout
         return layout
 
-    def _exchange(self, units: list[_Unit], dtype: torch.dtype) -> PieceExchange:
+    def _exchange(self, units: list[MatrixUnit], dtype: torch.dtype) -> PieceExchange:
         """The exchange of these units' matrices (cached): FLOP-balanced owners, except that an
         expert held whole by one rank is owned by that rank (nothing moves for it)."""
         key = (tuple((id(u.param), u.expert) for u in units), dtype)
@@ -287,15 +209,15 @@ class DTensorMuon(Muon):
             )
         return self._exchanges[key]
 
-    def _units(self, p: torch.Tensor, group: Mapping[str, Any]) -> list[_Unit]:
+    def _units(self, p: torch.Tensor, group: Mapping[str, Any]) -> list[MatrixUnit]:
         """What the exchange moves for ``p``: its whole matrix, or, for an expert stack whose
         every expert is held whole by one rank (FSDP2 sharding the expert dimension, expert
         parallelism), one unit per expert, owned by that rank."""
         view, layout = self._matrix_view(p, group), self.matrix_layout(p)
         experts = expert_units(p, view, layout)
         if experts is None:
-            return [_Unit(p, group, view, layout)]
-        return [_Unit(p, group, *unit) for unit in experts]
+            return [MatrixUnit(p, group, view, layout)]
+        return [MatrixUnit(p, group, *unit) for unit in experts]
 
     def _after_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """New parameter objects: lay them out again (and fail fast on unsupported ones)."""
@@ -498,7 +420,7 @@ class DTensorMuon(Muon):
                 x.copy_(as_2d(scratch[id(u.param)])[u.local_rows])
 
     def _owner_step(
-        self, units: list[_Unit], indices: list[int], whole: list[torch.Tensor]
+        self, units: list[MatrixUnit], indices: list[int], whole: list[torch.Tensor]
     ) -> tuple[list[torch.Tensor], list[dict]]:
         """On the owner: the matrix step of whole matrices (2-D U → the parameter's, or the
         expert's, stored shape and view → :func:`~muonscale.matrix_step.parameter_updates`), as

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..matrices import MatrixView
 from .setup_checks import is_dtensor
 from .sharded import MatrixLayout, chunk_bounds
 
@@ -32,6 +34,8 @@ __all__ = [
     "local_indices",
     "local_tensor",
     "parameter_layout",
+    "MatrixUnit",
+    "expert_units",
 ]
 
 
@@ -163,3 +167,88 @@ def parameter_layout(
             f"but the DTensor holds {held} (placements {getattr(p, 'placements', None)})"
         )
     return layout
+
+
+@dataclass(frozen=True)
+class MatrixUnit:
+    """What one matrix of the exchange is: a whole parameter, or one expert of a stack."""
+
+    param: torch.Tensor
+    group: Mapping[str, Any]
+    view: MatrixView
+    """The parameter's view, or one expert's."""
+    layout: MatrixLayout
+    expert: int | None = None
+    shape: tuple[int, ...] = ()
+    """The stored shape the owner steps (the parameter's, or one expert's)."""
+    holder: int | None = None
+    """The rank that holds the expert whole (its owner)."""
+    local_rows: slice | None = None
+    """The holder's rows of its local 2-D shard that hold this expert."""
+    row_span: slice | None = None
+    """The expert's rows of the parameter's replicated row states."""
+
+    def __post_init__(self) -> None:
+        if not self.shape:
+            object.__setattr__(self, "shape", tuple(self.param.shape))
+
+    def replicas(self, held: dict) -> dict:
+        """This unit's rows of the parameter's replicated row states (views)."""
+        if self.row_span is None:
+            return held
+        return {spec: tensor[self.row_span] for spec, tensor in held.items()}
+
+
+def expert_units(p: torch.Tensor, view: MatrixView, layout: MatrixLayout) -> list[tuple] | None:
+    """``(view, layout, expert, shape, holder, local rows, row span)`` of each expert of an
+    expert stack whose every expert some single rank holds whole (contiguous rows of the 2-D
+    matrix, every column; no replica), else None."""
+    if view.experts is None or layout.whole_everywhere or p.ndim not in (2, 3):
+        return None
+    count = view.experts
+    m, n = layout.shape  # 3-D: (E, A·B); 2-D concatenation: (E·A, B)
+    per = m // count
+    shape = tuple(p.shape[1:]) if p.ndim == 3 else (per, n)
+    holder_of: dict[int, tuple[int, int]] = {}  # expert -> (rank, first local row)
+    for rank, (rows, cols) in enumerate(layout.pieces):
+        if not isinstance(rows, slice) or rows.start == rows.stop:
+            continue
+        if not isinstance(cols, slice) or (cols.start, cols.stop) != (0, n):
+            return None
+        if rows.start % per or rows.stop % per:
+            return None
+        for e in range(rows.start // per, rows.stop // per):
+            if e in holder_of:
+                return None  # held by two ranks: not one owner
+            holder_of[e] = (rank, e * per - rows.start)
+    if len(holder_of) != count:
+        return None
+    expert_view = MatrixView.build(
+        shape,
+        transposed=view.transposed,
+        row_partition=view.row_partition,
+        block_roles=view.block_roles,
+    )
+    rows_per_expert = sum(r for r, _ in expert_view.matrix_shapes)
+    world = len(layout.pieces)
+    out = []
+    for e in range(count):
+        rank, first = holder_of[e]
+        pieces = [
+            (torch.arange(per), torch.arange(n))
+            if r == rank
+            else (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+            for r in range(world)
+        ]
+        out.append(
+            (
+                expert_view,
+                MatrixLayout.from_indices((per, n), pieces),
+                e,
+                shape,
+                rank,
+                slice(first, first + per),
+                slice(e * rows_per_expert, (e + 1) * rows_per_expert),
+            )
+        )
+    return out
