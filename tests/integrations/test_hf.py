@@ -417,23 +417,24 @@ def test_factory_instance_works_as_the_class(tmp_path):
         MuonFactory()([torch.nn.Parameter(torch.zeros(2, 2))], lr=0.02)
 
 
-def test_unnamed_parameter_warning_names_the_factory_inside_the_trainer(tmp_path):
-    """``optimizer_cls_and_kwargs=(muonscale.Muon, kwargs)`` gets unnamed param groups: the
-    warning names the fix a Trainer user can apply (hf.MuonFactory), and only there."""
+def test_unnamed_parameters_inside_the_trainer_are_refused_naming_the_factory(tmp_path):
+    """``optimizer_cls_and_kwargs=(muonscale.Muon, kwargs)`` gets unnamed param groups, so the
+    embeddings and head would go to Muon: a framework caller is certain misrouting, refused
+    with the fix a Trainer user can apply (hf.MuonFactory), and only there."""
     trainer = SequentialTrainer(
         model=tiny_model("llama"),
         args=_args(tmp_path),
         train_dataset=TokenData(),
         optimizer_cls_and_kwargs=(muonscale.Muon, dict(MUON_KWARGS)),
     )
-    with pytest.warns(UserWarning, match="unnamed") as caught:
+    with pytest.raises(ValueError, match="unnamed") as refused:
         trainer.create_optimizer()
-    message = next(str(w.message) for w in caught if "unnamed" in str(w.message))
+    message = str(refused.value)
     assert "muonscale.integrations.hf.MuonFactory" in message and "muon_kwargs(args)" in message
     assert "named_parameters()" not in message  # a fix the Trainer's user cannot apply
     with warnings.catch_warnings(record=True) as outside:
         warnings.simplefilter("always")
-        muonscale.Muon(list(tiny_model("llama").parameters()), lr=0.02)
+        muonscale.Muon(list(tiny_model("llama").parameters()), lr=0.02)  # mixed: a warning
     plain = [str(w.message) for w in outside if "unnamed" in str(w.message)]
     assert plain and not any("MuonFactory" in m for m in plain)
 
@@ -477,22 +478,6 @@ def test_distributed_factory_without_callback_fails_fast(tmp_path):
         assert "DistributedCheckpointCallback" in record["error"], record["error"]
         assert record["seconds"] < 60, record
     assert not (tmp_path / "run" / "checkpoint-1").exists()
-
-
-def test_trainer_with_muonscale_muon_itself_is_refused_naming_the_factory(tmp_path):
-    """``optimizer_cls_and_kwargs=(muonscale.Muon, ...)``: the Trainer hands unnamed tensors,
-    so the embeddings and head would go to Muon. A framework caller is certain misrouting:
-    refused, naming ``MuonFactory``."""
-    import muonscale
-
-    trainer = SequentialTrainer(
-        model=tiny_model("llama"),
-        args=_args(tmp_path),
-        train_dataset=TokenData(),
-        optimizer_cls_and_kwargs=(muonscale.Muon, dict(MUON_KWARGS)),
-    )
-    with pytest.raises(ValueError, match="MuonFactory"):
-        trainer.create_optimizer()
 
 
 def test_step_metrics_reach_log_history_and_tensorboard(tmp_path):

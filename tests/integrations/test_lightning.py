@@ -243,11 +243,12 @@ class _PlainMuonLM(LM):
         return muonscale.Muon(self.parameters(), lr=MUON_KWARGS["lr"])
 
 
-def test_unnamed_parameter_warning_names_configure_optimizers(tmp_path):
-    """Inside Lightning the warning names the fix a LightningModule can apply."""
-    with pytest.warns(UserWarning, match="unnamed") as caught:
+def test_unnamed_parameters_inside_lightning_are_refused_naming_configure_optimizers(tmp_path):
+    """Inside Lightning, unnamed parameters are certain misrouting: refused, naming the fix a
+    LightningModule can apply."""
+    with pytest.raises(ValueError, match="unnamed") as refused:
         _fit(_PlainMuonLM("llama"), tmp_path, max_steps=1)
-    message = next(str(w.message) for w in caught if "unnamed" in str(w.message))
+    message = str(refused.value)
     assert "muonscale.integrations.lightning.configure_optimizers(self" in message, message
     assert "MuonFactory" not in message and "named_parameters()" not in message
 
