@@ -121,3 +121,32 @@ def test_a_late_tensorboard_failure_keeps_the_report(tmp_path, capsys):
     saved = json.loads((tmp_path / "out" / "report.json").read_text())
     assert saved["contenders"].keys() == report["contenders"].keys() == {"adamw", "muon"}
     assert (tmp_path / "out" / "report.md").is_file()
+
+
+def test_event_files_hold_every_steps_optimizer_figures(tmp_path):
+    """A real tiny bench with --tensorboard: Muon's step metrics (counted from the step) and
+    AdamW's update RMS at every step, in each contender's run folder."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    main(
+        [
+            "bench",
+            *BENCH_TINY,
+            "--out",
+            str(tmp_path / "out"),
+            "--tensorboard",
+            str(tmp_path / "tb"),
+        ]
+    )
+    figures = {}
+    for name in ("adamw", "muon"):
+        events = EventAccumulator(str(tmp_path / "tb" / name / "seed0"))
+        events.Reload()
+        figures[name] = {t: events.Scalars(t) for t in events.Tags()["scalars"]}
+    muon = figures["muon"]
+    assert [e.step for e in muon["muon/ns_elements"]] == [1, 2]
+    assert all(e.value > 0 for e in muon["muon/ns_elements"])
+    assert any(t.startswith("muon/update_rms/") for t in muon)
+    adamw = [t for t in figures["adamw"] if t.startswith("adamw/update_rms/")]
+    assert adamw and all(len(figures["adamw"][t]) == 2 for t in adamw)

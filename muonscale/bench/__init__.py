@@ -254,6 +254,8 @@ def _side_by_side_resumable(
             store.save(keys[name], record_to_dict(record))
         records.update(trained)
     elif todo:
+        from muonscale.bench.runner import step_metric_readers
+
         runs = {name: make_run(config, name, lrs[name]) for name in todo}
         trained = run_side_by_side(
             runs,
@@ -263,6 +265,7 @@ def _side_by_side_resumable(
             progress=config.progress,
             desc=desc,
             divergence_errors=(NonFiniteLossError,),
+            step_metrics=None if config.tensorboard is None else step_metric_readers(runs),
         )
         del runs  # free the training runs before the next seed or the memory probes
         for name, record in trained.items():

@@ -134,7 +134,7 @@ def _worker(index, config, names, lrs, eval_steps, barrier, messages) -> None:
     try:
         import torch
 
-        from muonscale.bench.runner import make_run
+        from muonscale.bench.runner import make_run, step_metric_readers
         from muonscale.bench.side_by_side import run_side_by_side
         from muonscale.bench.store import record_to_dict
         from muonscale.train.trainer import NonFiniteLossError
@@ -159,6 +159,7 @@ def _worker(index, config, names, lrs, eval_steps, barrier, messages) -> None:
             progress=False,
             divergence_errors=(NonFiniteLossError,),
             after_step=after_step,
+            step_metrics=None if config.tensorboard is None else step_metric_readers(runs),
         )
         messages.put(("done", index, {n: record_to_dict(r) for n, r in records.items()}))
     except threading.BrokenBarrierError:

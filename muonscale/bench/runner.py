@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import functools
 import lzma
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from muonscale.bench.config import BenchConfig
 from muonscale.train.config import TrainConfig, model_preset
@@ -125,3 +127,14 @@ def make_run(bench: BenchConfig, contender: str, lr: float, *, steps: int | None
 
         return Float32NewtonSchulzRun(run)
     return run
+
+
+def step_metric_readers(runs: dict[str, Any]) -> dict[str, Callable[[], dict[str, float]]]:
+    """Each run's reader of its optimizer's figures after a step (``--tensorboard``)."""
+    from muonscale.train.tensorboard_log import optimizer_figures
+
+    readers = {}
+    for name, run in runs.items():
+        optimizer = getattr(run, "optimizer", None)  # a stand-in run may have none
+        readers[name] = dict if optimizer is None else optimizer_figures(optimizer)
+    return readers

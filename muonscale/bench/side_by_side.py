@@ -64,6 +64,9 @@ class ContenderRecord:
     and QK-clip's rescale), when the run measured it; empty otherwise."""
     max_logit_seconds: list[float] = field(default_factory=list)
     """Per step, the time the max-logit measurement took (part of ``step_seconds``)."""
+    step_metrics: list[dict[str, float]] = field(default_factory=list)
+    """Per step, the optimizer's step metrics (:mod:`muonscale.step_metrics`; the AdamW
+    update RMS of other optimizers), when the run recorded them (``--tensorboard``)."""
 
     @property
     def train_seconds(self) -> float:
@@ -117,13 +120,15 @@ def run_side_by_side(
     desc: str = "bench",
     divergence_errors: tuple[type[BaseException], ...] = (),
     after_step: Callable[[int, Mapping[str, ContenderRecord]], None] | None = None,
+    step_metrics: Mapping[str, Callable[[], dict[str, float]]] | None = None,
 ) -> dict[str, ContenderRecord]:
     """Train every run for ``steps`` steps, interleaved, evaluating all at ``eval_steps``.
 
     A run whose ``step()`` raises one of ``divergence_errors`` (a NaN/inf loss) stops there;
     the others go on, and the report shows where it diverged. ``after_step(step, records)``
     is called once every run took step ``step`` (and was evaluated, at an evaluation step);
-    the lockstep bench waits for its other workers there.
+    the lockstep bench waits for its other workers there. ``step_metrics[name]()``: the
+    figures of run ``name``'s last step, recorded after each of its steps.
     """
     records = {name: ContenderRecord(name=name, lr=lrs[name]) for name in runs}
     wanted = set(eval_steps)
@@ -147,6 +152,8 @@ def run_side_by_side(
                 if max_logit is not None:
                     record.max_attention_logits.append(float(max_logit))
                     record.max_logit_seconds.append(float(result.max_logit_seconds))
+                if step_metrics is not None:
+                    record.step_metrics.append(step_metrics[name]())
         if bar is not None:
             bar.update(1)
         if name == last_name and step in wanted:

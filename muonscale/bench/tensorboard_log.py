@@ -4,7 +4,9 @@ One run folder per contender and seed, ``DIR/<contender>/seed<S>``, so TensorBoa
 the contenders. Scalars: ``val_loss`` (x: optimizer step), ``val_loss_vs_train_ms`` (x:
 training milliseconds, evaluation excluded), ``train_loss`` (x: optimizer step) and, for a
 contender that measured it (QK-clip, ``--track-max-logit``), ``max_attention_logit`` (x:
-optimizer step).
+optimizer step), and every step's optimizer figures (a muonscale optimizer's step metrics,
+``muon/ns_elements``, ``muon/update_rms/<group>``, …; the AdamW update RMS of the others,
+``adamw/update_rms/<group>``: :mod:`muonscale.step_metrics`).
 A run folder's older event files are replaced (a resumed bench writes the same curves again,
 and TensorBoard would otherwise show them twice).
 """
@@ -42,6 +44,9 @@ def write_tensorboard(
                     writer.add_scalar("train_loss", loss, step)
                 for step, logit in enumerate(record.max_attention_logits, 1):
                     writer.add_scalar("max_attention_logit", logit, step)
+                for step, figures in enumerate(record.step_metrics, 1):
+                    for tag, value in figures.items():
+                        writer.add_scalar(tag, value, step)
             finally:
                 writer.close()
             written.append(run_dir)

@@ -15,6 +15,7 @@ the run: it is reported once, on stderr and in the run's metrics (event
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,6 +50,16 @@ def adamw_update_rms(optimizer: torch.optim.Optimizer) -> dict[str, float]:
     return {k: v for k, v in metrics.read().items() if "/update_rms/" in k}
 
 
+def optimizer_figures(optimizer: torch.optim.Optimizer) -> Callable[[], dict[str, float]]:
+    """The reader of an optimizer's figures after each step: a muonscale optimizer's step
+    metrics (turned on here), else the AdamW update RMS of its groups."""
+    muonscale = find_step_metrics_optimizer(optimizer)
+    if muonscale is None:
+        return lambda: adamw_update_rms(optimizer)
+    muonscale.enable_step_metrics()
+    return muonscale.read_step_metrics  # one process writes: no collective
+
+
 class TrainTensorBoard:
     """Writes the scalars of one training run into ``folder`` (needs tensorboard). Stops
     writing at the first ``OSError`` (see the module docstring), which it reports on stderr
@@ -68,9 +79,7 @@ class TrainTensorBoard:
         self.writer = SummaryWriter(log_dir=str(self.folder))
         """None once a write failed."""
         self.optimizer = optimizer
-        self.muonscale = find_step_metrics_optimizer(optimizer)
-        if self.muonscale is not None:
-            self.muonscale.enable_step_metrics()
+        self._figures = optimizer_figures(optimizer)
         self.every = max(1, every)
         self.log = log
         self._logged = False
@@ -114,11 +123,7 @@ class TrainTensorBoard:
         self.writer.add_scalar("optimizer_ms", result.optimizer_seconds * 1e3, step)
         if not self._logged:
             return
-        if self.muonscale is not None:
-            figures = self.muonscale.read_step_metrics()  # rank 0 only writes: no collective
-        else:
-            figures = adamw_update_rms(self.optimizer)
-        for name, value in figures.items():
+        for name, value in self._figures().items():
             self.writer.add_scalar(name, value, step)
         self._logged = False
 
