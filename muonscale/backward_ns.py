@@ -27,6 +27,7 @@ from . import functional, matrix_step
 from .kernels.process_state import NSWorkspace
 from .newton_schulz import resolve_schedule
 from .param_table import ParamTable
+from .quantized_state import quantized_momentum
 from .scaling import update_scale
 from .settings import BACKWARD_SNAPSHOT, MuonSettings
 
@@ -152,9 +153,13 @@ class BackwardOrthogonalizer:
         opt, group = self._opt(), bucket.group
         grads = [p.grad for p in bucket.params]
         olds = []
-        dtype = MuonSettings.from_group(group).momentum_dtype_for(bucket.params[0].dtype)
+        settings = MuonSettings.from_group(group)
+        dtype = settings.momentum_dtype_for(bucket.params[0].dtype)
         for p in bucket.params:  # state is not touched here: a first step starts from zeros
-            buf = opt.state.get(p, {}).get("momentum_buffer")
+            entry = opt.state.get(p, {})
+            buf = entry.get("momentum_buffer")
+            if buf is not None and settings.state_precision != "param":  # float32 values
+                buf = quantized_momentum(entry, self.table.view(p, group["matrix_mode"])).values()
             olds.append(buf if buf is not None else torch.zeros_like(p, dtype=dtype))
         k, (rows, cols) = len(bucket.params), bucket.matrix_shape
         shape = (k, *bucket.params[0].shape)
@@ -283,8 +288,13 @@ class BackwardOrthogonalizer:
                 bucket.result.record_stream(main)
                 bucket.new_momentum.record_stream(main)
             states = [init_state(p, group) for p in bucket.params]
-            buffers = [s["momentum_buffer"] for s in states]
-            torch._foreach_copy_(buffers, list(bucket.new_momentum.unbind(0)))
+            if group.get("state_precision", "param") != "param":  # written back quantized
+                for p, s, new in zip(bucket.params, states, bucket.new_momentum.unbind(0)):
+                    view = self.table.view(p, group["matrix_mode"])
+                    quantized_momentum(s, view).store_(new)
+            else:
+                buffers = [s["momentum_buffer"] for s in states]
+                torch._foreach_copy_(buffers, list(bucket.new_momentum.unbind(0)))
             matrix_step.apply_updates_(
                 bucket.params,
                 list(bucket.result.unbind(0)),

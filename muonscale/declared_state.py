@@ -14,6 +14,7 @@ import torch
 
 from . import variants
 from .matrices import MatrixView
+from .quantized_state import MOMENTUM_SCALE_KEY, momentum_scale_shape
 from .settings import MuonSettings
 from .state_tensor import Placement, StateTensor  # noqa: F401 (Placement: re-exported)
 from .variants import VARIANT_STATE
@@ -23,17 +24,27 @@ MOMENTUM = StateTensor(
     what="the momentum buffer, shaped as the parameter",
     kept=lambda settings: True,
     shape=lambda view: view.param_shape,
-    dtype=lambda settings, dtype: settings.momentum_dtype or dtype,
+    dtype=lambda settings, dtype: settings.momentum_storage_dtype(dtype),
     placement="parameter",
 )
-MUON_STATE: tuple[StateTensor, ...] = (MOMENTUM, *VARIANT_STATE)
+MOMENTUM_SCALE = StateTensor(
+    key=MOMENTUM_SCALE_KEY,
+    what="the float32 scales of the int8 momentum, one per block of a row",
+    kept=lambda settings: settings.state_precision == "int8",
+    shape=momentum_scale_shape,
+    dtype=lambda settings, dtype: torch.float32,
+    placement="parameter",
+)
+MUON_STATE: tuple[StateTensor, ...] = (MOMENTUM, MOMENTUM_SCALE, *VARIANT_STATE)
 """Every state tensor a Muon parameter may hold (the variants' declared with their math)."""
 
 
 def kept_state(settings: MuonSettings, *, variants_only: bool = False) -> list[StateTensor]:
     """The state tensors a group with ``settings`` keeps (the variants' declarations read when
-    called, so that a variant declared after import counts)."""
-    declared = variants.VARIANT_STATE if variants_only else (MOMENTUM, *variants.VARIANT_STATE)
+    called, so that a variant declared after import counts); ``variants_only``: those besides
+    the momentum buffer (which is laid out as the parameter and created with it)."""
+    besides = (MOMENTUM_SCALE, *variants.VARIANT_STATE)
+    declared = besides if variants_only else (MOMENTUM, *besides)
     return [t for t in declared if t.kept(settings)]
 
 
@@ -98,10 +109,12 @@ def check_loaded_state(
                 f"{list(view.matrix_shapes)}). Was it saved from a model whose weights are "
                 "stored otherwise (transposed, split, another matrix_mode)? Nothing was changed."
             )
-        if not value.is_floating_point():
+        codes = spec is MOMENTUM and value.dtype == torch.int8 and MOMENTUM_SCALE.key in entry
+        if not (value.is_floating_point() or codes):
             raise ValueError(
                 f"load_state_dict: state {spec.key!r} of parameter '{name}' has dtype "
-                f"{value.dtype}, expected a floating dtype ({spec.what}). Nothing was changed."
+                f"{value.dtype}, expected a floating dtype ({spec.what}; int8 codes with "
+                f"{MOMENTUM_SCALE.key!r} for state_precision='int8'). Nothing was changed."
             )
 
 

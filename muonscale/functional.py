@@ -43,6 +43,7 @@ from .memory import (
     group_by_budget,
 )
 from .newton_schulz import default_ns_dtype, resolve_schedule
+from .quantized_state import QuantizedMomentum
 from .scaling import update_scale
 from .settings import PLAIN_MUON, MuonSettings
 
@@ -106,6 +107,7 @@ def update_chunks(
     *,
     ns_dtype: torch.dtype | None,
     max_chunk_bytes: int | None,
+    momentum_values: bool = False,
 ) -> list[list[int]]:
     """Indices of ``params`` in chunks whose transient bytes (the direction in the gradient's
     dtype + its Newton–Schulz copy) stay under ``max_chunk_bytes`` (a parameter bigger than
@@ -116,7 +118,8 @@ def update_chunks(
     for i in order:
         p = params[i]
         dtype = ns_dtype if ns_dtype is not None else default_ns_dtype(p.device)
-        costs.append(p.numel() * (p.element_size() + torch.finfo(dtype).bits // 8))
+        itemsizes = p.element_size() + torch.finfo(dtype).bits // 8 + 4 * momentum_values
+        costs.append(p.numel() * itemsizes)
     chunks = group_by_budget(costs, max_chunk_bytes)
     if len(chunks) == 1:
         return [list(range(len(params)))]
@@ -209,53 +212,112 @@ def muon(
     and ``weight_decay`` the two arguments of this step replace.
     ``apply_updates``: called instead of :func:`~muonscale.matrix_step.apply_updates_by_rule_`
     (same arguments; the Triton apply pass then does not run), for a caller that also sends
-    the updates elsewhere.
+    the updates elsewhere. A momentum buffer may be a
+    :class:`~muonscale.quantized_state.QuantizedMomentum` (``state_precision="int8"``): it is
+    read as float32 in its chunk, and its new value is written back once, after the update.
     """
     if not params:
         return
     ns = settings.ns
-    momentum, nesterov = settings.momentum, settings.nesterov
     budget = chunk_bytes_for(max_chunk_bytes, params[0].device)
     apply = apply_updates or apply_updates_by_rule_
-    for chunk in update_chunks(params, views, ns_dtype=ns.dtype, max_chunk_bytes=budget):
-        stacks: dict[tuple, list[int]] = defaultdict(list)
-        others: list[int] = []
-        for i in chunk:
-            key = stack_key(params[i], views[i], ns, settings)
-            if key is not None:
-                stacks[key].append(i)
-            else:
-                others.append(i)
-        if stacks:
-            stacked_muon_(
-                params,
-                grads,
-                momentum_buffers,
-                stacks,
-                lr=lr,
-                weight_decay=weight_decay,
-                momentum=momentum,
-                nesterov=nesterov,
-                settings=settings,
-                max_workspace_bytes=max_workspace_bytes,
-                elementwise_backend=elementwise_backend,
-                apply_updates=apply_updates,
-            )
-        if not others:
-            continue
-        g_part = [grads[i] for i in others]
-        b_part = [momentum_buffers[i] for i in others]
-        directions = momentum_directions_(g_part, b_part, momentum=momentum, nesterov=nesterov)
-        updates, rules, _ = parameter_updates(
-            directions,
-            [views[i] for i in others],
-            [settings] * len(others),
-            None if row_state is None else [row_state[i] for i in others],
+    stored = momentum_buffers
+    quantized = any(isinstance(b, QuantizedMomentum) for b in stored)
+    chunks = update_chunks(
+        params, views, ns_dtype=ns.dtype, max_chunk_bytes=budget, momentum_values=quantized
+    )
+    for chunk in chunks:
+        # quantized momentum: read as float32 for this chunk, written back once at its end
+        momentum_buffers = _chunk_momentum(stored, chunk) if quantized else stored
+        _muon_chunk(
+            params,
+            grads,
+            momentum_buffers,
+            chunk,
+            views=views,
+            lr=lr,
+            weight_decay=weight_decay,
+            settings=settings,
             max_workspace_bytes=max_workspace_bytes,
+            elementwise_backend=elementwise_backend,
+            row_state=row_state,
+            apply_updates=apply_updates,
+            apply=apply,
         )
-        del directions
-        for i, update, rule in zip(others, updates, rules):
-            apply([params[i]], [update], [rule], lr=lr, weight_decay=weight_decay)
+        if quantized:
+            for i in chunk:
+                if isinstance(stored[i], QuantizedMomentum):
+                    stored[i].store_(momentum_buffers[i])
+
+
+def _chunk_momentum(
+    stored: Sequence[torch.Tensor | QuantizedMomentum], chunk: Sequence[int]
+) -> list[torch.Tensor | QuantizedMomentum]:
+    """``stored`` with the quantized momentum of ``chunk``'s parameters read as float32."""
+    out = list(stored)
+    for i in chunk:
+        if isinstance(out[i], QuantizedMomentum):
+            out[i] = out[i].values()
+    return out
+
+
+def _muon_chunk(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor],
+    chunk: Sequence[int],
+    *,
+    views: Sequence[MatrixView],
+    lr: float | torch.Tensor,
+    weight_decay: float,
+    settings: MuonSettings,
+    max_workspace_bytes: int,
+    elementwise_backend: ElementwiseBackend,
+    row_state: Sequence[RowStates] | None,
+    apply_updates: ApplyUpdates | None,
+    apply: ApplyUpdates,
+) -> None:
+    """:func:`muon` on the parameters of one ``chunk`` (indices)."""
+    ns = settings.ns
+    momentum, nesterov = settings.momentum, settings.nesterov
+    stacks: dict[tuple, list[int]] = defaultdict(list)
+    others: list[int] = []
+    for i in chunk:
+        key = stack_key(params[i], views[i], ns, settings)
+        if key is not None:
+            stacks[key].append(i)
+        else:
+            others.append(i)
+    if stacks:
+        stacked_muon_(
+            params,
+            grads,
+            momentum_buffers,
+            stacks,
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            settings=settings,
+            max_workspace_bytes=max_workspace_bytes,
+            elementwise_backend=elementwise_backend,
+            apply_updates=apply_updates,
+        )
+    if not others:
+        return
+    g_part = [grads[i] for i in others]
+    b_part = [momentum_buffers[i] for i in others]
+    directions = momentum_directions_(g_part, b_part, momentum=momentum, nesterov=nesterov)
+    updates, rules, _ = parameter_updates(
+        directions,
+        [views[i] for i in others],
+        [settings] * len(others),
+        None if row_state is None else [row_state[i] for i in others],
+        max_workspace_bytes=max_workspace_bytes,
+    )
+    del directions
+    for i, update, rule in zip(others, updates, rules):
+        apply([params[i]], [update], [rule], lr=lr, weight_decay=weight_decay)
 
 
 def stacked_muon_(

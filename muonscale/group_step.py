@@ -14,7 +14,13 @@ from .capturable import device_lr, step_lr
 from .declared_state import replicated_state
 from .kernels import ElementwiseBackend
 from .matrices import MatrixView
-from .memory import MemoryBudget
+from .memory import UNCHUNKED, ChunkBytes, MemoryBudget, chunk_bytes_for
+from .quantized_state import (
+    adamw_block_shape,
+    adamw_moment_values,
+    quantized_momentum,
+    store_adamw_moments_,
+)
 from .settings import MuonSettings
 
 
@@ -47,7 +53,13 @@ def muon_group_step(
     """Muon's step of ``params`` (each with elements) of ``group`` (``settings``: its
     options), with their ``states``, momentum ``buffers`` and matrix ``views``. ``step_ok``:
     a capturable step's device flag (False: a no-op)."""
-    if step_ok is not None:
+    if settings.state_precision != "param":  # read and written once, by functional.muon
+        buffers = [quantized_momentum(s, view) for s, view in zip(states, views)]
+        if step_ok is not None:  # the stored bits stay unless the step counts
+            grads = [torch.where(step_ok, g, 0) for g in grads]
+            for b in buffers:
+                b.keep = step_ok
+    elif step_ok is not None:
         # A gradient equal to the momentum leaves it unchanged (B.lerp(B, w) = B), and a
         # zero lr leaves the parameter unchanged: the step is a no-op on the device.
         grads = [torch.where(step_ok, g, b) for g, b in zip(grads, buffers)]
@@ -84,6 +96,17 @@ def adamw_group_step(
         for p, s in zip(params, states):  # loaded checkpoints hold steps on the host
             if s["step"].device != p.device:
                 s["step"] = s["step"].to(p.device)
+    if group.get("state_precision", "param") != "param":
+        _quantized_adamw_step(
+            group,
+            params,
+            grads,
+            states,
+            capturable=capturable,
+            step_ok=step_ok,
+            max_chunk_bytes=max_chunk_bytes,
+        )
+        return
     exp_avgs = [s["exp_avg"] for s in states]
     exp_avg_sqs = [s["exp_avg_sq"] for s in states]
     if any(p.is_complex() for p in params):
@@ -106,3 +129,55 @@ def adamw_group_step(
         max_chunk_bytes=max_chunk_bytes,
         finite=step_ok,
     )
+
+
+def _quantized_adamw_step(
+    group: Mapping[str, Any],
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    states: list[dict],
+    *,
+    capturable: bool,
+    step_ok: torch.Tensor | None,
+    max_chunk_bytes: ChunkBytes,
+) -> None:
+    """:func:`adamw_group_step` with 8-bit moments: each parameter's rows of its block
+    matrix, a chunk of rows at a time, read as float32, stepped by
+    :func:`functional.adamw <muonscale.functional.adamw>` (the same arithmetic) and written
+    back once; the step counter advances once per parameter."""
+    beta1, beta2 = group["betas"]
+    lr = device_lr(group) if capturable else float(group["lr"])
+    for p, g, s in zip(params, grads, states):
+        if p.is_complex():
+            raise ValueError(
+                "state_precision='int8': complex AdamW parameters keep floating state; put "
+                "them in a param group with state_precision='param'"
+            )
+        rows, cols = adamw_block_shape(p)
+        budget = chunk_bytes_for(max_chunk_bytes, p.device)
+        per_row = max(cols, 1) * 16  # two float32 moments and their quantization temporaries
+        step_rows = rows if budget is None else max(1, budget // per_row)
+        counter = s["step"]
+        for start in range(0, rows, step_rows):
+            part = slice(start, min(rows, start + step_rows))
+            moments = adamw_moment_values(s, p, part)
+            step = counter.clone()  # each chunk starts from the step counter before the step
+            functional.adamw(
+                [p.view(rows, cols)[part]],
+                [g.reshape(rows, cols)[part]],
+                [moments[0]],
+                [moments[1]],
+                [step],
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                max_chunk_bytes=UNCHUNKED,
+                finite=step_ok,
+            )
+            store_adamw_moments_(s, p, part, moments, keep=step_ok)
+        if rows:
+            counter.copy_(step)
+        else:
+            counter.add_(1 if step_ok is None else step_ok.to(counter.dtype))

@@ -61,11 +61,18 @@ from .optimizer_state import (
     unpickled_attributes,
     upgraded_groups,
     with_group_defaults,
+    without_default_precision,
 )
 from .param_table import ParamTable
 from .params import RouteDecision, Rule
 from .qkv import QKVLayout
-from .settings import PLAIN_MUON, MuonSettings, VariantOptions, checked_variant_options
+from .settings import (
+    PLAIN_MUON,
+    MuonSettings,
+    StatePrecision,
+    VariantOptions,
+    checked_variant_options,
+)
 from .step_metrics import Reduction, StepMetrics, group_label
 
 
@@ -130,6 +137,7 @@ class Muon(torch.optim.Optimizer):
         ns_eps: float | None = None,
         ns_dtype: torch.dtype | None = None,
         momentum_dtype: torch.dtype | None = None,
+        state_precision: StatePrecision = PLAIN_MUON.state_precision,
         adamw_lr: float | torch.Tensor | None = None,
         adamw_betas: tuple[float, float] | None = None,
         adamw_eps: float = 1e-8,
@@ -164,6 +172,12 @@ class Muon(torch.optim.Optimizer):
             capturable_refusal=self._CAPTURABLE_REFUSAL,
             backward_refusal=self._BACKWARD_NS_REFUSAL,
         )
+        if state_precision != "param" and not self._accepts_quantized_state():
+            raise ValueError(
+                f"{type(self).__name__} does not support state_precision={state_precision!r} "
+                "yet (quantized state is tested with muonscale.Muon only); use "
+                "state_precision='param' (momentum_dtype=torch.bfloat16 halves the momentum)"
+            )
         self._backward_ns: BackwardOrthogonalizer | None = None
         self.nonfinite = nonfinite
         self.capturable = capturable
@@ -201,6 +215,12 @@ class Muon(torch.optim.Optimizer):
         )
         if orthogonalize_in_backward:
             self._backward_ns = BackwardOrthogonalizer(self, self.param_table)
+
+    @classmethod
+    def _accepts_quantized_state(cls) -> bool:
+        """Whether the class steps quantized state (``state_precision`` other than
+        ``"param"``); a layout accepts it once it is tested with it."""
+        return cls is Muon
 
     # The tables' facts under the names they have always had on the optimizer.
     @property
@@ -308,8 +328,11 @@ class Muon(torch.optim.Optimizer):
         self.nonfinite_steps.raise_recorded(self.nonfinite, wait=True)
 
     def state_dict(self) -> dict[str, Any]:
+        """torch's; a group's ``state_precision`` is written only where it is not the default
+        (``"param"``), so that full-precision checkpoints keep the keys of earlier versions
+        (``torch.distributed.checkpoint`` loads only keys the checkpoint holds)."""
         self.check_finite()  # capturable "raise": a pending non-finite step raises here
-        return super().state_dict()
+        return without_default_precision(super().state_dict())
 
     # ---------------------------------------------------------------- step metrics
     def enable_step_metrics(
@@ -432,9 +455,11 @@ class Muon(torch.optim.Optimizer):
             return
         check_state_dict(state_dict, self.param_groups, self.param_table)
         lrs = [g["lr"] for g in self.param_groups] if self.capturable else []
-        momentum_dtypes = [g.get("momentum_dtype") for g in self.param_groups]
+        storage = [
+            (g.get("momentum_dtype"), g.get("state_precision", "param")) for g in self.param_groups
+        ]
         super().load_state_dict(with_group_defaults(state_dict, self.muon_defaults))
-        restore_loaded(self.param_groups, self.state, lrs, momentum_dtypes)
+        restore_loaded(self.param_groups, self.state, lrs, storage, self._matrix_view)
         if self._backward_ns is not None:
             self._backward_ns.reset()  # work done from the replaced state is void
 

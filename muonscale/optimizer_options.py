@@ -24,6 +24,7 @@ from .settings import (  # noqa: F401 (check_*, NS_METHODS: re-exported)
     check_flag,
     check_lr,
     check_range,
+    check_state_precision,
     schedule_defaults,
     validate_muon_options,
 )
@@ -46,6 +47,7 @@ def validate_adamw_group(group: Mapping[str, Any]) -> None:
     check_range("betas[1] (adamw_betas)", betas[1], 0.0, 1.0, high_open=True)
     check_range("adamw_eps", group["eps"], 0.0, math.inf)
     check_range("adamw_weight_decay", group["weight_decay"], 0.0, math.inf)
+    check_state_precision(group.get("state_precision", "param"))
 
 
 def checked_defaults(
@@ -99,6 +101,7 @@ def checked_defaults(
         betas=tuple(betas),
         eps=options["adamw_eps"],
         weight_decay=options["adamw_weight_decay"],
+        state_precision=options["state_precision"],
     )
     validate_adamw_group(dict(adamw_defaults, weight_decay=options["weight_decay"]))
     check_switches(options, owner, capturable_refusal, backward_refusal)

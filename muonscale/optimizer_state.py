@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .declared_state import MOMENTUM, MUON_STATE, check_loaded_state, kept_state
+from .declared_state import MOMENTUM, MOMENTUM_SCALE, MUON_STATE, check_loaded_state, kept_state
 from .distributed.dtensor_layout import local_tensor
 from .distributed.setup_checks import is_dtensor
 from .kernels import elementwise_backend_from_environment
@@ -19,11 +19,20 @@ from .memory import MemoryBudget
 from .nonfinite import NonFiniteSteps
 from .optimizer_options import AdamWGroup
 from .param_table import ParamTable
+from .quantized_state import (
+    ADAMW_MOMENTS,
+    adamw_state_is_quantized,
+    dequantize_adamw_state_,
+    float_momentum_state,
+    quantize_adamw_state_,
+    quantized_momentum_state,
+    zero_adamw_moments,
+)
 from .settings import OPTION_DEFAULTS, MuonSettings, changed_variant_options
 
 STATE_KEYS = {
     "muon": {t.key for t in MUON_STATE},
-    "adamw": {"step", "exp_avg", "exp_avg_sq"},
+    "adamw": {"step", "exp_avg", "exp_avg_sq", *(absmax for _, absmax, _ in ADAMW_MOMENTS)},
 }
 """The state keys :class:`muonscale.Muon` writes, per algorithm."""
 
@@ -57,8 +66,11 @@ def created_state(
         # capturable: on the parameter's device (torch's convention), made by a fill kernel
         device = p.device if capturable else torch.device("cpu")
         state["step"] = torch.zeros((), dtype=torch.float32, device=device)
-        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if group.get("state_precision", "param") == "int8":
+            state.update(zero_adamw_moments(p))
+        else:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     return state
 
 
@@ -307,6 +319,15 @@ def with_group_defaults(
     return state_dict
 
 
+def without_default_precision(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` (a fresh one, changed in place) without ``state_precision`` in the groups
+    that keep the default (``"param"``): the format of versions before the option."""
+    for group in state_dict["param_groups"]:
+        if group.get("state_precision") == "param":
+            del group["state_precision"]
+    return state_dict
+
+
 def parameter_states(state: Mapping[Any, dict]) -> list[dict[str, Any]]:
     """The per-parameter entries of an optimizer's ``state``. torch lets other keys in (a
     ``load_state_dict`` post-hook may write ``opt.state["flag"] = True``): they are kept, and
@@ -328,12 +349,15 @@ def restore_loaded(
     param_groups: list[dict[str, Any]],
     state: Mapping[Any, dict],
     lrs: list[torch.Tensor],
-    momentum_dtypes: list[torch.dtype | None],
+    storage: list[tuple[torch.dtype | None, str]],
+    view: Callable[[torch.Tensor, Mapping[str, Any]], MatrixView],
 ) -> None:
     """Undo what torch's ``load_state_dict`` changes: capturable lr tensors (``lrs``, the ones a
     graph captured) are written in place, step counters become tensors, buffers get back
-    their dtypes (torch casts floating state to the parameter's dtype), and each Muon group
-    keeps its ``momentum_dtype`` (``momentum_dtypes``, see :func:`keep_momentum_dtypes`)."""
+    their dtypes (torch casts floating state to the parameter's dtype), and each group keeps
+    its storage options (``storage``: (``momentum_dtype``, ``state_precision``) per group,
+    see :func:`keep_state_precisions` and :func:`keep_momentum_dtypes`; ``view(p, group)``:
+    a Muon parameter's matrices)."""
     for group, lr in zip(param_groups, lrs):  # keep the tensors a graph captured
         loaded = group["lr"]
         if isinstance(loaded, torch.Tensor):
@@ -344,6 +368,9 @@ def restore_loaded(
     for s in parameter_states(state):  # AdamW's step saved as a Python number (older torch)
         if "step" in s and not torch.is_tensor(s["step"]):
             s["step"] = torch.tensor(float(s["step"]), dtype=torch.float32)
+        for _, absmax, _ in ADAMW_MOMENTS:  # 8-bit AdamW's scales, cast by torch
+            if absmax in s and s[absmax].dtype != torch.float32:
+                s[absmax] = s[absmax].float()
     # torch casts floating state to the parameter's dtype; restore the declared dtypes.
     for group in param_groups:
         if group["algorithm"] != "muon":
@@ -354,9 +381,59 @@ def restore_loaded(
             for spec in kept_state(settings):
                 value = entry.get(spec.key)
                 dtype = spec.dtype(settings, p.dtype)
-                if value is not None and value.dtype != dtype:
+                if value is not None and value.dtype != dtype and value.is_floating_point():
                     entry[spec.key] = value.to(dtype)
-    keep_momentum_dtypes(param_groups, state, momentum_dtypes, stacklevel=4)
+    keep_state_precisions(param_groups, state, [p for _, p in storage], view, stacklevel=4)
+    keep_momentum_dtypes(param_groups, state, [d for d, _ in storage], stacklevel=4)
+
+
+def keep_state_precisions(
+    param_groups: list[dict[str, Any]],
+    state: Mapping[Any, dict],
+    wanted: list[str],
+    view: Callable[[torch.Tensor, Mapping[str, Any]], MatrixView],
+    stacklevel: int = 3,
+) -> None:
+    """After ``load_state_dict``: each group keeps this optimizer's ``state_precision``
+    (``wanted``, per group: a storage choice of the run, like ``momentum_dtype``), and state
+    saved with another is converted (float → int8: quantized; int8 → float: dequantized, the
+    parameter's dtype), with a warning naming each conversion."""
+    changed = []
+    for i, (group, precision) in enumerate(zip(param_groups, wanted)):
+        saved = group.get("state_precision", "param")
+        group["state_precision"] = precision
+        if saved != precision:
+            changed.append(f"group {i}: {saved!r} -> {precision!r}")
+        for p in group["params"]:
+            entry = state.get(p)
+            if not entry:
+                continue
+            if group["algorithm"] == "muon":
+                _convert_momentum(entry, p, view(p, group), precision)
+            elif precision == "int8" and not adamw_state_is_quantized(entry):
+                quantize_adamw_state_(entry, p)
+            elif precision == "param" and adamw_state_is_quantized(entry):
+                dequantize_adamw_state_(entry, p)
+    if changed:
+        warnings.warn(
+            "load_state_dict: state_precision differs from the state dict's "
+            f"({'; '.join(changed)}); the loaded state was converted to this optimizer's",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
+
+
+def _convert_momentum(entry: dict, p: torch.Tensor, view: MatrixView, precision: str) -> None:
+    """The momentum of a Muon parameter's loaded ``entry`` in ``precision`` (in place)."""
+    buf = entry.get(MOMENTUM.key)
+    if buf is None:
+        return
+    quantized = MOMENTUM_SCALE.key in entry
+    if precision == "int8" and not quantized:
+        entry.update(quantized_momentum_state(buf, view))
+    elif precision == "param" and quantized:
+        entry[MOMENTUM.key] = float_momentum_state(entry, view, p.dtype)
+        del entry[MOMENTUM_SCALE.key]
 
 
 def check_loaded_groups(
@@ -408,6 +485,8 @@ def keep_momentum_dtypes(
         if group["momentum_dtype"] != dtype:
             changed.append(f"group {i}: {group['momentum_dtype']} -> {dtype}")
         group["momentum_dtype"] = dtype
+        if group.get("state_precision", "param") != "param":
+            continue  # quantized: no floating buffer to cast
         for p in group["params"]:
             buf = state.get(p, {}).get(MOMENTUM.key)
             if buf is not None and buf.dtype != (dtype or p.dtype):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, TypedDict
+from typing import Any, Literal, TypedDict
 
 import torch
 
@@ -23,6 +23,14 @@ from .scaling import SCALE_RULES
 from .variants import NORMALIZE_MODES, NORMUON_BETA2, Normalize
 
 NS_METHODS = ("auto", "plain", "gram")
+
+StatePrecision = Literal["param", "int8"]
+"""How optimizer state is stored: ``"param"``, in floating point (the Muon momentum in
+``momentum_dtype``, else the parameter's dtype; AdamW's moments in the parameter's dtype);
+``"int8"``, one byte per entry and a float32 scale per block of 256 entries of a row (the Muon
+momentum linear int8, AdamW's moments 8-bit dynamic: :mod:`muonscale.block_quantization`)."""
+
+STATE_PRECISIONS: tuple[StatePrecision, ...] = ("param", "int8")
 
 PRECONDITIONER_SCHEDULES: dict[str, tuple[int, str]] = {
     "frobenius": (5, "keller"),
@@ -138,6 +146,8 @@ class MuonSettings:
     cautious_weight_decay: bool = False
     preconditioner: Preconditioner = "frobenius"
     qk_lr_scale: float = 1.0
+    state_precision: StatePrecision = "param"
+    """How the momentum is stored (:data:`StatePrecision`)."""
 
     @classmethod
     def from_group(cls, group: Mapping[str, Any]) -> MuonSettings:
@@ -175,7 +185,16 @@ class MuonSettings:
         return ", ".join(changed) or "plain Muon's options"
 
     def momentum_dtype_for(self, dtype: torch.dtype) -> torch.dtype:
-        """dtype of the momentum of a parameter (or main copy) of ``dtype``."""
+        """dtype of the momentum's values (what the step computes in) for a parameter (or main
+        copy) of ``dtype``: float32 for quantized state."""
+        if self.state_precision != "param":
+            return torch.float32
+        return self.momentum_dtype or dtype
+
+    def momentum_storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """dtype of the stored momentum buffer: int8 codes for ``state_precision="int8"``."""
+        if self.state_precision == "int8":
+            return torch.int8
         return self.momentum_dtype or dtype
 
 
@@ -230,6 +249,7 @@ def validate_muon_options(group: Mapping[str, Any]) -> None:
     for name, check in _CHECKS.items():
         if name in group:
             check(group[name])
+    check_state_precision(group.get("state_precision", "param"), group.get("momentum_dtype"))
     if "coefficients" in group or "ns_steps" in group:
         validate_coefficients(  # also checks ns_steps
             group.get("coefficients", PLAIN_MUON.coefficients),
@@ -244,6 +264,19 @@ def _check_momentum_dtype(value: Any) -> None:
             "momentum_dtype=torch.float16 is refused: a gradient entry beyond its range "
             "(65504) becomes inf in the buffer and turns every weight NaN although the "
             "gradient is finite; torch.bfloat16 takes the same memory with float32's range"
+        )
+
+
+def check_state_precision(value: Any, momentum_dtype: Any = None) -> None:
+    """``ValueError`` unless ``value`` is a :data:`StatePrecision` that agrees with
+    ``momentum_dtype`` (quantized state has no floating momentum dtype to choose)."""
+    check_choice("state_precision", value, STATE_PRECISIONS)
+    if value != "param" and momentum_dtype is not None:
+        raise ValueError(
+            f"momentum_dtype={momentum_dtype} contradicts state_precision={value!r}: the "
+            f"momentum is stored as {value} codes with float32 block scales and computed in "
+            "float32. Pass momentum_dtype=None with a quantized state_precision, or "
+            "state_precision='param' to store the momentum in momentum_dtype"
         )
 
 

@@ -1,0 +1,184 @@
+"""Blockwise 8-bit quantization of optimizer state, on plain tensors.
+
+A state tensor is read as a (rows, cols) matrix (:func:`block_matrix_shape`) and cut into
+blocks of :data:`BLOCK_SIZE` consecutive entries of one row (the last block of a row may be
+shorter). Each block keeps one float32 scale; each entry one byte:
+
+* **linear** (Muon's momentum): int8 codes, x ≈ q · s with s = absmax / 127 per block, q
+  rounded to nearest; error ≤ s / 2 per entry.
+* **dynamic** (AdamW's moments, "8-bit Optimizers via Block-wise Quantization", Dettmers et
+  al., 2022): uint8 indices into a sorted table of 256 values in [−1, 1] (signed, the first
+  moment) or [0, 1] (unsigned, the second), dense near 0; x ≈ table[q] · absmax per block,
+  q the nearest table value of x / absmax.
+
+The derivation of the error bounds and the choice of block size are in
+``docs/low_bit_state.md``. The functions never synchronize with the host.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterator
+
+import torch
+
+BLOCK_SIZE = 256
+"""Entries per block (one float32 scale each: 4 / 256 = 1.6 % over the codes)."""
+
+LINEAR_LEVELS = 127
+"""Largest int8 code of the linear format (symmetric: −127..127)."""
+
+
+def block_matrix_shape(shape: tuple[int, ...] | torch.Size, matrix_mode: str = "flatten"):
+    """(rows, cols) a state tensor of ``shape`` is blocked in: blocks are segments of one row.
+    1-D: one row; 2-D, and stacks of matrices (``matrix_mode="batch"``): the last dim; other
+    tensors of 3 or more dims (``"flatten"``): (dim 0, the rest), Muon's flattened matrix.
+    Dim 0 always splits between rows, so a ``Shard(0)`` boundary between rows cuts no block."""
+    shape = tuple(int(s) for s in shape)
+    numel = math.prod(shape)
+    if len(shape) == 0:
+        return 1, 1
+    if len(shape) == 1:
+        return 1, shape[0]
+    if len(shape) == 2 or matrix_mode == "batch":
+        return (numel // shape[-1] if shape[-1] else 0), shape[-1]
+    return shape[0], (numel // shape[0] if shape[0] else 0)
+
+
+def scale_shape(rows: int, cols: int, block_size: int = BLOCK_SIZE) -> tuple[int, int]:
+    """Shape of the scales of a (rows, cols) matrix: one per block of each row."""
+    return rows, -(-cols // block_size)
+
+
+def _segments(cols: int, block_size: int) -> Iterator[tuple[int, int, int, int]]:
+    """(start col, stop col, first block, blocks) of the full blocks, then of the short
+    last block of each row (if any)."""
+    full = cols // block_size
+    if full:
+        yield 0, full * block_size, 0, full
+    if cols % block_size:
+        yield full * block_size, cols, full, 1
+
+
+def _blocks(x: torch.Tensor, start: int, stop: int, count: int) -> torch.Tensor:
+    """Columns [start, stop) of the (rows, cols) ``x`` as (rows, count, block) (a view)."""
+    part = x[:, start:stop]
+    return part.reshape(x.shape[0], count, (stop - start) // count)
+
+
+def block_absmax(x: torch.Tensor, block_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """max |x| per block of the (rows, cols) ``x``, in float32: (rows, blocks)."""
+    rows, cols = x.shape
+    out = torch.empty(scale_shape(rows, cols, block_size), dtype=torch.float32, device=x.device)
+    for start, stop, first, count in _segments(cols, block_size):
+        part = _blocks(x, start, stop, count)
+        out[:, first : first + count] = part.abs().amax(dim=-1).float()
+    return out
+
+
+def quantize_linear_(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block_size: int = BLOCK_SIZE
+) -> None:
+    """Write int8 ``codes`` (rows, cols) and float32 ``scales`` (rows, blocks) of the
+    (rows, cols) ``x``: s = absmax / 127 per block, q = round(x / s) (0 where s = 0)."""
+    scales.copy_(block_absmax(x, block_size).div_(LINEAR_LEVELS))
+    safe = torch.where(scales > 0, scales, 1.0)
+    for start, stop, first, count in _segments(x.shape[1], block_size):
+        q = _blocks(x, start, stop, count).float() / safe[:, first : first + count, None]
+        q = q.round_().clamp_(-LINEAR_LEVELS, LINEAR_LEVELS)
+        _blocks(codes, start, stop, count).copy_(q)
+
+
+def dequantize_linear(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    block_size: int = BLOCK_SIZE,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q · s per entry, in float32 (``out``: written there): the inverse of
+    :func:`quantize_linear_`."""
+    if out is None:
+        out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+    for start, stop, first, count in _segments(codes.shape[1], block_size):
+        target = _blocks(out, start, stop, count)
+        torch.mul(
+            _blocks(codes, start, stop, count), scales[:, first : first + count, None], out=target
+        )
+    return out
+
+
+@functools.cache
+def _dynamic_table(signed: bool) -> torch.Tensor:
+    values = dynamic_values(signed)
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def dynamic_values(signed: bool) -> list[float]:
+    """The 256 values of the dynamic 8-bit format, sorted (Dettmers et al., 2022, §2: "dynamic
+    tree quantization"). A code's bits after the sign (signed only) are a run of e zeros
+    (magnitude 10⁻ᵉ), an indicator 1 and f = remaining bits of linear fraction; the value is
+    ±10⁻ᵉ · (0.1 + 0.9 (k + 1) / 2ᶠ) for fraction k, so the largest is exactly 1. All-zero
+    bits are 0 (the signed format's negative zero too). Every value is distinct except the
+    signed format's two zeros."""
+    bits = 7 if signed else 8
+    magnitudes = [0.0]
+    for e in range(bits):
+        f = bits - 1 - e
+        for k in range(2**f):
+            magnitudes.append(10.0**-e * (0.1 + 0.9 * (k + 1) / 2**f))
+    if not signed:
+        return sorted(magnitudes)
+    return sorted([-m for m in magnitudes] + magnitudes)
+
+
+def dynamic_table(signed: bool, device: torch.device) -> torch.Tensor:
+    """:func:`dynamic_values` as a float32 tensor on ``device`` (256 values)."""
+    table = _dynamic_table(signed)
+    return table if table.device == device else table.to(device)
+
+
+@functools.cache
+def _midpoints(signed: bool) -> torch.Tensor:
+    table = _dynamic_table(signed).double()
+    return ((table[1:] + table[:-1]) / 2).float()
+
+
+def quantize_dynamic_(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    absmax: torch.Tensor,
+    *,
+    signed: bool,
+    block_size: int = BLOCK_SIZE,
+) -> None:
+    """Write uint8 ``codes`` (indices into :func:`dynamic_table`) and float32 ``absmax``
+    (rows, blocks) of the (rows, cols) ``x``: the nearest table value of x / absmax (a value
+    exactly between two rounds up)."""
+    absmax.copy_(block_absmax(x, block_size))
+    safe = torch.where(absmax > 0, absmax, 1.0)
+    midpoints = _midpoints(signed).to(x.device)
+    for start, stop, first, count in _segments(x.shape[1], block_size):
+        normalized = _blocks(x, start, stop, count).float() / safe[:, first : first + count, None]
+        index = torch.bucketize(normalized, midpoints, right=True)
+        _blocks(codes, start, stop, count).copy_(index)
+
+
+def dequantize_dynamic(
+    codes: torch.Tensor,
+    absmax: torch.Tensor,
+    *,
+    signed: bool,
+    block_size: int = BLOCK_SIZE,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """table[q] · absmax per entry, in float32 (``out``: written there): the inverse of
+    :func:`quantize_dynamic_`."""
+    if out is None:
+        out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+    table = dynamic_table(signed, codes.device)
+    for start, stop, first, count in _segments(codes.shape[1], block_size):
+        target = _blocks(out, start, stop, count)
+        values = table[_blocks(codes, start, stop, count).int()]
+        torch.mul(values, absmax[:, first : first + count, None], out=target)
+    return out

@@ -1,0 +1,170 @@
+"""Optimizer state stored in 8 bits (``state_precision="int8"``): the Muon momentum as int8
+codes with float32 block scales, AdamW's moments as 8-bit dynamic codes with float32 block
+absmax (:mod:`muonscale.block_quantization` holds the formats).
+
+A step reads a quantized tensor as float32 values, computes with them as with a floating
+buffer, and writes the new values back once (:meth:`QuantizedMomentum.store_`); the math
+layer (:mod:`muonscale.functional`) never sees codes. The conversions between floating and
+quantized state (a checkpoint saved with one ``state_precision`` loaded with another) are
+:func:`quantized_momentum_state` and :func:`float_momentum_state`, and their AdamW twins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .block_quantization import (
+    block_matrix_shape,
+    dequantize_dynamic,
+    dequantize_linear,
+    dynamic_values,
+    quantize_dynamic_,
+    quantize_linear_,
+    scale_shape,
+)
+
+MOMENTUM_KEY, MOMENTUM_SCALE_KEY = "momentum_buffer", "momentum_scale"
+ADAMW_MOMENTS = (("exp_avg", "exp_avg_absmax", True), ("exp_avg_sq", "exp_avg_sq_absmax", False))
+"""AdamW's moments: (codes key, absmax key, signed)."""
+
+
+def momentum_block_shape(view: Any) -> tuple[int, int]:
+    """(rows, cols) of the blocked momentum of a parameter with this
+    :class:`~muonscale.matrices.MatrixView`: an expert stack by its matrices' rows, any other
+    parameter as :func:`~muonscale.block_quantization.block_matrix_shape` reads its storage."""
+    mode = "batch" if view.experts is not None else view.mode
+    return block_matrix_shape(view.param_shape, mode)
+
+
+def momentum_scale_shape(view: Any) -> tuple[int, int]:
+    """Shape of the int8 momentum's block scales (float32)."""
+    return scale_shape(*momentum_block_shape(view))
+
+
+@dataclass
+class QuantizedMomentum:
+    """A Muon momentum buffer stored as int8 ``codes`` (the parameter's shape) and float32
+    ``scales`` (rows, blocks) over the (rows, cols) matrix ``block_shape``."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    block_shape: tuple[int, int]
+    keep: torch.Tensor | None = None
+    """A capturable step's device flag: where False, :meth:`store_` keeps the stored bits."""
+
+    def values(self) -> torch.Tensor:
+        """The momentum in float32, the parameter's shape (a new tensor)."""
+        out = dequantize_linear(self.codes.view(self.block_shape), self.scales)
+        return out.view(self.codes.shape)
+
+    @torch.no_grad()
+    def store_(self, values: torch.Tensor) -> None:
+        """Quantize ``values`` (the new momentum, the parameter's shape) into the codes and
+        scales, in place."""
+        flat = values.reshape(self.block_shape)
+        if self.keep is None:
+            quantize_linear_(flat, self.codes.view(self.block_shape), self.scales)
+            return
+        codes = torch.empty(self.block_shape, dtype=torch.int8, device=self.codes.device)
+        scales = torch.empty_like(self.scales)
+        quantize_linear_(flat, codes, scales)
+        self.codes.view(self.block_shape).copy_(
+            torch.where(self.keep, codes, self.codes.view(self.block_shape))
+        )
+        self.scales.copy_(torch.where(self.keep, scales, self.scales))
+
+
+def quantized_momentum(state: Mapping[str, Any], view: Any) -> QuantizedMomentum:
+    """The quantized momentum a parameter's ``state`` holds."""
+    return QuantizedMomentum(
+        state[MOMENTUM_KEY], state[MOMENTUM_SCALE_KEY], momentum_block_shape(view)
+    )
+
+
+def quantized_momentum_state(values: torch.Tensor, view: Any) -> dict[str, torch.Tensor]:
+    """Conversion float → int8: the codes and scales of a floating momentum ``values``."""
+    block = momentum_block_shape(view)
+    codes = torch.empty(values.shape, dtype=torch.int8, device=values.device)
+    scales = torch.empty(scale_shape(*block), dtype=torch.float32, device=values.device)
+    QuantizedMomentum(codes, scales, block).store_(values.float())
+    return {MOMENTUM_KEY: codes, MOMENTUM_SCALE_KEY: scales}
+
+
+def float_momentum_state(state: Mapping[str, Any], view: Any, dtype: torch.dtype) -> torch.Tensor:
+    """Conversion int8 → float: the momentum of a quantized ``state`` in ``dtype``."""
+    return quantized_momentum(state, view).values().to(dtype)
+
+
+# ------------------------------------------------------------------------------ AdamW
+def adamw_block_shape(p: torch.Tensor) -> tuple[int, int]:
+    """(rows, cols) AdamW's moments of ``p`` are blocked in."""
+    return block_matrix_shape(p.shape, "flatten")
+
+
+def zero_adamw_moments(p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """AdamW's 8-bit moments of ``p``, zero: every code the index of 0 in its table, and zero
+    absmax."""
+    rows, cols = adamw_block_shape(p)
+    out = {}
+    for key, absmax_key, signed in ADAMW_MOMENTS:
+        zero = dynamic_values(signed).index(0.0)
+        out[key] = torch.full(p.shape, zero, dtype=torch.uint8, device=p.device)
+        out[absmax_key] = torch.zeros(scale_shape(rows, cols), dtype=torch.float32, device=p.device)
+    return out
+
+
+def adamw_moment_values(
+    state: Mapping[str, Any], p: torch.Tensor, rows: slice
+) -> list[torch.Tensor]:
+    """AdamW's two moments of ``p`` in float32, for ``rows`` of its block matrix."""
+    shape = adamw_block_shape(p)
+    out = []
+    for key, absmax_key, signed in ADAMW_MOMENTS:
+        codes = state[key].view(shape)[rows]
+        out.append(dequantize_dynamic(codes, state[absmax_key][rows], signed=signed))
+    return out
+
+
+def store_adamw_moments_(
+    state: Mapping[str, Any],
+    p: torch.Tensor,
+    rows: slice,
+    values: list[torch.Tensor],
+    keep: torch.Tensor | None = None,
+) -> None:
+    """Quantize AdamW's two moments (``values``, float32, ``rows`` of the block matrix) into
+    ``state``; ``keep`` (a 0-dim bool on the device): where False, the stored bits stay."""
+    shape = adamw_block_shape(p)
+    for (key, absmax_key, signed), value in zip(ADAMW_MOMENTS, values):
+        codes, absmax = state[key].view(shape)[rows], state[absmax_key][rows]
+        if keep is None:
+            quantize_dynamic_(value, codes, absmax, signed=signed)
+            continue
+        new_codes, new_absmax = torch.empty_like(codes), torch.empty_like(absmax)
+        quantize_dynamic_(value, new_codes, new_absmax, signed=signed)
+        codes.copy_(torch.where(keep, new_codes, codes))
+        absmax.copy_(torch.where(keep, new_absmax, absmax))
+
+
+def quantize_adamw_state_(state: MutableMapping[str, Any], p: torch.Tensor) -> None:
+    """Conversion float → 8-bit of AdamW's moments in ``state`` (in place)."""
+    values = [state[key].float().view(adamw_block_shape(p)) for key, _, _ in ADAMW_MOMENTS]
+    state.update(zero_adamw_moments(p))
+    store_adamw_moments_(state, p, slice(None), values)
+
+
+def dequantize_adamw_state_(state: MutableMapping[str, Any], p: torch.Tensor) -> None:
+    """Conversion 8-bit → float (``p``'s dtype) of AdamW's moments in ``state`` (in place)."""
+    values = adamw_moment_values(state, p, slice(None))
+    for (key, absmax_key, _), value in zip(ADAMW_MOMENTS, values):
+        state[key] = value.view(p.shape).to(p.dtype)
+        del state[absmax_key]
+
+
+def adamw_state_is_quantized(state: Mapping[str, Any]) -> bool:
+    """Whether AdamW's moments in ``state`` are 8-bit codes."""
+    return "exp_avg_absmax" in state
