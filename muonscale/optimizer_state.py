@@ -368,10 +368,10 @@ def restore_loaded(
     for s in parameter_states(state):  # AdamW's step saved as a Python number (older torch)
         if "step" in s and not torch.is_tensor(s["step"]):
             s["step"] = torch.tensor(float(s["step"]), dtype=torch.float32)
-        for _, absmax, _ in ADAMW_MOMENTS:  # 8-bit AdamW's scales, cast by torch
-            if absmax in s and s[absmax].dtype != torch.float32:
-                s[absmax] = s[absmax].float()
-    # torch casts floating state to the parameter's dtype; restore the declared dtypes.
+        for key, absmax, _ in ADAMW_MOMENTS:  # 8-bit AdamW's codes and scales, cast by torch
+            if absmax in s:
+                s[key], s[absmax] = s[key].to(torch.uint8), s[absmax].float()
+    # torch casts all state (codes too) to the parameter's dtype; restore the declared dtypes.
     for group in param_groups:
         if group["algorithm"] != "muon":
             continue
@@ -381,7 +381,10 @@ def restore_loaded(
             for spec in kept_state(settings):
                 value = entry.get(spec.key)
                 dtype = spec.dtype(settings, p.dtype)
-                if value is not None and value.dtype != dtype and value.is_floating_point():
+                if spec is MOMENTUM:  # codes where the scales are, else floating values
+                    quantized = MOMENTUM_SCALE.key in entry
+                    dtype = torch.int8 if quantized else settings.momentum_dtype or p.dtype
+                if value is not None and value.dtype != dtype:
                     entry[spec.key] = value.to(dtype)
     keep_state_precisions(param_groups, state, [p for _, p in storage], view, stacklevel=4)
     keep_momentum_dtypes(param_groups, state, [d for d, _ in storage], stacklevel=4)

@@ -86,13 +86,17 @@ def _schedulers(*opts: Muon) -> list[torch.optim.lr_scheduler.LRScheduler]:
     return [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.7) for o in opts]
 
 
-@pytest.mark.parametrize("momentum_dtype", [None, torch.bfloat16])
-def test_capturable_step_reads_nothing_on_the_host_and_equals_the_host_step(momentum_dtype):
+@pytest.mark.parametrize(
+    "storage",
+    [{}, {"momentum_dtype": torch.bfloat16}, {"state_precision": "int8"}],
+    ids=["param", "bf16_momentum", "int8_state"],
+)
+def test_capturable_step_reads_nothing_on_the_host_and_equals_the_host_step(storage):
     """Five steps with a StepLR schedule on both halves' tensor lrs; the third has a NaN
     gradient. The capturable step runs with every host read of a tensor patched to raise and
     makes the same bits as the host step (CPU: every scalar is rounded once from float64, as
     the host path's Python floats are), and the NaN step changes nothing."""
-    host_model, host, dev_model, dev = _pair("skip", momentum_dtype=momentum_dtype)
+    host_model, host, dev_model, dev = _pair("skip", **storage)
     host_sched, dev_sched = _schedulers(host, dev)
     for step in range(5):
         nan_in = "up.weight" if step == 2 else None

@@ -1,0 +1,317 @@
+"""``state_precision="int8"``: the step is the full-precision step from the dequantized state
+(bitwise), the state written back is the float64 reference's quantization of the new state,
+the stored bytes are codes + scales, checkpoints round-trip and convert, and a tiny model
+trains as with full-precision state."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from compat_cases import BASE, SAVE_AT, Tiny, train
+from torch import nn
+
+import muonscale
+from muonscale.block_quantization import BLOCK_SIZE, LINEAR_LEVELS, dynamic_values
+from muonscale.quantized_state import adamw_block_shape, momentum_block_shape
+
+COMPAT = Path(__file__).parent / "assets" / "compat" / "single"
+
+
+class _Net(nn.Module):
+    """Muon matrices with whole and short blocks per row, an embedding and a head (AdamW, rows
+    of 300 entries: a whole block and a short one) and a 1-D norm (AdamW, one row)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(30, 300)
+        self.up = nn.Linear(300, 40, bias=False)
+        self.down = nn.Linear(40, 300, bias=False)
+        self.norm = nn.LayerNorm(300)
+        self.head = nn.Linear(300, 30, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        return self.head(self.norm(h + self.down(torch.relu(self.up(h)))))
+
+
+def _grads(model: nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+def _blocks_per_entry(blockwise: torch.Tensor, cols: int) -> torch.Tensor:
+    return blockwise.repeat_interleave(BLOCK_SIZE, dim=1)[:, :cols]
+
+
+def _reference_absmax(x: torch.Tensor) -> torch.Tensor:
+    """float64 max |x| per block of each row of the (rows, cols) ``x``, per entry."""
+    rows, cols = x.shape
+    blocks = torch.stack(
+        [x[:, j : j + BLOCK_SIZE].abs().amax(dim=1) for j in range(0, cols, BLOCK_SIZE)], dim=1
+    )
+    return _blocks_per_entry(blocks, cols)
+
+
+def _check_linear_codes(codes: torch.Tensor, values: torch.Tensor, block: tuple[int, int]):
+    """``codes`` are the float64 reference's: round(x / s), s = absmax / 127 per block, except
+    within float32 rounding of a half (there: one of the two neighbours)."""
+    x = values.double().reshape(block)
+    step = _reference_absmax(x) / LINEAR_LEVELS
+    exact = x / torch.where(step > 0, step, 1.0)
+    got = codes.reshape(block).double()
+    near_half = (exact - exact.floor() - 0.5).abs() < 1e-4
+    assert torch.equal(got[~near_half], exact.round()[~near_half])
+    assert ((got - exact).abs()[near_half] <= 0.5 + 1e-4).all()
+
+
+def _check_dynamic_codes(codes: torch.Tensor, values: torch.Tensor, signed: bool, block):
+    """``codes`` index the table value nearest to x / absmax (float64), ties aside."""
+    x = values.double().reshape(block)
+    scale = _reference_absmax(x)
+    normalized = x / torch.where(scale > 0, scale, 1.0)
+    table = torch.tensor(dynamic_values(signed), dtype=torch.float64)
+    distance = (normalized[..., None] - table).abs()
+    chosen = distance.gather(-1, codes.reshape(block).long()[..., None]).squeeze(-1)
+    assert (chosen <= distance.min(dim=-1).values + 1e-6).all()
+
+
+def _dequantized_state(opt: muonscale.Muon, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The float32 values of ``p``'s quantized state, from its codes and scales (float64
+    arithmetic: the reference of dequantization)."""
+    s = opt.state[p]
+    if "momentum_buffer" in s:
+        rows, cols = momentum_block_shape(opt.param_table.view(p, "flatten"))
+        step = _blocks_per_entry(s["momentum_scale"].double(), cols)
+        values = s["momentum_buffer"].reshape(rows, cols).double() * step
+        return {"momentum_buffer": values.float().view(p.shape)}
+    rows, cols = adamw_block_shape(p)
+    out = {}
+    for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+        # the table as stored (float32); a float32 × float32 product is exact in float64
+        table = torch.tensor(dynamic_values(signed), dtype=torch.float32).double()
+        absmax = _blocks_per_entry(s[f"{key}_absmax"].double(), cols)
+        values = table[s[key].reshape(rows, cols).long()] * absmax
+        out[key] = values.float().view(p.shape)
+    return out
+
+
+def _pair(**options):
+    torch.manual_seed(0)
+    model_q = _Net()
+    model_f = copy.deepcopy(model_q)
+    kw = dict(lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32, **options)
+    return (
+        model_q,
+        muonscale.Muon(model_q, state_precision="int8", **kw),
+        model_f,
+        muonscale.Muon(model_f, **kw),
+    )
+
+
+def test_int8_step_is_the_float_step_from_the_dequantized_state():
+    """Each step of int8 state equals, bitwise, the full-precision step of an optimizer whose
+    state is the int8 state dequantized (float64 reference of the formats); the state written
+    back is the float64 reference's quantization of that step's new state."""
+    model_q, opt_q, model_f, opt_f = _pair()
+    pairs = list(zip(model_q.parameters(), model_f.parameters()))
+    for step in range(3):
+        _grads(model_q, step)
+        _grads(model_f, step)
+        if step:
+            with torch.no_grad():
+                for pq, pf in pairs:
+                    pf.copy_(pq)
+                    for key, value in _dequantized_state(opt_q, pq).items():
+                        opt_f.state[pf][key].copy_(value)
+        opt_q.step()
+        opt_f.step()
+        for (name, pq), pf in zip(model_q.named_parameters(), model_f.parameters()):
+            assert torch.equal(pq, pf), (step, name)
+            sq, sf = opt_q.state[pq], opt_f.state[pf]
+            if "momentum_buffer" in sq:
+                assert sq["momentum_buffer"].dtype == torch.int8
+                block = momentum_block_shape(opt_q.param_table.view(pq, "flatten"))
+                _check_linear_codes(sq["momentum_buffer"], sf["momentum_buffer"], block)
+            else:
+                assert torch.equal(sq["step"], sf["step"])
+                _check_dynamic_codes(sq["exp_avg"], sf["exp_avg"], True, adamw_block_shape(pq))
+                _check_dynamic_codes(
+                    sq["exp_avg_sq"], sf["exp_avg_sq"], False, adamw_block_shape(pq)
+                )
+
+
+def test_int8_state_bytes_are_codes_and_scales():
+    model = _Net()
+    opt = muonscale.Muon(model, lr=0.02, adamw_lr=3e-3, state_precision="int8")
+    opt.init_all_state()
+    blocks = math.ceil(300 / BLOCK_SIZE)  # rows of 300: one whole block and one short block
+    muon = 40 * 300 + 4 * 40 * blocks + 300 * 40 + 4 * 300 * 1  # up (40, 300), down (300, 40)
+    adamw = 0
+    for rows, cols in ((30, 300), (1, 300), (1, 300), (30, 300)):  # embed, norm w/b, head
+        adamw += 4 + 2 * (rows * cols + 4 * rows * math.ceil(cols / BLOCK_SIZE))
+    assert opt.optimizer_state_bytes() == muon + adamw
+    full = muonscale.Muon(_Net(), lr=0.02, adamw_lr=3e-3)
+    full.init_all_state()
+    assert opt.optimizer_state_bytes() < 0.3 * full.optimizer_state_bytes()
+
+
+def test_state_precision_is_validated_and_refused_with_momentum_dtype():
+    with pytest.raises(ValueError, match=r"state_precision must be one of \('param', 'int8'\)"):
+        muonscale.Muon(_Net(), lr=0.02, adamw_lr=3e-3, state_precision="int4")
+    with pytest.raises(ValueError, match="momentum_dtype=torch.bfloat16 contradicts"):
+        muonscale.Muon(
+            _Net(), lr=0.02, adamw_lr=3e-3, state_precision="int8", momentum_dtype=torch.bfloat16
+        )
+
+
+def _steps(model, opt, steps):
+    for step in steps:
+        _grads(model, step)
+        opt.step()
+
+
+def test_int8_state_dict_round_trip_resumes_bitwise():
+    model_a, opt_a, _, _ = _pair()
+    model_b = copy.deepcopy(model_a)
+    _steps(model_a, opt_a, range(2))
+    buffer = io.BytesIO()
+    torch.save({"model": model_a.state_dict(), "opt": opt_a.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    assert {g["state_precision"] for g in saved["opt"]["param_groups"]} == {"int8"}
+    model_b.load_state_dict(saved["model"])
+    opt_b = muonscale.Muon(
+        model_b, lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32, state_precision="int8"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # same precision: nothing to convert, no warning
+        opt_b.load_state_dict(saved["opt"])
+    _steps(model_a, opt_a, range(2, 4))
+    _steps(model_b, opt_b, range(2, 4))
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(pa, pb)
+        for key, value in opt_a.state[pa].items():
+            assert value.dtype == opt_b.state[pb][key].dtype
+            assert torch.equal(value, opt_b.state[pb][key]), key
+
+
+def test_float_and_int8_checkpoints_convert_on_load():
+    """A full-precision checkpoint loads into int8 state (quantized: the float64 reference's
+    codes) and the reverse (dequantized), each with a warning naming the conversion."""
+    model_q, opt_q, model_f, opt_f = _pair()
+    _steps(model_f, opt_f, range(2))
+    _steps(model_q, opt_q, range(2))
+    float_state = copy.deepcopy(opt_f.state_dict())
+    assert all("state_precision" not in g for g in float_state["param_groups"])  # 0.5.0's keys
+    with pytest.warns(UserWarning, match="state_precision differs.*'param' -> 'int8'"):
+        opt_q.load_state_dict(float_state)
+    for pq, pf in zip(model_q.parameters(), model_f.parameters()):
+        sq, sf = opt_q.state[pq], opt_f.state[pf]
+        if "momentum_buffer" in sq:
+            block = momentum_block_shape(opt_q.param_table.view(pq, "flatten"))
+            _check_linear_codes(sq["momentum_buffer"], sf["momentum_buffer"], block)
+        else:
+            _check_dynamic_codes(sq["exp_avg"], sf["exp_avg"], True, adamw_block_shape(pq))
+    assert {g["state_precision"] for g in opt_q.param_groups} == {"int8"}
+    _steps(model_q, opt_q, range(2, 3))  # and trains
+    int8_state = opt_q.state_dict()
+    with pytest.warns(UserWarning, match="'int8' -> 'param'"):
+        opt_f.load_state_dict(int8_state)
+    for pq, pf in zip(model_q.parameters(), model_f.parameters()):
+        for key, value in _dequantized_state(opt_q, pq).items():
+            assert opt_f.state[pf][key].dtype == torch.float32
+            assert torch.equal(opt_f.state[pf][key], value), key
+    assert "momentum_scale" not in str(opt_f.state_dict()["state"].keys())
+
+
+def test_a_saved_0_5_0_checkpoint_loads_into_int8_state_and_trains():
+    record = torch.load(COMPAT / "muon.pt", weights_only=False)
+    model = Tiny(seed=1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(record["params"][n])
+    opt = muonscale.Muon(model, **BASE, state_precision="int8")
+    with pytest.warns(UserWarning, match="converted"):
+        opt.load_state_dict(record["state_dict"])
+    for i, s in opt.state_dict()["state"].items():
+        if "momentum_buffer" in s:
+            assert s["momentum_buffer"].dtype == torch.int8 and "momentum_scale" in s, i
+        else:
+            assert s["exp_avg"].dtype == torch.uint8 and "exp_avg_absmax" in s, i
+    train(model, opt, range(SAVE_AT, SAVE_AT + 2))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_orthogonalize_in_backward_with_int8_state_equals_the_step():
+    torch.manual_seed(0)
+    model_a = _Net()
+    model_b = copy.deepcopy(model_a)
+    kw = dict(lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32, state_precision="int8")
+    opt_a = muonscale.Muon(model_a, **kw)
+    opt_b = muonscale.Muon(model_b, orthogonalize_in_backward=True, **kw)
+    x = torch.randint(30, (4, 5), generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        for model, opt in ((model_a, opt_a), (model_b, opt_b)):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(pa, pb)
+        for key, value in opt_a.state[pa].items():
+            assert torch.equal(value, opt_b.state[pb][key]), key
+
+
+class _Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 48)
+        self.up = nn.Linear(48, 96, bias=False)
+        self.down = nn.Linear(96, 48, bias=False)
+        self.head = nn.Linear(48, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        return self.head(h + self.down(torch.relu(self.up(h))))
+
+
+def test_int8_state_trains_a_tiny_model_as_full_precision_state():
+    """A regression task: after 30 steps the int8 run's loss is within 2 % of the way the
+    full-precision run came down from the start (two seeds)."""
+    for seed in range(2):
+        losses = {}
+        for precision in ("param", "int8"):
+            torch.manual_seed(seed)
+            model, target = _Small(), _Small()
+            opt = muonscale.Muon(
+                model, lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32, state_precision=precision
+            )
+            x = torch.randint(16, (32, 4), generator=torch.Generator().manual_seed(seed))
+            with torch.no_grad():
+                y = target(x)
+            curve = []
+            for _ in range(30):
+                opt.zero_grad()
+                loss = (model(x) - y).square().mean()
+                loss.backward()
+                opt.step()
+                curve.append(loss.item())
+            with torch.no_grad():
+                losses[precision] = (curve[0], (model(x) - y).square().mean().item())
+        (start, full), (_, low) = losses["param"], losses["int8"]
+        assert full < 0.5 * start, losses
+        assert abs(low - full) <= 0.02 * (start - full), (seed, losses)
+
+
+def test_a_layout_not_tested_with_quantized_state_refuses_it():
+    class Layout(muonscale.Muon):
+        pass
+
+    with pytest.raises(ValueError, match="Layout does not support state_precision='int8'"):
+        Layout(_Small(), lr=0.02, adamw_lr=3e-3, state_precision="int8")
