@@ -9,6 +9,8 @@ only the cast changed), marked ``torch-muon[fp32]``.
     # 1 layer of GPT-2-small shapes
     PYTHONPATH=. python3 benchmarks/optimizer_step.py
     PYTHONPATH=. python3 benchmarks/optimizer_step.py --layers 12 --reps 3 --json out.json
+    # int8 optimizer state against full-precision state, same run
+    PYTHONPATH=. python3 benchmarks/optimizer_step.py --dtypes float32 --state-precision int8
 """
 
 from __future__ import annotations
@@ -101,6 +103,12 @@ def main(argv=None) -> dict:
         "--dtypes", default="float32,bfloat16", help="Newton–Schulz dtypes to compare"
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    parser.add_argument(
+        "--state-precision",
+        default="param",
+        choices=("param", "int8"),
+        help="also time muonscale with this state_precision, interleaved with the others",
+    )
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument(
         "--step-metrics",
@@ -125,6 +133,13 @@ def main(argv=None) -> dict:
             step = lambda ours=ours: (ours.step(), ours.read_step_metrics())  # noqa: E731
         contenders[f"muonscale[{dtype_name}]"] = (step, None)
         states[f"muonscale[{dtype_name}]"] = (named, ours)
+        if args.state_precision != "param":
+            named_q = gpt2_small_parameters(args.layers)
+            low = muonscale.Muon(
+                named_q, lr=1e-3, ns_dtype=dtype, state_precision=args.state_precision
+            )
+            contenders[f"muonscale[{dtype_name},{args.state_precision}]"] = (low.step, None)
+            states[f"muonscale[{dtype_name},{args.state_precision}]"] = (named_q, low)
         named_t = gpt2_small_parameters(args.layers)
         theirs = TorchMuonPair(named_t, lr=1e-3)
         contenders[f"torch-muon[{dtype_name}]"] = (
@@ -184,6 +199,14 @@ def main(argv=None) -> dict:
         ratio = medians[f"muonscale[{dtype_name}]"] / medians[f"torch-muon[{dtype_name}]"]
         result["ratios"][f"muonscale/torch-muon[{dtype_name}]"] = ratio
         print(f"muonscale / torch.optim.Muon at {dtype_name}: {ratio:.3f}")
+        if args.state_precision != "param":
+            low = f"muonscale[{dtype_name},{args.state_precision}]"
+            ratio = medians[low] / medians[f"muonscale[{dtype_name}]"]
+            result["ratios"][f"{low}/muonscale[{dtype_name}]"] = ratio
+            print(
+                f"muonscale {args.state_precision} / full-precision state at {dtype_name}: "
+                f"{ratio:.3f}"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

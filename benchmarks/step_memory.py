@@ -17,6 +17,9 @@ end-to-end peak for the tiny model.
     # 12 layers (GPT-2 small), ~2 min
     PYTHONPATH=. python3 benchmarks/step_memory.py
     PYTHONPATH=. python3 benchmarks/step_memory.py --layers 4 --json out.json
+    # the low-bit state against fused AdamW, medians of 3 fresh processes each
+    PYTHONPATH=. python3 benchmarks/step_memory.py --repeats 3 \\
+        --contenders 'adamw[fused],muonscale[default=128MiB],muonscale[int8]'
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -37,8 +41,22 @@ CONTENDERS = {
     "muonscale[default=128MiB]": {"MUONSCALE_UPDATE_CHUNK_MB": "128"},
     "muonscale[chunk=64MiB]": {"MUONSCALE_UPDATE_CHUNK_MB": "64"},
     "muonscale[unchunked]": {"MUONSCALE_UPDATE_CHUNK_MB": "1e9"},
+    "muonscale[bf16-momentum]": {},
+    "muonscale[int8]": {},
+    "muonscale[int8+chunk=32MiB]": {
+        "MUONSCALE_UPDATE_CHUNK_MB": "32",
+        "MUONSCALE_NS_WORKSPACE_MB": "32",
+    },
 }
 """Name → environment of its child process."""
+
+MUON_OPTIONS = {
+    "muonscale[bf16-momentum]": {"momentum_dtype": "bfloat16"},
+    "muonscale[int8]": {"state_precision": "int8"},
+    "muonscale[int8+chunk=32MiB]": {"state_precision": "int8"},
+}
+"""Name → the ``muonscale.Muon`` options of a contender that are not the defaults (dtypes by
+name)."""
 
 
 def _rss_bytes() -> int:
@@ -66,7 +84,11 @@ def child(name: str, layers: int, steps: int) -> dict:
             [p for _, p in named], lr=1e-3, betas=(0.9, 0.95), fused=name == "adamw[fused]"
         )
     else:
-        opt = muonscale.Muon(named, lr=1e-3, ns_dtype=torch.float32)
+        options = {
+            k: getattr(torch, v) if k.endswith("dtype") else v
+            for k, v in MUON_OPTIONS.get(name, {}).items()
+        }
+        opt = muonscale.Muon(named, lr=1e-3, ns_dtype=torch.float32, **options)
     before = _rss_bytes()
     for _ in range(steps):
         opt.step()
@@ -90,11 +112,14 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--contenders", default=",".join(CONTENDERS), help=f"comma-separated, of {list(CONTENDERS)}"
     )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="fresh processes per contender (medians reported)"
+    )
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.layers < 1 or args.steps < 1:
-        parser.error("--layers and --steps must be >= 1")
+    if args.layers < 1 or args.steps < 1 or args.repeats < 1:
+        parser.error("--layers, --steps and --repeats must be >= 1")
     if args.child is not None:
         print(json.dumps(child(args.child, args.layers, args.steps)))
         return {}
@@ -104,27 +129,33 @@ def main(argv=None) -> dict:
     if unknown:
         parser.error(f"unknown contenders {unknown}; choose from {list(CONTENDERS)}")
     results = {}
-    for name in names:
-        env = dict(os.environ, **CONTENDERS[name])
-        start = time.perf_counter()
-        out = subprocess.run(
-            [
-                sys.executable,
-                os.path.abspath(__file__),
-                "--child",
-                name,
-                "--layers",
-                str(args.layers),
-                "--steps",
-                str(args.steps),
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        results[name] = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"{name:<26} done in {time.perf_counter() - start:.0f} s", flush=True)
+    for _ in range(args.repeats):
+        for name in names:  # interleaved: each repeat runs every contender once
+            env = dict(os.environ, **CONTENDERS[name])
+            start = time.perf_counter()
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "--child",
+                    name,
+                    "--layers",
+                    str(args.layers),
+                    "--steps",
+                    str(args.steps),
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            results.setdefault(name, []).append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"{name:<26} done in {time.perf_counter() - start:.0f} s", flush=True)
+    runs = results
+    results = {
+        name: {key: statistics.median(r[key] for r in rs) for key in rs[0]}
+        for name, rs in runs.items()
+    }
 
     mib = 2**20
     params = next(iter(results.values()))["params"]
@@ -134,21 +165,24 @@ def main(argv=None) -> dict:
     )
     print(
         f"{'contender':<26}{'peak MiB':>10}{'optimizer MiB':>15}{'state MiB':>11}"
-        f"{'peak vs adamw[foreach]':>24}"
+        f"{'peak vs adamw[foreach]':>24}{'optimizer vs adamw[fused]':>27}"
     )
     base = results.get("adamw[foreach]", next(iter(results.values())))["peak"]
+    fused = results.get("adamw[fused]", next(iter(results.values())))["optimizer"]
     for name, r in results.items():
         print(
             f"{name:<26}{r['peak'] / mib:>10.0f}{r['optimizer'] / mib:>15.0f}"
             f"{r['state'] / mib:>11.0f}"
-            f"{r['peak'] / base:>24.3f}"
+            f"{r['peak'] / base:>24.3f}{r['optimizer'] / fused:>27.3f}"
         )
     summary = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": platform.processor() or platform.machine(),
         "layers": args.layers,
         "steps": args.steps,
+        "repeats": args.repeats,
         "results": results,
+        "runs": runs,
     }
     if args.json:
         with open(args.json, "w") as f:

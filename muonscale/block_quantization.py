@@ -11,8 +11,8 @@ shorter). Each block keeps one float32 scale; each entry one byte:
   moment) or [0, 1] (unsigned, the second), dense near 0; x ≈ table[q] · absmax per block,
   q the nearest table value of x / absmax.
 
-The derivation of the error bounds and the choice of block size are in
-``docs/low_bit_state.md``. The functions never synchronize with the host.
+The derivation of the error bounds and the choice of block size are in *Low-bit state* in
+the docs. The functions never synchronize with the host.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def quantize_dynamic_(
     midpoints = _midpoints(signed).to(x.device)
     for start, stop, first, count in _segments(x.shape[1], block_size):
         normalized = _blocks(x, start, stop, count).float() / safe[:, first : first + count, None]
-        index = torch.bucketize(normalized, midpoints, right=True)
+        index = torch.bucketize(normalized, midpoints, right=True, out_int32=True)
         _blocks(codes, start, stop, count).copy_(index)
 
 

@@ -155,7 +155,9 @@ def _quantized_adamw_step(
             )
         rows, cols = adamw_block_shape(p)
         budget = chunk_bytes_for(max_chunk_bytes, p.device)
-        per_row = max(cols, 1) * 16  # two float32 moments and their quantization temporaries
+        # per entry: two float32 moments, AdamW's denominator, and a quantization's quotient,
+        # int32 index and float32 table values
+        per_row = max(cols, 1) * 28
         step_rows = rows if budget is None else max(1, budget // per_row)
         counter = s["step"]
         for start in range(0, rows, step_rows):

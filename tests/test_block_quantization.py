@@ -1,5 +1,5 @@
 """The blockwise 8-bit formats against float64 references: the codes a reference picks, and
-the error bounds that follow from the code resolution (docs/low_bit_state.md)."""
+the error bounds that follow from the code resolution (*Low-bit state* in the docs)."""
 
 import pytest
 import torch
