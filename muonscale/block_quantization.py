@@ -138,10 +138,27 @@ def dynamic_table(signed: bool, device: torch.device) -> torch.Tensor:
     return table if table.device == device else table.to(device)
 
 
-@functools.cache
-def _midpoints(signed: bool) -> torch.Tensor:
-    table = _dynamic_table(signed).double()
-    return ((table[1:] + table[:-1]) / 2).float()
+def _nearest_dynamic_code(normalized: torch.Tensor, signed: bool) -> torch.Tensor:
+    """Index into :func:`dynamic_table` of the value nearest to each entry of ``normalized``
+    (in [−1, 1]), computed from the format's structure instead of a search: the decade
+    e = ⌊−log₁₀|x|⌋ and the fraction k = round((|x| 10ᵉ − 0.1) / 0.9 · 2ᶠ − 1). Decade e's
+    grid extended to k = −1 lands on the largest value of decade e + 1, so rounding within
+    the decade is rounding to the nearest value of the table; below half the smallest value
+    is 0. Returns int32."""
+    bits = 7 if signed else 8
+    last = bits - 1  # the decade with no fraction bits: one value, 10⁻ˡᵃˢᵗ
+    magnitude = normalized.abs()
+    decade = torch.log10(magnitude).neg_().floor_().clamp_(0, last)
+    levels = torch.exp2(last - decade)
+    k = magnitude * torch.pow(10.0, decade)
+    k = k.sub_(0.1).div_(0.9).mul_(levels).sub_(1).round_().clamp_(min=-1)
+    index = torch.minimum(k, levels - 1).add_(levels)  # magnitudes ascending, 0 at index 0
+    smallest = magnitude >= 0.5 * 10.0**-last
+    index = torch.where(decade >= last, smallest.float(), index).int()
+    if not signed:
+        return index
+    half = len(dynamic_values(True)) // 2  # 127 negatives, two zeros, 127 positives
+    return torch.where(normalized < 0, (half - 1) - index, half + index)
 
 
 def quantize_dynamic_(
@@ -153,15 +170,12 @@ def quantize_dynamic_(
     block_size: int = BLOCK_SIZE,
 ) -> None:
     """Write uint8 ``codes`` (indices into :func:`dynamic_table`) and float32 ``absmax``
-    (rows, blocks) of the (rows, cols) ``x``: the nearest table value of x / absmax (a value
-    exactly between two rounds up)."""
+    (rows, blocks) of the (rows, cols) ``x``: the nearest table value of x / absmax."""
     absmax.copy_(block_absmax(x, block_size))
     safe = torch.where(absmax > 0, absmax, 1.0)
-    midpoints = _midpoints(signed).to(x.device)
     for start, stop, first, count in _segments(x.shape[1], block_size):
         normalized = _blocks(x, start, stop, count).float() / safe[:, first : first + count, None]
-        index = torch.bucketize(normalized, midpoints, right=True, out_int32=True)
-        _blocks(codes, start, stop, count).copy_(index)
+        _blocks(codes, start, stop, count).copy_(_nearest_dynamic_code(normalized, signed))
 
 
 def dequantize_dynamic(
@@ -179,6 +193,7 @@ def dequantize_dynamic(
     table = dynamic_table(signed, codes.device)
     for start, stop, first, count in _segments(codes.shape[1], block_size):
         target = _blocks(out, start, stop, count)
-        values = table[_blocks(codes, start, stop, count).int()]
+        index = _blocks(codes, start, stop, count).reshape(-1).int()
+        values = table.index_select(0, index).view(target.shape)
         torch.mul(values, absmax[:, first : first + count, None], out=target)
     return out

@@ -127,3 +127,28 @@ def test_dynamic_codes_and_error_bound(shape, signed):
 )
 def test_block_matrix_shape(shape, mode, expected):
     assert block_matrix_shape(shape, mode) == expected
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_dynamic_codes_are_nearest_on_a_dense_grid(signed):
+    """Every table value, every midpoint and its float32 neighbours, and a log grid over
+    nine decades: the code is a nearest table value (float64 distances)."""
+    table = torch.tensor(dynamic_values(signed), dtype=torch.float64)
+    mids = (table[1:] + table[:-1]) / 2
+    grid = torch.logspace(-9, 0, 20000, dtype=torch.float64)
+    points = torch.cat([table, mids, grid, -grid if signed else grid]).float()
+    points = torch.cat([points, points.nextafter(torch.tensor(2.0)), points.nextafter(-points)])
+    points = points.clamp(-1 if signed else 0, 1)
+    cols = BLOCK_SIZE - 1  # each row: 1.0 first (the block's absmax), then 255 points
+    rows = -(-points.numel() // cols)
+    padded = torch.zeros(rows * cols)
+    padded[: points.numel()] = points
+    x = torch.cat([torch.ones(rows, 1), padded.view(rows, cols)], dim=1)
+    codes = torch.empty(x.shape, dtype=torch.uint8)
+    absmax = torch.empty(scale_shape(*x.shape))
+    quantize_dynamic_(x, codes, absmax, signed=signed)
+    assert torch.equal(absmax, torch.ones_like(absmax))
+    distance = (x.double()[..., None] - table).abs()
+    chosen = distance.gather(-1, codes.long()[..., None]).squeeze(-1)
+    # a point within float32 rounding (relative 1e-6 of it) of a midpoint may take either side
+    assert (chosen <= distance.min(dim=-1).values + 1e-6 * x.double().abs()).all()
