@@ -51,6 +51,21 @@ def scale_shape(rows: int, cols: int, block_size: int = BLOCK_SIZE) -> tuple[int
     return rows, -(-cols // block_size)
 
 
+CPU_PIECE_ENTRIES = 2**18
+"""On CPU the formats work through a matrix this many entries (whole rows) at a time: their
+temporaries stay in cache and in the allocator's pool instead of being mapped afresh (page
+faults) for every operation. Rows are independent, so the result is the same."""
+
+
+def _row_pieces(x: torch.Tensor) -> Iterator[slice]:
+    """Slices of whole rows of the (rows, cols) ``x``: :data:`CPU_PIECE_ENTRIES` entries each
+    on CPU, all rows elsewhere (one launch per operation)."""
+    rows, cols = x.shape
+    step = rows if x.device.type != "cpu" else max(1, CPU_PIECE_ENTRIES // max(cols, 1))
+    for start in range(0, rows, max(step, 1)):
+        yield slice(start, min(rows, start + step))
+
+
 def _segments(cols: int, block_size: int) -> Iterator[tuple[int, int, int, int]]:
     """(start col, stop col, first block, blocks) of the full blocks, then of the short
     last block of each row (if any)."""
@@ -77,11 +92,9 @@ def block_absmax(x: torch.Tensor, block_size: int = BLOCK_SIZE) -> torch.Tensor:
     return out
 
 
-def quantize_linear_(
-    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block_size: int = BLOCK_SIZE
+def _quantize_linear_piece(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block_size: int
 ) -> None:
-    """Write int8 ``codes`` (rows, cols) and float32 ``scales`` (rows, blocks) of the
-    (rows, cols) ``x``: s = absmax / 127 per block, q = round(x / s) (0 where s = 0)."""
     scales.copy_(block_absmax(x, block_size).div_(LINEAR_LEVELS))
     safe = torch.where(scales > 0, scales, 1.0)
     for start, stop, first, count in _segments(x.shape[1], block_size):
@@ -90,22 +103,14 @@ def quantize_linear_(
         _blocks(codes, start, stop, count).copy_(q)
 
 
-def dequantize_linear(
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    block_size: int = BLOCK_SIZE,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """q · s per entry, in float32 (``out``: written there): the inverse of
-    :func:`quantize_linear_`."""
-    if out is None:
-        out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+def _dequantize_linear_piece(
+    codes: torch.Tensor, scales: torch.Tensor, block_size: int, out: torch.Tensor
+) -> None:
     for start, stop, first, count in _segments(codes.shape[1], block_size):
         target = _blocks(out, start, stop, count)
         torch.mul(
             _blocks(codes, start, stop, count), scales[:, first : first + count, None], out=target
         )
-    return out
 
 
 @functools.cache
@@ -161,6 +166,51 @@ def _nearest_dynamic_code(normalized: torch.Tensor, signed: bool) -> torch.Tenso
     return torch.where(normalized < 0, (half - 1) - index, half + index)
 
 
+def _quantize_dynamic_piece(
+    x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, *, signed: bool, block_size: int
+) -> None:
+    absmax.copy_(block_absmax(x, block_size))
+    safe = torch.where(absmax > 0, absmax, 1.0)
+    for start, stop, first, count in _segments(x.shape[1], block_size):
+        normalized = _blocks(x, start, stop, count).float() / safe[:, first : first + count, None]
+        _blocks(codes, start, stop, count).copy_(_nearest_dynamic_code(normalized, signed))
+
+
+def _dequantize_dynamic_piece(
+    codes: torch.Tensor, absmax: torch.Tensor, *, signed: bool, block_size: int, out: torch.Tensor
+) -> None:
+    table = dynamic_table(signed, codes.device)
+    for start, stop, first, count in _segments(codes.shape[1], block_size):
+        target = _blocks(out, start, stop, count)
+        index = _blocks(codes, start, stop, count).reshape(-1).int()
+        values = table.index_select(0, index).view(target.shape)
+        torch.mul(values, absmax[:, first : first + count, None], out=target)
+
+
+def quantize_linear_(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block_size: int = BLOCK_SIZE
+) -> None:
+    """Write int8 ``codes`` (rows, cols) and float32 ``scales`` (rows, blocks) of the
+    (rows, cols) ``x``: s = absmax / 127 per block, q = round(x / s) (0 where s = 0)."""
+    for rows in _row_pieces(x):
+        _quantize_linear_piece(x[rows], codes[rows], scales[rows], block_size)
+
+
+def dequantize_linear(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    block_size: int = BLOCK_SIZE,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q · s per entry, in float32 (``out``: written there): the inverse of
+    :func:`quantize_linear_`."""
+    if out is None:
+        out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+    for rows in _row_pieces(codes):
+        _dequantize_linear_piece(codes[rows], scales[rows], block_size, out[rows])
+    return out
+
+
 def quantize_dynamic_(
     x: torch.Tensor,
     codes: torch.Tensor,
@@ -171,11 +221,10 @@ def quantize_dynamic_(
 ) -> None:
     """Write uint8 ``codes`` (indices into :func:`dynamic_table`) and float32 ``absmax``
     (rows, blocks) of the (rows, cols) ``x``: the nearest table value of x / absmax."""
-    absmax.copy_(block_absmax(x, block_size))
-    safe = torch.where(absmax > 0, absmax, 1.0)
-    for start, stop, first, count in _segments(x.shape[1], block_size):
-        normalized = _blocks(x, start, stop, count).float() / safe[:, first : first + count, None]
-        _blocks(codes, start, stop, count).copy_(_nearest_dynamic_code(normalized, signed))
+    for rows in _row_pieces(x):
+        _quantize_dynamic_piece(
+            x[rows], codes[rows], absmax[rows], signed=signed, block_size=block_size
+        )
 
 
 def dequantize_dynamic(
@@ -190,10 +239,8 @@ def dequantize_dynamic(
     :func:`quantize_dynamic_`."""
     if out is None:
         out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
-    table = dynamic_table(signed, codes.device)
-    for start, stop, first, count in _segments(codes.shape[1], block_size):
-        target = _blocks(out, start, stop, count)
-        index = _blocks(codes, start, stop, count).reshape(-1).int()
-        values = table.index_select(0, index).view(target.shape)
-        torch.mul(values, absmax[:, first : first + count, None], out=target)
+    for rows in _row_pieces(codes):
+        _dequantize_dynamic_piece(
+            codes[rows], absmax[rows], signed=signed, block_size=block_size, out=out[rows]
+        )
     return out
