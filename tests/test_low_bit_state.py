@@ -319,3 +319,24 @@ def test_a_layout_not_tested_with_quantized_state_refuses_it():
 
     with pytest.raises(ValueError, match="Layout does not support state_precision='int8'"):
         Layout(_Small(), lr=0.02, adamw_lr=3e-3, state_precision="int8")
+
+
+def test_int8_state_in_small_chunks_equals_one_chunk():
+    """Chunks of a few KiB (the Muon update a parameter at a time, AdamW's moments a few rows
+    at a time, the step counter advanced once) give the bits of one chunk."""
+    from muonscale.memory import UNCHUNKED, MemoryBudget
+
+    runs = []
+    for budget in (UNCHUNKED, 4096):
+        torch.manual_seed(0)
+        model = _Net()
+        opt = muonscale.Muon(model, lr=0.02, adamw_lr=3e-3, state_precision="int8")
+        opt.memory = MemoryBudget(update_chunk_bytes=budget)
+        _steps(model, opt, range(2))
+        runs.append((model, opt))
+    (model_a, opt_a), (model_b, opt_b) = runs
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(pa, pb)
+        for key, value in opt_a.state[pa].items():
+            assert torch.equal(value, opt_b.state[pb][key]), key
+    assert all(float(s["step"]) == 2 for s in opt_b.state.values() if "step" in s)
