@@ -158,17 +158,21 @@ def _quantized_adamw_step(
         # per entry: two float32 moments, AdamW's denominator, and a quantization's quotient,
         # int32 index and float32 table values
         per_row = max(cols, 1) * 28
-        step_rows = rows if budget is None else max(1, budget // per_row)
+        step_rows = rows if budget is None or not p.is_contiguous() else budget // per_row
         counter = s["step"]
-        for start in range(0, rows, step_rows):
-            part = slice(start, min(rows, start + step_rows))
+        for start in range(0, rows, max(step_rows, 1)):
+            part = slice(start, min(rows, start + max(step_rows, 1)))
             moments = adamw_moment_values(s, p, part)
+            whole = part.stop - part.start == rows
+            param = p if whole else p.view(rows, cols)[part]  # whole: any strides
+            grad = g.view_as(param) if whole else g.reshape(rows, cols)[part]
+            work = param if param.dtype == torch.float32 else param.float()  # rounded once
             step = counter.clone()  # each chunk starts from the step counter before the step
             functional.adamw(
-                [p.view(rows, cols)[part]],
-                [g.reshape(rows, cols)[part]],
-                [moments[0]],
-                [moments[1]],
+                [work],
+                [grad.float()],
+                [moments[0].view(param.shape)],
+                [moments[1].view(param.shape)],
                 [step],
                 lr=lr,
                 beta1=beta1,
@@ -178,6 +182,8 @@ def _quantized_adamw_step(
                 max_chunk_bytes=UNCHUNKED,
                 finite=step_ok,
             )
+            if work is not param:
+                param.copy_(work)
             store_adamw_moments_(s, p, part, moments, keep=step_ok)
         if rows:
             counter.copy_(step)

@@ -340,3 +340,30 @@ def test_int8_state_in_small_chunks_equals_one_chunk():
         for key, value in opt_a.state[pa].items():
             assert torch.equal(value, opt_b.state[pb][key]), key
     assert all(float(s["step"]) == 2 for s in opt_b.state.values() if "step" in s)
+
+
+def test_int8_adamw_takes_strided_and_bfloat16_parameters():
+    """A transposed (non-contiguous) AdamW parameter steps as its contiguous copy, bitwise; a
+    bfloat16 parameter steps as a float32 one with the same values and gradients, its result
+    rounded to bfloat16 once per step."""
+    g = torch.Generator().manual_seed(3)
+    strided = nn.Parameter(torch.randn(30, 20, generator=g).t())
+    dense = nn.Parameter(strided.detach().contiguous())
+    low = nn.Parameter(strided.detach().to(torch.bfloat16))
+    wide = nn.Parameter(low.detach().float())
+    for p in (strided, dense, low, wide):
+        opt = muonscale.Muon(
+            [{"params": [p], "algorithm": "adamw", "weight_decay": 0.1}],
+            lr=0.02,
+            adamw_lr=1e-2,
+            state_precision="int8",
+        )
+        for step in range(2):
+            grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
+            p.grad = grad.to(torch.bfloat16).to(p.dtype)  # the same values for low and wide
+            opt.step()
+    assert not strided.is_contiguous() and torch.equal(strided, dense)
+    assert low.dtype == torch.bfloat16
+    # each step rounds once (half a bfloat16 ulp: 2⁻⁸ relative) a value within 2 lr of the end
+    bound = 2**-7 * (wide.detach().abs() + 2 * 1e-2)
+    assert ((low.float() - wide.detach()).abs() <= bound).all()
