@@ -1,10 +1,10 @@
-"""Expert views under the distributed optimizers: ``DistributedMuon`` (each Muon parameter owned
-whole) and ``DTensorMuon`` under FSDP2 (each expert by the rank that holds it) at 2 and 4 gloo
-ranks equal single-process Muon bitwise on a model with expert stacks (GPT-OSS's layout: (in,
-out), interleaved gate/up, per-expert biases) and a dense fused gate/up weight, with identical
-gradients injected; plain Muon and NorMuon (whose row state follows the expert view). The
-experts FSDP2 holds whole move no optimizer bytes, and expert state resumes across world sizes
-through DCP."""
+"""Expert views under the distributed optimizers: ``DistributedMuon`` (each expert stack's
+experts spread over owners, a contiguous range each) and ``DTensorMuon`` under FSDP2 (each
+expert by the rank that holds it) at 2 and 4 gloo ranks equal single-process Muon bitwise on a
+model with expert stacks (GPT-OSS's layout: (in, out), interleaved gate/up, per-expert biases)
+and a dense fused gate/up weight, with identical gradients injected; plain Muon and NorMuon
+(whose row state follows the expert view). The experts FSDP2 holds whole move no optimizer
+bytes, and expert state resumes across world sizes through DCP."""
 
 from __future__ import annotations
 
@@ -62,6 +62,8 @@ def _distributed(rank: int, world_size: int, kind: str, options: dict) -> dict:
     for name, p in model.named_parameters():
         whole = p.full_tensor() if isinstance(p, DTensor) else p
         out[name] = whole.detach().clone()
+    if kind == "distributed":  # the stacks spread over owners
+        out["spread"] = sorted(opt.param_table.name(opt.params[i]) for i in opt.expert_ranges)
     return out
 
 
@@ -73,6 +75,8 @@ def test_expert_views_equal_single_process_bitwise(kind, options, world_size):
     for rank, got in enumerate(shared_pool(world_size).run(_distributed, kind, options)):
         for name, tensor in want.items():
             assert torch.equal(got[name], tensor), (kind, rank, name)
+        if kind == "distributed":  # each stack stepped by several owners, an expert range each
+            assert got["spread"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
 
 
 EXPERTS_ONLY = [(r"^(?!mlp\.experts\.)", "adamw")]  # Muon on the expert stacks alone

@@ -31,7 +31,7 @@ from ...optimizer_state import check_loaded_groups
 from ...param_table import ParamTable
 from ...settings import MuonSettings
 from ..comm import WireCounter
-from .layout import DataParallelLayout
+from .layout import DataParallelLayout, expert_rows
 from .reduction import BucketedReduction
 
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -66,8 +66,8 @@ def _gather_full_state(
     param_table: ParamTable,
 ) -> dict[int, dict[str, torch.Tensor]]:
     full: dict[int, dict[str, torch.Tensor]] = {}
-    for i in layout.muon_indices:  # momentum (and main copy) live on the owner only
-        p, group, owner = layout.params[i], layout.group_of[i], layout.owner_rank[i]
+    for i in layout.muon_indices:  # momentum (and main copy) live on the owners only
+        p, group = layout.params[i], layout.group_of[i]
         main_dtype = reduction.main_dtype(p.dtype)
         settings = MuonSettings.from_group(group)
         view = param_table.view(p, group["matrix_mode"])
@@ -78,11 +78,11 @@ def _gather_full_state(
             specs[spec.key] = (spec.shape(view), spec.dtype(settings, p.dtype))
         full[i] = {}
         for name, (shape, dtype) in specs.items():
-            if owner == layout.rank:
-                buf = state[p][name].clone()
-            else:
-                buf = torch.empty(shape, dtype=dtype, device=p.device)
-            layout.comm.broadcast(buf, src=owner, tag="checkpoint")
+            buf = torch.empty(shape, dtype=dtype, device=p.device)
+            for part, owner in _owned_parts(layout, i, buf):
+                if owner == layout.rank:
+                    part.copy_(state[p][name])
+                layout.comm.broadcast(part, src=owner, tag="checkpoint")
             full[i][name] = buf
     for shards in reduction.flat_shards:  # AdamW moments: shard r of every flat bucket
         gathered = {}
@@ -98,6 +98,17 @@ def _gather_full_state(
                 full[i][name] = gathered[name][off : off + n].view(p.shape).clone()
     full.update(_gather_fill_state(layout, reduction, state))
     return {i: full[i] for i in sorted(full)}
+
+
+def _owned_parts(
+    layout: DataParallelLayout, i: int, whole: torch.Tensor
+) -> list[tuple[torch.Tensor, int]]:
+    """(part of ``whole``, the rank that holds it) for a state tensor of Muon parameter ``i``:
+    the tensor and the parameter's owner, or for a stack spread over several owners each
+    range's rows (:func:`~.layout.expert_rows`) and its owner."""
+    if i not in layout.expert_ranges:
+        return [(whole, layout.owner_rank[i])]
+    return [(expert_rows(whole, r), r.owner) for r in layout.expert_ranges[i]]
 
 
 def _gather_fill_state(
@@ -173,18 +184,23 @@ def load_full_state(
                 group[name] = tuple(value) if name == "betas" else value
     saved_state = state_dict["state"]
     for i in layout.muon_indices:
-        if layout.owner_rank[i] != layout.rank:
+        units = layout.owned_units(i)
+        if not units:
             continue
+        (unit,) = units  # the parameter whole, or this rank's range of its experts
         p, held = layout.params[i], state[layout.params[i]]
+        rows = (lambda t: t) if unit == i else (lambda t, r=unit: expert_rows(t, r))
         entry = saved_state.get(key_of[i], {})
         source = entry.get("momentum_buffer")
         buf = held["momentum_buffer"]
         if source is None:
             buf.zero_()
         else:
-            buf.copy_(source.view(p.shape))
+            buf.copy_(rows(source.view(p.shape)))
         if "main_param" in held:
-            _load_main(held["main_param"], p, entry.get("main_param"))
+            main = entry.get("main_param")
+            main = None if main is None else rows(main.view(p.shape))
+            _load_main(held["main_param"], reduction.owned_slice(unit), main)
         settings = MuonSettings.from_group(layout.group_of[i])  # the loaded options
         kept = kept_state(settings, variants_only=True)
         for spec in VARIANT_STATE:
@@ -193,12 +209,13 @@ def load_full_state(
                 continue
             if spec.key not in held:  # built without it: the loaded options keep it
                 view = param_table.view(p, layout.group_of[i]["matrix_mode"])
+                view = view if unit == i else layout.range_view(unit)
                 held[spec.key] = spec.zeros(settings, view, p.dtype, p.device)
             moment = entry.get(spec.key)
             if moment is None:
                 held[spec.key].zero_()
             else:
-                held[spec.key].copy_(moment)
+                held[spec.key].copy_(rows(moment))
     for i in layout.adamw_indices:
         entry = saved_state.get(key_of[i], {})
         p = layout.params[i]

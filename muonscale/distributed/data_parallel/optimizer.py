@@ -29,6 +29,7 @@ from ..comm import Communicator, WireCounter, combine_over_ranks
 from ..setup_checks import check_process_group, unwrap_ddp
 from . import checkpoint, gathers, grad_clip
 from . import step as phases
+from .buckets import ExpertRange, OwnedUnit, unit_param
 from .deferred_gather import DeferredGather
 from .layout import (
     DataParallelLayout,
@@ -249,12 +250,14 @@ class DistributedMuon(Muon):
             muon=layout.muon_indices,
             adamw=layout.adamw_indices,
             owner_rank=layout.owner_rank,
+            expert_ranges=layout.expert_ranges,
             comm=comm,
             name_of=name_of,
-            update_params=frozenset(
+            update_params=frozenset(  # a stack spread over owners sends its parameter slices
                 i
                 for i in layout.muon_indices
                 if self._sends_update(layout.params[i], layout.group_of[i])
+                and i not in layout.expert_ranges
             ),
             update_dtype=UPDATE_DTYPE,
             readiness=expected_readiness(layout.params, model, self.param_table.names),
@@ -312,6 +315,12 @@ class DistributedMuon(Muon):
         return self.layout.owner_rank
 
     @property
+    def expert_ranges(self) -> dict[int, list[ExpertRange]]:
+        """The expert stacks spread over several owners: Muon index -> its ranges of experts,
+        one per owner (:class:`~muonscale.distributed.data_parallel.buckets.ExpertRange`)."""
+        return self.layout.expert_ranges
+
+    @property
     def matrix_shapes_by_index(self) -> dict[int, list[tuple[int, int]]]:
         return self.layout.matrix_shapes_by_index
 
@@ -352,6 +361,10 @@ class DistributedMuon(Muon):
         return self.state[self.model_param(p)]
 
     def _matrix_view(self, p: torch.Tensor, group: Mapping[str, Any]) -> MatrixView:
+        layout = self.__dict__.get("layout")  # None while the layout is being built
+        owned = None if layout is None else layout.range_of(p)
+        if owned is not None:  # a range of a stack's experts: its sub-stack's view
+            return layout.range_view(owned)
         return super()._matrix_view(self.model_param(p), group)
 
     def _name(self, p: torch.Tensor) -> str:
@@ -578,24 +591,36 @@ class DistributedMuon(Muon):
             self._warned_reduce_again = True
         self.reduction.reduce_again()
 
-    def _update_owned_matrices(self, present: list[bool], only: set[int] | None = None) -> None:
-        """Muon step of the owned matrices (those in ``only``, when given)."""
+    def _update_owned_matrices(
+        self, present: list[bool], only: set[OwnedUnit] | None = None
+    ) -> None:
+        """Muon step of the owned units (those in ``only``, when given): parameters owned
+        whole and this rank's ranges of experts."""
+        layout = self.layout
         for group in self.param_groups:
             if group["algorithm"] != "muon":
                 continue
             indices = [self.index_of(p) for p in group["params"]]
             mine = [
-                i
+                u
                 for i in indices
-                if present[i] and self.layout.owns(i) and (only is None or i in only)
+                if present[i]
+                for u in layout.owned_units(i)
+                if only is None or u in only
             ]
-            # the tensors updated: main copies where kept, else the parameters themselves
-            targets = [self.state[self.params[i]].get("main_param", self.params[i]) for i in mine]
-            grads = [self.reduction.reduced_grad(i, t.dtype) for i, t in zip(mine, targets)]
-            self._update_group(group, targets, grads, apply_updates=self._owner_apply)
-            for i, target in zip(mine, targets):
-                if target is not self.params[i]:
-                    self.params[i].copy_(target)  # rounded into the model's parameter
+            # the tensors updated: main copies where kept, else the parameters (or their
+            # ranges of experts) themselves
+            owned = [self.reduction.owned_slice(u) for u in mine]
+            targets = [
+                self.state[self.params[unit_param(u)]].get("main_param", t)
+                for u, t in zip(mine, owned)
+            ]
+            grads = [self.reduction.reduced_grad(u, t.dtype) for u, t in zip(mine, targets)]
+            with layout.stepping(mine, targets):
+                self._update_group(group, targets, grads, apply_updates=self._owner_apply)
+            for target, model in zip(targets, owned):
+                if target is not model:
+                    model.copy_(target)  # rounded into the model's parameter
 
 
 def _land_and_detach(deferred: DeferredGather) -> None:

@@ -1,0 +1,148 @@
+"""A tiny mixture-of-experts language model (Qwen3-MoE's expert layout: (E, 2F, D) gate/up and
+(E, D, F) down stacks on a module with Hugging Face's decorator attributes) trained end to end
+with the same batch on every rank: ``DistributedMuon`` (each stack's experts spread over the
+owners) at 2 and 4 gloo ranks within ``tests/test_distributed_dp.py``'s tolerance of
+single-process Muon, ``DTensorMuon`` under FSDP2 within ``tests/test_dtensor_muon.py``'s
+``E2E_TOL``; and the owners' Newton–Schulz load is balanced per expert."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed_harness import shared_pool
+from test_dtensor_muon import E2E_TOL
+from torch import nn
+
+import muonscale
+
+pytestmark = pytest.mark.timeout(180)
+
+VOCAB, E, D, FF = 17, 8, 16, 16
+OPTIONS = dict(lr=0.02, weight_decay=0.1, ns_dtype=torch.float32, adamw_lr=0.01)
+STEPS = 3
+DP_TOL = 1e-6  # tests/test_distributed_dp.py's, for a dense model
+LOAD_RATIO = 1.25  # largest owner's Newton–Schulz FLOPs over the mean
+
+
+class Experts(nn.Module):
+    """Routed experts stored as Qwen3-MoE stores them, with the attributes Hugging Face's
+    ``@use_experts_implementation`` sets: (out, in) matrices, [gate; up] rows."""
+
+    is_transposed, is_concatenated, has_gate = False, True, True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * FF, D) / D**0.5)
+        self.down_proj = nn.Parameter(torch.randn(E, D, FF) / FF**0.5)
+
+    def forward(self, h: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # h (N, D), weights (N, E): every expert, weighted by the router
+        gate, up = torch.einsum("nd,efd->enf", h, self.gate_up_proj).chunk(2, dim=-1)
+        out = torch.einsum("enf,edf->end", F.silu(gate) * up, self.down_proj)
+        return torch.einsum("end,ne->nd", out, weights)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(D, D, bias=False)  # stands in for attention
+        self.gate = nn.Linear(D, E, bias=False)  # the router
+        self.experts = Experts()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + torch.tanh(self.mix(h))
+        return h + self.experts(h, torch.softmax(self.gate(h), dim=-1))
+
+
+class TinyMoE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, D)
+        self.layers = nn.ModuleList(MoEBlock() for _ in range(2))
+        self.norm = nn.LayerNorm(D)
+        self.lm_head = nn.Linear(D, VOCAB, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B·T, VOCAB)
+        h = self.embed_tokens(x).flatten(0, 1)
+        for layer in self.layers:
+            h = layer(h)
+        return self.lm_head(self.norm(h))
+
+
+def _model() -> TinyMoE:
+    torch.manual_seed(0)
+    return TinyMoE()
+
+
+def _train(model: nn.Module, opt, steps: int = STEPS) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1000 + step)
+        x, y = torch.randint(VOCAB, (8, 4), generator=g), torch.randint(VOCAB, (32,), generator=g)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
+
+
+def _single_process() -> dict[str, torch.Tensor]:
+    model = _model()
+    return _train(model, muonscale.Muon(model, **OPTIONS))
+
+
+def _distributed_muon(rank: int, world_size: int) -> dict:
+    from muonscale.distributed import DistributedMuon
+
+    model = _model()
+    opt = DistributedMuon(model, **OPTIONS)
+    spread = {opt.param_table.name(opt.params[i]): len(r) for i, r in opt.expert_ranges.items()}
+    return {
+        "weights": _train(model, opt),
+        "ns_flops": opt.layout_stats()["ns_flops"],
+        "spread": spread,
+        "table": opt.ownership_table(),
+    }
+
+
+def _dtensor_muon(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from muonscale.distributed import DTensorMuon
+
+    model = _model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    return _train(model, DTensorMuon(model, **OPTIONS))
+
+
+def _max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    return max((got[n] - w).abs().max().item() for n, w in want.items())
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_distributed_muon_trains_a_moe_model_as_one_process(world_size):
+    """Every stack's experts are spread over all the owners, the largest owner's
+    Newton–Schulz load stays within 1.25× the mean (owned whole, a gate/up stack alone
+    would be 1.27× at 4 ranks), and the trained weights match one process."""
+    want = _single_process()
+    results = shared_pool(world_size).run(_distributed_muon)
+    for rank, got in enumerate(results):
+        assert _max_diff(got["weights"], want) <= DP_TOL, rank
+    loads = results[0]["ns_flops"]
+    ratio = max(loads) / (sum(loads) / world_size)
+    print(f"\n{world_size} ranks: NS FLOPs per owner {loads}, largest / mean {ratio:.3f}")
+    print(results[0]["table"])
+    assert ratio <= LOAD_RATIO
+    stacks = [f"layers.{k}.experts.{w}" for k in range(2) for w in ("gate_up_proj", "down_proj")]
+    assert results[0]["spread"] == dict.fromkeys(stacks, world_size)
+
+
+def test_dtensor_muon_under_fsdp2_trains_a_moe_model_as_one_process():
+    want = _single_process()
+    for rank, got in enumerate(shared_pool(2).run(_dtensor_muon)):
+        assert _max_diff(got, want) <= E2E_TOL, rank
