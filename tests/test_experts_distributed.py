@@ -8,9 +8,12 @@ bytes, and expert state resumes across world sizes through DCP."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from distributed_harness import shared_pool
+from test_distributed_update_gather import rounding_updates
 from test_experts import Model
 
 import muonscale
@@ -28,7 +31,7 @@ def _gradients(model, step: int) -> dict[str, torch.Tensor]:
 def _single_process(options: dict) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = Model()
-    opt = muonscale.Muon(model, **OPTIONS, **options)
+    opt = muonscale.Muon(model, **{**OPTIONS, **options})
     for step in range(STEPS):
         for name, grad in _gradients(model, step).items():
             dict(model.named_parameters())[name].grad = grad
@@ -77,6 +80,46 @@ def test_expert_views_equal_single_process_bitwise(kind, options, world_size):
             assert torch.equal(got[name], tensor), (kind, rank, name)
         if kind == "distributed":  # each stack stepped by several owners, an expert range each
             assert got["spread"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+
+
+GATHER_CASES = {  # name: (Muon options, DistributedMuon's, the reference rounds each update)
+    "bf16-ns": (dict(ns_dtype=torch.bfloat16), {}, False),
+    "fp32-ns-opt-in": ({}, dict(gather_updates=True), True),
+    "fp32-ns-opt-in-normuon": (dict(normalize="row"), dict(gather_updates=True), True),
+}
+TINY_BUCKETS = dict(bucket_cap_mb=2e-4)  # ranges of experts cut across several buckets
+
+
+def _gathering_updates(rank: int, world_size: int, case: str) -> dict:
+    from muonscale.distributed import DistributedMuon
+    from muonscale.distributed.data_parallel.buckets import ExpertRange
+
+    options, dist_options, _ = GATHER_CASES[case]
+    torch.manual_seed(0)
+    model = Model()
+    opt = DistributedMuon(model, **{**OPTIONS, **options}, **dist_options, **TINY_BUCKETS)
+    _train_injected(model, opt, 0, STEPS)
+    gathered = {u.param for u in opt.update_gather.matrices if isinstance(u, ExpertRange)}
+    return {
+        "weights": _full(model),
+        "gathered": sorted(opt.param_table.name(opt.params[i]) for i in gathered),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("case", list(GATHER_CASES))
+def test_owners_send_their_experts_updates_bitwise(case, world_size):
+    """Each owner sends the bfloat16 update of its range of experts (Newton–Schulz in
+    bfloat16, or ``gather_updates=True``: rounded) and every rank applies it to its own copy
+    of those experts: single-process Muon's weights bitwise (applying rounded updates too,
+    where the owners round them)."""
+    options, _, rounds = GATHER_CASES[case]
+    with rounding_updates() if rounds else contextlib.nullcontext():
+        want = _single_process(options)
+    for rank, got in enumerate(shared_pool(world_size).run(_gathering_updates, case)):
+        for name, tensor in want.items():
+            assert torch.equal(got["weights"][name], tensor), (case, rank, name)
+        assert got["gathered"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
 
 
 EXPERTS_ONLY = [(r"^(?!mlp\.experts\.)", "adamw")]  # Muon on the expert stacks alone

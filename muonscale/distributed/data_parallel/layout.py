@@ -159,10 +159,6 @@ class DataParallelLayout:
         """Position of parameter ``p`` in :attr:`params`."""
         return self._index[id(p)]
 
-    def find(self, p: torch.Tensor) -> int | None:
-        """Position of ``p`` in :attr:`params`, None for a tensor that is not one of them."""
-        return self._index.get(id(p))
-
     def owned_units(self, i: int) -> list[OwnedUnit]:
         """What this rank steps of Muon parameter ``i``: ``[i]`` (owned whole), its range of
         experts, or nothing."""
@@ -178,6 +174,11 @@ class DataParallelLayout:
         """The expert range that ``t`` (a range's main copy or slice being stepped) stands for;
         None for anything else."""
         return self._range_of.get(id(t))
+
+    def unit_of(self, t: torch.Tensor) -> OwnedUnit | None:
+        """The owned unit that ``t`` is: a parameter's index, a range of experts (its main
+        copy or its slice being stepped), or None."""
+        return self._range_of.get(id(t), self._index.get(id(t)))
 
     def range_view(self, r: ExpertRange) -> MatrixView:
         """The expert view of the sub-stack ``r``."""

@@ -52,7 +52,8 @@ class AgreedGradients:
 
 
 class DistributedMuon(Muon):
-    r"""Data-parallel Muon: each Muon matrix is orthogonalized whole by one owner rank; AdamW
+    r"""Data-parallel Muon: each Muon matrix is orthogonalized whole by one owner rank (an
+    expert stack's experts may go to several owners, a contiguous range each); AdamW
     parameters are sharded ZeRO-1 style. This optimizer averages the gradients itself
     (``p.grad`` keeps the local gradient); given a model wrapped in DDP it reduces nothing
     (``reduce_at="never"``: DDP averaged them already).
@@ -153,8 +154,10 @@ class DistributedMuon(Muon):
         layout: the :class:`~muonscale.distributed.data_parallel.DataParallelLayout`: every
             parameter in param-group order (``params``; ``group_of[i]`` is the group of
             ``params[i]``, ``muon_indices`` / ``adamw_indices`` index into it, ``owner_rank``
-            maps each Muon index to its owner, ``index_of(p)`` is ``p``'s index), the
-            communicator, ``rank`` and ``world_size``; the optimizer reads them through.
+            maps each Muon index owned whole to its owner, ``expert_ranges`` each expert
+            stack spread over several owners to its ranges of experts, ``index_of(p)`` is
+            ``p``'s index), the communicator, ``rank`` and ``world_size``; the optimizer
+            reads them through.
         reduction: the :class:`~muonscale.distributed.data_parallel.BucketedReduction`
             (buffers, hooks, reduce-scatter, all-gather, the AdamW shard state).
 
@@ -253,11 +256,10 @@ class DistributedMuon(Muon):
             expert_ranges=layout.expert_ranges,
             comm=comm,
             name_of=name_of,
-            update_params=frozenset(  # a stack spread over owners sends its parameter slices
+            update_params=frozenset(
                 i
                 for i in layout.muon_indices
                 if self._sends_update(layout.params[i], layout.group_of[i])
-                and i not in layout.expert_ranges
             ),
             update_dtype=UPDATE_DTYPE,
             readiness=expected_readiness(layout.params, model, self.param_table.names),
@@ -265,7 +267,7 @@ class DistributedMuon(Muon):
         self.update_gather = UpdateGather(self.reduction, gather_updates, name_of)
         self._owner_apply = None  # Muon's last pass on owners: as usual, or sending updates
         if self.update_gather.matrices:
-            self._owner_apply = self.update_gather.owner_apply(layout.find)
+            self._owner_apply = self.update_gather.owner_apply(layout.unit_of)
         layout.init_local_state(self.state, self.reduction, self._matrix_view)
         self.deferred: DeferredGather | None = None
         """The gathers left in flight by ``step()`` and their model hooks (``defer_gather``)."""
