@@ -15,6 +15,7 @@ import torch
 from distributed_harness import shared_pool
 from test_distributed_update_gather import rounding_updates
 from test_experts import Model
+from test_experts_end_to_end import TinyMoE
 
 import muonscale
 
@@ -193,21 +194,29 @@ def test_normuon_experts_share_only_their_row_statistics():
 SAVE_AT, TOTAL = 2, 4
 
 
-def _build(kind: str, world_size: int, seed: int = 0):
+MODELS = {  # name: (model, its options): 3 experts stored (in, out); 8 stored (out, in)
+    "gpt_oss": (Model, {}),
+    "qwen3_moe-normuon": (TinyMoE, dict(normalize="row")),  # row state resharded per expert
+}
+
+
+def _build(kind: str, world_size: int, model_name: str, seed: int = 0):
     """The expert model and its optimizer for ``kind`` at ``world_size`` (1: plain Muon)."""
     from muonscale.distributed import DistributedMuon, DTensorMuon
 
+    make, options = MODELS[model_name]
+    options = {**OPTIONS, **options}
     torch.manual_seed(seed)
-    model = Model()
+    model = make()
     if world_size == 1:
-        return model, muonscale.Muon(model, **OPTIONS)
+        return model, muonscale.Muon(model, **options)
     if kind == "dtensor":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
-        return model, DTensorMuon(model, **OPTIONS)
-    return model, DistributedMuon(model, **OPTIONS)
+        return model, DTensorMuon(model, **options)
+    return model, DistributedMuon(model, **options)
 
 
 def _train_injected(model, opt, first: int, last: int) -> None:
@@ -231,21 +240,25 @@ def _full(model) -> dict[str, torch.Tensor]:
     }
 
 
-def _save_at(rank: int, world_size: int, kind: str, path: str) -> None:
+def _save_at(rank: int, world_size: int, kind: str, model_name: str, path: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model, opt = _build(kind, world_size)
+    model, opt = _build(kind, world_size, model_name)
     _train_injected(model, opt, 0, SAVE_AT)
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
 
 
-def _resume_at(rank: int, world_size: int, kind: str, path: str) -> dict[str, torch.Tensor]:
+def _resume_at(
+    rank: int, world_size: int, kind: str, model_name: str, path: str
+) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model, opt = _build(kind, world_size, seed=123)  # other weights: all of them come loaded
+    model, opt = _build(
+        kind, world_size, model_name, seed=123
+    )  # other weights: all of them come loaded
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
@@ -254,26 +267,27 @@ def _resume_at(rank: int, world_size: int, kind: str, path: str) -> dict[str, to
     return _full(model)
 
 
-def _uninterrupted() -> dict[str, torch.Tensor]:
-    model, opt = _build("", 1)
+def _uninterrupted(model_name: str) -> dict[str, torch.Tensor]:
+    model, opt = _build("", 1, model_name)
     _train_injected(model, opt, 0, TOTAL)
     return _full(model)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
+@pytest.mark.parametrize("model_name", list(MODELS))
 @pytest.mark.parametrize("kind", ["distributed", "dtensor"])
-def test_expert_state_resumes_across_world_sizes_bitwise(kind, tmp_path):
+def test_expert_state_resumes_across_world_sizes_bitwise(kind, model_name, tmp_path):
     """DCP checkpoints of expert stacks: saved at 4 ranks and resumed at 2, saved at 2 and
     resumed in one process; with identical gradients injected, each resumed run ends on the
     uninterrupted run's weights bit for bit (every layout computes single-process Muon's
     update)."""
-    want = _uninterrupted()
+    want = _uninterrupted(model_name)
     path4, path2 = str(tmp_path / "at4"), str(tmp_path / "at2")
-    shared_pool(4).run(_save_at, kind, path4)
-    for rank, got in enumerate(shared_pool(2).run(_resume_at, kind, path4)):
+    shared_pool(4).run(_save_at, kind, model_name, path4)
+    for rank, got in enumerate(shared_pool(2).run(_resume_at, kind, model_name, path4)):
         for name, tensor in want.items():
             assert torch.equal(got[name], tensor), ("4 -> 2", rank, name)
-    shared_pool(2).run(_save_at, kind, path2)
-    got = _resume_at(0, 1, kind, path2)
+    shared_pool(2).run(_save_at, kind, model_name, path2)
+    got = _resume_at(0, 1, kind, model_name, path2)
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), ("2 -> 1", name)
