@@ -15,6 +15,7 @@ from test_dtensor_muon import E2E_TOL
 from torch import nn
 
 import muonscale
+from muonscale.distributed.ownership import assign_owners, parameter_cost, rank_loads
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -104,9 +105,37 @@ def _distributed_muon(rank: int, world_size: int) -> dict:
     return {
         "weights": _train(model, opt),
         "ns_flops": opt.layout_stats()["ns_flops"],
+        "loads": _owner_loads(opt),
+        "whole": _whole_parameter_loads(opt),
         "spread": spread,
         "table": opt.ownership_table(),
     }
+
+
+def _owner_loads(opt) -> list[int]:
+    """Newton–Schulz FLOPs per rank, summed over the matrices each rank steps: a parameter
+    owned whole, or its owner's range of a stack's experts, which together must cover every
+    expert of the stack once, in order."""
+    loads = [0] * opt.world_size
+    for i in opt.muon_indices:
+        shapes = opt.matrix_shapes_by_index[i]
+        if i not in opt.expert_ranges:
+            loads[opt.owner_rank[i]] += parameter_cost(shapes)
+            continue
+        ranges = opt.expert_ranges[i]
+        assert [r.first for r in ranges] == [0] + [r.stop for r in ranges[:-1]], ranges
+        assert ranges[-1].stop == ranges[0].count and len({r.owner for r in ranges}) == len(ranges)
+        per = len(shapes) // ranges[0].count  # matrices of one expert (gate and up: 2)
+        for r in ranges:
+            loads[r.owner] += parameter_cost(shapes[r.first * per : r.stop * per])
+    return loads
+
+
+def _whole_parameter_loads(opt) -> list[int]:
+    """The same loads were every Muon parameter owned whole (stacks included)."""
+    shapes = [opt.matrix_shapes_by_index[i] for i in opt.muon_indices]
+    sizes = [opt.params[i].numel() * opt.params[i].element_size() for i in opt.muon_indices]
+    return rank_loads(shapes, assign_owners(shapes, opt.world_size, sizes=sizes), opt.world_size)
 
 
 def _dtensor_muon(rank: int, world_size: int) -> dict[str, torch.Tensor]:
@@ -124,25 +153,36 @@ def _max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> fl
     return max((got[n] - w).abs().max().item() for n, w in want.items())
 
 
+def _ratio(loads: list[int]) -> float:
+    return max(loads) / (sum(loads) / len(loads))
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_distributed_muon_trains_a_moe_model_as_one_process(world_size):
     """Every stack's experts are spread over all the owners, the largest owner's
-    Newton–Schulz load stays within 1.25× the mean (owned whole, a gate/up stack alone
-    would be 1.27× at 4 ranks), and the trained weights match one process."""
+    Newton–Schulz load (summed here from the ranges of experts each rank steps) stays within
+    1.25× the mean, and the trained weights match one process. At 4 ranks the model needs
+    the spread: with every parameter owned whole, one gate/up stack alone exceeds that."""
     want = _single_process()
     results = shared_pool(world_size).run(_distributed_muon)
     for rank, got in enumerate(results):
         assert _max_diff(got["weights"], want) <= DP_TOL, rank
-    loads = results[0]["ns_flops"]
-    ratio = max(loads) / (sum(loads) / world_size)
-    print(f"\n{world_size} ranks: NS FLOPs per owner {loads}, largest / mean {ratio:.3f}")
+    loads, whole = results[0]["loads"], results[0]["whole"]
+    print(
+        f"\n{world_size} ranks: NS FLOPs per owner {loads}, largest / mean "
+        f"{_ratio(loads):.3f} (every parameter owned whole: {_ratio(whole):.3f})"
+    )
     print(results[0]["table"])
-    assert ratio <= LOAD_RATIO
+    assert loads == results[0]["ns_flops"]  # the layout's own figures agree
+    assert _ratio(loads) <= LOAD_RATIO
+    if world_size == 4:
+        assert _ratio(whole) > LOAD_RATIO
     stacks = [f"layers.{k}.experts.{w}" for k in range(2) for w in ("gate_up_proj", "down_proj")]
     assert results[0]["spread"] == dict.fromkeys(stacks, world_size)
 
 
-def test_dtensor_muon_under_fsdp2_trains_a_moe_model_as_one_process():
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_dtensor_muon_under_fsdp2_trains_a_moe_model_as_one_process(world_size):
     want = _single_process()
-    for rank, got in enumerate(shared_pool(2).run(_dtensor_muon)):
+    for rank, got in enumerate(shared_pool(world_size).run(_dtensor_muon)):
         assert _max_diff(got, want) <= E2E_TOL, rank

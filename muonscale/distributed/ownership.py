@@ -235,14 +235,15 @@ def format_ownership_table(
     ns_steps: int = 5,
     numels: Sequence[int] | None = None,
 ) -> str:
-    """Human-readable table: one line per parameter, then per-rank FLOP and element totals."""
-    lines = [f"{'parameter':<40} {'matrices':<24} {'owner':>5} {'NS GFLOP':>9}"]
+    """Human-readable table: one line per parameter (or range of a stack's experts), then
+    per-rank FLOP and element totals."""
+    width = max([40, *(len(name) for name in names)])
+    lines = [f"{'parameter':<{width}} {'matrices':<24} {'owner':>5} {'NS GFLOP':>9}"]
     for name, entry, rank in zip(names, shapes, owners):
         mats = _matrix_list(entry)
         desc = f"{len(mats)}x{mats[0][0]}x{mats[0][1]}" if len(set(mats)) == 1 else str(mats)
-        lines.append(
-            f"{name:<40} {desc:<24} {rank:>5} {parameter_cost(entry, ns_steps) / 1e9:>9.3f}"
-        )
+        cost = parameter_cost(entry, ns_steps) / 1e9
+        lines.append(f"{name:<{width}} {desc:<24} {rank:>5} {cost:>9.3f}")
     loads = rank_loads(shapes, owners, world_size, ns_steps=ns_steps)
     elems = rank_totals(numels, owners, world_size) if numels is not None else None
     for rank in range(world_size):
