@@ -13,6 +13,7 @@ import contextlib
 import pytest
 import torch
 from distributed_harness import shared_pool
+from test_distributed_dp import main_copies, train_injected
 from test_distributed_update_gather import rounding_updates
 from test_experts import Model
 from test_experts_end_to_end import TinyMoE
@@ -123,6 +124,44 @@ def test_owners_send_their_experts_updates_bitwise(case, world_size):
         assert got["gathered"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
 
 
+def _bf16_with_main_copies(rank: int, world_size: int) -> dict:
+    """A bf16 model with fp32 main copies where each rank updates (its range of each stack's
+    experts): the gathered main copies, the model's weights, and the main copy elements this
+    rank holds."""
+    from muonscale.distributed import DistributedMuon
+
+    torch.manual_seed(0)
+    model = Model().bfloat16()
+    opt = DistributedMuon(model, **OPTIONS, main_params_dtype=torch.float32, **TINY_BUCKETS)
+    train_injected(model, opt, STEPS)
+    held = sum(s["main_param"].numel() for s in opt.state.values() if "main_param" in s)
+    spread = sorted(opt.param_table.name(opt.params[i]) for i in opt.expert_ranges)
+    return {"main": main_copies(opt), "weights": _full(model), "held": held, "spread": spread}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_main_copies_of_ranges_of_experts(world_size):
+    """bf16 expert stacks with fp32 main copies: each owner keeps the main copy of its range
+    of experts only (every element has one main copy over the ranks), the model holds them
+    rounded, and they follow single-process fp32 Muon from the rounded weights within
+    ``tests/test_distributed_dp.py``'s tolerance for main copies (with gradients whose bf16
+    mean is exact)."""
+    torch.manual_seed(0)
+    ref = Model()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(p.bfloat16().float())
+    train_injected(ref, muonscale.Muon(ref, **OPTIONS), STEPS)
+    want = dict(ref.named_parameters())
+    results = shared_pool(world_size).run(_bf16_with_main_copies)
+    for rank, got in enumerate(results):
+        for name, tensor in want.items():
+            assert (got["main"][name] - tensor).abs().max().item() <= 1e-6, (rank, name)
+            assert torch.equal(got["weights"][name], got["main"][name].bfloat16()), (rank, name)
+        assert got["spread"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    assert sum(r["held"] for r in results) == sum(p.numel() for p in ref.parameters())
+
+
 EXPERTS_ONLY = [(r"^(?!mlp\.experts\.)", "adamw")]  # Muon on the expert stacks alone
 
 
@@ -196,6 +235,7 @@ SAVE_AT, TOTAL = 2, 4
 
 MODELS = {  # name: (model, its options): 3 experts stored (in, out); 8 stored (out, in)
     "gpt_oss": (Model, {}),
+    "gpt_oss-normuon": (Model, dict(normalize="row")),
     "qwen3_moe-normuon": (TinyMoE, dict(normalize="row")),  # row state resharded per expert
 }
 
