@@ -76,15 +76,19 @@ def _model() -> TinyMoE:
     return TinyMoE()
 
 
-def _train(model: nn.Module, opt, steps: int = STEPS) -> dict[str, torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-
+def _steps(model: nn.Module, opt, steps: int = STEPS) -> None:
     for step in range(steps):
         g = torch.Generator().manual_seed(1000 + step)
         x, y = torch.randint(VOCAB, (8, 4), generator=g), torch.randint(VOCAB, (32,), generator=g)
         F.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad()
+
+
+def _train(model: nn.Module, opt, steps: int = STEPS) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    _steps(model, opt, steps)
     return {
         n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         for n, p in model.named_parameters()
@@ -138,6 +142,21 @@ def _whole_parameter_loads(opt) -> list[int]:
     return rank_loads(shapes, assign_owners(shapes, opt.world_size, sizes=sizes), opt.world_size)
 
 
+def _deferred_update_gather(rank: int, world_size: int) -> dict[bool, dict[str, torch.Tensor]]:
+    """The owners' rounded updates of their ranges of experts (tiny buckets: ranges cut
+    across buckets), gathered within ``step()`` and deferred to the next forward."""
+    from muonscale.distributed import DistributedMuon
+
+    out = {}
+    for defer in (False, True):
+        model = _model()
+        options = dict(gather_updates=True, defer_gather=defer, bucket_cap_mb=2e-4)
+        with DistributedMuon(model, **OPTIONS, **options) as opt:
+            _steps(model, opt)
+        out[defer] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
 def _dtensor_muon(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -186,3 +205,13 @@ def test_dtensor_muon_under_fsdp2_trains_a_moe_model_as_one_process(world_size):
     want = _single_process()
     for rank, got in enumerate(shared_pool(world_size).run(_dtensor_muon)):
         assert _max_diff(got, want) <= E2E_TOL, rank
+
+
+def test_deferred_gathers_of_expert_updates_land_the_same_bits():
+    """``defer_gather``: the gathered updates of each range of experts land in the next
+    forward's pre-hooks, on the same bits as gathered within ``step()``, on every rank."""
+    results = shared_pool(2).run(_deferred_update_gather)
+    for rank, got in enumerate(results):
+        for name, tensor in got[False].items():
+            assert torch.equal(got[True][name], tensor), (rank, name)
+            assert torch.equal(tensor, results[0][False][name]), (rank, name)
