@@ -3,8 +3,11 @@ experts spread over owners, a contiguous range each) and ``DTensorMuon`` under F
 expert by the rank that holds it) at 2 and 4 gloo ranks equal single-process Muon bitwise on a
 model with expert stacks (GPT-OSS's layout: (in, out), interleaved gate/up, per-expert biases)
 and a dense fused gate/up weight, with identical gradients injected; plain Muon and NorMuon
-(whose row state follows the expert view). The experts FSDP2 holds whole move no optimizer
-bytes, and expert state resumes across world sizes through DCP."""
+(whose row state follows the expert view). ``DistributedMuon`` also with DBRX's 2-D
+concatenations of experts, with the owners sending their ranges' bfloat16 updates (rounded
+under fp32 Newton–Schulz, as the reference then rounds them), and with fp32 main copies of
+bf16 stacks. The experts FSDP2 holds whole move no optimizer bytes, and expert state resumes
+across world sizes through DCP (4 -> 2, 2 -> 1) bitwise."""
 
 from __future__ import annotations
 
@@ -17,11 +20,35 @@ from test_distributed_dp import main_copies, train_injected
 from test_distributed_update_gather import rounding_updates
 from test_experts import Model
 from test_experts_end_to_end import TinyMoE
+from torch import nn
 
 import muonscale
+from muonscale import ExpertLayout
 
 OPTIONS = dict(lr=0.02, weight_decay=0.1, ns_dtype=torch.float32, adamw_lr=0.01)
 STEPS = 3
+
+
+class Concatenated(nn.Module):
+    """Experts concatenated along dim 0 of 2-D weights, as DBRX stores them: ``w1`` (E·F, D)
+    used as (out, in), ``w2`` (E·F, D) used per expert as (in, out); declared with
+    ``splits``."""
+
+    E, F, D = 4, 6, 8
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(self.E * self.F, self.D))
+        self.w2 = nn.Parameter(torch.randn(self.E * self.F, self.D))
+        self.dense = nn.Linear(self.D, self.D, bias=False)
+
+
+CONCATENATED = dict(
+    splits={
+        "w1": ExpertLayout(n_experts=Concatenated.E),
+        "w2": ExpertLayout(n_experts=Concatenated.E, transposed=True),
+    }
+)
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -82,6 +109,33 @@ def test_expert_views_equal_single_process_bitwise(kind, options, world_size):
             assert torch.equal(got[name], tensor), (kind, rank, name)
         if kind == "distributed":  # each stack stepped by several owners, an expert range each
             assert got["spread"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+
+
+def _concatenated_experts(rank: int, world_size: int) -> dict:
+    from muonscale.distributed import DistributedMuon
+
+    torch.manual_seed(0)
+    model = Concatenated()
+    opt = DistributedMuon(model, **OPTIONS, **CONCATENATED, normalize="row")
+    _train_injected(model, opt, 0, STEPS)
+    spread = {opt.param_table.name(opt.params[i]): len(r) for i, r in opt.expert_ranges.items()}
+    return {"weights": _full(model), "spread": spread}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_concatenated_experts_spread_over_owners_bitwise(world_size):
+    """2-D concatenations of experts (row blocks, each in its own orientation) spread over
+    the owners as 3-D stacks do, with NorMuon's row state per range: single-process Muon's
+    weights bitwise."""
+    torch.manual_seed(0)
+    model = Concatenated()
+    opt = muonscale.Muon(model, **OPTIONS, **CONCATENATED, normalize="row")
+    _train_injected(model, opt, 0, STEPS)
+    want = _full(model)
+    for rank, got in enumerate(shared_pool(world_size).run(_concatenated_experts)):
+        for name, tensor in want.items():
+            assert torch.equal(got["weights"][name], tensor), (rank, name)
+        assert sorted(got["spread"]) == ["w1", "w2"] and min(got["spread"].values()) > 1
 
 
 GATHER_CASES = {  # name: (Muon options, DistributedMuon's, the reference rounds each update)
@@ -237,6 +291,7 @@ MODELS = {  # name: (model, its options): 3 experts stored (in, out); 8 stored (
     "gpt_oss": (Model, {}),
     "gpt_oss-normuon": (Model, dict(normalize="row")),
     "qwen3_moe-normuon": (TinyMoE, dict(normalize="row")),  # row state resharded per expert
+    "dbrx-normuon": (Concatenated, dict(normalize="row", **CONCATENATED)),
 }
 
 
