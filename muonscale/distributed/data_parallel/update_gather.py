@@ -138,25 +138,28 @@ class UpdateGather:
     def capture(
         self, layout: DataParallelLayout, param_table: ParamTable, present: list[bool]
     ) -> None:
-        """The lr, weight decay and update rule of every gathered matrix with a gradient this
-        step (the same on every rank). Raises on every rank if a group's Newton–Schulz dtype
-        left bfloat16 after construction without ``gather_updates=True``."""
+        """The lr, weight decay and update rule of every gathered unit (a matrix, or a range
+        of a stack's experts) with a gradient this step (the same on every rank). Raises on
+        every rank if a group's Newton–Schulz dtype left bfloat16 after construction without
+        ``gather_updates=True``."""
         self._rules = {}
         self._missing = {u: len(pieces) for u, pieces in self._pieces.items()}
         for u in self._offset:
-            p, group = layout.params[unit_param(u)], layout.group_of[unit_param(u)]
+            i = unit_param(u)
+            p, group = layout.params[i], layout.group_of[i]
             if self.option is None and resolved_ns_dtype(group, p.device) != UPDATE_DTYPE:
                 raise ValueError(
                     f"parameter '{self._name_of(p)}': its group's ns_dtype is no longer bfloat16, "
                     "but DistributedMuon chose at construction to gather its bfloat16 update: "
                     "pass gather_updates=True (rounds each update to bfloat16) or False"
                 )
-            if not present[unit_param(u)] or p.numel() == 0:
+            if not present[i] or p.numel() == 0:
                 continue
             settings = MuonSettings.from_group(group)
-            view = param_table.view(p, group["matrix_mode"])
-            if isinstance(u, ExpertRange):
+            if isinstance(u, ExpertRange):  # the sub-stack its owner steps
                 view = layout.range_view(u)
+            else:
+                view = param_table.view(p, group["matrix_mode"])
             lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
             self._rules[u] = UpdateRule(lr, weight_decay, apply_rule(view, settings))
 
