@@ -3,7 +3,9 @@
 with the same batch on every rank: ``DistributedMuon`` (each stack's experts spread over the
 owners) at 2 and 4 gloo ranks within ``tests/test_distributed_dp.py``'s tolerance of
 single-process Muon, ``DTensorMuon`` under FSDP2 within ``tests/test_dtensor_muon.py``'s
-``E2E_TOL``; and the owners' Newton–Schulz load is balanced per expert."""
+``E2E_TOL``; the owners' Newton–Schulz load is balanced per expert, deferred gathers of the
+owners' updates land the same bits, and NorMuon's row state of a range of experts moves no
+bytes."""
 
 from __future__ import annotations
 
@@ -157,6 +159,19 @@ def _deferred_update_gather(rank: int, world_size: int) -> dict[bool, dict[str, 
     return out
 
 
+def _wire_per_step(rank: int, world_size: int) -> dict[str, dict[str, int]]:
+    """The bytes of one step by kind of collective, plain Muon and NorMuon."""
+    from muonscale.distributed import DistributedMuon
+
+    out = {}
+    for name, options in (("muon", {}), ("normuon", dict(normalize="row"))):
+        model = _model()
+        opt = DistributedMuon(model, **OPTIONS, **options)
+        _steps(model, opt)
+        out[name] = dict(opt.last_step_wire_breakdown)
+    return out
+
+
 def _dtensor_muon(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -215,3 +230,11 @@ def test_deferred_gathers_of_expert_updates_land_the_same_bits():
         for name, tensor in got[False].items():
             assert torch.equal(got[True][name], tensor), (rank, name)
             assert torch.equal(tensor, results[0][False][name]), (rank, name)
+
+
+def test_normuon_row_state_of_ranges_of_experts_moves_nothing():
+    """Each owner keeps NorMuon's row state of its own range of experts: a NorMuon step sends
+    exactly the bytes of a plain Muon step."""
+    for got in shared_pool(2).run(_wire_per_step):
+        assert got["muon"]["muon/reduce_scatter"] > 0
+        assert got["normuon"] == got["muon"]
