@@ -12,6 +12,7 @@ across world sizes through DCP (4 -> 2, 2 -> 1) bitwise."""
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -86,6 +87,7 @@ def _distributed(rank: int, world_size: int, kind: str, options: dict) -> dict:
     for step in range(STEPS):
         for name, grad in _gradients(model, step).items():
             p = dict(model.named_parameters())[name]
+            grad = grad.to(p.dtype)
             if isinstance(p, DTensor):
                 grad = distribute_tensor(grad, p.device_mesh, p.placements)
             p.grad = grad
@@ -320,6 +322,7 @@ def _train_injected(model, opt, first: int, last: int) -> None:
     for step in range(first, last):
         for name, grad in _gradients(model, step).items():
             p = dict(model.named_parameters())[name]
+            grad = grad.to(p.dtype)
             if isinstance(p, DTensor):
                 grad = distribute_tensor(grad, p.device_mesh, p.placements)
             p.grad = grad
@@ -386,3 +389,169 @@ def test_expert_state_resumes_across_world_sizes_bitwise(kind, model_name, tmp_p
     got = _resume_at(0, 1, kind, model_name, path2)
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), ("2 -> 1", name)
+
+
+def test_expert_ranges_refuse_lists_of_other_lengths():
+    from muonscale.distributed.ownership import assign_expert_ranges
+
+    shapes = [[(4, 8)] * 2, (8, 8)]
+    with pytest.raises(ValueError, match="experts has 1 entries, shapes 2"):
+        assign_expert_ranges(shapes, [2], 2)
+    with pytest.raises(ValueError, match="sizes has 3 entries, shapes 2"):
+        assign_expert_ranges(shapes, [2, 1], 2, sizes=[1, 2, 3])
+    with pytest.raises(ValueError, match="parameter 0: 2 matrices do not split into 3"):
+        assign_expert_ranges(shapes, [3, 1], 2)
+
+
+def test_expert_rows_refuse_a_tensor_that_does_not_split_into_the_experts():
+    from muonscale.distributed.data_parallel.buckets import ExpertRange
+    from muonscale.distributed.data_parallel.layout import expert_rows
+
+    r = ExpertRange(0, 1, 3, count=4, owner=1, start=6, numel=12, shape=(2, 2, 3))
+    assert torch.equal(expert_rows(torch.arange(8), r), torch.arange(2, 6))
+    with pytest.raises(ValueError, match=r"'w' state 'v': shape \(7,\) does not split into 4"):
+        expert_rows(torch.arange(7), r, "parameter 'w' state 'v'")
+
+
+def _load_misshapen(rank: int, world_size: int) -> list[str]:
+    """Load full states whose momentum, main copy or row state of a spread stack has another
+    shape: the errors, and whether this rank's state stayed as it was."""
+    from muonscale.distributed import DistributedMuon
+
+    torch.manual_seed(0)
+    model = Model().bfloat16()
+    options = dict(normalize="row", main_params_dtype=torch.float32)
+    opt = DistributedMuon(model, **OPTIONS, **options)
+    _train_injected(model, opt, 0, 1)
+    saved = opt.state_dict()
+    i = opt.index_of(model.mlp.experts.gate_up_proj)
+    assert i in opt.expert_ranges
+    before = {k: v.clone() for k, v in opt.state[opt.params[i]].items() if torch.is_tensor(v)}
+    errors = []
+    for key in ("momentum_buffer", "main_param", "row_second_moment"):
+        bad = copy.deepcopy(saved)
+        assert key in bad["state"][i], sorted(bad["state"][i])
+        bad["state"][i][key] = bad["state"][i][key][:-1]  # one row short
+        with pytest.raises(ValueError) as error:
+            opt.load_state_dict(bad)
+        errors.append(str(error.value))
+    after = opt.state[opt.params[i]]
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    return errors
+
+
+def test_loaded_state_of_another_shape_is_refused_naming_it():
+    """A loaded state tensor of a stack spread over owners must have the whole stack's
+    shape: otherwise ValueError naming the parameter and the key, and nothing changes (a copy
+    into a range of experts would broadcast it)."""
+    for errors in shared_pool(2).run(_load_misshapen):
+        for key, error in zip(("momentum_buffer", "main_param", "row_second_moment"), errors):
+            assert f"'{key}'" in error and "mlp.experts.gate_up_proj" in error, error
+
+
+# ---------------------------------------------------------------- the plan, without floats
+RANGE_CASES = {  # name: (per parameter: experts and one expert's matrix shapes, world size)
+    "one-expert": ([(1, [(8, 16)]), (1, [(16, 16)])], 2),
+    "fewer-experts-than-ranks": ([(3, [(8, 16)]), (1, [(4, 4)])], 4),
+    "many-experts": ([(8, [(8, 16), (8, 16)]), (8, [(16, 8)]), (1, [(32, 32)])], 4),
+    "zero-size-stack": ([(4, [(0, 16)]), (6, [(8, 8)])], 2),
+    "stack-and-dense": ([(4, [(16, 32)]), (1, [(16, 16)]), (1, [(8, 16)])], 3),
+}
+
+
+def _stacks(case: str):
+    params, world_size = RANGE_CASES[case]
+    shapes = [mats * count for count, mats in params]
+    experts = [count for count, _ in params]
+    sizes = [4 * sum(m * n for m, n in entry) for entry in shapes]
+    return shapes, experts, sizes, world_size
+
+
+@pytest.mark.parametrize("case", list(RANGE_CASES))
+def test_expert_ranges_cover_each_stack_once_with_one_range_per_owner(case):
+    from muonscale.distributed.ownership import assign_expert_ranges, assign_owners
+
+    shapes, experts, sizes, world_size = _stacks(case)
+    plan = assign_expert_ranges(shapes, experts, world_size, sizes=sizes)
+    assert len(plan) == len(shapes)
+    for ranges, count in zip(plan, experts):
+        firsts, stops = [r[1] for r in ranges], [r[2] for r in ranges]
+        assert firsts == [0, *stops[:-1]] and stops[-1] == count, ranges  # [0, E) once
+        assert all(first < stop for first, stop in zip(firsts, stops)), ranges
+        owners = [r[0] for r in ranges]
+        assert owners == sorted(set(owners)) and 0 <= owners[0] and owners[-1] < world_size
+    if all(count == 1 for count in experts):  # a dense list: assign_owners' owners
+        assert [r[0][0] for r in plan] == assign_owners(shapes, world_size, sizes=sizes)
+
+
+def _plan_ranges(case: str):
+    """Every parameter of ``case`` laid out as DataParallelLayout lays it: a stack with
+    several owners as ranges of experts, anything else whole."""
+    from muonscale.distributed.data_parallel.layout import expert_range
+    from muonscale.distributed.ownership import assign_expert_ranges
+    from muonscale.matrices import MatrixView
+
+    shapes, experts, sizes, world_size = _stacks(case)
+    units, owners, numels, views = [], {}, {}, {}
+    for i, (ranges, count, entry) in enumerate(
+        zip(assign_expert_ranges(shapes, experts, world_size, sizes=sizes), experts, shapes)
+    ):
+        m, n = entry[0]
+        per = len(entry) // count
+        views[i] = MatrixView.build((count, per * m, n), experts=count)
+        numels[i] = count * per * m * n
+        if len(ranges) == 1:
+            owners[i] = ranges[0][0]
+            units.append(i)
+        else:
+            units += [expert_range(i, views[i], *r) for r in ranges]
+    return units, owners, numels, views, world_size
+
+
+@pytest.mark.parametrize("case", list(RANGE_CASES))
+def test_owner_stream_pieces_tile_each_range_of_experts(case):
+    """Tiny buckets: the pieces of every owned unit (a parameter, or a range of experts) tile
+    its elements of the flattened parameter exactly once, all in its owner's slices."""
+    from muonscale.distributed.data_parallel.buckets import (
+        ExpertRange,
+        plan_owner_streams,
+        unit_param,
+    )
+
+    units, owners, numels, _, world_size = _plan_ranges(case)
+    streams = plan_owner_streams(units, numels, owners, world_size, bucket_elems=96)
+    for u in units:
+        start, numel = (u.start, u.numel) if isinstance(u, ExpertRange) else (0, numels[u])
+        owner = u.owner if isinstance(u, ExpertRange) else owners[u]
+        pieces = sorted(
+            (piece.param_start, piece.length, bucket.rank_of(piece))
+            for bucket in streams.buckets
+            for piece in bucket.pieces
+            if piece.param == unit_param(u) and start <= piece.param_start < start + numel
+        )
+        covered = start
+        for piece_start, length, rank in pieces:
+            assert piece_start == covered and rank == owner, (u, pieces)
+            covered += length
+        assert covered == start + numel, (u, pieces)
+    for rank in range(world_size):
+        assert streams.owned_numel(rank) == sum(
+            streams.numels[u]
+            for u in units
+            if (u.owner if isinstance(u, ExpertRange) else owners[u]) == rank
+        )
+
+
+@pytest.mark.parametrize("case", list(RANGE_CASES))
+def test_expert_rows_of_a_range_are_its_flat_slice(case):
+    from muonscale.distributed.data_parallel.buckets import ExpertRange
+    from muonscale.distributed.data_parallel.layout import expert_rows
+
+    units, _, numels, views, _ = _plan_ranges(case)
+    for u in units:
+        if not isinstance(u, ExpertRange):
+            continue
+        whole = torch.arange(numels[u.param]).view(views[u.param].param_shape)
+        part = expert_rows(whole, u)
+        assert part.shape == u.shape
+        assert torch.equal(part.reshape(-1), whole.view(-1)[u.start : u.start + u.numel])

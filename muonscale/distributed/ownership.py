@@ -113,8 +113,12 @@ def assign_expert_ranges(
     one contiguous range. Returns per parameter its ``(rank, first, stop)`` ranges, in expert
     order. Parameters of one expert are assigned exactly as :func:`assign_owners` assigns
     them (the same units in the same order)."""
+    if len(experts) != len(shapes):
+        raise ValueError(f"experts has {len(experts)} entries, shapes {len(shapes)}")
+    if sizes is not None and len(sizes) != len(shapes):
+        raise ValueError(f"sizes has {len(sizes)} entries, shapes {len(shapes)}")
     units, unit_sizes, first_unit = [], [], []
-    for i, (entry, count) in enumerate(zip(shapes, experts)):
+    for i, (entry, count) in enumerate(zip(shapes, experts, strict=True)):
         mats = _matrix_list(entry)
         if count < 1 or len(mats) % count:
             raise ValueError(
@@ -125,13 +129,11 @@ def assign_expert_ranges(
         units += [mats[e * per : (e + 1) * per] for e in range(count)]
         if sizes is not None:
             unit_sizes += [int(sizes[i]) // count] * count
-    if sizes is not None and len(sizes) != len(shapes):
-        raise ValueError(f"sizes has {len(sizes)} entries, shapes {len(shapes)}")
     owners = assign_owners(
         units, world_size, ns_steps=ns_steps, sizes=unit_sizes if sizes is not None else None
     )
     out = []
-    for start, count in zip(first_unit, experts):
+    for start, count in zip(first_unit, experts, strict=True):
         counts = [0] * world_size
         for rank in owners[start : start + count]:
             counts[rank] += 1

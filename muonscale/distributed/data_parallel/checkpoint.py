@@ -21,6 +21,7 @@ part it holds). Both take the :class:`~.layout.DataParallelLayout`, the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +32,7 @@ from ...optimizer_state import check_loaded_groups
 from ...param_table import ParamTable
 from ...settings import MuonSettings
 from ..comm import WireCounter
+from .buckets import ExpertRange, OwnedUnit
 from .layout import DataParallelLayout, expert_rows
 from .reduction import BucketedReduction
 
@@ -81,7 +83,15 @@ def _gather_full_state(
             buf = torch.empty(shape, dtype=dtype, device=p.device)
             for part, owner in _owned_parts(layout, i, buf):
                 if owner == layout.rank:
-                    part.copy_(state[p][name])
+                    held = state[p][name]
+                    if held.shape != part.shape:  # replaced by hand: never broadcast it
+                        raise ValueError(
+                            f"state_dict: state '{name}' of parameter "
+                            f"'{param_table.label(p, layout.param_groups)}' held on rank "
+                            f"{layout.rank} has shape {tuple(held.shape)}, expected "
+                            f"{tuple(part.shape)}"
+                        )
+                    part.copy_(held)
                 layout.comm.broadcast(part, src=owner, tag="checkpoint")
             full[i][name] = buf
     for shards in reduction.flat_shards:  # AdamW moments: shard r of every flat bucket
@@ -179,28 +189,31 @@ def load_full_state(
             )
         for p, key in zip(group["params"], saved["params"]):
             key_of[layout.index_of(p)] = key
-        for name, value in saved.items():
+    saved_state = state_dict["state"]
+    whole = _whole_shapes(layout, param_table)
+    _check_whole_shapes(
+        layout, param_table, whole, {i: saved_state.get(key_of[i], {}) for i in whole}
+    )
+    for group, saved in zip(layout.param_groups, saved_groups):
+        for name, value in {"algorithm": "muon", **saved}.items():
             if name != "params":
                 group[name] = tuple(value) if name == "betas" else value
-    saved_state = state_dict["state"]
     for i in layout.muon_indices:
         units = layout.owned_units(i)
         if not units:
             continue
         (unit,) = units  # the parameter whole, or this rank's range of its experts
         p, held = layout.params[i], state[layout.params[i]]
-        rows = (lambda t: t) if unit == i else (lambda t, r=unit: expert_rows(t, r))
         entry = saved_state.get(key_of[i], {})
-        source = entry.get("momentum_buffer")
-        buf = held["momentum_buffer"]
+        part = functools.partial(_unit_part, entry, whole[i], unit)
+        source = part(MOMENTUM.key)
+        buf = held[MOMENTUM.key]
         if source is None:
             buf.zero_()
         else:
-            buf.copy_(rows(source.view(p.shape)))
+            buf.copy_(source)
         if "main_param" in held:
-            main = entry.get("main_param")
-            main = None if main is None else rows(main.view(p.shape))
-            _load_main(held["main_param"], reduction.owned_slice(unit), main)
+            _load_main(held["main_param"], reduction.owned_slice(unit), part("main_param"))
         settings = MuonSettings.from_group(layout.group_of[i])  # the loaded options
         kept = kept_state(settings, variants_only=True)
         for spec in VARIANT_STATE:
@@ -211,11 +224,11 @@ def load_full_state(
                 view = param_table.view(p, layout.group_of[i]["matrix_mode"])
                 view = view if unit == i else layout.range_view(unit)
                 held[spec.key] = spec.zeros(settings, view, p.dtype, p.device)
-            moment = entry.get(spec.key)
+            moment = part(spec.key)
             if moment is None:
                 held[spec.key].zero_()
             else:
-                held[spec.key].copy_(rows(moment))
+                held[spec.key].copy_(moment)
     for i in layout.adamw_indices:
         entry = saved_state.get(key_of[i], {})
         p = layout.params[i]
@@ -237,6 +250,54 @@ def load_full_state(
                 held["main_param"],
                 p.view(-1)[window],
                 None if source is None else source.reshape(-1)[window],
+            )
+
+
+def _unit_part(
+    entry: Mapping[str, Any], whole: Mapping[str, torch.Size], unit: OwnedUnit, key: str
+) -> torch.Tensor | None:
+    """The loaded ``entry[key]`` (checked against its ``whole`` shape) of ``unit``: the whole
+    tensor, or the rows of a range of experts; None when not saved."""
+    source = entry.get(key)
+    if source is None:
+        return None
+    source = source.view(whole[key])  # a momentum or main copy may come flat
+    return expert_rows(source, unit) if isinstance(unit, ExpertRange) else source
+
+
+def _whole_shapes(layout: DataParallelLayout, param_table: ParamTable) -> dict[int, dict]:
+    """Per Muon index, the whole shape of each state tensor it may load: the momentum and the
+    main copy (the parameter's), and every row state (its declared shape)."""
+    out = {}
+    for i in layout.muon_indices:
+        p = layout.params[i]
+        view = param_table.view(p, layout.group_of[i]["matrix_mode"])
+        out[i] = {MOMENTUM.key: p.shape, "main_param": p.shape}
+        out[i].update({spec.key: torch.Size(spec.shape(view)) for spec in VARIANT_STATE})
+    return out
+
+
+def _check_whole_shapes(
+    layout: DataParallelLayout,
+    param_table: ParamTable,
+    whole: Mapping[int, Mapping[str, torch.Size]],
+    entries: Mapping[int, Mapping[str, Any]],
+) -> None:
+    """ValueError naming the parameter and the key, before anything changes, unless every
+    loaded state tensor of a Muon parameter has its whole shape (``whole``; the momentum and
+    the main copy may come with that many elements in any shape: torch keeps no shapes), so
+    that no copy into a part of it broadcasts."""
+    for i, shapes in whole.items():
+        for key, shape in shapes.items():
+            source = entries[i].get(key)
+            if not torch.is_tensor(source) or source.shape == shape:
+                continue
+            if key in (MOMENTUM.key, "main_param") and source.numel() == shape.numel():
+                continue
+            label = param_table.label(layout.params[i], layout.param_groups)
+            raise ValueError(
+                f"load_state_dict: state '{key}' of parameter '{label}' has shape "
+                f"{tuple(source.shape)}, expected {tuple(shape)}. Nothing was changed."
             )
 
 

@@ -343,10 +343,15 @@ def range_view(view: MatrixView, r: ExpertRange) -> MatrixView:
     )
 
 
-def expert_rows(tensor: torch.Tensor, r: ExpertRange) -> torch.Tensor:
+def expert_rows(tensor: torch.Tensor, r: ExpertRange, what: str = "state") -> torch.Tensor:
     """The part of a whole stack's state ``tensor`` (momentum, main copy: the parameter's
     shape; a row state: one entry per row of the expert matrices, in expert order) that
-    belongs to the experts of ``r``: dim 0 holds the stack's experts one after another."""
+    belongs to the experts of ``r``: dim 0 holds the stack's experts one after another.
+    Raises ValueError (naming ``what``) when dim 0 does not split into the stack's experts."""
+    if tensor.dim() == 0 or tensor.shape[0] % r.count:
+        raise ValueError(
+            f"{what}: shape {tuple(tensor.shape)} does not split into {r.count} experts along dim 0"
+        )
     per = tensor.shape[0] // r.count
     return tensor.narrow(0, r.first * per, (r.stop - r.first) * per)
 
