@@ -7,7 +7,9 @@ and a dense fused gate/up weight, with identical gradients injected; plain Muon 
 concatenations of experts, with the owners sending their ranges' bfloat16 updates (rounded
 under fp32 Newton–Schulz, as the reference then rounds them), and with fp32 main copies of
 bf16 stacks. The experts FSDP2 holds whole move no optimizer bytes, and expert state resumes
-across world sizes through DCP (4 -> 2, 2 -> 1) bitwise."""
+across world sizes through DCP (4 -> 2, 2 -> 1, 2 -> 4) and from plain Muon's state dict
+bitwise; misshapen loaded state is refused. The plan itself (ranges of experts, their stream
+pieces, their rows of a state tensor) is checked without floats."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import copy
 import pytest
 import torch
 from distributed_harness import shared_pool
-from test_distributed_dp import main_copies, train_injected
+from test_distributed_dp import main_copies
 from test_distributed_update_gather import rounding_updates
 from test_experts import Model
 from test_experts_end_to_end import TinyMoE
@@ -53,24 +55,31 @@ CONCATENATED = dict(
 pytestmark = pytest.mark.timeout(120)
 
 
-def _gradients(model, step: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + step)
-    return {n: torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
+def _train_injected(model, opt, first: int, last: int) -> None:
+    """Steps ``first`` to ``last`` with the same gradients on every rank: k/64 with
+    |k| ≤ 40 in each parameter's dtype (``tests/test_distributed_dp.py``'s: their mean over 2
+    or 4 ranks is exact even in bfloat16), placed as each parameter is (a DTensor's shards)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for step in range(first, last):
+        g = torch.Generator().manual_seed(100 + step)
+        for p in model.parameters():
+            grad = (torch.randint(-40, 41, p.shape, generator=g) / 64).to(p.dtype)
+            if isinstance(p, DTensor):
+                grad = distribute_tensor(grad, p.device_mesh, p.placements)
+            p.grad = grad
+        opt.step()
 
 
 def _single_process(options: dict) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = Model()
-    opt = muonscale.Muon(model, **{**OPTIONS, **options})
-    for step in range(STEPS):
-        for name, grad in _gradients(model, step).items():
-            dict(model.named_parameters())[name].grad = grad
-        opt.step()
+    _train_injected(model, muonscale.Muon(model, **{**OPTIONS, **options}), 0, STEPS)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _distributed(rank: int, world_size: int, kind: str, options: dict) -> dict:
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     from muonscale.distributed import DistributedMuon, DTensorMuon
 
@@ -84,14 +93,7 @@ def _distributed(rank: int, world_size: int, kind: str, options: dict) -> dict:
         opt = DTensorMuon(model, **OPTIONS, **options)
     else:
         opt = DistributedMuon(model, **OPTIONS, **options)
-    for step in range(STEPS):
-        for name, grad in _gradients(model, step).items():
-            p = dict(model.named_parameters())[name]
-            grad = grad.to(p.dtype)
-            if isinstance(p, DTensor):
-                grad = distribute_tensor(grad, p.device_mesh, p.placements)
-            p.grad = grad
-        opt.step()
+    _train_injected(model, opt, 0, STEPS)
     out = {}
     for name, p in model.named_parameters():
         whole = p.full_tensor() if isinstance(p, DTensor) else p
@@ -161,7 +163,20 @@ def _gathering_updates(rank: int, world_size: int, case: str) -> dict:
     return {
         "weights": _full(model),
         "gathered": sorted(opt.param_table.name(opt.params[i]) for i in gathered),
+        "buckets_per_range": _buckets_per_range(opt),
     }
+
+
+def _buckets_per_range(opt) -> list[int]:
+    """For each range of experts, the owner buckets its pieces lie in."""
+    buckets: dict = {r: set() for ranges in opt.expert_ranges.values() for r in ranges}
+    for s, stream in enumerate(opt.reduction.streams):
+        for k, bucket in enumerate(stream.layout.buckets):
+            for piece in bucket.pieces:
+                for r in opt.expert_ranges.get(piece.param, ()):
+                    if r.start <= piece.param_start < r.start + r.numel:
+                        buckets[r].add((s, k))
+    return sorted(len(b) for b in buckets.values())
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -178,6 +193,7 @@ def test_owners_send_their_experts_updates_bitwise(case, world_size):
         for name, tensor in want.items():
             assert torch.equal(got["weights"][name], tensor), (case, rank, name)
         assert got["gathered"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+        assert got["buckets_per_range"][-1] > 1  # some range is cut across buckets
 
 
 def _bf16_with_main_copies(rank: int, world_size: int) -> dict:
@@ -189,7 +205,7 @@ def _bf16_with_main_copies(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     model = Model().bfloat16()
     opt = DistributedMuon(model, **OPTIONS, main_params_dtype=torch.float32, **TINY_BUCKETS)
-    train_injected(model, opt, STEPS)
+    _train_injected(model, opt, 0, STEPS)
     held = sum(s["main_param"].numel() for s in opt.state.values() if "main_param" in s)
     spread = sorted(opt.param_table.name(opt.params[i]) for i in opt.expert_ranges)
     return {"main": main_copies(opt), "weights": _full(model), "held": held, "spread": spread}
@@ -199,20 +215,20 @@ def _bf16_with_main_copies(rank: int, world_size: int) -> dict:
 def test_main_copies_of_ranges_of_experts(world_size):
     """bf16 expert stacks with fp32 main copies: each owner keeps the main copy of its range
     of experts only (every element has one main copy over the ranks), the model holds them
-    rounded, and they follow single-process fp32 Muon from the rounded weights within
-    ``tests/test_distributed_dp.py``'s tolerance for main copies (with gradients whose bf16
-    mean is exact)."""
+    rounded, and they are single-process fp32 Muon's weights from the rounded weights, bit
+    for bit (the injected gradients' bf16 mean is exact, so the owners step the reference's
+    gradients)."""
     torch.manual_seed(0)
     ref = Model()
     with torch.no_grad():
         for p in ref.parameters():
             p.copy_(p.bfloat16().float())
-    train_injected(ref, muonscale.Muon(ref, **OPTIONS), STEPS)
+    _train_injected(ref, muonscale.Muon(ref, **OPTIONS), 0, STEPS)
     want = dict(ref.named_parameters())
     results = shared_pool(world_size).run(_bf16_with_main_copies)
     for rank, got in enumerate(results):
         for name, tensor in want.items():
-            assert (got["main"][name] - tensor).abs().max().item() <= 1e-6, (rank, name)
+            assert torch.equal(got["main"][name], tensor), (rank, name)
             assert torch.equal(got["weights"][name], got["main"][name].bfloat16()), (rank, name)
         assert got["spread"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
     assert sum(r["held"] for r in results) == sum(p.numel() for p in ref.parameters())
@@ -227,7 +243,7 @@ def _expert_bytes(rank: int, world_size: int, options: dict) -> dict:
     weights after the steps."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     from muonscale.distributed import DTensorMuon
 
@@ -237,10 +253,7 @@ def _expert_bytes(rank: int, world_size: int, options: dict) -> dict:
     opt = DTensorMuon(model, rules=EXPERTS_ONLY, **OPTIONS, **options)
     sent = []
     for step in range(STEPS):
-        for name, grad in _gradients(model, step).items():
-            p = dict(model.named_parameters())[name]
-            p.grad = distribute_tensor(grad, p.device_mesh, p.placements)
-        opt.step()
+        _train_injected(model, opt, step, step + 1)
         sent.append(dict(opt.last_step_wire_breakdown))
     weights = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     assert all(isinstance(p, DTensor) for p in model.parameters())
@@ -250,11 +263,9 @@ def _expert_bytes(rank: int, world_size: int, options: dict) -> dict:
 def _single_process_experts_only(options: dict) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = Model()
-    opt = muonscale.Muon(model, rules=EXPERTS_ONLY, **OPTIONS, **options)
-    for step in range(STEPS):
-        for name, grad in _gradients(model, step).items():
-            dict(model.named_parameters())[name].grad = grad
-        opt.step()
+    _train_injected(
+        model, muonscale.Muon(model, rules=EXPERTS_ONLY, **OPTIONS, **options), 0, STEPS
+    )
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -314,19 +325,6 @@ def _build(kind: str, world_size: int, model_name: str, seed: int = 0):
         fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
         return model, DTensorMuon(model, **options)
     return model, DistributedMuon(model, **options)
-
-
-def _train_injected(model, opt, first: int, last: int) -> None:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    for step in range(first, last):
-        for name, grad in _gradients(model, step).items():
-            p = dict(model.named_parameters())[name]
-            grad = grad.to(p.dtype)
-            if isinstance(p, DTensor):
-                grad = distribute_tensor(grad, p.device_mesh, p.placements)
-            p.grad = grad
-        opt.step()
 
 
 def _full(model) -> dict[str, torch.Tensor]:
@@ -389,6 +387,38 @@ def test_expert_state_resumes_across_world_sizes_bitwise(kind, model_name, tmp_p
     got = _resume_at(0, 1, kind, model_name, path2)
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), ("2 -> 1", name)
+
+
+def test_expert_state_resumes_on_more_ranks_and_from_plain_muon_bitwise(tmp_path):
+    """Narrower ranges: a DCP checkpoint saved at 2 ranks resumes at 4 (each owner keeps
+    fewer experts' state), and plain Muon's ``state_dict`` loads into ``DistributedMuon`` at
+    2 ranks; both end on the uninterrupted run's weights bit for bit."""
+    model_name = "qwen3_moe-normuon"  # 8 experts a stack: 4 or 2 per owner, NorMuon's rows
+    want = _uninterrupted(model_name)
+    path2 = str(tmp_path / "at2")
+    shared_pool(2).run(_save_at, "distributed", model_name, path2)
+    for rank, got in enumerate(shared_pool(4).run(_resume_at, "distributed", model_name, path2)):
+        for name, tensor in want.items():
+            assert torch.equal(got[name], tensor), ("2 -> 4", rank, name)
+    model, opt = _build("", 1, model_name)
+    _train_injected(model, opt, 0, SAVE_AT)
+    plain = str(tmp_path / "plain.pt")
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, plain)
+    for rank, got in enumerate(shared_pool(2).run(_resume_from_plain, model_name, plain)):
+        for name, tensor in want.items():
+            assert torch.equal(got[name], tensor), ("plain Muon -> 2", rank, name)
+
+
+def _resume_from_plain(
+    rank: int, world_size: int, model_name: str, path: str
+) -> dict[str, torch.Tensor]:
+    model, opt = _build("distributed", world_size, model_name, seed=123)
+    assert opt.expert_ranges
+    saved = torch.load(path, weights_only=True)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optim"])
+    _train_injected(model, opt, SAVE_AT, TOTAL)
+    return _full(model)
 
 
 def test_expert_ranges_refuse_lists_of_other_lengths():
