@@ -146,13 +146,13 @@ def _waves(rank, world_size, steps):
         model = make_model(n_hidden=8)
         opt = DistributedMuon(model, **OPTS, bucket_cap_mb=1e-4)
         launched_before_wave = []
-        update = opt._update_owned_matrices
+        update = opt._update_owned_units
 
         def recording(present, only=None):
             launched_before_wave.append(opt.comm.counter.calls_by_key["muon/all_gather"])
             return update(present, only=only)
 
-        opt._update_owned_matrices = recording
+        opt._update_owned_units = recording
         train(model, opt, steps)
     finally:
         del os.environ["MUONSCALE_UPDATE_CHUNK_MB"]
@@ -216,14 +216,14 @@ def _overlap_switch(rank, world_size, steps):
         for overlap in (True, False):
             model = make_model(n_hidden=8)
             opt = DistributedMuon(model, **OPTS, bucket_cap_mb=1e-4, overlap_gather=overlap)
-            update = opt._update_owned_matrices
+            update = opt._update_owned_units
 
             def recording(present, only=None, opt=opt, update=update):
                 launched_before_wave.append(opt.comm.counter.calls_by_key["muon/all_gather"])
                 return update(present, only=only)
 
             if not overlap:
-                opt._update_owned_matrices = recording
+                opt._update_owned_units = recording
             train(model, opt, steps, rank=rank, world_size=world_size, split=True)
             models.append(model)
             states.append(opt.state_dict()["state"])
@@ -671,7 +671,7 @@ def _fault(rank, world_size):
         def broken(*args, **kwargs):
             raise RuntimeError("injected failure on rank 1")
 
-        opt._update_owned_matrices = broken
+        opt._update_owned_units = broken
     start = time.monotonic()
     try:
         train(model, opt, 1, first_step=1)

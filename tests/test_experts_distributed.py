@@ -159,7 +159,7 @@ def _gathering_updates(rank: int, world_size: int, case: str) -> dict:
     model = Model()
     opt = DistributedMuon(model, **{**OPTIONS, **options}, **dist_options, **TINY_BUCKETS)
     _train_injected(model, opt, 0, STEPS)
-    gathered = {u.param for u in opt.update_gather.matrices if isinstance(u, ExpertRange)}
+    gathered = {u.param for u in opt.update_gather.gathered_units if isinstance(u, ExpertRange)}
     return {
         "weights": _full(model),
         "gathered": sorted(opt.param_table.name(opt.params[i]) for i in gathered),
@@ -173,9 +173,8 @@ def _buckets_per_range(opt) -> list[int]:
     for s, stream in enumerate(opt.reduction.streams):
         for k, bucket in enumerate(stream.layout.buckets):
             for piece in bucket.pieces:
-                for r in opt.expert_ranges.get(piece.param, ()):
-                    if r.start <= piece.param_start < r.start + r.numel:
-                        buckets[r].add((s, k))
+                if piece.unit in buckets:
+                    buckets[piece.unit].add((s, k))
     return sorted(len(b) for b in buckets.values())
 
 
@@ -540,8 +539,9 @@ def _plan_ranges(case: str):
 
 @pytest.mark.parametrize("case", list(RANGE_CASES))
 def test_owner_stream_pieces_tile_each_range_of_experts(case):
-    """Tiny buckets: the pieces of every owned unit (a parameter, or a range of experts) tile
-    its elements of the flattened parameter exactly once, all in its owner's slices."""
+    """Tiny buckets: the pieces of every owned unit (a parameter, or a range of experts), each
+    marked with its unit, tile its elements of the flattened parameter exactly once, all in
+    its owner's slices."""
     from muonscale.distributed.data_parallel.buckets import (
         ExpertRange,
         plan_owner_streams,
@@ -554,14 +554,15 @@ def test_owner_stream_pieces_tile_each_range_of_experts(case):
         start, numel = (u.start, u.numel) if isinstance(u, ExpertRange) else (0, numels[u])
         owner = u.owner if isinstance(u, ExpertRange) else owners[u]
         pieces = sorted(
-            (piece.param_start, piece.length, bucket.rank_of(piece))
+            (piece.param_start, piece.length, bucket.rank_of(piece), piece.param)
             for bucket in streams.buckets
             for piece in bucket.pieces
-            if piece.param == unit_param(u) and start <= piece.param_start < start + numel
+            if piece.unit == u
         )
         covered = start
-        for piece_start, length, rank in pieces:
+        for piece_start, length, rank, param in pieces:
             assert piece_start == covered and rank == owner, (u, pieces)
+            assert param == unit_param(u), (u, pieces)
             covered += length
         assert covered == start + numel, (u, pieces)
     for rank in range(world_size):

@@ -49,12 +49,14 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class Piece:
     """Elements ``[param_start, param_start + length)`` of a flattened parameter, stored at
-    ``buffer_start`` of a bucket buffer (or of a shard, for :class:`Segment`)."""
+    ``buffer_start`` of a bucket buffer (or of a shard, for :class:`Segment`); in an owner
+    bucket, ``unit`` is the owned unit it belongs to (None: AdamW fill)."""
 
     param: int
     param_start: int
     buffer_start: int
     length: int
+    unit: OwnedUnit | None = field(default=None, compare=False)
 
 
 Segment = Piece  # a piece of a parameter inside this rank's shard of a flat bucket
@@ -208,10 +210,10 @@ def plan_owner_streams(
     )
     streams = OwnerStreams(owned, offsets, sizes, length, stream_fill)
     # every rank's (parameter, parameter offset, stream offset, length) runs
-    runs: list[list[tuple[int, int, int, int]]] = [
-        [(unit_param(u), _first_element(u), offsets[u], sizes[u]) for u in owned[r]]
+    runs: list[list[tuple[OwnedUnit | None, int, int, int, int]]] = [
+        [(u, unit_param(u), _first_element(u), offsets[u], sizes[u]) for u in owned[r]]
         + [
-            (s.param, s.param_start, fill[r] + s.buffer_start, s.length)
+            (None, s.param, s.param_start, fill[r] + s.buffer_start, s.length)
             for s in stream_fill.segments(r)
         ]
         for r in range(world_size)
@@ -221,10 +223,11 @@ def plan_owner_streams(
         size = min(slice_len, length - start)
         pieces = []
         for r in range(world_size):
-            for p, p_start, s_start, n in runs[r]:
+            for u, p, p_start, s_start, n in runs[r]:
                 lo, hi = max(start, s_start), min(start + size, s_start + n)
                 if lo < hi:
-                    pieces.append(Piece(p, p_start + lo - s_start, r * size + lo - start, hi - lo))
+                    offset = p_start + lo - s_start
+                    pieces.append(Piece(p, offset, r * size + lo - start, hi - lo, u))
         params = frozenset(piece.param for piece in pieces)
         streams.buckets.append(OwnerBucket(start, size, world_size, pieces, params))
     return streams

@@ -199,10 +199,9 @@ def load_full_state(
             if name != "params":
                 group[name] = tuple(value) if name == "betas" else value
     for i in layout.muon_indices:
-        units = layout.owned_units(i)
-        if not units:
+        unit = layout.owned_unit(i)  # the parameter whole, or this rank's range of its experts
+        if unit is None:
             continue
-        (unit,) = units  # the parameter whole, or this rank's range of its experts
         p, held = layout.params[i], state[layout.params[i]]
         entry = saved_state.get(key_of[i], {})
         part = functools.partial(_unit_part, entry, whole[i], unit)
@@ -221,8 +220,10 @@ def load_full_state(
                 held.pop(spec.key, None)
                 continue
             if spec.key not in held:  # built without it: the loaded options keep it
-                view = param_table.view(p, layout.group_of[i]["matrix_mode"])
-                view = view if unit == i else layout.range_view(unit)
+                if isinstance(unit, ExpertRange):
+                    view = layout.range_view(unit)
+                else:
+                    view = param_table.view(p, layout.group_of[i]["matrix_mode"])
                 held[spec.key] = spec.zeros(settings, view, p.dtype, p.device)
             moment = part(spec.key)
             if moment is None:

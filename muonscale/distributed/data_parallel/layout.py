@@ -112,7 +112,8 @@ class DataParallelLayout:
         param_groups: the optimizer's param groups.
         params: every parameter, in param-group order; ``group_of[i]`` is the group of
             ``params[i]``; ``muon_indices`` / ``adamw_indices`` index into it; ``owner_rank``
-            maps each Muon index owned whole to its owner rank, ``expert_ranges`` each expert
+            maps each Muon index owned whole to its owner rank (not the stacks spread over
+            several owners), ``expert_ranges`` each expert
             stack spread over several owners to its :class:`~.buckets.ExpertRange` s (one per
             owner; FLOP-balanced per expert: :mod:`..ownership`), and
             ``matrix_shapes_by_index`` each Muon index to its matrices' shapes.
@@ -159,12 +160,12 @@ class DataParallelLayout:
         """Position of parameter ``p`` in :attr:`params`."""
         return self._index[id(p)]
 
-    def owned_units(self, i: int) -> list[OwnedUnit]:
-        """What this rank steps of Muon parameter ``i``: ``[i]`` (owned whole), its range of
-        experts, or nothing."""
+    def owned_unit(self, i: int) -> OwnedUnit | None:
+        """What this rank steps of Muon parameter ``i``: ``i`` (owned whole), its range of
+        experts, or None."""
         if i in self.held_ranges:
-            return [self.held_ranges[i]]
-        return [i] if self.owner_rank.get(i) == self.rank else []
+            return self.held_ranges[i]
+        return i if self.owner_rank.get(i) == self.rank else None
 
     def units_of(self, i: int) -> list[OwnedUnit]:
         """Every owned unit of Muon parameter ``i`` (on any rank), in expert order."""
@@ -227,17 +228,10 @@ class DataParallelLayout:
         call ``step()`` on that rank alone); the main copies' model parameters are recorded."""
         for i in self.muon_indices:
             p, group = self.params[i], self.group_of[i]
-            held = state[p]
-            if i in self.expert_ranges:
-                held["expert_owners"] = tuple(
-                    (r.first, r.stop, r.owner) for r in self.expert_ranges[i]
-                )
-            else:
-                held["owner_rank"] = self.owner_rank[i]
-            units = self.owned_units(i)
-            if not units:
+            held = state[p]  # an entry on every rank, owner or not
+            unit = self.owned_unit(i)
+            if unit is None:
                 continue
-            (unit,) = units
             rng = unit if isinstance(unit, ExpertRange) else None
             view = matrix_view(p, group) if rng is None else self.range_view(rng)
             owned = reduction.owned_slice(unit)  # the parameter, or its range of experts

@@ -154,7 +154,8 @@ class DistributedMuon(Muon):
         layout: the :class:`~muonscale.distributed.data_parallel.DataParallelLayout`: every
             parameter in param-group order (``params``; ``group_of[i]`` is the group of
             ``params[i]``, ``muon_indices`` / ``adamw_indices`` index into it, ``owner_rank``
-            maps each Muon index owned whole to its owner, ``expert_ranges`` each expert
+            maps each Muon index owned whole to its owner (a stack spread over several
+            owners has no entry), ``expert_ranges`` each expert
             stack spread over several owners to its ranges of experts, ``index_of(p)`` is
             ``p``'s index), the communicator, ``rank`` and ``world_size``; the optimizer
             reads them through.
@@ -266,7 +267,7 @@ class DistributedMuon(Muon):
         )
         self.update_gather = UpdateGather(self.reduction, gather_updates, name_of)
         self._owner_apply = None  # Muon's last pass on owners: as usual, or sending updates
-        if self.update_gather.matrices:
+        if self.update_gather.gathered_units:
             self._owner_apply = self.update_gather.owner_apply(layout.unit_of)
         layout.init_local_state(self.state, self.reduction, self._matrix_view)
         self.deferred: DeferredGather | None = None
@@ -314,6 +315,8 @@ class DistributedMuon(Muon):
 
     @property
     def owner_rank(self) -> dict[int, int]:
+        """Owner rank of each Muon index owned whole; the stacks spread over several owners
+        are in :attr:`expert_ranges` instead."""
         return self.layout.owner_rank
 
     @property
@@ -532,7 +535,7 @@ class DistributedMuon(Muon):
         phases.update_adamw_shards(self.layout, self.reduction, self.state, present, chunk)
         if self.step_metrics is not None:
             self._record_adamw_shards(self.step_metrics, present)
-        wave = functools.partial(self._update_owned_matrices, present)
+        wave = functools.partial(self._update_owned_units, present)
         apply = self.update_gather.apply_gathered
         if self.deferred is not None:  # landed in the next forward's pre-hooks
             position = self.deferred.forward_position
@@ -593,9 +596,7 @@ class DistributedMuon(Muon):
             self._warned_reduce_again = True
         self.reduction.reduce_again()
 
-    def _update_owned_matrices(
-        self, present: list[bool], only: set[OwnedUnit] | None = None
-    ) -> None:
+    def _update_owned_units(self, present: list[bool], only: set[OwnedUnit] | None = None) -> None:
         """Muon step of the owned units (those in ``only``, when given): parameters owned
         whole and this rank's ranges of experts."""
         layout = self.layout
@@ -605,10 +606,8 @@ class DistributedMuon(Muon):
             indices = [self.index_of(p) for p in group["params"]]
             mine = [
                 u
-                for i in indices
-                if present[i]
-                for u in layout.owned_units(i)
-                if only is None or u in only
+                for u in map(layout.owned_unit, indices)
+                if u is not None and present[unit_param(u)] and (only is None or u in only)
             ]
             # the tensors updated: main copies where kept, else the parameters (or their
             # ranges of experts) themselves

@@ -149,7 +149,8 @@ class BucketedReduction:
         params: every parameter, in the optimizer's order (indices below refer to it).
         options: :class:`ReductionOptions`.
         muon, adamw: indices of the Muon and AdamW parameters.
-        owner_rank: owner rank of each Muon index owned whole.
+        owner_rank: owner rank of each Muon index owned whole (not the stacks spread over
+            several owners: ``expert_ranges``).
         expert_ranges: the :class:`~.buckets.ExpertRange` s of each expert stack spread over
             several owners (each range rides in its owner's stream).
         comm: the data-parallel :class:`~muonscale.distributed.comm.Communicator`.

@@ -168,7 +168,7 @@ def update_owned_and_gather_in_forward_order(
         for wave in _waves(layout, stream, chunk_bytes):
             update_wave(set(wave))
             gathers.write_owned_for_gather(reduction, stream, wave)
-    units = []  # (first forward position, tie-break, params, launch)
+    launches = []  # (params, tie-break, launch): one per gather
     for s, stream in enumerate(reduction.streams):
         for k, bucket in enumerate(stream.layout.buckets):
             end = bucket.stream_start + bucket.length
@@ -176,9 +176,9 @@ def update_owned_and_gather_in_forward_order(
             def launch(stream=stream, k=k, end=end):
                 return gathers.launch_stream_gathers(reduction, stream, k, end, apply)[0][0]
 
-            units.append((bucket.params, (0, s, k), launch))
+            launches.append((bucket.params, (0, s, k), launch))
     for f, shards in enumerate(reduction.flat_shards):
-        units.append(
+        launches.append(
             (
                 frozenset(shards.layout.params),
                 (1, f, 0),
@@ -186,5 +186,5 @@ def update_owned_and_gather_in_forward_order(
             )
         )
     last = len(forward_position) + len(layout.params)
-    units.sort(key=lambda u: (min((forward_position[i] for i in u[0]), default=last), u[1]))
-    return [PendingGather(*launch(), params) for params, _, launch in units]
+    launches.sort(key=lambda g: (min((forward_position[i] for i in g[0]), default=last), g[1]))
+    return [PendingGather(*launch(), params) for params, _, launch in launches]

@@ -117,21 +117,14 @@ class UpdateGather:
                 self._offset[u], self._pieces[u] = (stream, off), []
             for k, bucket in enumerate(stream.layout.buckets):
                 for piece in sorted(bucket.pieces, key=lambda q: q.param_start):
-                    u = self._unit_of_piece(piece.param, piece.param_start)
+                    u = piece.unit  # a stream carrying updates has no AdamW fill
                     self._pieces[u].append((k, piece.buffer_start, piece.length))
                     self._in_bucket.setdefault((id(stream), k), []).append(u)
         self._rules: dict[OwnedUnit, UpdateRule] = {}
         self._missing: dict[OwnedUnit, int] = {}  # unit -> its buckets not arrived this step
 
-    def _unit_of_piece(self, param: int, start: int) -> OwnedUnit:
-        """The owned unit that element ``start`` of parameter ``param`` belongs to."""
-        for r in self.reduction.expert_ranges.get(param, ()):
-            if r.start <= start < r.start + r.numel:
-                return r
-        return param
-
     @property
-    def matrices(self) -> frozenset[OwnedUnit]:
+    def gathered_units(self) -> frozenset[OwnedUnit]:
         """Owned units (Muon indices, ranges of experts) whose update is gathered."""
         return frozenset(self._offset)
 
