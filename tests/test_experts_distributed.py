@@ -585,4 +585,8 @@ def test_expert_rows_of_a_range_are_its_flat_slice(case):
         whole = torch.arange(numels[u.param]).view(views[u.param].param_shape)
         part = expert_rows(whole, u)
         assert part.shape == u.shape
+        stack = views[u.param]  # the sub-stack's view, and one expert's
+        assert stack.experts_view(u.stop - u.first).param_shape == u.shape
+        per = len(stack.matrix_shapes) // stack.experts
+        assert stack.experts_view().matrix_shapes == stack.matrix_shapes[:per]
         assert torch.equal(part.reshape(-1), whole.view(-1)[u.start : u.start + u.numel])

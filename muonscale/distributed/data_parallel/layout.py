@@ -148,7 +148,7 @@ class DataParallelLayout:
                 continue
             self.expert_ranges[i] = [expert_range(i, view, *r) for r in owned]
             for r in self.expert_ranges[i]:
-                self._range_views[r] = range_view(view, r)
+                self._range_views[r] = view.experts_view(r.stop - r.first)
         self.held_ranges: dict[int, ExpertRange] = {
             r.param: r for rs in self.expert_ranges.values() for r in rs if r.owner == self.rank
         }
@@ -323,18 +323,6 @@ def expert_range(i: int, view: MatrixView, owner: int, first: int, stop: int) ->
     rows = shape[0] // count  # a 3-D stack: 1 (dim 0 indexes experts); 2-D: each expert's rows
     sub = ((stop - first) * rows, *shape[1:])
     return ExpertRange(i, first, stop, count, owner, first * numel, (stop - first) * numel, sub)
-
-
-def range_view(view: MatrixView, r: ExpertRange) -> MatrixView:
-    """The expert view of the sub-stack ``r`` of a stack seen by ``view``: the same layout of
-    each expert, fewer experts."""
-    return MatrixView.build(
-        r.shape,
-        experts=r.stop - r.first,
-        transposed=view.transposed,
-        row_partition=view.row_partition,
-        block_roles=view.block_roles,
-    )
 
 
 def expert_rows(tensor: torch.Tensor, r: ExpertRange, what: str = "state") -> torch.Tensor:
