@@ -262,7 +262,7 @@ def _unit_part(
     source = entry.get(key)
     if source is None:
         return None
-    source = source.view(whole[key])  # a momentum or main copy may come flat
+    source = source.reshape(whole[key])  # a momentum or main copy may come flat
     return expert_rows(source, unit) if isinstance(unit, ExpertRange) else source
 
 
