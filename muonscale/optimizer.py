@@ -58,6 +58,7 @@ from .optimizer_state import (
     pickled_extras,
     restore_loaded,
     state_bytes,
+    state_dict_in_precision,
     unpickled_attributes,
     upgraded_groups,
     with_group_defaults,
@@ -333,6 +334,15 @@ class Muon(torch.optim.Optimizer):
         (``torch.distributed.checkpoint`` loads only keys the checkpoint holds)."""
         self.check_finite()  # capturable "raise": a pending non-finite step raises here
         return without_default_precision(super().state_dict())
+
+    def state_dict_in_precision(self, state_precision: StatePrecision) -> dict[str, Any]:
+        """:meth:`state_dict` with the state converted to ``state_precision`` (``"param"``:
+        floating, the parameters' dtypes; ``"int8"``: quantized), this optimizer's state
+        unchanged: a full-precision checkpoint of an int8 run, or the reverse. Loading it into
+        an optimizer of either precision converts it again (``load_state_dict``)."""
+        return state_dict_in_precision(
+            self.state_dict(), self.param_groups, self._matrix_view, state_precision
+        )
 
     # ---------------------------------------------------------------- step metrics
     def enable_step_metrics(

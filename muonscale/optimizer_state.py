@@ -28,7 +28,12 @@ from .quantized_state import (
     quantized_momentum_state,
     zero_adamw_moments,
 )
-from .settings import OPTION_DEFAULTS, MuonSettings, changed_variant_options
+from .settings import (
+    OPTION_DEFAULTS,
+    MuonSettings,
+    changed_variant_options,
+    check_state_precision,
+)
 
 STATE_KEYS = {
     "muon": {t.key for t in MUON_STATE},
@@ -409,14 +414,8 @@ def keep_state_precisions(
             changed.append(f"group {i}: {saved!r} -> {precision!r}")
         for p in group["params"]:
             entry = state.get(p)
-            if not entry:
-                continue
-            if group["algorithm"] == "muon":
-                _convert_momentum(entry, p, view(p, group), precision)
-            elif precision == "int8" and not adamw_state_is_quantized(entry):
-                quantize_adamw_state_(entry, p)
-            elif precision == "param" and adamw_state_is_quantized(entry):
-                dequantize_adamw_state_(entry, p)
+            if entry:
+                convert_state_precision_(entry, p, group, view, precision)
     if changed:
         warnings.warn(
             "load_state_dict: state_precision differs from the state dict's "
@@ -424,6 +423,43 @@ def keep_state_precisions(
             UserWarning,
             stacklevel=stacklevel,
         )
+
+
+def convert_state_precision_(
+    entry: dict,
+    p: torch.Tensor,
+    group: Mapping[str, Any],
+    view: Callable[[torch.Tensor, Mapping[str, Any]], MatrixView],
+    precision: str,
+) -> None:
+    """The state ``entry`` of ``p`` (of ``group``) in ``precision``, in place: float → int8
+    quantized, int8 → float dequantized into ``p``'s dtype; as it is when it already is."""
+    if group["algorithm"] == "muon":
+        _convert_momentum(entry, p, view(p, group), precision)
+    elif precision == "int8" and not adamw_state_is_quantized(entry):
+        quantize_adamw_state_(entry, p)
+    elif precision == "param" and adamw_state_is_quantized(entry):
+        dequantize_adamw_state_(entry, p)
+
+
+def state_dict_in_precision(
+    state_dict: dict[str, Any],
+    param_groups: list[dict[str, Any]],
+    view: Callable[[torch.Tensor, Mapping[str, Any]], MatrixView],
+    precision: str,
+) -> dict[str, Any]:
+    """``state_dict`` (a fresh one of the optimizer with these ``param_groups``) with every
+    parameter's state in ``precision`` and the groups saying so (new tensors where converted;
+    the default precision unwritten, as :func:`without_default_precision`)."""
+    check_state_precision(precision)
+    for saved, group in zip(state_dict["param_groups"], param_groups):
+        saved["state_precision"] = precision
+        for index, p in zip(saved["params"], group["params"]):
+            entry = state_dict["state"].get(index)
+            if entry:
+                entry = state_dict["state"][index] = dict(entry)
+                convert_state_precision_(entry, p, group, view, precision)
+    return without_default_precision(state_dict)
 
 
 def _convert_momentum(entry: dict, p: torch.Tensor, view: MatrixView, precision: str) -> None:

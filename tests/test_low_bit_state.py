@@ -369,3 +369,39 @@ def test_int8_adamw_takes_strided_and_bfloat16_parameters():
     # each step rounds once (half a bfloat16 ulp: 2⁻⁸ relative) a value within 2 lr of the end
     bound = 2**-7 * (wide.detach().abs() + 2 * 1e-2)
     assert ((low.float() - wide.detach()).abs() <= bound).all()
+
+
+def test_state_dict_in_precision_is_the_named_conversion():
+    """``state_dict_in_precision`` writes the other precision's checkpoint without touching the
+    optimizer; it loads without a conversion warning, as the loaded-and-converted state."""
+    model_q, opt_q, model_f, opt_f = _pair()
+    _steps(model_q, opt_q, range(2))
+    _steps(model_f, opt_f, range(2))
+    before = copy.deepcopy(opt_q.state_dict())
+    as_float = opt_q.state_dict_in_precision("param")
+    assert all("state_precision" not in g for g in as_float["param_groups"])
+    after = opt_q.state_dict()
+    for i, entry in before["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, after["state"][i][key]), key
+    target = muonscale.Muon(copy.deepcopy(model_q), lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        target.load_state_dict(as_float)
+    targets = [p for g in target.param_groups for p in g["params"]]
+    sources = [p for g in opt_q.param_groups for p in g["params"]]
+    for pq, pt in zip(sources, targets):
+        for key, value in _dequantized_state(opt_q, pq).items():
+            assert torch.equal(target.state[pt][key], value), key
+    as_int8 = opt_f.state_dict_in_precision("int8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt_q.load_state_dict(as_int8)
+    converted = copy.deepcopy(opt_q.state_dict())
+    with pytest.warns(UserWarning, match="'param' -> 'int8'"):
+        opt_q.load_state_dict(opt_f.state_dict())
+    for i, entry in converted["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, opt_q.state_dict()["state"][i][key]), key
+    with pytest.raises(ValueError, match="state_precision must be one of"):
+        opt_f.state_dict_in_precision("int4")

@@ -20,6 +20,7 @@ MUON_METHODS = {  # what a user of muonscale.Muon calls beyond torch's
     "optimizer_state_bytes",
     "read_step_metrics",
     "rebind_parameters",
+    "state_dict_in_precision",
     "summary",
 }
 MUON_PROPERTIES = {  # what a user reads
