@@ -405,3 +405,41 @@ def test_state_dict_in_precision_is_the_named_conversion():
             assert torch.equal(value, opt_q.state_dict()["state"][i][key]), key
     with pytest.raises(ValueError, match="state_precision must be one of"):
         opt_f.state_dict_in_precision("int4")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_int8_state_through_distributed_checkpoint_resumes_bitwise(tmp_path):
+    """torch.distributed.checkpoint (one process): int8 codes and scales saved and loaded into
+    a fresh optimizer's state dict, then the same steps as the uninterrupted run, bitwise."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def build():
+        torch.manual_seed(0)
+        model = _Net()
+        return model, muonscale.Muon(
+            model, lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32, state_precision="int8"
+        )
+
+    model_a, opt_a = build()
+    _steps(model_a, opt_a, range(2))
+    model_sd, optim_sd = get_state_dict(model_a, opt_a)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp_path))
+    model_b, opt_b = build()
+    with torch.no_grad():  # nothing of the run survives but what the checkpoint holds
+        for p in model_b.parameters():
+            p.zero_()
+    opt_b.init_all_state()
+    model_sd, optim_sd = get_state_dict(model_b, opt_b)
+    loaded = {"model": model_sd, "optim": optim_sd}
+    dcp.load(loaded, checkpoint_id=str(tmp_path))
+    set_state_dict(
+        model_b, opt_b, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+    )
+    _steps(model_a, opt_a, range(2, 4))
+    _steps(model_b, opt_b, range(2, 4))
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(pa, pb)
+        for key, value in opt_a.state[pa].items():
+            assert value.dtype == opt_b.state[pb][key].dtype, key
+            assert torch.equal(value, opt_b.state[pb][key]), key
