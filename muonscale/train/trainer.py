@@ -75,6 +75,9 @@ class StepResult:
     max_logit_seconds: float | None = None
     """Time the max-logit probe took in this step's forwards (part of ``step_seconds``); None
     when not probed."""
+    expert_tokens: list[list[int]] | None = None
+    """With ``mlp="moe"``: tokens routed to each expert (n_layer x E) in this step's forwards,
+    over the global batch (summed over the ranks); None otherwise."""
 
 
 @dataclass(kw_only=True)
@@ -244,6 +247,9 @@ class TrainingRun:
             max_logit = max(m.max().item() for m in self.model.pop_max_attention_logits())
         if self.probe_max_logits:
             probe_seconds = self.model.pop_probe_seconds()
+        expert_tokens = None
+        if self.model.moe_blocks():
+            expert_tokens = self.model.pop_expert_tokens().tolist()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
@@ -257,6 +263,7 @@ class TrainingRun:
             optimizer_seconds=optimizer_seconds,
             max_attention_logit=max_logit,
             max_logit_seconds=probe_seconds,
+            expert_tokens=expert_tokens,
         )
 
     def _accumulating(self, *, reduce: bool):
