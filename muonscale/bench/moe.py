@@ -161,6 +161,42 @@ def _mean_pm(stats: Mapping | None, spec: str) -> str:
     return f"{stats['mean']:{spec}}" + ("" if half is None else f" ± {half:{spec}}")
 
 
+def load_text(load: Mapping | None) -> str:
+    """``run 0.81–1.22, per step 0.40–1.90`` (least–most loaded expert ÷ the uniform share)."""
+    if load is None:
+        return "-"
+    return (
+        f"run {load['run_min_share']:.2f}–{load['run_max_share']:.2f}, per step "
+        f"{load['step_min_share']:.2f}–{load['step_max_share']:.2f}"
+    )
+
+
+def facts_lines(name: str, facts: Mapping, optimizer_ms: float | None) -> list[str]:
+    """Markdown list lines: how contender ``name``'s optimizer holds the experts (``facts``:
+    :func:`optimizer_facts`) and the routers' share of its Newton–Schulz FLOPs (with
+    ``optimizer_ms``, its step's median time, that share of it)."""
+    lines = []
+    views = facts.get("expert_views")
+    if views:
+        shown = sorted({v["note"] for v in views.values()})
+        lines.append(f"- {name}: expert weights in the expert view: {'; '.join(shown)}")
+    share = facts.get("router_newton_schulz_flop_share")
+    if share is not None:
+        scaled = "" if optimizer_ms is None else f", ≈ {share * optimizer_ms:.3g} ms of its step"
+        lines.append(
+            f"- {name}: the routers are {100 * share:.2f}% of its Newton–Schulz FLOPs "
+            f"(FLOP share from the matrix shapes, not timed{scaled})"
+        )
+    if "left_to_adamw" in facts:
+        left = facts["left_to_adamw_elements"] / facts["parameter_elements"]
+        lines.append(
+            f"- {name}: torch.optim.Muon takes 2-D matrices only; it leaves "
+            f"{len(facts['left_to_adamw'])} expert stacks ({100 * left:.1f}% of the parameters) "
+            "to its AdamW"
+        )
+    return lines
+
+
 def format_moe_table(table: Mapping) -> str:
     """Markdown: the MoE table (means ± 95% half-width over seeds), then per contender how its
     optimizer held the experts and the router's FLOP share of the Newton–Schulz work."""
@@ -185,25 +221,8 @@ def format_moe_table(table: Mapping) -> str:
             f"| {_mean_pm(c['tokens_per_s'], ',.0f')} | {_mean_pm(c['optimizer_step_ms'], '.1f')} "
             f"| {'-' if state is None else f'{state / 2**20:.2f}'} | {run} | {step} |"
         )
-        views = c.get("expert_views")
-        if views:
-            shown = sorted({v["note"] for v in views.values()})
-            notes.append(f"- {name}: expert weights in the expert view: {'; '.join(shown)}")
-        share = c.get("router_newton_schulz_flop_share")
-        if share is not None:
-            ms = c["optimizer_step_ms"]
-            scaled = "" if ms is None else f", ≈ {share * ms['mean']:.3g} ms of its step"
-            notes.append(
-                f"- {name}: the routers are {100 * share:.2f}% of its Newton–Schulz FLOPs "
-                f"(FLOP share from the matrix shapes, not timed{scaled})"
-            )
-        if "left_to_adamw" in c:
-            left = c["left_to_adamw_elements"] / c["parameter_elements"]
-            notes.append(
-                f"- {name}: torch.optim.Muon takes 2-D matrices only; it leaves "
-                f"{len(c['left_to_adamw'])} expert stacks ({100 * left:.1f}% of the parameters) "
-                "to its AdamW"
-            )
+        ms = c["optimizer_step_ms"]
+        notes += facts_lines(name, c, None if ms is None else ms["mean"])
     return "\n".join(
         [
             "Mixture of experts, over seeds (mean ± 95% half-width; expert load: tokens per "

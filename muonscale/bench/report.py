@@ -114,6 +114,10 @@ def contender_summary(
             )
         )
     summary.update(max_logit_summary(record, config))
+    if record.expert_tokens:  # --mlp moe
+        from muonscale.bench.moe import expert_load
+
+        summary["expert_load"] = expert_load(record.expert_tokens)
     summary["curves"] = {
         "eval_steps": record.eval_steps,
         "val_loss": [_finite(x) for x in record.val_losses],

@@ -221,7 +221,7 @@ class MoE(nn.Module):
     """Top-k softmax router over :class:`Experts`, with the Switch Transformer load-balancing
     loss (*Train* in the docs gives the choice and its sources).
 
-    A token's router probabilities are ``softmax(router(x))`` (float32); it goes to its
+    A token's router probabilities are ``softmax(router(x))`` (in at least float32); it goes to its
     ``top_k`` most probable experts, weighted by their probabilities renormalized to sum 1.
     In training forwards the block records :attr:`balance_loss` ``E · Σ_i f_i · P_i`` (f_i:
     share of the routed token slots that expert i took; P_i: mean probability of expert i)
@@ -242,7 +242,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # (N, D)
-        probs = self.router(flat).float().softmax(dim=-1)  # (N, E)
+        logits = self.router(flat)  # (N, E); softmax in at least float32
+        probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)
         top_p, top_i = probs.topk(self.top_k, dim=-1)  # (N, K)
         out = self.experts(flat, top_i, top_p / top_p.sum(dim=-1, keepdim=True))
         if self.training:
