@@ -88,6 +88,38 @@ def test_moe_block_recomputed_token_by_token():
     assert block.expert_tokens.tolist() == counts.long().tolist()
 
 
+def test_balance_loss_of_a_split_batch_with_global_counts_is_the_whole_batchs():
+    """Two halves of a batch (two data-parallel ranks), each with the counts of the whole
+    batch: the mean of their balance losses is the whole batch's, and so are their gradients'
+    mean (the ranks average gradients); with each half's own counts it is not."""
+    torch.manual_seed(0)
+    config = ModelConfig(**SMALL, mlp="moe", experts=4, top_k=2)
+    block = MoE(config).double().train()
+    for p in block.experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(4, 6, config.d_model, dtype=torch.float64)
+    halves = x[:2], x[2:]
+
+    def balance(inputs, reduction=None):
+        """(balance loss, its gradient on the router, the counts it used) of one forward."""
+        block.count_reduction = reduction
+        block.zero_grad()
+        block.expert_tokens.zero_()
+        block(inputs)
+        block.balance_loss.backward()
+        grad = block.router.weight.grad.clone()
+        return block.balance_loss.detach(), grad, block.expert_tokens.clone()
+
+    whole, whole_grad, whole_counts = balance(x)
+    own = [balance(h) for h in halves]  # each half's own counts
+    split = [balance(h, lambda c, other=own[1 - i][2]: c.add_(other)) for i, h in enumerate(halves)]
+    assert torch.equal(split[0][2], whole_counts) and torch.equal(split[1][2], whole_counts)
+    eps = torch.finfo(torch.float64).eps
+    torch.testing.assert_close((split[0][0] + split[1][0]) / 2, whole, rtol=0, atol=16 * eps)
+    torch.testing.assert_close((split[0][1] + split[1][1]) / 2, whole_grad, rtol=0, atol=16 * eps)
+    assert abs((own[0][0] + own[1][0]) / 2 - whole) > 1e3 * eps  # local counts: another loss
+
+
 def test_experts_found_with_the_layout_transformers_records():
     model = GPT(_config().model_config())
     found = find_experts(model)
