@@ -313,13 +313,20 @@ class TrainingRun:
         resumed = f", resuming at step {self.step_count}" if self.step_count else ""
         return (
             f"{cfg.model} GPT ({self.model.num_parameters() / 1e6:.2f}M params, {model.n_layer} "
-            f"layers, d={model.d_model}, ctx={model.context_length}), {self.tokenizer.name} "
+            f"layers, d={model.d_model}, ctx={model.context_length}{self._moe_text()}), "
+            f"{self.tokenizer.name} "
             f"tokens from {self.dataset.source} ({len(self.dataset.train_tokens):,} train / "
             f"{len(self.dataset.val_tokens):,} val), optimizer {cfg.optimizer} lr={cfg.lr:g}, "
             f"{self.tokens_per_step:,} tokens/step ({self.accumulation_steps} x "
             f"{cfg.micro_batch_size} x {model.context_length}), {cfg.steps} steps on "
             f"{self.device}{resumed}" + (f", {self.parallel.describe()}" if self.parallel else "")
         )
+
+    def _moe_text(self) -> str:
+        model = self.model_config
+        if model.mlp != "moe":
+            return ""
+        return f", MoE {model.experts} experts of width {model.hidden_dim}, top {model.top_k}"
 
     # ------------------------------------------------------------------ checkpoints
     def first_nonfinite(self) -> tuple[str, int, int] | None:
