@@ -172,8 +172,8 @@ def _fresh_model(config):
 
     torch.manual_seed(config.seed)
     model = GPT(config.model_config())
-    comm = Communicator() if torch.distributed.is_initialized() else None
-    if comm is not None and model.moe_blocks():
+    if model.moe_blocks() and torch.distributed.is_initialized():
+        comm = Communicator()
         model.set_expert_count_reduction(lambda counts: comm.all_reduce(counts, tag="control"))
     return model
 
