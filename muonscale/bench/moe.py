@@ -184,7 +184,7 @@ def facts_lines(name: str, facts: Mapping, optimizer_ms: float | None) -> list[s
     if share is not None:
         scaled = "" if optimizer_ms is None else f", ≈ {share * optimizer_ms:.3g} ms of its step"
         lines.append(
-            f"- {name}: the routers are {100 * share:.2f}% of its Newton–Schulz FLOPs "
+            f"- {name}: the routers are {100 * share:.2g}% of its Newton–Schulz FLOPs "
             f"(FLOP share from the matrix shapes, not timed{scaled})"
         )
     if "left_to_adamw" in facts:
