@@ -229,3 +229,35 @@ def test_distributed_bench_on_moe_equals_one_process(parallel, tmp_path):
         assert sum(layer) == config.steps * config.tokens_per_step * config.top_k
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved["rows"]["muon"]["expert_load"] == load
+
+
+def _train_steps(config: TrainConfig, text: str) -> tuple[list[float], list]:
+    from muonscale.train.trainer import TrainingRun
+
+    run = TrainingRun(config, text=text)
+    try:
+        results = [run.step() for _ in range(config.steps)]
+    finally:
+        run.close()
+    return [r.loss for r in results], [r.expert_tokens for r in results]
+
+
+def _train_rank(rank: int, world_size: int, config: TrainConfig, text: str):
+    return _train_steps(config, text)
+
+
+@pytest.mark.parametrize("parallel", ["dp", "fsdp"])
+def test_train_parallel_on_moe_gives_the_losses_and_counts_of_one_process(parallel):
+    """``muonscale train --parallel`` (``Parallelism``) sums the blocks' token counts over the
+    ranks: each step's counts are the global batch's, and the losses the single-process ones."""
+    from distributed_harness import shared_pool
+
+    from muonscale.bench.runner import bundled_corpus_text
+
+    text = bundled_corpus_text("shakespeare")[:100_000]
+    config = _config(steps=3, micro_batch_size=4, tokens_per_step=1024, out_dir=None, lr=0.02)
+    losses, counts = _train_steps(config, text)
+    ranks = shared_pool(2).run(_train_rank, dataclasses.replace(config, parallel=parallel), text)
+    for rank_losses, rank_counts in ranks:
+        assert rank_counts == counts
+        assert rank_losses == pytest.approx(losses, abs=_tolerance(losses), rel=0)
