@@ -197,6 +197,8 @@ def _run_bench(config: BenchConfig, make_run: Callable | None, stream: TextIO) -
         seeds=seed_summary(per_seed) if len(seeds) > 1 else None,
         wall_seconds=time.perf_counter() - start,
     )
+    if config.mlp == "moe":
+        report["moe"] = _moe_section(config, lrs, per_seed)
     print(format_table(report), file=stream, flush=True)  # before any file can fail
     plot_files = []
     if config.plots:
@@ -213,6 +215,21 @@ def _run_bench(config: BenchConfig, make_run: Callable | None, stream: TextIO) -
     if plots_skipped:
         log(PLOTS_SKIPPED)
     return report
+
+
+def _moe_section(config: BenchConfig, lrs: dict, per_seed: dict) -> dict:
+    """report.json's ``moe``: the MoE table over seeds (:mod:`muonscale.bench.moe`), with how
+    each contender's optimizer, built as its runs build it, holds the experts."""
+    from muonscale.bench.moe import moe_seed_table, optimizer_facts
+    from muonscale.bench.report import json_safe
+    from muonscale.bench.runner import make_run
+
+    facts = {}
+    for name in config.contenders:
+        run = make_run(config, name, lrs[name])
+        facts[name] = optimizer_facts(run.model, run.optimizer)
+        del run
+    return json_safe(moe_seed_table(per_seed, config.timing_warmup_steps, facts))
 
 
 def _side_by_side_resumable(

@@ -25,6 +25,7 @@ CORPORA = ("shakespeare", "web")
 World English Bible (muonscale/data/PROVENANCE.md)."""
 _VARIANT_NAME = re.compile(r"[a-z][a-z0-9_-]*")
 DTYPES = ("float32", "bfloat16", "float16")
+MLPS = ("gelu", "swiglu", "moe")
 SCHEDULES = ("cosine", "wsd", "constant")
 PARALLEL_MODES = ("dp", "fsdp", "tp", "fsdp+tp")  # --parallel; muonscale.bench.distributed reads it
 
@@ -80,6 +81,15 @@ class BenchConfig:
     """Override the preset's model width."""
     n_head: int | None = None
     """Override the preset's number of attention heads."""
+    mlp: Literal["gelu", "swiglu", "moe"] | None = None
+    """Override the preset's MLP: gelu, swiglu or moe (routed SwiGLU experts stored as
+    transformers stores them; see --experts, --top-k, --router-aux-loss-coef)."""
+    experts: int = 8
+    """Routed experts per MoE block (--mlp moe)."""
+    top_k: int = 2
+    """Experts each token is routed to (--mlp moe)."""
+    router_aux_loss_coef: float = 0.01
+    """Weight of the Switch Transformer load-balancing loss in the training loss (--mlp moe)."""
     tokens_per_step: int = 1024
     """Tokens per optimizer step; a multiple of the preset's context length (128 for tiny)."""
     data: str | None = None
@@ -182,7 +192,7 @@ class BenchConfig:
     fsdp+tp (DTensorMuon vs AdamW on the same FSDP2 / tensor-parallel model; fsdp+tp: --nproc 4)."""
 
     def __post_init__(self) -> None:
-        positive = ("steps", "tokens_per_step", "eval_batches", "nproc", "seeds")
+        positive = ("steps", "tokens_per_step", "eval_batches", "nproc", "seeds", "experts")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
@@ -242,6 +252,21 @@ class BenchConfig:
             raise ValueError(f"--schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.parallel not in PARALLEL_MODES:
             raise ValueError(f"--parallel must be one of {PARALLEL_MODES}, got {self.parallel!r}")
+        if self.mlp is not None and self.mlp not in MLPS:
+            raise ValueError(f"--mlp must be one of {MLPS}, got {self.mlp!r}")
+        if not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"--top-k must be in [1, --experts={self.experts}], got {self.top_k}")
+        if not 0 <= self.router_aux_loss_coef < float("inf"):
+            raise ValueError(
+                f"--router-aux-loss-coef must be a finite number >= 0, got "
+                f"{self.router_aux_loss_coef}"
+            )
+        if self.mlp == "moe" and self.parallel in ("tp", "fsdp+tp"):
+            raise ValueError(
+                f"--mlp moe does not apply with --parallel {self.parallel}: the tensor-parallel "
+                "plan shards the dense MLP's fc and proj, which an MoE block does not have "
+                "(use --parallel dp or fsdp)"
+            )
         if self.tokenizer not in ("byte", "bpe"):
             raise ValueError(f"--tokenizer must be byte or bpe, got {self.tokenizer!r}")
         if self.nproc > 1:
@@ -301,8 +326,11 @@ class BenchConfig:
         return getattr(self, "lr_" + contender.replace("-", "_"))
 
     def model_overrides(self) -> dict:
-        """The non-None --n-layer / --d-model / --n-head overrides of the preset."""
-        names = ("n_layer", "d_model", "n_head")
+        """The non-None --n-layer / --d-model / --n-head / --mlp overrides of the preset, and
+        with --mlp moe its --experts, --top-k and --router-aux-loss-coef."""
+        names = ("n_layer", "d_model", "n_head", "mlp")
+        if self.mlp == "moe":
+            names += ("experts", "top_k", "router_aux_loss_coef")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def to_dict(self) -> dict:

@@ -230,6 +230,7 @@ def _records(rows: dict) -> dict:
             train_losses=list(row["train_losses"]),
             step_seconds=list(row["step_seconds"]),
             max_attention_logits=list(row.get("max_attention_logits", [])),
+            expert_tokens=list(row.get("expert_tokens", [])),
         )
     return records
 
@@ -435,6 +436,14 @@ def format_table(report: dict) -> str:
                 f"{row['val_loss_minus_muon']:+.4f} vs muon (fp32 reduce); wire "
                 f"{row['wire_vs_muon']:.3f}x muon's"
             )
+    moe = [(name, row) for name, row in rows.items() if row.get("expert_load")]
+    if moe:
+        from muonscale.bench.moe import facts_lines, load_text
+
+        lines += ["", "Expert load (tokens per expert ÷ the uniform share, least–most loaded):"]
+        for name, row in moe:
+            lines.append(f"- {name}: {load_text(row['expert_load'])}")
+            lines += facts_lines(name, row.get("moe", {}), row["optimizer_step_ms"])
     for note in report.get("notes", []):
         lines.append(f"note: {note}")
     return "\n".join(lines)

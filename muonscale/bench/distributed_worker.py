@@ -108,6 +108,7 @@ class Contender:
         self.max_logits: list[float] = []
         self.breakdown: dict[str, int] = {}
         self.links: list[dict[str, int]] = []  # per step: bytes by link class
+        self.expert_tokens: list[list[list[int]]] = []  # per step (n_layer, E), --mlp moe
 
     def train_step(self, micro_batches) -> None:
         """One optimizer step over ``micro_batches`` (this rank's rows of each)."""
@@ -133,6 +134,8 @@ class Contender:
             self.max_logits.append(
                 max(m.max().item() for m in self.model.pop_max_attention_logits())
             )
+        if self.model.moe_blocks():  # the global batch's counts (summed over the ranks)
+            self.expert_tokens.append(self.model.pop_expert_tokens().tolist())
         self.scheduler.step()
         self.opt.zero_grad(set_to_none=True)
         self.losses.append((loss_sum / len(micro_batches)).item())
@@ -162,10 +165,17 @@ class Contender:
 
 
 def _fresh_model(config):
+    """The contender's model, its MoE blocks' token counts summed over the ranks (every
+    contender's ranks split one global batch, whatever the parallelism)."""
+    from muonscale.distributed import Communicator
     from muonscale.train.model import GPT
 
     torch.manual_seed(config.seed)
-    return GPT(config.model_config())
+    model = GPT(config.model_config())
+    if model.moe_blocks() and torch.distributed.is_initialized():
+        comm = Communicator()
+        model.set_expert_count_reduction(lambda counts: comm.all_reduce(counts, tag="control"))
+    return model
 
 
 def _variant_kwargs(options) -> dict[str, Any]:
@@ -433,6 +443,12 @@ def _run_rank(rank: int, world_size: int, spec: dict, contenders: list) -> dict 
             rows[c.name]["muon_dtypes"] = {
                 key: str(muon_groups[0].get(key)) for key in ("ns_dtype", "momentum_dtype")
             }
+        if c.expert_tokens:  # --mlp moe: equal on every rank (global counts)
+            from muonscale.bench.moe import expert_load, optimizer_facts
+
+            rows[c.name]["expert_tokens"] = c.expert_tokens
+            rows[c.name]["expert_load"] = expert_load(c.expert_tokens)
+            rows[c.name]["moe"] = optimizer_facts(c.model, c.opt)
         if c.probe:
             logits = torch.tensor(c.max_logits, dtype=torch.float64)
             dist.all_reduce(logits, op=dist.ReduceOp.MAX)

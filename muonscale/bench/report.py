@@ -14,6 +14,8 @@
                                       contenders, or all with --track-max-logit), else null
     seeds                             --seeds > 1: per contender, mean/std/min/max over seeds of
                                       final_val_loss and steps_to_adamw_final_loss(_ratio)
+    moe                               --mlp moe: per contender over seeds, the MoE table and how
+                                      its optimizer holds the experts (muonscale.bench.moe)
     config, machine, sweep, wall_seconds
 
 Per-contender fields are flat numbers plus a ``curves`` dict, so a distributed run can add
@@ -112,6 +114,10 @@ def contender_summary(
             )
         )
     summary.update(max_logit_summary(record, config))
+    if record.expert_tokens:  # --mlp moe
+        from muonscale.bench.moe import expert_load
+
+        summary["expert_load"] = expert_load(record.expert_tokens)
     summary["curves"] = {
         "eval_steps": record.eval_steps,
         "val_loss": [_finite(x) for x in record.val_losses],
@@ -186,7 +192,7 @@ def build_report(
     report["config"] = {"bench": config.to_dict(), **(resolved or {})}
     report["machine"] = dict(machine) if machine is not None else machine_info()
     report["sweep"] = sweep
-    report["seeds"] = _json_safe(seeds) if seeds is not None else None
+    report["seeds"] = json_safe(seeds) if seeds is not None else None
     report["wall_seconds"] = wall_seconds
     return report
 
@@ -247,12 +253,12 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _json_safe(value):
+def json_safe(value):
     """Nested dicts/lists with every non-finite float as None (JSON has no NaN)."""
     if isinstance(value, Mapping):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     if isinstance(value, float):
         return _finite(value)
     return value
@@ -315,6 +321,10 @@ def format_table(report: Mapping) -> str:
         from muonscale.bench.seeds import format_seed_table
 
         lines += ["", format_seed_table(report["seeds"])]
+    if report.get("moe"):
+        from muonscale.bench.moe import format_moe_table
+
+        lines += ["", format_moe_table(report["moe"])]
     return "\n".join(lines)
 
 

@@ -67,6 +67,9 @@ class ContenderRecord:
     step_metrics: list[dict[str, float]] = field(default_factory=list)
     """Per step, the optimizer's step metrics (:mod:`muonscale.step_metrics`; the AdamW
     update RMS of other optimizers), when the run recorded them (``--tensorboard``)."""
+    expert_tokens: list[list[list[int]]] = field(default_factory=list)
+    """Per step, the tokens routed to each expert of each MoE block (n_layer x E) of an
+    ``--mlp moe`` model; empty otherwise."""
 
     @property
     def train_seconds(self) -> float:
@@ -154,6 +157,9 @@ def run_side_by_side(
                     record.max_logit_seconds.append(float(result.max_logit_seconds))
                 if step_metrics is not None:
                     record.step_metrics.append(step_metrics[name]())
+                expert_tokens = getattr(result, "expert_tokens", None)
+                if expert_tokens is not None:
+                    record.expert_tokens.append(expert_tokens)
         if bar is not None:
             bar.update(1)
         if name == last_name and step in wanted:

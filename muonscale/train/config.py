@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "swiglu")
+MLPS = ("gelu", "swiglu", "moe")
 POSITIONS = ("learned", "rotary")
 OPTIMIZERS = ("muon", "adamw", "torch-muon")
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -52,11 +52,19 @@ class ModelConfig:
     """Number of query heads; must divide d_model."""
     n_kv_head: int | None = None
     """Number of key/value heads (grouped-query attention); None means n_head (plain MHA)."""
-    mlp: Literal["gelu", "swiglu"] = "gelu"
-    """MLP type: GELU (4x expansion) or SwiGLU (gated, ~8/3x expansion)."""
+    mlp: Literal["gelu", "swiglu", "moe"] = "gelu"
+    """MLP type: GELU (4x expansion), SwiGLU (gated, ~8/3x expansion) or moe (routed SwiGLU
+    experts, see muonscale.train.model.MoE)."""
     mlp_hidden_dim: int | None = None
-    """Hidden width of the MLP; None: 4*d_model for gelu, 8/3*d_model rounded up to 64 for
-    swiglu."""
+    """Hidden width of the MLP (of each expert with moe); None: 4*d_model for gelu, 8/3*d_model
+    rounded up to 64 for swiglu, swiglu's width / top_k for moe (a token's expert FLOPs equal
+    the dense SwiGLU's)."""
+    experts: int = 8
+    """Routed experts per MoE block (mlp == 'moe')."""
+    top_k: int = 2
+    """Experts each token is routed to (mlp == 'moe')."""
+    router_aux_loss_coef: float = 0.01
+    """Weight of the router's load-balancing loss in the training loss (mlp == 'moe')."""
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     """Normalization layer used before attention, before the MLP and before the head."""
     norm_eps: float = 1e-5
@@ -80,6 +88,17 @@ class ModelConfig:
         if self.n_head % self.kv_heads:
             raise ValueError(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head}")
         _check_choice("mlp", self.mlp, MLPS)
+        if self.experts < 1:
+            raise ValueError(f"ModelConfig.experts must be >= 1, got {self.experts}")
+        if not 1 <= self.top_k <= self.experts:
+            raise ValueError(
+                f"ModelConfig.top_k must be in [1, experts={self.experts}], got {self.top_k}"
+            )
+        if not 0 <= self.router_aux_loss_coef < float("inf"):
+            raise ValueError(
+                "ModelConfig.router_aux_loss_coef must be a finite number >= 0, got "
+                f"{self.router_aux_loss_coef}"
+            )
         _check_choice("norm", self.norm, NORMS)
         _check_choice("position", self.position, POSITIONS)
         if self.position == "rotary" and self.head_dim % 2:
@@ -99,7 +118,8 @@ class ModelConfig:
             return self.mlp_hidden_dim
         if self.mlp == "gelu":
             return 4 * self.d_model
-        return -(-8 * self.d_model // 3 // 64) * 64
+        swiglu = -(-8 * self.d_model // 3 // 64) * 64
+        return swiglu if self.mlp == "swiglu" else max(1, swiglu // self.top_k)
 
 
 def _check_choice(name: str, value: Any, choices: tuple) -> None:
@@ -146,8 +166,14 @@ class TrainConfig:
     """Override the preset's context length."""
     vocab_size: int | None = None
     """Override the preset's vocabulary size (must be >= the tokenizer's)."""
-    mlp: Literal["gelu", "swiglu"] | None = None
-    """Override the preset's MLP type."""
+    mlp: Literal["gelu", "swiglu", "moe"] | None = None
+    """Override the preset's MLP type (moe: routed experts, see --experts, --top-k)."""
+    experts: int | None = None
+    """Routed experts per MoE block with --mlp moe; None: 8."""
+    top_k: int | None = None
+    """Experts each token is routed to with --mlp moe; None: 2."""
+    router_aux_loss_coef: float | None = None
+    """Weight of the router's load-balancing loss with --mlp moe; None: 0.01."""
     norm: Literal["layernorm", "rmsnorm"] | None = None
     """Override the preset's normalization layer."""
     position: Literal["learned", "rotary"] | None = None

@@ -1,9 +1,10 @@
 """nanoGPT-style decoder used by ``muonscale train`` and the benchmarks.
 
 Pre-norm blocks (LayerNorm or RMSNorm), causal attention through
-``F.scaled_dot_product_attention`` with optional grouped-query attention, GELU or SwiGLU MLP,
-learned or rotary positions, optional tied embeddings. GPT-2 initialization: normal(0, 0.02),
-residual output projections scaled by 1/sqrt(2 * n_layer).
+``F.scaled_dot_product_attention`` with optional grouped-query attention, GELU, SwiGLU or
+mixture-of-experts MLP (:class:`MoE`), learned or rotary positions, optional tied embeddings.
+GPT-2 initialization: normal(0, 0.02), residual output projections (and the experts'
+``down_proj``) scaled by 1/sqrt(2 * n_layer).
 
 The fused QKV weight ``blocks.{i}.attn.qkv.weight`` (``(rows, d_model)``) is laid out
 interleaved by key/value group as described by :class:`muonscale.qkv.QKVLayout`, so that the
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -174,13 +176,94 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
+class Experts(nn.Module):
+    """E SwiGLU experts stored as transformers stores routed experts: ``gate_up_proj``
+    (E, 2F, D) and ``down_proj`` (E, D, F), each expert's matrix (out, in), gate and up the
+    contiguous halves of its rows.
+
+    The class attributes are the layout transformers' ``@use_experts_implementation`` records
+    on its expert modules; :func:`muonscale.experts.find_experts` reads them, so Muon gives
+    both weights the expert view (E matrices; gate and up apart)."""
+
+    is_concatenated = True  # [gate; up]: contiguous halves (not interleaved)
+    is_transposed = False  # each expert stored (out, in)
+    has_gate = True
+    has_bias = False
+
+    def __init__(self, n_experts: int, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * hidden, d_model))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, d_model, hidden))
+
+    def forward(
+        self, x: torch.Tensor, expert_index: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """x: (N, D); expert_index, weights: (N, K). Sum over k of weights[:, k] times expert
+        expert_index[:, k] applied to x, each expert on its tokens in one matmul."""
+        n, k = expert_index.shape
+        flat = expert_index.reshape(-1)  # (N·K,) slot -> expert
+        order = flat.argsort(stable=True)  # slots grouped by expert, tokens ascending
+        token = torch.arange(n, device=x.device).repeat_interleave(k)[order]
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        outputs = []
+        for e, rows in enumerate(x[token].split(counts)):  # (n_e, D)
+            gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)  # (n_e, F) x2
+            outputs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))  # (n_e, D)
+        y = torch.cat(outputs) * weights.reshape(-1)[order, None].to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+
+
+CountReduction = Callable[[torch.Tensor], None]
+"""Sums an (E,) tensor of routed-token counts over the data-parallel ranks, in place."""
+
+
+class MoE(nn.Module):
+    """Top-k softmax router over :class:`Experts`, with the Switch Transformer load-balancing
+    loss (*Train* in the docs gives the choice and its sources).
+
+    A token's router probabilities are ``softmax(router(x))`` (in at least float32); it goes to its
+    ``top_k`` most probable experts, weighted by their probabilities renormalized to sum 1.
+    In training forwards the block records :attr:`balance_loss` ``E · Σ_i f_i · P_i`` (f_i:
+    share of the routed token slots that expert i took; P_i: mean probability of expert i)
+    and adds each expert's token count to :attr:`expert_tokens`. With
+    :attr:`count_reduction` set (data-parallel runs) f comes from the counts of the global
+    batch, so the ranks' mean of their losses is the single-process loss."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = config.top_k
+        self.router = nn.Linear(config.d_model, config.experts, bias=False)  # (E, D)
+        self.experts = Experts(config.experts, config.d_model, config.hidden_dim)
+        self.count_reduction: CountReduction | None = None
+        self.balance_loss: torch.Tensor | None = None
+        self.register_buffer(
+            "expert_tokens", torch.zeros(config.experts, dtype=torch.int64), persistent=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # (N, D)
+        logits = self.router(flat)  # (N, E); softmax in at least float32
+        probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)
+        top_p, top_i = probs.topk(self.top_k, dim=-1)  # (N, K)
+        out = self.experts(flat, top_i, top_p / top_p.sum(dim=-1, keepdim=True))
+        if self.training:
+            with torch.no_grad():
+                counts = torch.bincount(top_i.reshape(-1), minlength=probs.shape[1])
+                if self.count_reduction is not None:
+                    self.count_reduction(counts)
+                self.expert_tokens += counts
+            share = counts.to(probs.dtype) / counts.sum()  # f: (E,), sums to 1
+            self.balance_loss = probs.shape[1] * (share * probs.mean(dim=0)).sum()
+        return out.reshape(x.shape)
+
+
 class Block(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.attn_norm = make_norm(config)
         self.attn = CausalSelfAttention(config)
         self.mlp_norm = make_norm(config)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.mlp == "moe" else MLP(config)
 
     def forward(self, x: torch.Tensor, rotary=None, *, probe_max_logits: bool = False):
         x = x + self.attn(self.attn_norm(x), rotary, probe_max_logits=probe_max_logits)
@@ -188,7 +271,11 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer. ``forward(idx, targets=None) -> (logits, loss | None)``."""
+    """Decoder-only transformer. ``forward(idx, targets=None) -> (logits, loss | None)``.
+
+    The loss is the cross-entropy; in training mode with ``mlp="moe"`` it adds
+    ``router_aux_loss_coef`` times the MoE blocks' mean load-balancing loss (evaluation in
+    ``eval()`` mode gives the cross-entropy alone)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -218,6 +305,10 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
+        elif isinstance(module, Experts):  # down_proj: a residual output projection
+            nn.init.normal_(module.gate_up_proj, mean=0.0, std=0.02)
+            residual = 0.02 / math.sqrt(2 * self.config.n_layer)
+            nn.init.normal_(module.down_proj, mean=0.0, std=residual)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
@@ -250,6 +341,24 @@ class GPT(nn.Module):
             block.attn.max_logits = None
         return maxima
 
+    def moe_blocks(self) -> list[MoE]:
+        """The MoE blocks, in block order (empty unless ``mlp == "moe"``)."""
+        return [block.mlp for block in self.blocks if isinstance(block.mlp, MoE)]
+
+    def set_expert_count_reduction(self, reduction: CountReduction | None) -> None:
+        """Every MoE block sums its routed-token counts with ``reduction`` (over the
+        data-parallel ranks) before the load-balancing loss and :meth:`pop_expert_tokens`."""
+        for moe in self.moe_blocks():
+            moe.count_reduction = reduction
+
+    def pop_expert_tokens(self) -> torch.Tensor:
+        """(n_layer, E) tokens routed to each expert of each MoE block by the training forwards
+        since the last call (summed over ranks with a count reduction), and reset."""
+        counts = torch.stack([moe.expert_tokens.clone() for moe in self.moe_blocks()])
+        for moe in self.moe_blocks():
+            moe.expert_tokens.zero_()
+        return counts
+
     def pop_probe_seconds(self) -> float:
         """Seconds the max-logit probe took in all blocks since the last call, and reset."""
         return math.fsum(block.attn.probe_clock.pop_seconds() for block in self.blocks)
@@ -276,6 +385,10 @@ class GPT(nn.Module):
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            moe = self.moe_blocks()
+            if moe and self.training and self.config.router_aux_loss_coef:
+                balance = torch.stack([m.balance_loss for m in moe]).mean()
+                loss = loss + self.config.router_aux_loss_coef * balance
         return logits, loss
 
     def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
@@ -298,5 +411,9 @@ class GPT(nn.Module):
         """
         matmul_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         cfg = self.config
+        for experts in self.modules():  # a token runs through top_k of the E experts
+            if isinstance(experts, Experts):
+                total = experts.gate_up_proj.numel() + experts.down_proj.numel()
+                matmul_weights += total * cfg.top_k // cfg.experts
         forward = 2 * matmul_weights + 4 * cfg.n_layer * cfg.context_length * cfg.d_model
         return 3 * forward if training else forward

@@ -3,10 +3,14 @@
 - ``adamw``: ``torch.optim.AdamW`` (fused when the device supports it); weight decay only on
   parameters with >= 2 dims.
 - ``muon``: ``muonscale.Muon`` over ``model.named_parameters()``; its routing sends embeddings,
-  the head, norms and biases to AdamW; fused QKV weights are split by ``model.qkv_layout``.
-- ``torch-muon``: ``torch.optim.Muon`` (``adjust_lr_fn="match_rms_adamw"``) for the hidden
+  the head, norms and biases to AdamW; fused QKV weights are split by ``model.qkv_layout``;
+  the expert layouts :func:`muonscale.experts.find_experts` reads from the model are handed
+  over (``experts=``), so MoE expert stacks get the expert view.
+- ``torch-muon``: ``torch.optim.Muon`` (``adjust_lr_fn="match_rms_adamw"``) for the 2-D hidden
   matrices chosen by :func:`muonscale.params.route` plus ``torch.optim.AdamW`` for the rest,
   wrapped in one :class:`HybridOptimizer` so the trainer and ``LambdaLR`` see one optimizer.
+  ``torch.optim.Muon`` takes 2-D parameters only (its documentation: filter them out), so
+  the 3-D expert stacks of an MoE model train with that AdamW (:func:`torch_muon_split`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from muonscale.experts import find_experts
 from muonscale.params import route
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -121,7 +126,18 @@ def muon_options(model: nn.Module, config) -> dict[str, Any]:
         adamw_lr=config.adamw_lr,
         adamw_betas=tuple(config.adamw_betas),
         splits={qkv: model.qkv_layout for qkv in model.qkv_param_names()},
+        experts=find_experts(model).layouts,
     )
+
+
+def torch_muon_split(model: nn.Module) -> tuple[list[str], list[str]]:
+    """(names ``torch.optim.Muon`` takes, names left to its AdamW): the trainable parameters
+    :func:`muonscale.params.route` sends to Muon that are 2-D, and all others (embeddings,
+    head, norms, biases, and the 3-D expert stacks, which ``torch.optim.Muon`` refuses)."""
+    decisions = route(model)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    hidden = [n for n, p in named if decisions[n].algorithm == "muon" and p.ndim == 2]
+    return hidden, [n for n, _ in named if n not in set(hidden)]
 
 
 def adamw_for(model: nn.Module, config, *, fused: bool | None = None) -> torch.optim.AdamW:
@@ -153,9 +169,9 @@ def build_optimizer(name: str, model: nn.Module, config) -> torch.optim.Optimize
             ) from error
         return Muon(named, **muon_options(model, config))
     if name == "torch-muon":
-        decisions = route(model)
-        hidden = [(n, p) for n, p in named if decisions[n].algorithm == "muon"]
-        rest = [(n, p) for n, p in named if decisions[n].algorithm != "muon"]
+        muon_names, _ = torch_muon_split(model)
+        hidden = [(n, p) for n, p in named if n in set(muon_names)]
+        rest = [(n, p) for n, p in named if n not in set(muon_names)]
         optimizers: dict[str, torch.optim.Optimizer] = {
             "muon": torch.optim.Muon(
                 hidden,

@@ -236,6 +236,7 @@ class Parallelism:
         """Shard or wrap ``model`` (built identically on every rank) and return its optimizer
         for ``config.optimizer`` ("muon" or "adamw"); options by keyword only."""
         self.model, self.forward_model = model, model
+        model.set_expert_count_reduction(self.sum_over_ranks)
         if self.mode == "fsdp":
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -293,6 +294,10 @@ class Parallelism:
         values = flags.tolist()
         agreed = "SIGTERM" if values[2] else ("SIGINT" if values[1] else None)
         return values[0] / self.world_size, agreed
+
+    def sum_over_ranks(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the ranks, in place (the MoE blocks' routed-token counts)."""
+        self.comm.all_reduce(tensor, tag="control")
 
     def all_true(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank (one all-reduce)."""

@@ -75,6 +75,9 @@ class StepResult:
     max_logit_seconds: float | None = None
     """Time the max-logit probe took in this step's forwards (part of ``step_seconds``); None
     when not probed."""
+    expert_tokens: list[list[int]] | None = None
+    """With ``mlp="moe"``: tokens routed to each expert (n_layer x E) in this step's forwards,
+    over the global batch (summed over the ranks); None otherwise."""
 
 
 @dataclass(kw_only=True)
@@ -244,6 +247,9 @@ class TrainingRun:
             max_logit = max(m.max().item() for m in self.model.pop_max_attention_logits())
         if self.probe_max_logits:
             probe_seconds = self.model.pop_probe_seconds()
+        expert_tokens = None
+        if self.model.moe_blocks():
+            expert_tokens = self.model.pop_expert_tokens().tolist()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
@@ -257,6 +263,7 @@ class TrainingRun:
             optimizer_seconds=optimizer_seconds,
             max_attention_logit=max_logit,
             max_logit_seconds=probe_seconds,
+            expert_tokens=expert_tokens,
         )
 
     def _accumulating(self, *, reduce: bool):
@@ -306,13 +313,20 @@ class TrainingRun:
         resumed = f", resuming at step {self.step_count}" if self.step_count else ""
         return (
             f"{cfg.model} GPT ({self.model.num_parameters() / 1e6:.2f}M params, {model.n_layer} "
-            f"layers, d={model.d_model}, ctx={model.context_length}), {self.tokenizer.name} "
+            f"layers, d={model.d_model}, ctx={model.context_length}{self._moe_text()}), "
+            f"{self.tokenizer.name} "
             f"tokens from {self.dataset.source} ({len(self.dataset.train_tokens):,} train / "
             f"{len(self.dataset.val_tokens):,} val), optimizer {cfg.optimizer} lr={cfg.lr:g}, "
             f"{self.tokens_per_step:,} tokens/step ({self.accumulation_steps} x "
             f"{cfg.micro_batch_size} x {model.context_length}), {cfg.steps} steps on "
             f"{self.device}{resumed}" + (f", {self.parallel.describe()}" if self.parallel else "")
         )
+
+    def _moe_text(self) -> str:
+        model = self.model_config
+        if model.mlp != "moe":
+            return ""
+        return f", MoE {model.experts} experts of width {model.hidden_dim}, top {model.top_k}"
 
     # ------------------------------------------------------------------ checkpoints
     def first_nonfinite(self) -> tuple[str, int, int] | None:
