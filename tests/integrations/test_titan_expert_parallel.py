@@ -127,3 +127,14 @@ def test_injected_gradients_bitwise_single_process(layout, tmp_path):
         assert expert_bytes == [0] * len(expert_bytes), expert_bytes
     else:
         assert min(expert_bytes) > 0, expert_bytes
+
+
+@pytest.mark.timeout(300)
+def test_placement_the_layout_cannot_read_is_refused_by_name(tmp_path):
+    """EP 2: a routed-expert stack given a Partial placement, or a subclass of Shard (which may
+    select other elements than Shard does), is refused by name when the optimizer is built."""
+    got = run_layout("ep2", tmp_path, mode="refuse", steps=0)
+    name = "layers.0.moe.routed_experts.inner_experts.w1_EFD"
+    partial, subclass = got["messages"]
+    assert partial is not None and name in partial and "Partial" in partial, partial
+    assert subclass is not None and name in subclass and "_OtherShard" in subclass, subclass

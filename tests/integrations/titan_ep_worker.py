@@ -24,7 +24,7 @@ import torchtitan.distributed.parallel_dims as titan_parallel_dims
 from tiny_models import leave_process_group
 from titan_models import batch, injected_gradients, loss_of, tiny_config
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
@@ -76,6 +76,30 @@ with torch.no_grad():
 for module in model.modules():
     if isinstance(module, FSDPModule):
         module.set_force_sum_reduction_for_comms(True)  # PREMUL_SUM(1) is a SUM; gloo lacks it
+
+if spec["mode"] == "refuse":
+    # a routed-expert stack given placements the layout cannot read exactly (unreduced values; a
+    # Shard subclass whose elements may not be Shard's): building the optimizer refuses it by name
+    class _OtherShard(Shard):
+        pass
+
+    experts_module = model.layers["0"].moe.routed_experts.inner_experts
+    w1 = experts_module.w1_EFD
+    messages = []
+    for bad in (Partial(), _OtherShard(0)):
+        placements = (bad, *w1.placements[1:])
+        experts_module.w1_EFD = torch.nn.Parameter(
+            DTensor.from_local(w1.to_local(), w1.device_mesh, placements, run_check=False)
+        )
+        try:
+            muonscale_optimizers(**MUON_KWARGS).build(model_parts=[model])
+            messages.append(None)
+        except ValueError as error:
+            messages.append(str(error))
+    if dist.get_rank() == 0:
+        torch.save({"messages": messages}, spec["out"])
+    leave_process_group()
+    sys.exit(0)
 
 if spec["optimizer"] == "muon":
     optimizers = muonscale_optimizers(**MUON_KWARGS).build(model_parts=[model])
