@@ -38,6 +38,7 @@ LAYOUTS = {
     "ep2_tp2": (2, 2, 2, 4, 4),
     "ep2_efsdp2_2experts": (4, 1, 2, 2, 4),
 }
+EP1 = (2, 1, 1, 4, 2)  # EP off: FSDP2 on 2 ranks holds 2 whole experts each (DCP resharding)
 WHOLE = {"ep2", "ep2_efsdp2", "ep2_tp2"}  # every routed expert whole on one rank
 # the routed experts' placements torchtitan gives each layout (mesh (efsdp, ep), or (fsdp, tp)
 # with EP off): EP's Shard(0) with FSDP2's expert-dim sharding strided inside it; TP's colwise
@@ -58,7 +59,7 @@ def _free_port() -> int:
 
 
 def run_layout(layout: str, tmp_path, **spec) -> dict:
-    dp_shard, tp, ep, experts, ranks = LAYOUTS[layout]
+    dp_shard, tp, ep, experts, ranks = EP1 if layout == "ep1" else LAYOUTS[layout]
     out = tmp_path / f"{layout}-{spec['mode']}-{spec.get('first', 0)}.pt"
     initial = tmp_path / f"initial{experts}.pt"
     model = tiny_model("qwen3_moe", num_experts=experts)
@@ -165,3 +166,20 @@ def test_end_to_end_within_twice_adamws_distance(layout, tmp_path):
     print(f"\n{layout}: max |dW| vs one process after {TRAIN_STEPS} steps: {delta}")
     assert delta["adamw"] > 0  # the layouts' arithmetic differs: a ratio, not 0/0
     assert delta["muon"] <= 2 * delta["adamw"], delta
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("source,destination", [("ep2", "ep1"), ("ep1", "ep2_efsdp2")])
+def test_dcp_resume_across_expert_parallel_sizes_bitwise(source, destination, tmp_path):
+    """Injected gradients: 2 steps at ``source``, a DCP checkpoint (model and optimizer state,
+    sharded as each layout places it), 2 more steps at ``destination`` after loading it: bitwise
+    the uninterrupted 4 steps at ``destination`` (and single-process Muon's)."""
+    ckpt = str(tmp_path / "ckpt")
+    run_layout(source, tmp_path, mode="inject", steps=2, save=ckpt)
+    got = run_layout(
+        destination, tmp_path, mode="inject", steps=2, first=2, load=ckpt, uninterrupted=True
+    )
+    want = single_process(4, 4, "inject")
+    for name, tensor in want.items():
+        assert torch.equal(got["muon"][name], got["muon_uninterrupted"][name]), name
+        assert torch.equal(got["muon"][name], tensor), name
