@@ -12,6 +12,7 @@ wire bytes from rank 0.
 
 from __future__ import annotations
 
+import io
 import re
 import zlib
 
@@ -62,11 +63,28 @@ def full_params(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def inject(named: dict[str, torch.Tensor], shapes: dict[str, tuple], step: int) -> None:
-    """The same full gradient of each global name in every layout, sliced to this shard."""
+def inject(named: dict[str, torch.Tensor], shapes: dict[str, tuple], step: int, only=None) -> None:
+    """The same full gradient of each global name in every layout, sliced to this shard
+    (``only``: the names that get one; the others none)."""
     for name, p in named.items():
         g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + 7919 * step)
-        p.grad = local_slice(torch.randn(shapes[name], generator=g), p)
+        full = torch.randn(shapes[name], generator=g)
+        p.grad = local_slice(full, p) if only is None or name in only else None
+
+
+def wire_by_kind(named, shapes, opt, step: int) -> dict[str, dict[str, int]]:
+    """This rank's optimizer bytes of one step with gradients on the expert matrices only and
+    of one with gradients on the dense Muon matrices only."""
+    muon = {pl.name for pl in opt.plans if pl.algorithm == "muon"}
+    out = {}
+    for kind, keep in (("experts", True), ("dense", False)):
+        only = {n for n in named if n in muon or "local_experts" in n}
+        only = {n for n in only if ("local_experts" in n) == keep}
+        inject(named, shapes, step, only)
+        opt.step()
+        out[kind] = dict(opt.last_step_wire_breakdown)
+        opt.zero_grad(set_to_none=True)
+    return out
 
 
 def _layout_model(spec: dict, initial: dict):
@@ -122,6 +140,15 @@ def run(rank: int, world_size: int, spec: dict) -> dict | None:
         summary=opt.summary(),
     )
     parts = getattr(opt, "parts", None)
+    if spec.get("wire"):  # ZeRO-1: each half's bytes of the last step (its buckets move whole)
+        split = (
+            wire_by_kind(named, shapes, opt, spec["steps"])
+            if parts is None
+            else {name: dict(part.last_step_wire_breakdown) for name, part in parts.items()}
+        )
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, split)
+        out["wire_by_kind"] = everyone
     if parts is not None:  # ZeRO-1 with experts: which group each half shards over
         out["parts"] = {
             name: (dist.get_process_group_ranks(part.comm.group), [pl.name for pl in part.plans])
@@ -134,7 +161,10 @@ def run(rank: int, world_size: int, spec: dict) -> dict | None:
         model, named, opt = _layout_model(spec, initial)
         _steps(named, shapes, opt, 0, k, [], [])
         saved_params = {n: p.detach().clone() for n, p in named.items()}
-        saved = opt.state_dict()
+        buffer = io.BytesIO()  # through torch.save / torch.load, as a checkpoint file
+        torch.save(opt.state_dict(), buffer)
+        buffer.seek(0)
+        saved = torch.load(buffer, weights_only=False)
         model, named, opt = _layout_model(spec, initial)  # fresh: everything from the save
         with torch.no_grad():
             for name, p in named.items():

@@ -42,13 +42,18 @@ def _check(reference, got, label):
     delta = max(float((reference["params"][n] - t).abs().max()) for n, t in got["params"].items())
     print(f"\n{label}: max|dW| vs (1, 1, 1) = {delta:.3g}; grad norms {got['norms']}")
     assert delta <= ATOL, label
+    for rank, split in enumerate(got.get("wire_by_kind", [])):
+        print(f"{label} rank {rank} optimizer bytes: experts {split['experts']}")
+        print(f"{label} rank {rank} optimizer bytes: dense {split['dense']}")
+    if got["dp_mode"] == "zero1":  # each half's buckets: the experts' within the expert-data group
+        assert all(sum(split["experts"].values()) > 0 for split in got["wire_by_kind"])
     for want, norm in zip(reference["norms"], got["norms"]):
         assert abs(norm - want) <= 1e-6 * want, (label, reference["norms"], got["norms"])
 
 
 def test_expert_parallel_two_ranks(pool2, reference):
     """TP 1, ETP 1, EP 2 on 2 ranks (DP 2, expert DP 1): each rank holds 2 of the 4 experts."""
-    got = _run(pool2, (1, 1, 2))
+    got = _run(pool2, (1, 1, 2), wire=True)
     assert got["dp_mode"] == "replicated"
     _check(reference, got, "TP1 ETP1 EP2")
 
@@ -56,7 +61,7 @@ def test_expert_parallel_two_ranks(pool2, reference):
 def test_expert_parallel_with_expert_tensor_parallel(pool4, reference):
     """TP 2, ETP 2, EP 2 on 4 ranks (DP 2, expert DP 1): experts sharded over the
     expert-tensor group inside each expert-parallel rank."""
-    got = _run(pool4, (2, 2, 2))
+    got = _run(pool4, (2, 2, 2), wire=True)
     _check(reference, got, "TP2 ETP2 EP2")
 
 
@@ -65,7 +70,7 @@ def test_zero1_experts_in_the_expert_data_group(pool4, reference):
     are owned within the data-parallel group, expert matrices within the expert-data group;
     the same parameters and global gradient norm as (1, 1, 1); a resume after one step at the
     same layout is bitwise the uninterrupted run."""
-    got = _run(pool4, (1, 1, 2), options=dict(dp_mode="zero1"), resume_at=1)
+    got = _run(pool4, (1, 1, 2), options=dict(dp_mode="zero1"), resume_at=1, wire=True)
     assert got["dp_mode"] == "zero1"
     dense_ranks, dense_names = got["parts"]["dense"]
     expert_ranks, expert_names = got["parts"]["experts"]
@@ -76,4 +81,3 @@ def test_zero1_experts_in_the_expert_data_group(pool4, reference):
     _check(reference, got, "TP1 ETP1 EP2 ZeRO-1")
     for name, tensor in got["params"].items():
         assert torch.equal(got["resumed"][name], tensor), name
-    print(f"ZeRO-1 with experts, bytes per step (rank 0): {got['wire'][-1]}")
