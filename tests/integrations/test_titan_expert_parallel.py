@@ -109,15 +109,29 @@ def single_process(experts: int, steps: int, mode: str, optimizer: str = "muon")
 
 
 INJECT_STEPS = 2
+_RUNS: dict = {}
+
+
+def injected_run(layout: str, tmp_path_factory) -> dict:
+    """The injected-gradient run of ``layout`` (once per module): its weights, expert
+    placements and bytes; EP 2 also saves a DCP checkpoint and tries the refused placements."""
+    if layout not in _RUNS:
+        where = tmp_path_factory.mktemp(layout)
+        extra = dict(save=str(where / "ckpt"), refuse=True) if layout == "ep2" else {}
+        _RUNS[layout] = run_layout(
+            layout, where, mode="inject", steps=INJECT_STEPS, wire=True, **extra
+        )
+        _RUNS[layout]["ckpt"] = extra.get("save")
+    return _RUNS[layout]
 
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_injected_gradients_bitwise_single_process(layout, tmp_path):
+def test_injected_gradients_bitwise_single_process(layout, tmp_path_factory):
     """Identical full gradients under torchtitan's placements for ``layout``: after the steps
     the weights are bitwise single-process Muon's; routed experts whole on a rank move no
     optimizer bytes, experts sharded inside go through the exchange (printed per rank)."""
-    got = run_layout(layout, tmp_path, mode="inject", steps=INJECT_STEPS, wire=True)
+    got = injected_run(layout, tmp_path_factory)
     experts = LAYOUTS[layout][3]
     want = single_process(experts, INJECT_STEPS, "inject")
     initial = dict(tiny_model("qwen3_moe", num_experts=experts).named_parameters())
@@ -135,10 +149,10 @@ def test_injected_gradients_bitwise_single_process(layout, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_placement_the_layout_cannot_read_is_refused_by_name(tmp_path):
+def test_placement_the_layout_cannot_read_is_refused_by_name(tmp_path_factory):
     """EP 2: a routed-expert stack given a Partial placement, or a subclass of Shard (which may
     select other elements than Shard does), is refused by name when the optimizer is built."""
-    got = run_layout("ep2", tmp_path, mode="refuse", steps=0)
+    got = injected_run("ep2", tmp_path_factory)
     name = "layers.0.moe.routed_experts.inner_experts.w1_EFD"
     partial, subclass = got["messages"]
     assert partial is not None and name in partial and "Partial" in partial, partial
@@ -148,8 +162,16 @@ def test_placement_the_layout_cannot_read_is_refused_by_name(tmp_path):
 TRAIN_STEPS = 10
 
 
+# end to end costs 20 forward/backward passes per layout: the default suite runs the 2-rank EP
+# layout and the one with experts cut inside; the others run with -m slow
+END_TO_END = [
+    pytest.param(layout, marks=() if layout in ("ep2", "ep2_efsdp2_2experts") else pytest.mark.slow)
+    for layout in LAYOUTS
+]
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", END_TO_END)
 def test_end_to_end_within_twice_adamws_distance(layout, tmp_path):
     """10 steps of torchtitan's own token dispatch and loss at ``layout`` against one process:
     Muon's max |ΔW| is at most twice torchtitan AdamW's between the same two layouts (the
@@ -170,14 +192,25 @@ def test_end_to_end_within_twice_adamws_distance(layout, tmp_path):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("source,destination", [("ep2", "ep1"), ("ep1", "ep2_efsdp2")])
-def test_dcp_resume_across_expert_parallel_sizes_bitwise(source, destination, tmp_path):
+def test_dcp_resume_across_expert_parallel_sizes_bitwise(
+    source, destination, tmp_path, tmp_path_factory
+):
     """Injected gradients: 2 steps at ``source``, a DCP checkpoint (model and optimizer state,
     sharded as each layout places it), 2 more steps at ``destination`` after loading it: bitwise
     the uninterrupted 4 steps at ``destination`` (and single-process Muon's)."""
-    ckpt = str(tmp_path / "ckpt")
-    run_layout(source, tmp_path, mode="inject", steps=2, save=ckpt)
+    if source == "ep2":  # the checkpoint of the injected-gradient run
+        ckpt = injected_run("ep2", tmp_path_factory)["ckpt"]
+    else:
+        ckpt = str(tmp_path / "ckpt")
+        run_layout(source, tmp_path, mode="inject", steps=INJECT_STEPS, save=ckpt)
     got = run_layout(
-        destination, tmp_path, mode="inject", steps=2, first=2, load=ckpt, uninterrupted=True
+        destination,
+        tmp_path,
+        mode="inject",
+        steps=2,
+        first=INJECT_STEPS,
+        load=ckpt,
+        uninterrupted=True,
     )
     want = single_process(4, 4, "inject")
     for name, tensor in want.items():

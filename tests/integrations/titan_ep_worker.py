@@ -6,11 +6,12 @@ type, and FSDP's gradient reduction forced to a plain sum (gloo has no PREMUL_SU
 
 The single argument is a JSON spec: ``dp_shard``, ``tp``, ``ep``, ``experts``, ``mode``
 (``"inject"``: identical full gradients distributed with each parameter's own placements, then
-``steps`` steps; ``"train"``: ``steps`` steps of torchtitan's token dispatch end to end;
-``"refuse"``: unreadable expert placements), ``optimizers`` (each of ``"muon"`` and torchtitan's
+``steps`` steps; ``"train"``: ``steps`` steps of torchtitan's token dispatch end to end),
+``optimizers`` (each of ``"muon"`` and torchtitan's
 ``"adamw"`` on a model of its own), ``initial`` (the full initial weights), ``out``; optional
 ``load`` / ``save`` (a DCP checkpoint read before / written after the steps), ``first`` (the first
-step's index), ``uninterrupted`` (also run steps 0.. on a fresh model) and ``wire``. Rank 0
+step's index), ``uninterrupted`` (also run steps 0.. on a fresh model), ``wire`` and
+``refuse`` (also build the optimizer on expert placements it must refuse). Rank 0
 writes the full parameters per optimizer, the routed experts' placements and, with ``wire``,
 every rank's optimizer bytes of one step with gradients on the routed experts only and of one
 on the dense matrices only.
@@ -169,34 +170,31 @@ def wire_bytes(model, optimizers, step: int) -> dict[str, dict[str, int]]:
 
 out: dict = {}
 first = spec.get("first", 0)
-if spec["mode"] == "refuse":
-    out["messages"] = refusals()
-else:
-    for name in spec["optimizers"]:
+for name in spec["optimizers"]:
+    model = parallelized_model()
+    optimizers = build_optimizers(model, name)
+    if spec.get("load"):
+        state = {"model": model.state_dict(), "optimizer": optimizers.state_dict()}
+        dcp.load(state, checkpoint_id=spec["load"])
+        model.load_state_dict(state["model"])
+        optimizers.load_state_dict(state["optimizer"])
+    run(model, optimizers, first, spec["steps"])
+    if spec.get("save"):
+        state = {"model": model.state_dict(), "optimizer": optimizers.state_dict()}
+        dcp.save(state, checkpoint_id=spec["save"])
+    out[name] = full_params(model)
+    out["placements"] = {n: repr(p.placements) for n, p in model.named_parameters() if p.ndim == 3}
+    if spec.get("uninterrupted"):  # the same steps from step 0 at this layout, in one run
         model = parallelized_model()
         optimizers = build_optimizers(model, name)
-        if spec.get("load"):
-            state = {"model": model.state_dict(), "optimizer": optimizers.state_dict()}
-            dcp.load(state, checkpoint_id=spec["load"])
-            model.load_state_dict(state["model"])
-            optimizers.load_state_dict(state["optimizer"])
-        run(model, optimizers, first, spec["steps"])
-        if spec.get("save"):
-            state = {"model": model.state_dict(), "optimizer": optimizers.state_dict()}
-            dcp.save(state, checkpoint_id=spec["save"])
-        out[name] = full_params(model)
-        out["placements"] = {
-            n: repr(p.placements) for n, p in model.named_parameters() if p.ndim == 3
-        }
-        if spec.get("uninterrupted"):  # the same steps from step 0 at this layout, in one run
-            model = parallelized_model()
-            optimizers = build_optimizers(model, name)
-            run(model, optimizers, 0, first + spec["steps"])
-            out[f"{name}_uninterrupted"] = full_params(model)
-        if spec.get("wire"):
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, wire_bytes(model, optimizers, first + spec["steps"]))
-            out["wire"] = gathered
+        run(model, optimizers, 0, first + spec["steps"])
+        out[f"{name}_uninterrupted"] = full_params(model)
+    if spec.get("wire"):
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, wire_bytes(model, optimizers, first + spec["steps"]))
+        out["wire"] = gathered
+if spec.get("refuse"):
+    out["messages"] = refusals()
 if dist.get_rank() == 0:
     torch.save(out, spec["out"])
 leave_process_group()
