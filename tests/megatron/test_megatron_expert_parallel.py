@@ -45,17 +45,18 @@ def _check(reference, got, label):
     for rank, split in enumerate(got.get("wire_by_kind", [])):
         print(f"{label} rank {rank} optimizer bytes: experts {split['experts']}")
         print(f"{label} rank {rank} optimizer bytes: dense {split['dense']}")
-    if got["dp_mode"] == "zero1":  # each half's buckets: the experts' within the expert-data group
-        assert all(sum(split["experts"].values()) > 0 for split in got["wire_by_kind"])
     for want, norm in zip(reference["norms"], got["norms"]):
         assert abs(norm - want) <= 1e-6 * want, (label, reference["norms"], got["norms"])
 
 
 def test_expert_parallel_two_ranks(pool2, reference):
-    """TP 1, ETP 1, EP 2 on 2 ranks (DP 2, expert DP 1): each rank holds 2 of the 4 experts."""
-    got = _run(pool2, (1, 1, 2), wire=True)
+    """TP 1, ETP 1, EP 2 on 2 ranks (DP 2, expert DP 1): each rank holds 2 of the 4 experts;
+    a resume after one step at the same layout is bitwise the uninterrupted run."""
+    got = _run(pool2, (1, 1, 2), wire=True, resume_at=1)
     assert got["dp_mode"] == "replicated"
     _check(reference, got, "TP1 ETP1 EP2")
+    for name, tensor in got["params"].items():
+        assert torch.equal(got["resumed"][name], tensor), name
 
 
 def test_expert_parallel_with_expert_tensor_parallel(pool4, reference):
@@ -79,5 +80,16 @@ def test_zero1_experts_in_the_expert_data_group(pool4, reference):
     assert expert_names and all("experts" in n for n in expert_names)
     assert dense_names and not any("local_experts" in n for n in dense_names)
     _check(reference, got, "TP1 ETP1 EP2 ZeRO-1")
+    # each half reduces and gathers its own buckets: the experts' within the expert-data group
+    assert all(sum(split["experts"].values()) > 0 for split in got["wire_by_kind"])
     for name, tensor in got["params"].items():
         assert torch.equal(got["resumed"][name], tensor), name
+
+
+def test_zero1_experts_with_expert_tensor_parallel(pool4, reference):
+    """TP 2, ETP 2, EP 2 on 4 ranks with ``dp_mode="zero1"`` (DP 2, expert DP 1): the expert
+    half's ZeRO-1 group is one rank; the TP exchange of experts runs in the expert-tensor group."""
+    got = _run(pool4, (2, 2, 2), options=dict(dp_mode="zero1"))
+    assert got["dp_mode"] == "zero1"
+    assert len(got["parts"]["dense"][0]) == 2 and len(got["parts"]["experts"][0]) == 1
+    _check(reference, got, "TP2 ETP2 EP2 ZeRO-1")
