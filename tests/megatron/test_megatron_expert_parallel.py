@@ -55,6 +55,9 @@ def test_expert_parallel_two_ranks(pool2, reference):
     got = _run(pool2, (1, 1, 2), wire=True, resume_at=1)
     assert got["dp_mode"] == "replicated"
     _check(reference, got, "TP1 ETP1 EP2")
+    for split in got["wire_by_kind"]:  # experts whole on their rank, expert DP 1: the norm only
+        assert set(split["experts"]) == {"grad_norm/all_reduce"}, split
+        assert split["experts"]["grad_norm/all_reduce"] <= 8
     for name, tensor in got["params"].items():
         assert torch.equal(got["resumed"][name], tensor), name
 
