@@ -99,6 +99,27 @@ class MatrixView:
         contiguous = tuple(blocks) if blocks is not None else None
         return MatrixView(shape, mode, parts, contiguous, bool(transposed), roles)
 
+    def experts_view(self, count: int | None = None) -> MatrixView:
+        """The view of ``count`` consecutive experts of this expert view (their sub-stack:
+        each expert laid out as here), or with None of one expert alone, a plain matrix view
+        (of its (A, B) slice of a stack, or its rows of a 2-D concatenation)."""
+        if self.experts is None:
+            raise ValueError(f"experts_view: the view of shape {self.param_shape} has no experts")
+        rows = self.param_shape[0] // self.experts  # a stack: 1 (dim 0 indexes experts)
+        if count is not None:
+            shape = (count * rows, *self.param_shape[1:])
+        elif len(self.param_shape) == 3:
+            shape = self.param_shape[1:]
+        else:
+            shape = (rows, self.param_shape[1])
+        return MatrixView.build(
+            shape,
+            experts=count,
+            transposed=self.transposed,
+            row_partition=self.row_partition,
+            block_roles=self.block_roles,
+        )
+
     @property
     def stacked_shape(self) -> tuple[int, int, int] | None:
         """(count, A, B) of a view whose matrices are the slices of a stack (an expert view,

@@ -21,6 +21,9 @@ pytestmark = pytest.mark.timeout(180)
 
 VOCAB, DIM = 13, 8
 OPTS = dict(lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)
+DP_TOL = 8 * torch.finfo(torch.float32).eps  # ~1e-6
+"""Distributed vs single-process fp32 weights (of order 1) after a few steps, where the
+owners may sum the ranks' gradients in another order than one process: some float32 ulps."""
 
 
 class TinyLM(nn.Module):
@@ -127,7 +130,7 @@ def test_same_batch_matches_single_process(world_size):
         f"\nsame batch, {world_size} ranks: max |dW| = {max(diffs):.3g}, "
         f"bitwise: {[r[1] for r in results]}"
     )
-    assert max(diffs) <= 1e-6
+    assert max(diffs) <= DP_TOL
     if world_size == 4:
         assert "rank 3: 0 parameters" in results[0][2] or "0 parameters" in results[0][2]
 
@@ -143,13 +146,13 @@ def _waves(rank, world_size, steps):
         model = make_model(n_hidden=8)
         opt = DistributedMuon(model, **OPTS, bucket_cap_mb=1e-4)
         launched_before_wave = []
-        update = opt._update_owned_matrices
+        update = opt._update_owned_units
 
         def recording(present, only=None):
             launched_before_wave.append(opt.comm.counter.calls_by_key["muon/all_gather"])
             return update(present, only=only)
 
-        opt._update_owned_matrices = recording
+        opt._update_owned_units = recording
         train(model, opt, steps)
     finally:
         del os.environ["MUONSCALE_UPDATE_CHUNK_MB"]
@@ -213,14 +216,14 @@ def _overlap_switch(rank, world_size, steps):
         for overlap in (True, False):
             model = make_model(n_hidden=8)
             opt = DistributedMuon(model, **OPTS, bucket_cap_mb=1e-4, overlap_gather=overlap)
-            update = opt._update_owned_matrices
+            update = opt._update_owned_units
 
             def recording(present, only=None, opt=opt, update=update):
                 launched_before_wave.append(opt.comm.counter.calls_by_key["muon/all_gather"])
                 return update(present, only=only)
 
             if not overlap:
-                opt._update_owned_matrices = recording
+                opt._update_owned_units = recording
             train(model, opt, steps, rank=rank, world_size=world_size, split=True)
             models.append(model)
             states.append(opt.state_dict()["state"])
@@ -249,7 +252,7 @@ def test_row_split_parameters_match_single_process():
     # a parameter orthogonalized as several row blocks (as a fused QKV) is still owned whole
     muon_kw = dict(splits={"blocks.1.weight": 2, "blocks.2.weight": [3, 7]}, nesterov=False)
     results = shared_pool(2).run(_same_batch, 3, dict(n_hidden=3), {}, muon_kw)
-    assert max(r[0] for r in results) <= 1e-6
+    assert max(r[0] for r in results) <= DP_TOL
     assert "2x5x10" in results[0][2]
 
 
@@ -351,7 +354,7 @@ def test_bf16_parameters_with_fp32_main_copies_match_fp32(world_size):
         f"\nbf16 + fp32 main copies, {world_size} ranks, 3 steps: max |dW| vs fp32 = "
         f"{max(diffs):.3g}, bitwise: {[r[1] for r in results]}"
     )
-    assert max(diffs) <= 1e-6
+    assert max(diffs) <= DP_TOL
     for _, _, rounded, fp32_state, _, same_wire, stats in results:
         assert rounded and fp32_state and same_wire
         assert stats["fill_elements"] > 0  # main copies inside stream fills were exercised
@@ -668,7 +671,7 @@ def _fault(rank, world_size):
         def broken(*args, **kwargs):
             raise RuntimeError("injected failure on rank 1")
 
-        opt._update_owned_matrices = broken
+        opt._update_owned_units = broken
     start = time.monotonic()
     try:
         train(model, opt, 1, first_step=1)

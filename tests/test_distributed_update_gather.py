@@ -104,7 +104,7 @@ def _same_batch(rank, world_size, steps=3):
             _step(model, opt, step)
             digests.append(digest(model))
         bitwise = all(torch.equal(p, q) for p, q in zip(ref.parameters(), model.parameters()))
-        gathered = sorted(opt._name(opt.params[i]) for i in opt.update_gather.matrices)
+        gathered = sorted(opt._name(opt.params[i]) for i in opt.update_gather.gathered_units)
         out[name] = (bitwise, digests, gathered)
     return out
 
@@ -214,7 +214,7 @@ def _resume_and_rebind(rank, world_size, path):
     resumed_opt.rebind_parameters(resumed.named_parameters())
     _step(resumed, resumed_opt, 3)
     bitwise = all(torch.equal(p, q) for p, q in zip(whole.parameters(), resumed.parameters()))
-    return bitwise, bool(resumed_opt.update_gather.matrices), digest(resumed)
+    return bitwise, bool(resumed_opt.update_gather.gathered_units), digest(resumed)
 
 
 def test_resume_and_rebind_keep_the_bits(tmp_path):
@@ -228,7 +228,7 @@ def test_world_size_one_bf16_ns_is_bitwise_muon():
     ref, model = make_model(), make_model()
     ref_opt = muonscale.Muon(ref, **BASE, **BF16_NS)
     opt = DistributedMuon(model, **BASE, **BF16_NS)
-    assert opt.update_gather.matrices
+    assert opt.update_gather.gathered_units
     for step in range(3):
         _step(ref, ref_opt, step)
         _step(model, opt, step)
@@ -243,7 +243,7 @@ def test_gather_updates_refuses_other_values(value):
 
 def test_which_matrices_gather_updates():
     def gathered(model, **kw):
-        return len(DistributedMuon(model, **BASE, **kw).update_gather.matrices)
+        return len(DistributedMuon(model, **BASE, **kw).update_gather.gathered_units)
 
     assert gathered(make_model(), **FP32_NS) == 0  # fp32 Newton–Schulz: opt-in only
     assert gathered(make_model(), **FP32_NS, gather_updates=True) == 3

@@ -210,7 +210,6 @@ def expert_units(p: torch.Tensor, view: MatrixView, layout: MatrixLayout) -> lis
     count = view.experts
     m, n = layout.shape  # 3-D: (E, A·B); 2-D concatenation: (E·A, B)
     per = m // count
-    shape = tuple(p.shape[1:]) if p.ndim == 3 else (per, n)
     holder_of: dict[int, tuple[int, int]] = {}  # expert -> (rank, first local row)
     for rank, (rows, cols) in enumerate(layout.pieces):
         if not isinstance(rows, slice) or rows.start == rows.stop:
@@ -225,12 +224,7 @@ def expert_units(p: torch.Tensor, view: MatrixView, layout: MatrixLayout) -> lis
             holder_of[e] = (rank, e * per - rows.start)
     if len(holder_of) != count:
         return None
-    expert_view = MatrixView.build(
-        shape,
-        transposed=view.transposed,
-        row_partition=view.row_partition,
-        block_roles=view.block_roles,
-    )
+    expert_view = view.experts_view()
     rows_per_expert = sum(r for r, _ in expert_view.matrix_shapes)
     world = len(layout.pieces)
     out = []
@@ -247,7 +241,7 @@ def expert_units(p: torch.Tensor, view: MatrixView, layout: MatrixLayout) -> lis
                 expert_view,
                 MatrixLayout.from_indices((per, n), pieces),
                 e,
-                shape,
+                expert_view.param_shape,
                 rank,
                 slice(first, first + per),
                 slice(e * rows_per_expert, (e + 1) * rows_per_expert),

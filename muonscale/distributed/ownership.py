@@ -1,8 +1,11 @@
 """Which rank orthogonalizes which Muon parameter.
 
-Every Muon parameter is owned **whole** by one rank: the owner receives its reduced gradient,
-keeps its momentum, runs Newton–Schulz on all of its matrices and sends the updated parameter
-back. Because no matrix is ever split, the update is the same function as on one process.
+Every Muon matrix is owned **whole** by one rank: the owner receives its reduced gradient,
+keeps its momentum, runs Newton–Schulz on it and sends the updated values back. Because no
+matrix is ever split, the update is the same function as on one process. A parameter is owned
+whole, except an expert stack (:func:`assign_expert_ranges`): its experts are independent
+matrices, so each expert is a unit of the assignment, and each owner receives a contiguous
+range of the stack's experts.
 
 Assignment (deterministic: depends only on the list of matrix shapes, the optional sizes and
 the world size, so every rank computes the same table without communicating):
@@ -90,6 +93,57 @@ def assign_owners(
     if sizes is not None and world_size > 1:
         _balance_sizes(owners, costs, [int(s) for s in sizes], world_size)
     return owners
+
+
+def assign_expert_ranges(
+    shapes: Sequence,
+    experts: Sequence[int],
+    world_size: int,
+    *,
+    ns_steps: int = 5,
+    sizes: Sequence[int] | None = None,
+) -> list[list[tuple[int, int, int]]]:
+    """Owners of each parameter's experts: parameter i is ``experts[i]`` experts of equal
+    matrices (1: a parameter owned whole), ``shapes[i]`` the matrices of all of them in expert
+    order, ``sizes[i]`` its weight in the owners' streams (split evenly over its experts).
+
+    Every expert is one unit of :func:`assign_owners` (FLOPs first, then bytes); the experts
+    of one parameter are interchangeable (same cost and size), so only how many each rank
+    received counts, and they are laid out in rank order: rank r's experts of a parameter are
+    one contiguous range. Returns per parameter its ``(rank, first, stop)`` ranges, in expert
+    order. Parameters of one expert are assigned exactly as :func:`assign_owners` assigns
+    them (the same units in the same order)."""
+    if len(experts) != len(shapes):
+        raise ValueError(f"experts has {len(experts)} entries, shapes {len(shapes)}")
+    if sizes is not None and len(sizes) != len(shapes):
+        raise ValueError(f"sizes has {len(sizes)} entries, shapes {len(shapes)}")
+    units, unit_sizes, first_unit = [], [], []
+    for i, (entry, count) in enumerate(zip(shapes, experts, strict=True)):
+        mats = _matrix_list(entry)
+        if count < 1 or len(mats) % count:
+            raise ValueError(
+                f"parameter {i}: {len(mats)} matrices do not split into {count} experts"
+            )
+        per = len(mats) // count
+        first_unit.append(len(units))
+        units += [mats[e * per : (e + 1) * per] for e in range(count)]
+        if sizes is not None:
+            unit_sizes += [int(sizes[i]) // count] * count
+    owners = assign_owners(
+        units, world_size, ns_steps=ns_steps, sizes=unit_sizes if sizes is not None else None
+    )
+    out = []
+    for start, count in zip(first_unit, experts, strict=True):
+        counts = [0] * world_size
+        for rank in owners[start : start + count]:
+            counts[rank] += 1
+        ranges, first = [], 0
+        for rank, n in enumerate(counts):
+            if n:
+                ranges.append((rank, first, first + n))
+                first += n
+        out.append(ranges)
+    return out
 
 
 def _balance_sizes(owners: list[int], costs: list[int], sizes: list[int], world_size: int) -> None:
@@ -183,14 +237,15 @@ def format_ownership_table(
     ns_steps: int = 5,
     numels: Sequence[int] | None = None,
 ) -> str:
-    """Human-readable table: one line per parameter, then per-rank FLOP and element totals."""
-    lines = [f"{'parameter':<40} {'matrices':<24} {'owner':>5} {'NS GFLOP':>9}"]
+    """Human-readable table: one line per parameter (or range of a stack's experts), then
+    per-rank FLOP and element totals."""
+    width = max([40, *(len(name) for name in names)])
+    lines = [f"{'parameter':<{width}} {'matrices':<24} {'owner':>5} {'NS GFLOP':>9}"]
     for name, entry, rank in zip(names, shapes, owners):
         mats = _matrix_list(entry)
         desc = f"{len(mats)}x{mats[0][0]}x{mats[0][1]}" if len(set(mats)) == 1 else str(mats)
-        lines.append(
-            f"{name:<40} {desc:<24} {rank:>5} {parameter_cost(entry, ns_steps) / 1e9:>9.3f}"
-        )
+        cost = parameter_cost(entry, ns_steps) / 1e9
+        lines.append(f"{name:<{width}} {desc:<24} {rank:>5} {cost:>9.3f}")
     loads = rank_loads(shapes, owners, world_size, ns_steps=ns_steps)
     elems = rank_totals(numels, owners, world_size) if numels is not None else None
     for rank in range(world_size):

@@ -2,13 +2,14 @@
 
 Three Trainer runs in one process group, each with ``DistributedMuonFactory`` and
 ``DistributedCheckpointCallback``: uninterrupted (no saves), saving every 2 steps, and resumed
-from the first checkpoint into a differently initialized model."""
+from the first checkpoint into a differently initialized model. Expert stacks (Qwen3-MoE) are
+spread over both ranks, a range of experts each."""
 
 import sys
 
 import torch
 import torch.distributed as dist
-from test_hf import MUON_KWARGS, SequentialTrainer, _args
+from test_hf import MUON_KWARGS, ConvertingResumeTrainer, SequentialTrainer, _args
 from tiny_models import TokenData, leave_process_group, tiny_model
 
 from muonscale.distributed import DistributedMuon
@@ -27,7 +28,8 @@ def run(sub: str, seed: int = 0, resume: str | None = None, **overrides) -> dict
         ddp_backend="gloo",
         **overrides,
     )
-    trainer = SequentialTrainer(
+    cls = ConvertingResumeTrainer if kind == "qwen3_moe" else SequentialTrainer
+    trainer = cls(
         model=tiny_model(kind, seed),
         args=args,
         train_dataset=TokenData(),
@@ -38,7 +40,11 @@ def run(sub: str, seed: int = 0, resume: str | None = None, **overrides) -> dict
     opt = trainer.optimizer.optimizer  # inside accelerate's AcceleratedOptimizer
     assert isinstance(opt, DistributedMuon) and opt.reduction.options.reduce_at == "never"
     assert isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
-    assert set(opt.owner_rank[i] for i in opt.muon_indices) == {0, 1}, "matrices on both ranks"
+    assert set(opt.owner_rank.values()) == {0, 1}, "matrices on both ranks"
+    stacks = [p for p in trainer.model.parameters() if p.ndim == 3]
+    # an expert stack's experts on both ranks, a range each
+    assert len(opt.expert_ranges) == len(stacks), (len(opt.expert_ranges), len(stacks))
+    assert all(len(ranges) == 2 for ranges in opt.expert_ranges.values())
     state = opt.state_dict()  # collective, every rank
     return {
         "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},

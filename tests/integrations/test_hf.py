@@ -299,14 +299,15 @@ def test_ddp_two_ranks_match_single_process(kind, tmp_path):
 
 
 @pytest.mark.timeout(360)
-def test_distributed_muon_checkpoint_resume_two_ranks(tmp_path):
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_distributed_muon_checkpoint_resume_two_ranks(kind, tmp_path):
     """torchrun, 2 gloo ranks, DistributedMuon (DistributedMuonFactory) under the Trainer's DDP:
     the Trainer saves on rank 0 only, the callback makes the collective part happen on every
     rank; resuming from step 2 of 4 gives the uninterrupted run's parameters and optimizer
     state bit for bit, and the run matches single-process Muon (plain loop) within float
-    tolerance."""
+    tolerance. Qwen3-MoE: each expert stack's experts spread over both ranks."""
     out = tmp_path / "runs.pt"
-    cmd = _torchrun("hf_checkpoint_worker.py", "llama", str(tmp_path), str(out))
+    cmd = _torchrun("hf_checkpoint_worker.py", kind, str(tmp_path), str(out))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -324,7 +325,7 @@ def test_distributed_muon_checkpoint_resume_two_ranks(tmp_path):
             for key, value in entry.items():
                 assert torch.equal(other["state"][i][key], value), (full["names"][i], key)
     # 2 ranks x batch 2 = batch 4; 4 steps (PARAM_ATOL's derivation for 3 steps, x 4/3).
-    reference = plain_loop(tiny_model("llama"), steps=4, batch=4, max_grad_norm=1.0)
+    reference = plain_loop(tiny_model(kind), steps=4, batch=4, max_grad_norm=1.0)
     for name, want in reference.named_parameters():
         got = full["params"][name]
         torch.testing.assert_close(got, want.detach(), rtol=0, atol=PARAM_ATOL * 4 / 3)

@@ -49,15 +49,44 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class Piece:
     """Elements ``[param_start, param_start + length)`` of a flattened parameter, stored at
-    ``buffer_start`` of a bucket buffer (or of a shard, for :class:`Segment`)."""
+    ``buffer_start`` of a bucket buffer (or of a shard, for :class:`Segment`); in an owner
+    bucket, ``unit`` is the owned unit it belongs to (None: AdamW fill)."""
 
     param: int
     param_start: int
     buffer_start: int
     length: int
+    unit: OwnedUnit | None = field(default=None, compare=False)
 
 
 Segment = Piece  # a piece of a parameter inside this rank's shard of a flat bucket
+
+
+@dataclass(frozen=True)
+class ExpertRange:
+    """Experts ``[first, stop)`` of the ``count`` experts of the stack that is Muon parameter
+    ``param``, owned by rank ``owner`` when the stack is spread over several owners: elements
+    ``[start, start + numel)`` of the flattened parameter (a stack's experts are contiguous
+    along dim 0), a sub-stack of ``shape``."""
+
+    param: int
+    first: int
+    stop: int
+    count: int
+    owner: int
+    start: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+OwnedUnit = int | ExpertRange
+"""What an owner stream carries and one rank steps: a Muon parameter index (owned whole) or an
+:class:`ExpertRange` of one."""
+
+
+def unit_param(unit: OwnedUnit) -> int:
+    """The parameter index of an owned unit."""
+    return unit.param if isinstance(unit, ExpertRange) else unit
 
 
 @dataclass
@@ -110,9 +139,9 @@ class OwnerStreams:
     """Muon parameters of one dtype: who owns what, where it sits in the stream, the AdamW fill
     that levels the streams, the buckets."""
 
-    owned: list[list[int]]  # per rank: Muon parameter indices in stream order
-    offsets: dict[int, int]  # Muon parameter -> offset in its owner's stream
-    numels: dict[int, int]
+    owned: list[list[OwnedUnit]]  # per rank: owned units in stream order
+    offsets: dict[OwnedUnit, int]  # owned unit -> offset in its owner's stream
+    numels: dict[OwnedUnit, int]
     length: int  # T: padded stream length
     fill: StreamFill
     buckets: list[OwnerBucket] = field(default_factory=list)
@@ -139,24 +168,27 @@ class OwnerStreams:
 
 
 def plan_owner_streams(
-    order: Sequence[int],
+    order: Sequence[OwnedUnit],
     numels: Mapping[int, int],
     owners: Mapping[int, int],
     world_size: int,
     bucket_elems: int,
     fillers: Sequence[int] = (),
 ) -> OwnerStreams:
-    """Lay out the owner streams of the Muon parameters in ``order`` (readiness order), topped
-    up with whole AdamW parameters from ``fillers`` (in that order of preference) while the
-    streams are uneven; ``numels`` covers both."""
-    owned: list[list[int]] = [[] for _ in range(world_size)]
-    offsets: dict[int, int] = {}
+    """Lay out the owner streams of the units in ``order`` (readiness order): Muon parameters
+    owned whole (``owners``: their ranks) or :class:`ExpertRange` s, topped up with whole
+    AdamW parameters from ``fillers`` (in that order of preference) while the streams are
+    uneven; ``numels`` covers the parameters."""
+    owned: list[list[OwnedUnit]] = [[] for _ in range(world_size)]
+    offsets: dict[OwnedUnit, int] = {}
+    sizes: dict[OwnedUnit, int] = {}
     fill = [0] * world_size
     for p in order:
-        r = owners[p]
+        r = p.owner if isinstance(p, ExpertRange) else owners[p]
+        sizes[p] = p.numel if isinstance(p, ExpertRange) else numels[p]
         owned[r].append(p)
         offsets[p] = fill[r]
-        fill[r] += numels[p]
+        fill[r] += sizes[p]
     longest, total = max(fill, default=0), sum(fill)
     gap = world_size * longest - total
     chosen: list[int] = []
@@ -176,12 +208,12 @@ def plan_owner_streams(
     stream_fill = StreamFill(
         chosen, fill_offsets, [numels[p] for p in chosen], starts, lengths, list(fill)
     )
-    streams = OwnerStreams(owned, offsets, {p: numels[p] for p in order}, length, stream_fill)
+    streams = OwnerStreams(owned, offsets, sizes, length, stream_fill)
     # every rank's (parameter, parameter offset, stream offset, length) runs
-    runs: list[list[tuple[int, int, int, int]]] = [
-        [(p, 0, offsets[p], numels[p]) for p in owned[r]]
+    runs: list[list[tuple[OwnedUnit | None, int, int, int, int]]] = [
+        [(u, unit_param(u), _first_element(u), offsets[u], sizes[u]) for u in owned[r]]
         + [
-            (s.param, s.param_start, fill[r] + s.buffer_start, s.length)
+            (None, s.param, s.param_start, fill[r] + s.buffer_start, s.length)
             for s in stream_fill.segments(r)
         ]
         for r in range(world_size)
@@ -191,13 +223,18 @@ def plan_owner_streams(
         size = min(slice_len, length - start)
         pieces = []
         for r in range(world_size):
-            for p, p_start, s_start, n in runs[r]:
+            for u, p, p_start, s_start, n in runs[r]:
                 lo, hi = max(start, s_start), min(start + size, s_start + n)
                 if lo < hi:
-                    pieces.append(Piece(p, p_start + lo - s_start, r * size + lo - start, hi - lo))
+                    offset = p_start + lo - s_start
+                    pieces.append(Piece(p, offset, r * size + lo - start, hi - lo, u))
         params = frozenset(piece.param for piece in pieces)
         streams.buckets.append(OwnerBucket(start, size, world_size, pieces, params))
     return streams
+
+
+def _first_element(unit: OwnedUnit) -> int:
+    return unit.start if isinstance(unit, ExpertRange) else 0
 
 
 @dataclass

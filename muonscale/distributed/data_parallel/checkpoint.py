@@ -21,6 +21,7 @@ part it holds). Both take the :class:`~.layout.DataParallelLayout`, the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,7 +32,8 @@ from ...optimizer_state import check_loaded_groups
 from ...param_table import ParamTable
 from ...settings import MuonSettings
 from ..comm import WireCounter
-from .layout import DataParallelLayout
+from .buckets import ExpertRange, OwnedUnit
+from .layout import DataParallelLayout, expert_rows
 from .reduction import BucketedReduction
 
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -66,8 +68,8 @@ def _gather_full_state(
     param_table: ParamTable,
 ) -> dict[int, dict[str, torch.Tensor]]:
     full: dict[int, dict[str, torch.Tensor]] = {}
-    for i in layout.muon_indices:  # momentum (and main copy) live on the owner only
-        p, group, owner = layout.params[i], layout.group_of[i], layout.owner_rank[i]
+    for i in layout.muon_indices:  # momentum (and main copy) live on the owners only
+        p, group = layout.params[i], layout.group_of[i]
         main_dtype = reduction.main_dtype(p.dtype)
         settings = MuonSettings.from_group(group)
         view = param_table.view(p, group["matrix_mode"])
@@ -78,11 +80,19 @@ def _gather_full_state(
             specs[spec.key] = (spec.shape(view), spec.dtype(settings, p.dtype))
         full[i] = {}
         for name, (shape, dtype) in specs.items():
-            if owner == layout.rank:
-                buf = state[p][name].clone()
-            else:
-                buf = torch.empty(shape, dtype=dtype, device=p.device)
-            layout.comm.broadcast(buf, src=owner, tag="checkpoint")
+            buf = torch.empty(shape, dtype=dtype, device=p.device)
+            for part, owner in _owned_parts(layout, i, buf):
+                if owner == layout.rank:
+                    held = state[p][name]
+                    if held.shape != part.shape:  # replaced by hand: never broadcast it
+                        raise ValueError(
+                            f"state_dict: state '{name}' of parameter "
+                            f"'{param_table.label(p, layout.param_groups)}' held on rank "
+                            f"{layout.rank} has shape {tuple(held.shape)}, expected "
+                            f"{tuple(part.shape)}"
+                        )
+                    part.copy_(held)
+                layout.comm.broadcast(part, src=owner, tag="checkpoint")
             full[i][name] = buf
     for shards in reduction.flat_shards:  # AdamW moments: shard r of every flat bucket
         gathered = {}
@@ -98,6 +108,17 @@ def _gather_full_state(
                 full[i][name] = gathered[name][off : off + n].view(p.shape).clone()
     full.update(_gather_fill_state(layout, reduction, state))
     return {i: full[i] for i in sorted(full)}
+
+
+def _owned_parts(
+    layout: DataParallelLayout, i: int, whole: torch.Tensor
+) -> list[tuple[torch.Tensor, int]]:
+    """(part of ``whole``, the rank that holds it) for a state tensor of Muon parameter ``i``:
+    the tensor and the parameter's owner, or for a stack spread over several owners each
+    range's rows (:func:`~.layout.expert_rows`) and its owner."""
+    if i not in layout.expert_ranges:
+        return [(whole, layout.owner_rank[i])]
+    return [(expert_rows(whole, r), r.owner) for r in layout.expert_ranges[i]]
 
 
 def _gather_fill_state(
@@ -168,23 +189,30 @@ def load_full_state(
             )
         for p, key in zip(group["params"], saved["params"]):
             key_of[layout.index_of(p)] = key
-        for name, value in saved.items():
+    saved_state = state_dict["state"]
+    whole = _whole_shapes(layout, param_table)
+    _check_whole_shapes(
+        layout, param_table, whole, {i: saved_state.get(key_of[i], {}) for i in whole}
+    )
+    for group, saved in zip(layout.param_groups, saved_groups):
+        for name, value in {"algorithm": "muon", **saved}.items():
             if name != "params":
                 group[name] = tuple(value) if name == "betas" else value
-    saved_state = state_dict["state"]
     for i in layout.muon_indices:
-        if layout.owner_rank[i] != layout.rank:
+        unit = layout.owned_unit(i)  # the parameter whole, or this rank's range of its experts
+        if unit is None:
             continue
         p, held = layout.params[i], state[layout.params[i]]
         entry = saved_state.get(key_of[i], {})
-        source = entry.get("momentum_buffer")
-        buf = held["momentum_buffer"]
+        part = functools.partial(_unit_part, entry, whole[i], unit)
+        source = part(MOMENTUM.key)
+        buf = held[MOMENTUM.key]
         if source is None:
             buf.zero_()
         else:
-            buf.copy_(source.view(p.shape))
+            buf.copy_(source)
         if "main_param" in held:
-            _load_main(held["main_param"], p, entry.get("main_param"))
+            _load_main(held["main_param"], reduction.owned_slice(unit), part("main_param"))
         settings = MuonSettings.from_group(layout.group_of[i])  # the loaded options
         kept = kept_state(settings, variants_only=True)
         for spec in VARIANT_STATE:
@@ -192,9 +220,12 @@ def load_full_state(
                 held.pop(spec.key, None)
                 continue
             if spec.key not in held:  # built without it: the loaded options keep it
-                view = param_table.view(p, layout.group_of[i]["matrix_mode"])
+                if isinstance(unit, ExpertRange):
+                    view = layout.range_view(unit)
+                else:
+                    view = param_table.view(p, layout.group_of[i]["matrix_mode"])
                 held[spec.key] = spec.zeros(settings, view, p.dtype, p.device)
-            moment = entry.get(spec.key)
+            moment = part(spec.key)
             if moment is None:
                 held[spec.key].zero_()
             else:
@@ -220,6 +251,54 @@ def load_full_state(
                 held["main_param"],
                 p.view(-1)[window],
                 None if source is None else source.reshape(-1)[window],
+            )
+
+
+def _unit_part(
+    entry: Mapping[str, Any], whole: Mapping[str, torch.Size], unit: OwnedUnit, key: str
+) -> torch.Tensor | None:
+    """The loaded ``entry[key]`` (checked against its ``whole`` shape) of ``unit``: the whole
+    tensor, or the rows of a range of experts; None when not saved."""
+    source = entry.get(key)
+    if source is None:
+        return None
+    source = source.reshape(whole[key])  # a momentum or main copy may come flat
+    return expert_rows(source, unit) if isinstance(unit, ExpertRange) else source
+
+
+def _whole_shapes(layout: DataParallelLayout, param_table: ParamTable) -> dict[int, dict]:
+    """Per Muon index, the whole shape of each state tensor it may load: the momentum and the
+    main copy (the parameter's), and every row state (its declared shape)."""
+    out = {}
+    for i in layout.muon_indices:
+        p = layout.params[i]
+        view = param_table.view(p, layout.group_of[i]["matrix_mode"])
+        out[i] = {MOMENTUM.key: p.shape, "main_param": p.shape}
+        out[i].update({spec.key: torch.Size(spec.shape(view)) for spec in VARIANT_STATE})
+    return out
+
+
+def _check_whole_shapes(
+    layout: DataParallelLayout,
+    param_table: ParamTable,
+    whole: Mapping[int, Mapping[str, torch.Size]],
+    entries: Mapping[int, Mapping[str, Any]],
+) -> None:
+    """ValueError naming the parameter and the key, before anything changes, unless every
+    loaded state tensor of a Muon parameter has its whole shape (``whole``; the momentum and
+    the main copy may come with that many elements in any shape: torch keeps no shapes), so
+    that no copy into a part of it broadcasts."""
+    for i, shapes in whole.items():
+        for key, shape in shapes.items():
+            source = entries[i].get(key)
+            if not torch.is_tensor(source) or source.shape == shape:
+                continue
+            if key in (MOMENTUM.key, "main_param") and source.numel() == shape.numel():
+                continue
+            label = param_table.label(layout.params[i], layout.param_groups)
+            raise ValueError(
+                f"load_state_dict: state '{key}' of parameter '{label}' has shape "
+                f"{tuple(source.shape)}, expected {tuple(shape)}. Nothing was changed."
             )
 
 

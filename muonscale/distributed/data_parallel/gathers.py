@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .buckets import OwnerBucket
+from .buckets import OwnedUnit, OwnerBucket
 
 if TYPE_CHECKING:
     from .reduction import BucketedReduction, FlatShard, StreamBuffers
@@ -46,15 +46,15 @@ def write_fill_for_gather(reduction: BucketedReduction, stream: StreamBuffers) -
 
 
 def write_owned_for_gather(
-    reduction: BucketedReduction, stream: StreamBuffers, indices: list[int]
+    reduction: BucketedReduction, stream: StreamBuffers, units: list[OwnedUnit]
 ) -> None:
-    """Updated owned parameters ``indices`` into the stream's gather buffer (a stream that
-    carries updates has them already: the owner's apply wrote them)."""
+    """Updated owned ``units`` (parameters, ranges of experts) into the stream's gather buffer
+    (a stream that carries updates has them already: the owner's apply wrote them)."""
     if stream.carries_updates:
         return
-    for i in indices:
-        off, p = stream.layout.offsets[i], reduction.params[i]
-        stream.gather_in[off : off + p.numel()].copy_(p.view(-1))
+    for u in units:
+        off, n = stream.layout.offsets[u], stream.layout.numels[u]
+        stream.gather_in[off : off + n].copy_(reduction.owned_slice(u).reshape(-1))
 
 
 def launch_stream_gathers(

@@ -1,6 +1,7 @@
 """The layout of ``DistributedMuon`` over its data-parallel group, owned by one object:
 :class:`DataParallelLayout` (every parameter and its group, which are Muon's and AdamW's, the
-owner of each Muon matrix, the communicator that knows every rank's host, and the main copies'
+owner of each Muon matrix (a parameter owned whole, or a range of the experts of a stack), the
+communicator that knows every rank's host, and the main copies'
 model parameters), with the checks that the parameters are plain contiguous tensors, alike on
 every rank (at construction) and still fit the buffers (at rebind), the state this rank creates
 from the owners and its AdamW segments, and the owner layout's figures.
@@ -8,19 +9,23 @@ from the owners and its AdamW segments, and the owner layout's figures.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ...declared_state import MOMENTUM, kept_state
+from ...matrices import MatrixView
 from ...settings import MuonSettings
 from ..agreement import require_same_options
 from ..comm import Communicator, WireCounter
 from ..hosts import discover_host_map
-from ..ownership import assign_owners, format_ownership_table, rank_loads
+from ..ownership import assign_expert_ranges, format_ownership_table, rank_loads, rank_totals
 from ..setup_checks import is_dtensor, require_same_parameters, require_same_values
+from .buckets import ExpertRange, OwnedUnit
 from .reduction import BucketedReduction
 
 
@@ -107,8 +112,11 @@ class DataParallelLayout:
         param_groups: the optimizer's param groups.
         params: every parameter, in param-group order; ``group_of[i]`` is the group of
             ``params[i]``; ``muon_indices`` / ``adamw_indices`` index into it; ``owner_rank``
-            maps each Muon index to its owner rank (FLOP-balanced: :mod:`..ownership`), and
-            ``matrix_shapes_by_index`` to its matrices' shapes.
+            maps each Muon index owned whole to its owner rank (not the stacks spread over
+            several owners), ``expert_ranges`` each expert
+            stack spread over several owners to its :class:`~.buckets.ExpertRange` s (one per
+            owner; FLOP-balanced per expert: :mod:`..ownership`), and
+            ``matrix_shapes_by_index`` each Muon index to its matrices' shapes.
         comm, rank, world_size: the group.
     """
 
@@ -126,25 +134,73 @@ class DataParallelLayout:
         self.rebind_groups(param_groups, [p for g in param_groups for p in g["params"]])
         self.muon_indices = [i for i, g in enumerate(self.group_of) if g["algorithm"] == "muon"]
         self.adamw_indices = [i for i, g in enumerate(self.group_of) if g["algorithm"] == "adamw"]
-        shapes = [
-            matrix_view(self.params[i], self.group_of[i]).matrix_shapes for i in self.muon_indices
-        ]
+        views = [matrix_view(self.params[i], self.group_of[i]) for i in self.muon_indices]
+        shapes = [view.matrix_shapes for view in views]
         sizes = [self.params[i].numel() * self.params[i].element_size() for i in self.muon_indices]
-        owners = assign_owners(shapes, self.world_size, sizes=sizes)
-        self.owner_rank: dict[int, int] = dict(zip(self.muon_indices, owners))
+        experts = [view.experts or 1 for view in views]
+        ranges = assign_expert_ranges(shapes, experts, self.world_size, sizes=sizes)
+        self.owner_rank: dict[int, int] = {}
+        self.expert_ranges: dict[int, list[ExpertRange]] = {}
+        self._range_views: dict[ExpertRange, MatrixView] = {}
+        for i, view, owned in zip(self.muon_indices, views, ranges):
+            if len(owned) == 1:  # one owner: the parameter whole, as any other
+                self.owner_rank[i] = owned[0][0]
+                continue
+            self.expert_ranges[i] = [expert_range(i, view, *r) for r in owned]
+            for r in self.expert_ranges[i]:
+                self._range_views[r] = view.experts_view(r.stop - r.first)
+        self.held_ranges: dict[int, ExpertRange] = {
+            r.param: r for rs in self.expert_ranges.values() for r in rs if r.owner == self.rank
+        }
+        """This rank's experts of each stack spread over several owners (one range each)."""
+        self._range_of: dict[int, ExpertRange] = {}  # id(main copy or slice) -> its range
         self.matrix_shapes_by_index = dict(zip(self.muon_indices, shapes))
 
     def index_of(self, p: torch.Tensor) -> int:
         """Position of parameter ``p`` in :attr:`params`."""
         return self._index[id(p)]
 
-    def find(self, p: torch.Tensor) -> int | None:
-        """Position of ``p`` in :attr:`params`, None for a tensor that is not one of them."""
-        return self._index.get(id(p))
+    def owned_unit(self, i: int) -> OwnedUnit | None:
+        """What this rank steps of Muon parameter ``i``: ``i`` (owned whole), its range of
+        experts, or None."""
+        if i in self.held_ranges:
+            return self.held_ranges[i]
+        return i if self.owner_rank.get(i) == self.rank else None
 
-    def owns(self, i: int) -> bool:
-        """Whether this rank owns Muon parameter ``i``."""
-        return self.owner_rank[i] == self.rank
+    def units_of(self, i: int) -> list[OwnedUnit]:
+        """Every owned unit of Muon parameter ``i`` (on any rank), in expert order."""
+        return list(self.expert_ranges.get(i, [i]))
+
+    def range_of(self, t: torch.Tensor) -> ExpertRange | None:
+        """The expert range that ``t`` (a range's main copy or slice being stepped) stands for;
+        None for anything else."""
+        return self._range_of.get(id(t))
+
+    def unit_of(self, t: torch.Tensor) -> OwnedUnit | None:
+        """The owned unit that ``t`` is: a parameter's index, a range of experts (its main
+        copy or its slice being stepped), or None."""
+        return self._range_of.get(id(t), self._index.get(id(t)))
+
+    def range_view(self, r: ExpertRange) -> MatrixView:
+        """The expert view of the sub-stack ``r``."""
+        return self._range_views[r]
+
+    @contextlib.contextmanager
+    def stepping(self, units: list[OwnedUnit], targets: list[torch.Tensor]) -> Iterator[None]:
+        """While ``targets`` (slices of their parameters, for expert ranges) are stepped, they
+        stand for their units: :meth:`model_param` and :meth:`range_of` know them."""
+        added = [
+            (t, u)
+            for u, t in zip(units, targets)
+            if isinstance(u, ExpertRange) and id(t) not in self._range_of
+        ]
+        for t, u in added:
+            self._range_of[id(t)], self._model_of[id(t)] = u, self.params[u.param]
+        try:
+            yield
+        finally:
+            for t, _ in added:
+                del self._range_of[id(t)], self._model_of[id(t)]
 
     def model_param(self, p: torch.Tensor) -> torch.Tensor:
         """The model parameter that ``p`` (a main copy, or the parameter itself) stands for."""
@@ -172,23 +228,28 @@ class DataParallelLayout:
         call ``step()`` on that rank alone); the main copies' model parameters are recorded."""
         for i in self.muon_indices:
             p, group = self.params[i], self.group_of[i]
-            held = state[p]
-            held["owner_rank"] = self.owner_rank[i]
-            if not self.owns(i):
+            held = state[p]  # an entry on every rank, owner or not
+            unit = self.owned_unit(i)
+            if unit is None:
                 continue
+            rng = unit if isinstance(unit, ExpertRange) else None
+            view = matrix_view(p, group) if rng is None else self.range_view(rng)
+            owned = reduction.owned_slice(unit)  # the parameter, or its range of experts
             main_dtype = reduction.main_dtype(p.dtype)
             settings = MuonSettings.from_group(group)
             held[MOMENTUM.key] = torch.zeros_like(
-                p,
+                owned,
                 dtype=MOMENTUM.dtype(settings, main_dtype or p.dtype),
                 memory_format=torch.preserve_format,
             )
             for spec in kept_state(settings, variants_only=True):  # on the owner
-                held[spec.key] = spec.zeros(settings, matrix_view(p, group), p.dtype, p.device)
-            if main_dtype is not None:  # the whole matrix: this rank updates it
-                main = torch.empty_like(p, dtype=main_dtype).copy_(p)
+                held[spec.key] = spec.zeros(settings, view, p.dtype, p.device)
+            if main_dtype is not None:  # the whole matrices: this rank updates them
+                main = torch.empty_like(owned, dtype=main_dtype).copy_(owned)
                 held["main_param"] = main
                 self._model_of[id(main)] = p
+                if rng is not None:
+                    self._range_of[id(main)] = rng
         for i in self.adamw_indices:
             p = self.params[i]
             held = state[p]
@@ -203,12 +264,18 @@ class DataParallelLayout:
                     held["main_param"].copy_(segment_of(p, seg))
 
     def ownership_table(self, names: list[str], reduction: BucketedReduction) -> str:
-        """Which rank owns which Muon parameter (``names``: of the Muon parameters), with NS
-        FLOPs and elements per rank."""
-        shapes = [self.matrix_shapes_by_index[i] for i in self.muon_indices]
-        owners = [self.owner_rank[i] for i in self.muon_indices]
-        numels = [self.params[i].numel() for i in self.muon_indices]
-        table = format_ownership_table(names, shapes, owners, self.world_size, numels=numels)
+        """Which rank owns which Muon parameter (``names``: of the Muon parameters) or range
+        of experts, with NS FLOPs and elements per rank."""
+        name_of = dict(zip(self.muon_indices, names))
+        units = self._units()
+        labels = [
+            name_of[u.param] + f" [experts {u.first}:{u.stop}]"
+            if isinstance(u, ExpertRange)
+            else name_of[u]
+            for u in units
+        ]
+        shapes, owners, numels = self._unit_columns(units)
+        table = format_ownership_table(labels, shapes, owners, self.world_size, numels=numels)
         stats = self.stats(reduction)
         return (
             f"{table}\nowner streams: {stats['stream_elements']} elements per rank, "
@@ -217,22 +284,58 @@ class DataParallelLayout:
 
     def stats(self, reduction: BucketedReduction) -> dict[str, Any]:
         """Owner layout figures: ``ns_flops`` and ``muon_elements`` per rank (owned Muon
-        parameters), and over every owner stream of ``reduction``: ``stream_elements`` (T per
-        rank), ``fill_elements`` (AdamW elements riding in the streams) and
-        ``padding_elements`` (zeros in the buffers, Σ over ranks; sent by NCCL's native
-        collectives only)."""
-        shapes = [self.matrix_shapes_by_index[i] for i in self.muon_indices]
-        owners = [self.owner_rank[i] for i in self.muon_indices]
-        elements = [0] * self.world_size
-        for i in self.muon_indices:
-            elements[self.owner_rank[i]] += self.params[i].numel()
+        parameters and ranges of experts), and over every owner stream of ``reduction``:
+        ``stream_elements`` (T per rank), ``fill_elements`` (AdamW elements riding in the
+        streams) and ``padding_elements`` (zeros in the buffers, Σ over ranks; sent by NCCL's
+        native collectives only)."""
+        shapes, owners, numels = self._unit_columns(self._units())
         return {
             "ns_flops": rank_loads(shapes, owners, self.world_size),
-            "muon_elements": elements,
+            "muon_elements": rank_totals(numels, owners, self.world_size),
             "stream_elements": sum(s.layout.length for s in reduction.streams),
             "fill_elements": sum(s.layout.fill.numel for s in reduction.streams),
             "padding_elements": sum(s.layout.padding() for s in reduction.streams),
         }
+
+    def _units(self) -> list[OwnedUnit]:
+        return [u for i in self.muon_indices for u in self.units_of(i)]
+
+    def _unit_columns(self, units: list[OwnedUnit]) -> tuple[list, list[int], list[int]]:
+        """Matrix shapes, owner rank and elements of each owned unit."""
+        shapes, owners, numels = [], [], []
+        for u in units:
+            if isinstance(u, ExpertRange):
+                shapes.append(self._range_views[u].matrix_shapes)
+                owners.append(u.owner)
+                numels.append(u.numel)
+            else:
+                shapes.append(self.matrix_shapes_by_index[u])
+                owners.append(self.owner_rank[u])
+                numels.append(self.params[u].numel())
+        return shapes, owners, numels
+
+
+def expert_range(i: int, view: MatrixView, owner: int, first: int, stop: int) -> ExpertRange:
+    """Experts ``[first, stop)`` of parameter ``i``, an expert stack seen by ``view``."""
+    count = view.experts or 1
+    shape = view.param_shape
+    numel = math.prod(shape) // count
+    rows = shape[0] // count  # a 3-D stack: 1 (dim 0 indexes experts); 2-D: each expert's rows
+    sub = ((stop - first) * rows, *shape[1:])
+    return ExpertRange(i, first, stop, count, owner, first * numel, (stop - first) * numel, sub)
+
+
+def expert_rows(tensor: torch.Tensor, r: ExpertRange, what: str = "state") -> torch.Tensor:
+    """The part of a whole stack's state ``tensor`` (momentum, main copy: the parameter's
+    shape; a row state: one entry per row of the expert matrices, in expert order) that
+    belongs to the experts of ``r``: dim 0 holds the stack's experts one after another.
+    Raises ValueError (naming ``what``) when dim 0 does not split into the stack's experts."""
+    if tensor.dim() == 0 or tensor.shape[0] % r.count:
+        raise ValueError(
+            f"{what}: shape {tuple(tensor.shape)} does not split into {r.count} experts along dim 0"
+        )
+    per = tensor.shape[0] // r.count
+    return tensor.narrow(0, r.first * per, (r.stop - r.first) * per)
 
 
 def segment_of(p: torch.Tensor, seg: Any) -> torch.Tensor:

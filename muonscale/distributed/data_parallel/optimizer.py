@@ -29,6 +29,7 @@ from ..comm import Communicator, WireCounter, combine_over_ranks
 from ..setup_checks import check_process_group, unwrap_ddp
 from . import checkpoint, gathers, grad_clip
 from . import step as phases
+from .buckets import ExpertRange, OwnedUnit, unit_param
 from .deferred_gather import DeferredGather
 from .layout import (
     DataParallelLayout,
@@ -51,7 +52,8 @@ class AgreedGradients:
 
 
 class DistributedMuon(Muon):
-    r"""Data-parallel Muon: each Muon matrix is orthogonalized whole by one owner rank; AdamW
+    r"""Data-parallel Muon: each Muon matrix is orthogonalized whole by one owner rank (an
+    expert stack's experts may go to several owners, a contiguous range each); AdamW
     parameters are sharded ZeRO-1 style. This optimizer averages the gradients itself
     (``p.grad`` keeps the local gradient); given a model wrapped in DDP it reduces nothing
     (``reduce_at="never"``: DDP averaged them already).
@@ -152,8 +154,11 @@ class DistributedMuon(Muon):
         layout: the :class:`~muonscale.distributed.data_parallel.DataParallelLayout`: every
             parameter in param-group order (``params``; ``group_of[i]`` is the group of
             ``params[i]``, ``muon_indices`` / ``adamw_indices`` index into it, ``owner_rank``
-            maps each Muon index to its owner, ``index_of(p)`` is ``p``'s index), the
-            communicator, ``rank`` and ``world_size``; the optimizer reads them through.
+            maps each Muon index owned whole to its owner (a stack spread over several
+            owners has no entry), ``expert_ranges`` each expert
+            stack spread over several owners to its ranges of experts, ``index_of(p)`` is
+            ``p``'s index), the communicator, ``rank`` and ``world_size``; the optimizer
+            reads them through.
         reduction: the :class:`~muonscale.distributed.data_parallel.BucketedReduction`
             (buffers, hooks, reduce-scatter, all-gather, the AdamW shard state).
 
@@ -249,6 +254,7 @@ class DistributedMuon(Muon):
             muon=layout.muon_indices,
             adamw=layout.adamw_indices,
             owner_rank=layout.owner_rank,
+            expert_ranges=layout.expert_ranges,
             comm=comm,
             name_of=name_of,
             update_params=frozenset(
@@ -261,8 +267,8 @@ class DistributedMuon(Muon):
         )
         self.update_gather = UpdateGather(self.reduction, gather_updates, name_of)
         self._owner_apply = None  # Muon's last pass on owners: as usual, or sending updates
-        if self.update_gather.matrices:
-            self._owner_apply = self.update_gather.owner_apply(layout.find)
+        if self.update_gather.gathered_units:
+            self._owner_apply = self.update_gather.owner_apply(layout.unit_of)
         layout.init_local_state(self.state, self.reduction, self._matrix_view)
         self.deferred: DeferredGather | None = None
         """The gathers left in flight by ``step()`` and their model hooks (``defer_gather``)."""
@@ -309,7 +315,15 @@ class DistributedMuon(Muon):
 
     @property
     def owner_rank(self) -> dict[int, int]:
+        """Owner rank of each Muon index owned whole; the stacks spread over several owners
+        are in :attr:`expert_ranges` instead."""
         return self.layout.owner_rank
+
+    @property
+    def expert_ranges(self) -> dict[int, list[ExpertRange]]:
+        """The expert stacks spread over several owners: Muon index -> its ranges of experts,
+        one per owner (:class:`~muonscale.distributed.data_parallel.buckets.ExpertRange`)."""
+        return self.layout.expert_ranges
 
     @property
     def matrix_shapes_by_index(self) -> dict[int, list[tuple[int, int]]]:
@@ -352,6 +366,10 @@ class DistributedMuon(Muon):
         return self.state[self.model_param(p)]
 
     def _matrix_view(self, p: torch.Tensor, group: Mapping[str, Any]) -> MatrixView:
+        layout = self.__dict__.get("layout")  # None while the layout is being built
+        owned = None if layout is None else layout.range_of(p)
+        if owned is not None:  # a range of a stack's experts: its sub-stack's view
+            return layout.range_view(owned)
         return super()._matrix_view(self.model_param(p), group)
 
     def _name(self, p: torch.Tensor) -> str:
@@ -517,7 +535,7 @@ class DistributedMuon(Muon):
         phases.update_adamw_shards(self.layout, self.reduction, self.state, present, chunk)
         if self.step_metrics is not None:
             self._record_adamw_shards(self.step_metrics, present)
-        wave = functools.partial(self._update_owned_matrices, present)
+        wave = functools.partial(self._update_owned_units, present)
         apply = self.update_gather.apply_gathered
         if self.deferred is not None:  # landed in the next forward's pre-hooks
             position = self.deferred.forward_position
@@ -578,24 +596,32 @@ class DistributedMuon(Muon):
             self._warned_reduce_again = True
         self.reduction.reduce_again()
 
-    def _update_owned_matrices(self, present: list[bool], only: set[int] | None = None) -> None:
-        """Muon step of the owned matrices (those in ``only``, when given)."""
+    def _update_owned_units(self, present: list[bool], only: set[OwnedUnit] | None = None) -> None:
+        """Muon step of the owned units (those in ``only``, when given): parameters owned
+        whole and this rank's ranges of experts."""
+        layout = self.layout
         for group in self.param_groups:
             if group["algorithm"] != "muon":
                 continue
             indices = [self.index_of(p) for p in group["params"]]
             mine = [
-                i
-                for i in indices
-                if present[i] and self.layout.owns(i) and (only is None or i in only)
+                u
+                for u in map(layout.owned_unit, indices)
+                if u is not None and present[unit_param(u)] and (only is None or u in only)
             ]
-            # the tensors updated: main copies where kept, else the parameters themselves
-            targets = [self.state[self.params[i]].get("main_param", self.params[i]) for i in mine]
-            grads = [self.reduction.reduced_grad(i, t.dtype) for i, t in zip(mine, targets)]
-            self._update_group(group, targets, grads, apply_updates=self._owner_apply)
-            for i, target in zip(mine, targets):
-                if target is not self.params[i]:
-                    self.params[i].copy_(target)  # rounded into the model's parameter
+            # the tensors updated: main copies where kept, else the parameters (or their
+            # ranges of experts) themselves
+            owned = [self.reduction.owned_slice(u) for u in mine]
+            targets = [
+                self.state[self.params[unit_param(u)]].get("main_param", t)
+                for u, t in zip(mine, owned)
+            ]
+            grads = [self.reduction.reduced_grad(u, t.dtype) for u, t in zip(mine, targets)]
+            with layout.stepping(mine, targets):
+                self._update_group(group, targets, grads, apply_updates=self._owner_apply)
+            for target, model in zip(targets, owned):
+                if target is not model:
+                    model.copy_(target)  # rounded into the model's parameter
 
 
 def _land_and_detach(deferred: DeferredGather) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -32,11 +32,14 @@ import torch
 from ...settings import check_dtype
 from ..comm import Communicator
 from .buckets import (
+    ExpertRange,
     FlatBucket,
+    OwnedUnit,
     OwnerStreams,
     StreamFill,
     plan_flat_buckets,
     plan_owner_streams,
+    unit_param,
 )
 
 
@@ -146,7 +149,10 @@ class BucketedReduction:
         params: every parameter, in the optimizer's order (indices below refer to it).
         options: :class:`ReductionOptions`.
         muon, adamw: indices of the Muon and AdamW parameters.
-        owner_rank: owner rank of each Muon index.
+        owner_rank: owner rank of each Muon index owned whole (not the stacks spread over
+            several owners: ``expert_ranges``).
+        expert_ranges: the :class:`~.buckets.ExpertRange` s of each expert stack spread over
+            several owners (each range rides in its owner's stream).
         comm: the data-parallel :class:`~muonscale.distributed.comm.Communicator`.
         name_of: a parameter's name, for error messages.
         update_params: Muon indices whose owner's update may be gathered instead of the
@@ -171,6 +177,7 @@ class BucketedReduction:
         muon: list[int],
         adamw: list[int],
         owner_rank: dict[int, int],
+        expert_ranges: Mapping[int, Sequence[ExpertRange]] | None = None,
         comm: Communicator,
         name_of: Callable[[torch.Tensor], str] = lambda p: "<parameter>",
         update_params: frozenset[int] = frozenset(),
@@ -178,6 +185,7 @@ class BucketedReduction:
         readiness: list[int] | None = None,
     ) -> None:
         self.params, self.options, self.comm, self.owner_rank = params, options, comm, owner_rank
+        self.expert_ranges = dict(expert_ranges or {})
         order = readiness if readiness is not None else list(range(len(params)))[::-1]
         self._position = {i: k for k, i in enumerate(order)}  # index -> expected readiness
         self._update_params, self._update_dtype = update_params, update_dtype
@@ -247,7 +255,8 @@ class BucketedReduction:
             same = rdtype == dtype and not updates
             last_first = sorted(adamw_groups.get((dtype, device), []), key=self._position.get)
             fillers = last_first[::-1] if same else []
-            layout = plan_owner_streams(members, numels, self.owner_rank, N, cap, fillers)
+            units = [u for i in members for u in self.expert_ranges.get(i, [i])]
+            layout = plan_owner_streams(units, numels, self.owner_rank, N, cap, fillers)
             filled.update(layout.fill.params)
             recv = torch.zeros(layout.length, dtype=rdtype, device=device)  # (T,)
             send = [torch.zeros(b.numel, dtype=rdtype, device=device) for b in layout.buckets]
@@ -468,21 +477,30 @@ class BucketedReduction:
             self.comm.wait(bucket.work, f"gradient reduce-scatter ({bucket.kind})")
             bucket.work = None
 
-    def reduced_grad(self, i: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Averaged gradient of an owned Muon parameter in ``dtype`` (None: the parameter's);
-        a view into the receive stream when that is its dtype."""
-        p = self.params[i]
-        stream = self._stream_of(i)
-        off = stream.layout.offsets[i]
-        grad = stream.recv[off : off + p.numel()].view(p.shape)
-        dtype = dtype or p.dtype
+    def owned_slice(self, unit: OwnedUnit) -> torch.Tensor:
+        """The elements of an owned unit: the parameter itself, or its range of experts (a
+        view of the parameter, shaped as the sub-stack)."""
+        if not isinstance(unit, ExpertRange):
+            return self.params[unit]
+        flat = self.params[unit.param].view(-1)
+        return flat[unit.start : unit.start + unit.numel].view(unit.shape)
+
+    def reduced_grad(self, unit: OwnedUnit, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Averaged gradient of an owned unit (a Muon parameter, or a range of its experts) in
+        ``dtype`` (None: the parameter's); a view into the receive stream when that is its
+        dtype."""
+        shape = unit.shape if isinstance(unit, ExpertRange) else self.params[unit].shape
+        stream = self._stream_of(unit)
+        off = stream.layout.offsets[unit]
+        grad = stream.recv[off : off + stream.layout.numels[unit]].view(shape)
+        dtype = dtype or self.params[unit_param(unit)].dtype
         return grad if grad.dtype == dtype else grad.to(dtype)
 
-    def _stream_of(self, i: int) -> StreamBuffers:
+    def _stream_of(self, unit: OwnedUnit) -> StreamBuffers:
         for stream in self.streams:
-            if i in stream.layout.offsets:
+            if unit in stream.layout.offsets:
                 return stream
-        raise KeyError(i)
+        raise KeyError(unit)
 
     def reduced_shard_grad(self, i: int) -> torch.Tensor:
         """Averaged gradient of this rank's segment of AdamW parameter ``i`` (a view)."""
@@ -490,8 +508,11 @@ class BucketedReduction:
         return store.grad[seg.buffer_start : seg.buffer_start + seg.length]
 
     def local_reduced_grads(self) -> dict[int, torch.Tensor]:
-        """Every reduced gradient this rank holds: owned matrices and AdamW segments."""
-        out = {i: self.reduced_grad(i) for i in self.muon if self.owner_rank[i] == self.rank}
+        """Every reduced gradient this rank holds, by parameter index: owned matrices (a
+        parameter whole, or this rank's range of a stack's experts) and AdamW segments."""
+        out = {i: self.reduced_grad(i) for i in self.muon if self.owner_rank.get(i) == self.rank}
+        for ranges in self.expert_ranges.values():
+            out.update({r.param: self.reduced_grad(r) for r in ranges if r.owner == self.rank})
         out.update({i: self.reduced_shard_grad(i) for i in self.segments})
         return out
 

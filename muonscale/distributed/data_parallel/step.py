@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ...group_step import adamw_group_step
 from ...memory import chunk_bytes_for, group_by_budget
 from . import gathers
+from .buckets import OwnedUnit, unit_param
 from .deferred_gather import PendingGather
 from .layout import DataParallelLayout, segment_of
 from .reduction import BucketedReduction, StreamBuffers
@@ -101,18 +102,20 @@ def update_adamw_shards(
                 segment.copy_(target)  # rounded into the model's parameter
 
 
-def _waves(layout: DataParallelLayout, stream: StreamBuffers, chunk_bytes: int) -> list[list[int]]:
-    """This rank's owned matrices of ``stream`` in waves of at most one update chunk."""
+def _waves(
+    layout: DataParallelLayout, stream: StreamBuffers, chunk_bytes: int
+) -> list[list[OwnedUnit]]:
+    """This rank's owned units of ``stream`` in waves of at most one update chunk."""
     owned = stream.layout.owned[layout.rank]
     budget = chunk_bytes_for(chunk_bytes, stream.gather_in.device)
-    sizes = [layout.params[i].numel() * layout.params[i].element_size() for i in owned]
+    sizes = [stream.layout.numels[u] * layout.params[unit_param(u)].element_size() for u in owned]
     return [[owned[j] for j in wave] for wave in group_by_budget(sizes, budget)]
 
 
 def update_owned_and_gather(
     layout: DataParallelLayout,
     reduction: BucketedReduction,
-    update_wave: Callable[[set[int]], None],
+    update_wave: Callable[[set[OwnedUnit]], None],
     apply: Callable | None,
     chunk_bytes: int,
     overlap: bool,
@@ -121,7 +124,7 @@ def update_owned_and_gather(
     bucket's all-gather as soon as this rank's slice of it is final, so the gathers of early
     buckets overlap the Newton–Schulz of later ones; else launch them after the last wave.
     Every rank launches the same buckets in the same order, only the timing differs.
-    ``update_wave(indices)``: the optimizer's Muon step of those owned matrices; ``apply``:
+    ``update_wave(units)``: the optimizer's Muon step of those owned units; ``apply``:
     what every rank does with an arrived bucket of gathered updates."""
     pending: Pending = []
     for stream in reduction.streams:
@@ -151,7 +154,7 @@ def update_owned_and_gather(
 def update_owned_and_gather_in_forward_order(
     layout: DataParallelLayout,
     reduction: BucketedReduction,
-    update_wave: Callable[[set[int]], None],
+    update_wave: Callable[[set[OwnedUnit]], None],
     apply: Callable | None,
     chunk_bytes: int,
     forward_position: list[int],
@@ -165,7 +168,7 @@ def update_owned_and_gather_in_forward_order(
         for wave in _waves(layout, stream, chunk_bytes):
             update_wave(set(wave))
             gathers.write_owned_for_gather(reduction, stream, wave)
-    units = []  # (first forward position, tie-break, params, launch)
+    launches = []  # (params, tie-break, launch): one per gather
     for s, stream in enumerate(reduction.streams):
         for k, bucket in enumerate(stream.layout.buckets):
             end = bucket.stream_start + bucket.length
@@ -173,9 +176,9 @@ def update_owned_and_gather_in_forward_order(
             def launch(stream=stream, k=k, end=end):
                 return gathers.launch_stream_gathers(reduction, stream, k, end, apply)[0][0]
 
-            units.append((bucket.params, (0, s, k), launch))
+            launches.append((bucket.params, (0, s, k), launch))
     for f, shards in enumerate(reduction.flat_shards):
-        units.append(
+        launches.append(
             (
                 frozenset(shards.layout.params),
                 (1, f, 0),
@@ -183,5 +186,5 @@ def update_owned_and_gather_in_forward_order(
             )
         )
     last = len(forward_position) + len(layout.params)
-    units.sort(key=lambda u: (min((forward_position[i] for i in u[0]), default=last), u[1]))
-    return [PendingGather(*launch(), params) for params, _, launch in units]
+    launches.sort(key=lambda g: (min((forward_position[i] for i in g[0]), default=last), g[1]))
+    return [PendingGather(*launch(), params) for params, _, launch in launches]

@@ -3,8 +3,9 @@
 With Newton–Schulz in bfloat16 an owner's update of a Muon matrix (the matrix step's output,
 :mod:`muonscale.matrix_step`) is bfloat16 already. The owner sends that update instead of the
 fp32 parameter, and every rank applies it with the same rule
-(:func:`muonscale.matrix_step.apply_updates_by_rule_`, whole matrix by whole matrix) to its own
-copy, with the lr and weight decay captured at ``step()``::
+(:func:`muonscale.matrix_step.apply_updates_by_rule_`, one owned unit at a time: a parameter
+owned whole, or one owner's range of a stack's experts) to its own copy, with the lr and weight
+decay captured at ``step()``::
 
     W ← W · (1 − lr λ) + lr α U        (U: bfloat16 on the wire; α and the decay: the
                                         matrix's :func:`muonscale.matrix_step.apply_rule`)
@@ -28,6 +29,7 @@ from ...matrix_step import ApplyRule, ApplyUpdates, apply_rule, apply_updates_by
 from ...newton_schulz import default_ns_dtype
 from ...param_table import ParamTable
 from ...settings import MuonSettings
+from .buckets import ExpertRange, OwnedUnit, unit_param
 from .layout import DataParallelLayout
 from .reduction import BucketedReduction, StreamBuffers
 
@@ -105,35 +107,38 @@ class UpdateGather:
     ) -> None:
         self.reduction, self.option, self._name_of = reduction, option, name_of
         self.rank = reduction.rank
-        self._offset: dict[int, tuple[StreamBuffers, int]] = {}  # i -> (stream, offset)
-        self._pieces: dict[int, list[tuple[int, int, int]]] = {}  # i -> [(k, start, length)]
-        self._in_bucket: dict[tuple[int, int], list[int]] = {}  # (id(stream), k) -> matrices
+        self._offset: dict[OwnedUnit, tuple[StreamBuffers, int]] = {}  # unit -> (stream, offset)
+        self._pieces: dict[OwnedUnit, list[tuple[int, int, int]]] = {}  # [(k, start, length)]
+        self._in_bucket: dict[tuple[int, int], list[OwnedUnit]] = {}  # (id(stream), k) -> units
         for stream in reduction.streams:
             if not stream.carries_updates:
                 continue
-            for i, off in stream.layout.offsets.items():
-                self._offset[i], self._pieces[i] = (stream, off), []
+            for u, off in stream.layout.offsets.items():
+                self._offset[u], self._pieces[u] = (stream, off), []
             for k, bucket in enumerate(stream.layout.buckets):
                 for piece in sorted(bucket.pieces, key=lambda q: q.param_start):
-                    self._pieces[piece.param].append((k, piece.buffer_start, piece.length))
-                    self._in_bucket.setdefault((id(stream), k), []).append(piece.param)
-        self._rules: dict[int, UpdateRule] = {}
-        self._missing: dict[int, int] = {}  # matrix -> its buckets not arrived yet this step
+                    u = piece.unit  # a stream carrying updates has no AdamW fill
+                    self._pieces[u].append((k, piece.buffer_start, piece.length))
+                    self._in_bucket.setdefault((id(stream), k), []).append(u)
+        self._rules: dict[OwnedUnit, UpdateRule] = {}
+        self._missing: dict[OwnedUnit, int] = {}  # unit -> its buckets not arrived this step
 
     @property
-    def matrices(self) -> frozenset[int]:
-        """Muon indices whose update is gathered."""
+    def gathered_units(self) -> frozenset[OwnedUnit]:
+        """Owned units (Muon indices, ranges of experts) whose update is gathered."""
         return frozenset(self._offset)
 
     def capture(
         self, layout: DataParallelLayout, param_table: ParamTable, present: list[bool]
     ) -> None:
-        """The lr, weight decay and update rule of every gathered matrix with a gradient this
-        step (the same on every rank). Raises on every rank if a group's Newton–Schulz dtype
-        left bfloat16 after construction without ``gather_updates=True``."""
+        """The lr, weight decay and update rule of every gathered unit (a matrix, or a range
+        of a stack's experts) with a gradient this step (the same on every rank). Raises on
+        every rank if a group's Newton–Schulz dtype left bfloat16 after construction without
+        ``gather_updates=True``."""
         self._rules = {}
-        self._missing = {i: len(pieces) for i, pieces in self._pieces.items()}
-        for i in self._offset:
+        self._missing = {u: len(pieces) for u, pieces in self._pieces.items()}
+        for u in self._offset:
+            i = unit_param(u)
             p, group = layout.params[i], layout.group_of[i]
             if self.option is None and resolved_ns_dtype(group, p.device) != UPDATE_DTYPE:
                 raise ValueError(
@@ -144,21 +149,25 @@ class UpdateGather:
             if not present[i] or p.numel() == 0:
                 continue
             settings = MuonSettings.from_group(group)
-            view = param_table.view(p, group["matrix_mode"])
+            if isinstance(u, ExpertRange):  # the sub-stack its owner steps
+                view = layout.range_view(u)
+            else:
+                view = param_table.view(p, group["matrix_mode"])
             lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
-            self._rules[i] = UpdateRule(lr, weight_decay, apply_rule(view, settings))
+            self._rules[u] = UpdateRule(lr, weight_decay, apply_rule(view, settings))
 
-    def owner_apply(self, index_of: Callable[[torch.Tensor], int | None]) -> ApplyUpdates:
-        """Muon's last pass on the owner: each gathered matrix's update goes into the gather
-        buffer (rounded to :data:`UPDATE_DTYPE`), then is applied from there as every other
-        rank applies it; other matrices are applied as usual."""
+    def owner_apply(self, unit_of: Callable[[torch.Tensor], OwnedUnit | None]) -> ApplyUpdates:
+        """Muon's last pass on the owner: each gathered unit's update (``unit_of``: the unit a
+        stepped tensor is) goes into the gather buffer (rounded to :data:`UPDATE_DTYPE`), then
+        is applied from there as every other rank applies it; other matrices are applied as
+        usual."""
 
         def apply(params, updates, rules, *, lr, weight_decay):
             columns: list[list] = [[], [], []]  # (params, updates, rules): one elementwise pass
             for p, u, rule in zip(params, updates, rules):
-                i = index_of(p)
-                if i in self._offset:
-                    stream, off = self._offset[i]
+                unit = unit_of(p)
+                if unit in self._offset:
+                    stream, off = self._offset[unit]
                     wire = stream.gather_in[off : off + p.numel()]
                     wire.copy_(u.reshape(-1))
                     u = wire.view(p.shape)  # applied from the rounded copy, as elsewhere
@@ -169,22 +178,23 @@ class UpdateGather:
         return apply
 
     def apply_gathered(self, stream: StreamBuffers, k: int) -> None:
-        """Bucket ``k`` of ``stream`` arrived: apply the update of every matrix this rank does
-        not own whose buckets have all arrived (the whole matrix at once, as its owner did;
-        the buckets may arrive in any order)."""
-        for i in self._in_bucket.get((id(stream), k), []):
-            self._missing[i] -= 1
-            if self._missing[i]:
+        """Bucket ``k`` of ``stream`` arrived: apply the update of every unit this rank does
+        not own whose buckets have all arrived (the whole unit at once, as its owner did; the
+        buckets may arrive in any order)."""
+        for u in self._in_bucket.get((id(stream), k), []):
+            self._missing[u] -= 1
+            if self._missing[u]:
                 continue
-            rule = self._rules.get(i)
-            if rule is None or self.reduction.owner_rank[i] == self.rank:
+            rule = self._rules.get(u)
+            owner = u.owner if isinstance(u, ExpertRange) else self.reduction.owner_rank[u]
+            if rule is None or owner == self.rank:
                 continue  # no gradient this step, or applied by the owner already
-            pieces = [stream.gather_out[kk][s : s + n] for kk, s, n in self._pieces[i]]
+            pieces = [stream.gather_out[kk][s : s + n] for kk, s, n in self._pieces[u]]
             update = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-            p = self.reduction.params[i]
+            target = self.reduction.owned_slice(u)  # the parameter, or its range of experts
             apply_updates_by_rule_(
-                [p],
-                [update.view(p.shape)],
+                [target],
+                [update.view(target.shape)],
                 [rule.apply],
                 lr=rule.lr,
                 weight_decay=rule.weight_decay,
