@@ -25,6 +25,7 @@ try:  # FSDP2 on a TP-sharded dim: right-to-left sharding
     from torch.distributed.tensor.placement_types import _StridedShard
 except ImportError:  # pragma: no cover - older torch
     _StridedShard = None
+_SHARDS = tuple(t for t in (Shard, _StridedShard) if t is not None)
 
 __all__ = [
     "as_2d",
@@ -76,19 +77,20 @@ def local_indices(t: DTensor, dim: int = 0) -> torch.Tensor:
 
 
 def check_placement(name: str, placement: Any, ndim: int) -> None:
-    """``ValueError`` naming parameter ``name`` unless ``placement`` is Shard, Replicate or
-    FSDP2's _StridedShard of one of its ``ndim`` dims."""
-    if isinstance(placement, Replicate):
+    """``ValueError`` naming parameter ``name`` unless ``placement`` is exactly Shard,
+    Replicate or FSDP2's _StridedShard (of one of its ``ndim`` dims): the layout reads those
+    exactly; a subclass or another placement type may select other elements, so it is refused
+    rather than assumed to be one of them."""
+    kind = type(placement)
+    if kind is Replicate:
         return
-    sharded = isinstance(placement, Shard) or (
-        _StridedShard is not None and isinstance(placement, _StridedShard)
-    )
-    if sharded and 0 <= placement.dim < ndim:
+    if kind in _SHARDS and 0 <= placement.dim < ndim:
         return
     raise ValueError(
-        f"DTensorMuon: parameter '{name}' has placement {placement!r}, which is not supported "
-        "(supported: Shard(dim), Replicate(), and FSDP2's _StridedShard). A Partial parameter "
-        "holds unreduced values; redistribute it to Shard or Replicate first."
+        f"DTensorMuon: parameter '{name}' has placement {placement!r} "
+        f"({kind.__module__}.{kind.__qualname__}), which is not supported (supported: exactly "
+        "Shard(dim), Replicate(), and FSDP2's _StridedShard). A Partial parameter holds "
+        "unreduced values; redistribute it to Shard or Replicate first."
     )
 
 

@@ -21,8 +21,9 @@ def _sdpa(layers):
     return layers
 
 
-def tiny_config(kind: str, *, n_layers: int = 2):
-    """Model config of a tiny ``"llama3"``, ``"qwen3"`` or ``"qwen3_moe"`` (4 experts, top 2)."""
+def tiny_config(kind: str, *, n_layers: int = 2, num_experts: int = 4):
+    """Model config of a tiny ``"llama3"``, ``"qwen3"`` or ``"qwen3_moe"`` (``num_experts``
+    experts, top 2)."""
     from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear
 
     if kind == "llama3":
@@ -69,7 +70,11 @@ def tiny_config(kind: str, *, n_layers: int = 2):
         layers = qwen3._build_qwen3_layers(hidden_dim=64, **common)
     elif kind == "qwen3_moe":
         layers = qwen3._build_qwen3_moe_layers(
-            moe_hidden_dim=16, num_experts=4, top_k=2, moe_comm_backend="standard", **common
+            moe_hidden_dim=16,
+            num_experts=num_experts,
+            top_k=2,
+            moe_comm_backend="standard",
+            **common,
         )
     else:
         raise ValueError(kind)
@@ -86,9 +91,11 @@ def tiny_config(kind: str, *, n_layers: int = 2):
     )
 
 
-def tiny_model(kind: str, *, seed: int = 0, n_layers: int = 2) -> torch.nn.Module:
+def tiny_model(
+    kind: str, *, seed: int = 0, n_layers: int = 2, num_experts: int = 4
+) -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = tiny_config(kind, n_layers=n_layers).build()
+    model = tiny_config(kind, n_layers=n_layers, num_experts=num_experts).build()
     model.init_states()
     return model
 
@@ -102,6 +109,14 @@ def batch(step: int, size: int = 4) -> torch.Tensor:
     return (start + k * torch.arange(SEQ + 1)) % VOCAB
 
 
+def injected_gradients(model: torch.nn.Module, step: int) -> dict[str, torch.Tensor]:
+    """Full gradients of every parameter for step ``step`` (by name and global shape: the same
+    on every rank and in every layout)."""
+    g = torch.Generator().manual_seed(2000 + step)
+    shapes = sorted((n, tuple(p.shape)) for n, p in model.named_parameters())
+    return {n: torch.randn(shape, generator=g) for n, shape in shapes}
+
+
 def loss_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens[:, :-1])
     return torch.nn.functional.cross_entropy(
@@ -109,4 +124,4 @@ def loss_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     )
 
 
-__all__ = ["batch", "loss_of", "tiny_config", "tiny_model"]
+__all__ = ["batch", "injected_gradients", "loss_of", "tiny_config", "tiny_model"]

@@ -60,7 +60,9 @@ from .config import (
     MegatronMuonConfig,
     megatron_coefficients,
 )
-from .optimizer import MegatronDistributedMuon, MegatronMuon, megatron_muon
+from .expert_zero1 import MegatronExpertZero1
+from .factory import megatron_muon
+from .optimizer import MegatronDistributedMuon, MegatronMuon
 from .plan import MegatronGroups, ParamPlan, plan_parameters
 from .step_log import log_step_metrics
 
@@ -71,6 +73,7 @@ __all__ = [
     "MEGATRON_MATMUL_PRECISION",
     "MEGATRON_SCALE_MODES",
     "MegatronDistributedMuon",
+    "MegatronExpertZero1",
     "MegatronGroups",
     "MegatronMuon",
     "MegatronMuonConfig",

@@ -11,13 +11,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from muonscale.declared_state import replicated_declarations, replicated_state
 from muonscale.distributed.comm import Communicator, WireCounter, combine_over_ranks
 from muonscale.distributed.data_parallel import AgreedGradients, DistributedMuon
 from muonscale.matrix_step import ApplyUpdates
-from muonscale.memory import MemoryBudget
 from muonscale.optimizer import Muon
 from muonscale.params import RouteDecision
 from muonscale.settings import MuonSettings
@@ -26,7 +24,7 @@ from muonscale.step_metrics import Reduction, StepMetrics
 from .config import MegatronMuonConfig, muon_arguments
 from .grad_norm import GlobalGradNorm
 from .main_params import MainParams
-from .plan import MegatronGroups, ParamPlan, plan_parameters
+from .plan import MegatronGroups, ParamPlan
 from .row_state import RowStateEntry, TensorParallelMatrices, held_row_state
 from .tensor_parallel import Orthogonalizer, TensorParallelOrthogonalizer, muon_update_
 
@@ -91,7 +89,7 @@ class MegatronMuon(Muon):
         has_main_grad = any(hasattr(p, "main_grad") for p in self.main_params.model_params)
         self.grads_reduced = has_main_grad if config.grads_reduced is None else config.grads_reduced
         if not self.grads_reduced:
-            _check_self_reduction(plans, groups)
+            check_self_reduction(plans, groups)
 
     def _average_grads(self) -> None:
         """Mean of ``.grad`` over the data-parallel group (dense) and the expert-data group
@@ -253,7 +251,12 @@ class MegatronDistributedMuon(DistributedMuon):
     only (owned matrices, AdamW shards), as Megatron's distributed optimizer; the all-gather
     sends bf16. ``state_dict()`` is the full state over data parallel (collective; main copies
     included), so a checkpoint loads at another data-parallel size (same TP size); the row
-    state is saved and loaded as :class:`MegatronMuon`'s (:mod:`.row_state`)."""
+    state is saved and loaded as :class:`MegatronMuon`'s (:mod:`.row_state`).
+
+    ``data_group`` (default: Megatron's data-parallel group) is the group it shards over: the
+    expert-data group for the expert half of :class:`~.expert_zero1.MegatronExpertZero1`,
+    which also computes the global gradient norm for both halves (``external_grad_norm``:
+    ``step()`` neither computes nor clips it, and reads ``grad_norm.last_norm`` as set)."""
 
     dp_mode = "zero1"
 
@@ -265,6 +268,8 @@ class MegatronDistributedMuon(DistributedMuon):
         *,
         orthogonalizer: Orthogonalizer | None = None,
         wire_counter: WireCounter | None = None,
+        data_group: dist.ProcessGroup | None = None,
+        external_grad_norm: bool = False,
         **dp_options: Any,
     ) -> None:
         self.config, self.groups, self.plans = config, groups, list(plans)
@@ -276,9 +281,10 @@ class MegatronDistributedMuon(DistributedMuon):
                 "MegatronDistributedMuon gathers the updated parameters: gather_updates must be "
                 "None or False"
             )
+        self.external_grad_norm = external_grad_norm
         super().__init__(
             param_groups,
-            process_group=groups.dp,
+            process_group=groups.dp if data_group is None else data_group,
             gather_updates=False,
             main_params_dtype=config.main_params_dtype,
             wire_counter=self.wire_counter,
@@ -382,17 +388,24 @@ class MegatronDistributedMuon(DistributedMuon):
         ranks (each gradient element counted once); returns the norm. Collective."""
         if norm_type != 2.0:
             raise ValueError(f"norm_type must be 2.0 under tensor parallelism, got {norm_type!r}")
-        self.reduction.finish()
-        held = [(i, g) for i, g in self.reduction.local_reduced_grads().items() if g.numel()]
-        owners = [self._plan_by_id[id(self.params[i])] for i, _ in held]
-        self.grad_norm.norm_and_clip_([g for _, g in held], owners, max_norm)
+        grads, owners = self.held_reduced_grads()
+        self.grad_norm.norm_and_clip_(grads, owners, max_norm)
         return torch.tensor(self.last_grad_norm)
 
+    def held_reduced_grads(self) -> tuple[list[torch.Tensor], list[ParamPlan]]:
+        """The reduced gradients this rank holds (its owned matrices, its AdamW shards) and
+        their plans; reductions still in flight are finished first."""
+        self.reduction.finish()
+        held = [(i, g) for i, g in self.reduction.local_reduced_grads().items() if g.numel()]
+        return [g for _, g in held], [self._plan_by_id[id(self.params[i])] for i, _ in held]
+
     def _begin_step(self) -> Sequence[Any]:
-        """Global norm (and clipping, ``clip_grad > 0``) over all ranks first."""
+        """Global norm (and clipping, ``clip_grad > 0``) over all ranks first, unless an
+        ``external_grad_norm`` computed it."""
         work = super()._begin_step()
-        self.grad_norm.last_norm = None
-        self.clip_grad_norm_(self.config.clip_grad)
+        if not self.external_grad_norm:
+            self.grad_norm.last_norm = None
+            self.clip_grad_norm_(self.config.clip_grad)
         return work
 
     def _step_gradients(self) -> AgreedGradients:
@@ -437,7 +450,7 @@ def metered_orthogonalizer(
     return metrics.metered_updates(label, orthogonalizer), metrics.timed(device)
 
 
-def _check_self_reduction(plans: Sequence[ParamPlan], groups: MegatronGroups) -> None:
+def check_self_reduction(plans: Sequence[ParamPlan], groups: MegatronGroups) -> None:
     """Refuse layouts whose gradients need more than a data-parallel average."""
     if groups.pp_size > 1:
         raise NotImplementedError(
@@ -451,59 +464,3 @@ def _check_self_reduction(plans: Sequence[ParamPlan], groups: MegatronGroups) ->
                 f"{pl.name}: sequence parallelism without Megatron's gradient reduction (norm "
                 "gradients need a TP all-reduce, done by Megatron's finalize_model_grads)"
             )
-
-
-def megatron_muon(
-    model_chunks: Sequence[nn.Module] | nn.Module,
-    config: MegatronMuonConfig | None = None,
-    *,
-    pg_collection: Any = None,
-    **overrides: Any,
-) -> MegatronMuon | MegatronDistributedMuon:
-    """Build the muonscale optimizer for Megatron-Core ``model_chunks``.
-
-    Args:
-        model_chunks: a model chunk or the list of them (virtual pipeline); bare, or wrapped in
-            Megatron's DDP (``use_distributed_optimizer=False``; then ``dp_mode`` is replicated).
-        config: :class:`MegatronMuonConfig` (``MegatronMuonConfig.from_megatron(opt_config)``
-            reads Megatron's ``OptimizerConfig``); ``overrides`` replace its fields (and its
-            variant options, by name: :meth:`MegatronMuonConfig.replaced`).
-        pg_collection: Megatron's ``ProcessGroupCollection``; None → ``parallel_state``.
-
-    Returns :class:`MegatronDistributedMuon` for ``dp_mode="zero1"`` (``"auto"``: when nothing
-    else reduces gradients, and there are no expert or pipeline-parallel layouts), else
-    :class:`MegatronMuon`.
-    """
-    config = config if config is not None else MegatronMuonConfig()
-    if overrides:
-        config = config.replaced(**overrides)
-    groups = MegatronGroups.from_megatron(pg_collection)
-    plans = plan_parameters(model_chunks, groups, split_qkv=config.muon_split_qkv)
-    has_main_grad = any(hasattr(pl.param, "main_grad") for pl in plans)
-    zero1_blockers = []
-    if has_main_grad or config.grads_reduced:
-        zero1_blockers.append("gradients are reduced by Megatron's DDP (main_grad)")
-    if any(pl.expert for pl in plans):
-        zero1_blockers.append("expert parameters (their data-parallel group differs)")
-    if groups.pp_size > 1:
-        zero1_blockers.append("pipeline parallelism")
-    mode = config.dp_mode
-    memory = MemoryBudget.from_environment()  # the environment is read here, once
-    if mode == "auto":
-        mode = "replicated" if zero1_blockers or MegatronGroups.size(groups.dp) == 1 else "zero1"
-    if mode == "zero1":
-        if zero1_blockers:
-            raise NotImplementedError(
-                f"dp_mode='zero1' is not supported with: {'; '.join(zero1_blockers)}"
-            )
-        _check_self_reduction(plans, groups)
-        counter = WireCounter()
-        orthogonalizer = TensorParallelOrthogonalizer(
-            groups, config, counter=counter, memory=memory
-        )
-        return MegatronDistributedMuon(
-            plans, groups, config, orthogonalizer=orthogonalizer, wire_counter=counter
-        )
-    counter = WireCounter()
-    orthogonalizer = TensorParallelOrthogonalizer(groups, config, counter=counter, memory=memory)
-    return MegatronMuon(plans, groups, config, orthogonalizer=orthogonalizer, wire_counter=counter)
