@@ -12,6 +12,7 @@ ranks, each bitwise against one process.
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -226,3 +227,43 @@ def test_int8_state_resumes_through_dcp_at_2_and_1_bitwise(model_name, tmp_path)
     got = _resume_at(0, 1, model_name, path)
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), ("2 -> 1", name)
+
+
+def _with_option(rank: int, world_size: int, case: str) -> dict[str, bool]:
+    """{name: bitwise equal} (and whether the momentum held is int8) of the int8 run with
+    ``case`` against its single-process reference, run here: fp32 main copies of a bf16 model
+    against fp32 Muon from the same bf16-rounded weights; the owners' bf16 updates against Muon
+    applying each update rounded to bf16."""
+    from test_distributed_update_gather import rounding_updates
+
+    from muonscale.distributed import DistributedMuon
+
+    torch.manual_seed(0)
+    model = Stacked()
+    options = dict(OPTIONS, **STACKED, state_precision="int8")
+    if case == "main_copies":
+        model = model.bfloat16()
+        ref = copy.deepcopy(model).float()
+        opt = DistributedMuon(model, **options, main_params_dtype=torch.float32)
+        _train_injected(model, opt, 0, STEPS)
+        full = opt.state_dict()["state"]
+        got = {opt.param_table.name(p): full[i]["main_param"] for i, p in enumerate(opt.params)}
+        _train_injected(ref, muonscale.Muon(ref, **options), 0, STEPS)
+    else:
+        ref = copy.deepcopy(model)
+        opt = DistributedMuon(model, **options, gather_updates=True)
+        _train_injected(model, opt, 0, STEPS)
+        got = _weights(model)
+        with rounding_updates():
+            _train_injected(ref, muonscale.Muon(ref, **options), 0, STEPS)
+    held = [e["momentum_buffer"].dtype for e in opt.state.values() if "momentum_buffer" in e]
+    out = {n: torch.equal(got[n], p.detach()) for n, p in ref.named_parameters()}
+    return dict(out, held_int8=bool(held) and set(held) == {torch.int8})
+
+
+@pytest.mark.parametrize("case", ["main_copies", "gather_updates"])
+def test_int8_momentum_with_main_copies_and_gathered_updates_bitwise(case):
+    """The int8 momentum of fp32 main copies (``main_params_dtype``) and of owners that send
+    their bf16 updates (``gather_updates=True``), at 2 ranks: bitwise their references."""
+    for rank, equal in enumerate(shared_pool(2).run(_with_option, case)):
+        assert equal and all(equal.values()), (case, rank, equal)
