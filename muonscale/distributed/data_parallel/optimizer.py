@@ -634,7 +634,7 @@ class DistributedMuon(Muon):
 def refuse_quantized_adamw(param_groups: Sequence[Mapping[str, Any]]) -> None:
     """ValueError unless every AdamW group with parameters keeps floating state: its ZeRO-1
     flat shards cut AdamW's rows (and their 256-entry blocks) anywhere, so its 8-bit moments
-    would not be one process's (docs/low_bit_state.md)."""
+    would not be one process's."""
     for i, group in enumerate(param_groups):
         precision = group.get("state_precision", "param")
         if group["algorithm"] == "adamw" and group["params"] and precision != "param":
