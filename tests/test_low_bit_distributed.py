@@ -1,7 +1,8 @@
 """``DistributedMuon(state_precision="int8")``: each owner holds whole matrices (or a range of
 whole experts, hence whole rows), so its int8 momentum is the one one process holds. At 2 and
 4 gloo ranks, with identical gradients injected, the weights and the full state (codes and
-scales) equal single-process ``Muon(state_precision="int8")``'s bitwise, on a dense model
+scales; and ``state_dict_in_precision("param")``) equal single-process
+``Muon(state_precision="int8")``'s bitwise, on a dense model
 (rows of several 256-entry blocks, AdamW parameters in a floating group), on expert
 concatenations and on 3-D expert stacks (one stored (in, out)) spread over owners. AdamW int8
 groups are refused (ZeRO-1 shards cut their blocks). Checkpoints: DCP saved at 2 ranks resumes
@@ -116,7 +117,13 @@ def _run(model_name: str, world_size: int) -> dict:
     model, opt = _build(model_name, world_size)
     with _one_thread():
         _train_injected(model, opt, 0, STEPS)
-    return {"weights": _weights(model), "state": opt.state_dict()["state"], "opt": opt}
+    as_float = opt.state_dict_in_precision("param")["state"]  # collective, as state_dict()
+    return {
+        "weights": _weights(model),
+        "state": opt.state_dict()["state"],
+        "float": as_float,
+        "opt": opt,
+    }
 
 
 def _distributed(rank: int, world_size: int, model_name: str) -> dict:
@@ -144,6 +151,7 @@ def test_int8_momentum_of_owners_equals_single_process_bitwise(model_name, world
         for name, tensor in want["weights"].items():
             assert torch.equal(got["weights"][name], tensor), (rank, name)
         _assert_equal_state(got["state"], want["state"], rank)
+        _assert_equal_state(got["float"], want["float"], (rank, "state_dict_in_precision"))
         if model_name != "dense":  # each stack stepped by several owners, a range each
             assert SPREAD[model_name] <= set(got["spread"]), got["spread"]
 
