@@ -173,12 +173,7 @@ class Muon(torch.optim.Optimizer):
             capturable_refusal=self._CAPTURABLE_REFUSAL,
             backward_refusal=self._BACKWARD_NS_REFUSAL,
         )
-        if state_precision != "param" and not self._accepts_quantized_state():
-            raise ValueError(
-                f"{type(self).__name__} does not support state_precision={state_precision!r} "
-                "yet (quantized state is tested with muonscale.Muon only); use "
-                "state_precision='param' (momentum_dtype=torch.bfloat16 halves the momentum)"
-            )
+        self._refuse_untested_precision(state_precision)
         self._backward_ns: BackwardOrthogonalizer | None = None
         self.nonfinite = nonfinite
         self.capturable = capturable
@@ -205,6 +200,8 @@ class Muon(torch.optim.Optimizer):
         )
         require_adamw_lr(groups, self.routing, adamw_lr, self.muon_defaults["scale"])
         super().__init__(groups, dict(self.muon_defaults, algorithm="muon"))
+        for group in self.param_groups:  # a param group's own state_precision too
+            self._refuse_untested_precision(group.get("state_precision", "param"))
         check_built_groups(
             self.param_table,
             self.param_groups,
@@ -216,6 +213,14 @@ class Muon(torch.optim.Optimizer):
         )
         if orthogonalize_in_backward:
             self._backward_ns = BackwardOrthogonalizer(self, self.param_table)
+
+    def _refuse_untested_precision(self, state_precision: str) -> None:
+        if state_precision != "param" and not self._accepts_quantized_state():
+            raise ValueError(
+                f"{type(self).__name__} does not support state_precision={state_precision!r} "
+                "yet (quantized state is tested with muonscale.Muon and DistributedMuon only); "
+                "use state_precision='param' (momentum_dtype=torch.bfloat16 halves the momentum)"
+            )
 
     @classmethod
     def _accepts_quantized_state(cls) -> bool:

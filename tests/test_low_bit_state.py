@@ -321,6 +321,9 @@ def test_a_layout_not_tested_with_quantized_state_refuses_it():
 
     with pytest.raises(ValueError, match="Layout does not support state_precision='int8'"):
         Layout(_Small(), lr=0.02, adamw_lr=3e-3, state_precision="int8")
+    groups = [{"params": list(_Small().parameters()), "state_precision": "int8"}]
+    with pytest.raises(ValueError, match="Layout does not support state_precision='int8'"):
+        Layout(groups, lr=0.02, adamw_lr=3e-3)  # a param group's own precision as well
 
 
 def test_int8_state_in_small_chunks_equals_one_chunk():

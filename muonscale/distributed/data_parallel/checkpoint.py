@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from ...declared_state import MOMENTUM, VARIANT_STATE, kept_state
-from ...optimizer_state import check_loaded_groups
+from ...declared_state import MOMENTUM, MOMENTUM_SCALE, VARIANT_STATE, kept_state
+from ...optimizer_state import check_loaded_groups, keep_state_precisions
 from ...param_table import ParamTable
 from ...settings import MuonSettings
 from ..comm import WireCounter
@@ -37,6 +37,8 @@ from .layout import DataParallelLayout, expert_rows
 from .reduction import BucketedReduction
 
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
+HELD_BESIDES_MOMENTUM = (MOMENTUM_SCALE, *VARIANT_STATE)
+"""The state a Muon parameter's owner may hold besides the momentum (``kept`` decides)."""
 
 
 def _sharded_names(store: Any) -> tuple[str, ...]:
@@ -194,10 +196,12 @@ def load_full_state(
     _check_whole_shapes(
         layout, param_table, whole, {i: saved_state.get(key_of[i], {}) for i in whole}
     )
+    wanted = [g.get("state_precision", "param") for g in layout.param_groups]
     for group, saved in zip(layout.param_groups, saved_groups):
         for name, value in {"algorithm": "muon", **saved}.items():
             if name != "params":
                 group[name] = tuple(value) if name == "betas" else value
+    saved_state = _in_precisions(layout, param_table, saved_state, key_of, wanted)
     for i in layout.muon_indices:
         unit = layout.owned_unit(i)  # the parameter whole, or this rank's range of its experts
         if unit is None:
@@ -215,7 +219,7 @@ def load_full_state(
             _load_main(held["main_param"], reduction.owned_slice(unit), part("main_param"))
         settings = MuonSettings.from_group(layout.group_of[i])  # the loaded options
         kept = kept_state(settings, variants_only=True)
-        for spec in VARIANT_STATE:
+        for spec in HELD_BESIDES_MOMENTUM:
             if spec not in kept:
                 held.pop(spec.key, None)
                 continue
@@ -254,6 +258,42 @@ def load_full_state(
             )
 
 
+def _in_precisions(
+    layout: DataParallelLayout,
+    param_table: ParamTable,
+    saved_state: Mapping[Any, dict[str, Any]],
+    key_of: Mapping[int, Any],
+    wanted: list[str],
+) -> dict[Any, dict[str, Any]]:
+    """The loaded entries (new dicts; the state dict is not changed) in this optimizer's
+    ``state_precision`` per group (``wanted``), which the groups keep: state saved with
+    another is converted whole, as one process converts it (quantizing a whole tensor and
+    taking a range's rows equals quantizing the rows: blocks lie within rows), with
+    :func:`~muonscale.optimizer_state.keep_state_precisions`' warning."""
+    held = {}
+    for i, key in key_of.items():
+        entry = saved_state.get(key)
+        if entry:
+            p = layout.params[i]
+            entry = dict(entry)
+            momentum = entry.get(MOMENTUM.key)
+            if torch.is_tensor(momentum):  # torch keeps no shapes: it may come flat
+                entry[MOMENTUM.key] = momentum.reshape(p.shape)
+            held[p] = entry
+    keep_state_precisions(
+        layout.param_groups,
+        held,
+        wanted,
+        lambda p, group: param_table.view(p, group["matrix_mode"]),
+        stacklevel=6,
+    )
+    out = dict(saved_state)
+    for i, key in key_of.items():
+        if layout.params[i] in held:
+            out[key] = held[layout.params[i]]
+    return out
+
+
 def _unit_part(
     entry: Mapping[str, Any], whole: Mapping[str, torch.Size], unit: OwnedUnit, key: str
 ) -> torch.Tensor | None:
@@ -274,7 +314,7 @@ def _whole_shapes(layout: DataParallelLayout, param_table: ParamTable) -> dict[i
         p = layout.params[i]
         view = param_table.view(p, layout.group_of[i]["matrix_mode"])
         out[i] = {MOMENTUM.key: p.shape, "main_param": p.shape}
-        out[i].update({spec.key: torch.Size(spec.shape(view)) for spec in VARIANT_STATE})
+        out[i].update({s.key: torch.Size(s.shape(view)) for s in HELD_BESIDES_MOMENTUM})
     return out
 
 

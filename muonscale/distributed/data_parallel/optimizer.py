@@ -231,6 +231,7 @@ class DistributedMuon(Muon):
         options = ReductionOptions(reduce_dtype, main_params_dtype, bucket_cap_mb, reduce_at)
         self._sends_update = lambda p, g: sends_update(p, g, gather_updates, options.main_dtype)
         super().__init__(params, **muon_options)
+        refuse_quantized_adamw(self.param_groups)
         comm = communicator(process_group, wire_counter or WireCounter(), host_map)
         self.layout = DataParallelLayout(self.param_groups, comm, self._matrix_view)
         layout = self.layout
@@ -351,6 +352,12 @@ class DistributedMuon(Muon):
         self.wait_for_parameters()  # the gathers copy into the parameters bound now
         names = [self._name(p) for p in self.params]
         check_rebind(self.params, [new for _, new in slots], names)
+
+    @classmethod
+    def _accepts_quantized_state(cls) -> bool:
+        """The owners' Muon momentum is quantized whole (each owner holds whole matrices or
+        whole experts, so whole rows); AdamW's int8 groups are refused at construction."""
+        return cls is DistributedMuon
 
     def _after_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Follow new parameter objects: the layout, the reduction's parameters and its
@@ -622,6 +629,23 @@ class DistributedMuon(Muon):
             for target, model in zip(targets, owned):
                 if target is not model:
                     model.copy_(target)  # rounded into the model's parameter
+
+
+def refuse_quantized_adamw(param_groups: Sequence[Mapping[str, Any]]) -> None:
+    """ValueError unless every AdamW group with parameters keeps floating state: its ZeRO-1
+    flat shards cut AdamW's rows (and their 256-entry blocks) anywhere, so its 8-bit moments
+    would not be one process's."""
+    for i, group in enumerate(param_groups):
+        precision = group.get("state_precision", "param")
+        if group["algorithm"] == "adamw" and group["params"] and precision != "param":
+            raise ValueError(
+                f"DistributedMuon: state_precision={precision!r} is supported for the Muon "
+                f"momentum only, but param group {i} (AdamW) has it: AdamW's ZeRO-1 flat "
+                "shards cut its rows, and the 256-entry blocks of its 8-bit moments, at any "
+                "element. Give the AdamW parameters a param group with "
+                "state_precision='param', e.g. [{'params': muon_params, 'state_precision': "
+                "'int8'}, {'params': adamw_params, 'algorithm': 'adamw'}]"
+            )
 
 
 def _land_and_detach(deferred: DeferredGather) -> None:
