@@ -142,7 +142,7 @@ def router_timing_optimizers(model, options: Mapping[str, Any]):
 
 
 def router_time_share(
-    model, options: Mapping[str, Any], *, repetitions: int = 15, budget_s: float = 2.0
+    model, options: Mapping[str, Any], *, repetitions: int = 15, budget_s: float = 1.5
 ) -> dict[str, Any]:
     """The routers' share of Muon's optimizer time: the median step time of the routers-only
     optimizer over that of the all-Muon one (:func:`router_timing_optimizers`), the two
