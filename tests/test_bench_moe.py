@@ -25,7 +25,7 @@ from muonscale.bench.distributed import run_distributed_bench
 from muonscale.experts import find_experts
 from muonscale.train.config import ModelConfig, TrainConfig
 from muonscale.train.model import GPT, MoE
-from muonscale.train.optimizers import build_optimizer, torch_muon_split
+from muonscale.train.optimizers import build_optimizer, muon_options, torch_muon_split
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -192,6 +192,9 @@ def test_single_process_bench_on_moe(tmp_path):
     assert set(moe) == {"adamw", "muon", "torch-muon"}
     _expert_view_checked(moe["muon"], layers=2)
     assert 0 < moe["muon"]["router_newton_schulz_flop_share"] < 1
+    timed = moe["muon"]["router_time_share"]
+    assert 0 < timed["share"] < 1 and timed["repetitions"] >= 3
+    assert "router_time_share" not in moe["torch-muon"] and "router_time_share" not in moe["adamw"]
     assert sorted(moe["torch-muon"]["left_to_adamw"]) == sorted(
         f"blocks.{i}.mlp.experts.{w}" for i in range(2) for w in ("gate_up_proj", "down_proj")
     )
@@ -205,7 +208,38 @@ def test_single_process_bench_on_moe(tmp_path):
     files = {p.name for p in (tmp_path / "b").iterdir()}
     assert {"report.json", "report.md"} <= files
     assert any(f.endswith(".png") for f in files)
-    assert "Mixture of experts" in (tmp_path / "b" / "report.md").read_text()
+    text = (tmp_path / "b" / "report.md").read_text()
+    assert "Mixture of experts" in text
+    assert "- muon: router share of Muon's optimizer time: " in text and "FLOP share" in text
+
+
+def test_router_timing_steps_copies_of_the_routers_alone_with_the_contenders_options():
+    """The timed optimizers: one over the routers only, one over every parameter the
+    contender's ``muonscale.Muon`` sends to Muon, both with its options (here a variant's
+    ``ns_steps``), over copies: the model's parameters do not move."""
+    from muonscale.bench.moe import router_time_share, router_timing_optimizers
+    from muonscale.bench.runner import make_run, muon_options_for
+
+    config = BenchConfig(**BENCH, variants=["ns3=ns_steps:3"])
+    run = make_run(config, "ns3", 0.02)
+    options = muon_options_for(config, "ns3", 0.02, run.model)
+    assert options["ns_steps"] == 3 and muon_options_for(config, "adamw", 0.02, run.model) is None
+    contender = {
+        n for g in run.optimizer.param_groups if g["algorithm"] == "muon" for n in g["param_names"]
+    }
+    routers, everything = router_timing_optimizers(run.model, options)
+    routers_names = {n for g in routers.param_groups for n in g["param_names"]}
+    assert routers_names == {f"blocks.{i}.mlp.router.weight" for i in range(2)}
+    assert {n for g in everything.param_groups for n in g["param_names"]} == contender
+    for optimizer in (routers, everything):
+        assert {g["algorithm"] for g in optimizer.param_groups} == {"muon"}
+        assert {g["ns_steps"] for g in optimizer.param_groups} == {3}
+        model_params = {id(p) for p in run.model.parameters()}
+        assert not any(id(p) in model_params for g in optimizer.param_groups for p in g["params"])
+    before = [p.detach().clone() for p in run.model.parameters()]
+    timed = router_time_share(run.model, options, repetitions=3, budget_s=0)
+    assert timed["repetitions"] == 3 and 0 < timed["share"] < 1
+    assert all(torch.equal(a, p) for a, p in zip(before, run.model.parameters(), strict=True))
 
 
 @pytest.mark.parametrize("parallel", ["dp", "fsdp"])
@@ -261,3 +295,22 @@ def test_train_parallel_on_moe_gives_the_losses_and_counts_of_one_process(parall
     for rank_losses, rank_counts in ranks:
         assert rank_counts == counts
         assert rank_losses == pytest.approx(losses, abs=_tolerance(losses), rel=0)
+
+
+def test_train_optimizer_summary_names_the_expert_stacks_and_routers():
+    """``muonscale train --mlp moe`` builds its Muon on the model, so its summary labels the
+    expert stacks and routers as ``muonscale.Muon(model)`` does, with the same param groups
+    as over ``named_parameters()``."""
+    model = GPT(_config().model_config())
+    optimizer = build_optimizer("muon", model, _config())
+    lines = {line.split()[1]: line for line in optimizer.summary().splitlines()[2:]}
+    assert "expert weights (Experts)" in lines[GATE_UP] and "(E=8) × gate|up" in lines[GATE_UP]
+    assert "expert weights (Experts)" in lines[DOWN]
+    assert "router (E=8)" in lines["blocks.0.mlp.router.weight"]
+    assert "hidden weight" not in lines[GATE_UP] + lines[DOWN]
+    named = muonscale.Muon(list(model.named_parameters()), **muon_options(model, _config()))
+    for built, listed in zip(optimizer.param_groups, named.param_groups, strict=True):
+        assert built["param_names"] == listed["param_names"]
+        assert {k: v for k, v in built.items() if k != "params"} == {
+            k: v for k, v in listed.items() if k != "params"
+        }

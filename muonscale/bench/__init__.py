@@ -219,15 +219,19 @@ def _run_bench(config: BenchConfig, make_run: Callable | None, stream: TextIO) -
 
 def _moe_section(config: BenchConfig, lrs: dict, per_seed: dict) -> dict:
     """report.json's ``moe``: the MoE table over seeds (:mod:`muonscale.bench.moe`), with how
-    each contender's optimizer, built as its runs build it, holds the experts."""
-    from muonscale.bench.moe import moe_seed_table, optimizer_facts
+    each contender's optimizer, built as its runs build it, holds the experts, and for a
+    ``muonscale.Muon`` contender the routers' measured share of its optimizer time."""
+    from muonscale.bench.moe import moe_seed_table, optimizer_facts, router_time_share
     from muonscale.bench.report import json_safe
-    from muonscale.bench.runner import make_run
+    from muonscale.bench.runner import make_run, muon_options_for
 
     facts = {}
     for name in config.contenders:
         run = make_run(config, name, lrs[name])
         facts[name] = optimizer_facts(run.model, run.optimizer)
+        options = muon_options_for(config, name, lrs[name], run.model)
+        if options is not None:
+            facts[name]["router_time_share"] = router_time_share(run.model, options)
         del run
     return json_safe(moe_seed_table(per_seed, config.timing_warmup_steps, facts))
 

@@ -5,9 +5,14 @@
   totals and step by step.
 - **How each optimizer holds the experts** (:func:`optimizer_facts`): a muonscale optimizer's
   matrix view of each expert weight (the expert view: E matrices, gate and up apart) and the
-  router's share of the Newton–Schulz FLOPs of its step (counted with
-  :func:`muonscale.flops.newton_schulz_flops` from the views' matrix shapes, not timed);
+  routers' share of the Newton–Schulz FLOPs of its step (counted with
+  :func:`muonscale.flops.newton_schulz_flops` from the views' matrix shapes);
   ``torch.optim.Muon``'s contender: what it leaves to its AdamW.
+- **The routers' share of Muon's optimizer time** (:func:`router_time_share`): the step of a
+  ``muonscale.Muon`` over the routers alone against one over all the Muon-routed parameters,
+  built with the contender's options on copies of the parameters with random gradients, timed
+  in alternation (medians). A router (E, D) is tiny, so per-call overhead, not FLOPs, sets its
+  time: its time share is larger than its FLOP share.
 - **The table over seeds** (:func:`moe_seed_table`, :func:`format_moe_table`).
 """
 
@@ -95,6 +100,85 @@ def optimizer_facts(model, optimizer) -> dict[str, Any]:
     }
 
 
+def _restricted(options: Mapping[str, Any], names: set[str]) -> dict[str, Any]:
+    """``options`` with ``splits`` and ``experts`` kept to the parameters in ``names``."""
+    out = dict(options)
+    for key in ("splits", "experts"):
+        if out.get(key):
+            out[key] = {n: v for n, v in out[key].items() if n in names}
+    return out
+
+
+def router_timing_optimizers(model, options: Mapping[str, Any]):
+    """(routers only, all Muon-routed): two ``muonscale.Muon`` built with ``options`` (the
+    contender's ``Muon`` keyword arguments) over copies of the parameters the contender's
+    optimizer sends to Muon, each copy with a random gradient; ``model`` is left untouched."""
+    import torch
+
+    from muonscale import Muon
+    from muonscale.experts import find_experts
+    from muonscale.train.optimizers import muon_params
+
+    # where the contender's optimizer sends each parameter (built on the model, never stepped)
+    routing = Muon(muon_params(model), **options)
+    muon = {n for g in routing.param_groups if g["algorithm"] == "muon" for n in g["param_names"]}
+    del routing
+    routers = set(find_experts(model).routers) & muon
+    if not routers:
+        raise ValueError("router_timing_optimizers: the model has no expert router routed to Muon")
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    copies = []
+    for name, p in model.named_parameters():
+        if name in muon:
+            copy = torch.nn.Parameter(p.detach().clone())
+            noise = torch.randn(p.shape, generator=generator, dtype=torch.float32)
+            copy.grad = noise.to(device=p.device, dtype=p.dtype)
+            copies.append((name, copy))
+
+    def build(names: set[str]):
+        return Muon([(n, p) for n, p in copies if n in names], **_restricted(options, names))
+
+    return build(routers), build(muon)
+
+
+def router_time_share(
+    model, options: Mapping[str, Any], *, repetitions: int = 15, budget_s: float = 1.5
+) -> dict[str, Any]:
+    """The routers' share of Muon's optimizer time: the median step time of the routers-only
+    optimizer over that of the all-Muon one (:func:`router_timing_optimizers`), the two
+    stepped in alternation after one warm-up step each, for ``repetitions`` pairs or until
+    ``budget_s`` seconds of pairs have run (at least 3 pairs)."""
+    import time
+
+    import torch
+
+    routers, everything = router_timing_optimizers(model, options)
+    device = next(p for g in everything.param_groups for p in g["params"]).device
+
+    def timed(optimizer) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    timed(routers), timed(everything)  # warm-up: the first step builds the state
+    router_s, all_s = [], []
+    began = time.perf_counter()
+    while len(all_s) < repetitions and (len(all_s) < 3 or time.perf_counter() - began < budget_s):
+        router_s.append(timed(routers))
+        all_s.append(timed(everything))
+    router, total = statistics.median(router_s), statistics.median(all_s)
+    return {
+        "share": router / total,
+        "repetitions": len(all_s),
+        "router_step_ms": 1e3 * router,
+        "muon_step_ms": 1e3 * total,
+    }
+
+
 def _interval(values: Sequence[float]) -> dict | None:
     finite = [v for v in values if v is not None and math.isfinite(v)]
     if not finite:
@@ -171,17 +255,26 @@ def load_text(load: Mapping | None) -> str:
     )
 
 
-def facts_lines(name: str, facts: Mapping, optimizer_ms: float | None) -> list[str]:
+def facts_lines(name: str, facts: Mapping, optimizer_ms: float | None = None) -> list[str]:
     """Markdown list lines: how contender ``name``'s optimizer holds the experts (``facts``:
-    :func:`optimizer_facts`) and the routers' share of its Newton–Schulz FLOPs (with
-    ``optimizer_ms``, its step's median time, that share of it)."""
+    :func:`optimizer_facts`, with ``router_time_share`` where it was measured) and the
+    routers' share of its optimizer time and of its Newton–Schulz FLOPs (without a measured
+    share, the FLOP share of ``optimizer_ms``, its step's median time)."""
     lines = []
     views = facts.get("expert_views")
     if views:
         shown = sorted({v["note"] for v in views.values()})
         lines.append(f"- {name}: expert weights in the expert view: {'; '.join(shown)}")
     share = facts.get("router_newton_schulz_flop_share")
-    if share is not None:
+    timed = facts.get("router_time_share")
+    if timed is not None:
+        flops = "" if share is None else f"; FLOP share {100 * share:.2g}%"
+        lines.append(
+            f"- {name}: router share of Muon's optimizer time: {100 * timed['share']:.2g}% "
+            f"(measured, {timed['repetitions']} repetitions: {timed['router_step_ms']:.3g} ms "
+            f"of {timed['muon_step_ms']:.3g} ms){flops}"
+        )
+    elif share is not None:
         scaled = "" if optimizer_ms is None else f", ≈ {share * optimizer_ms:.3g} ms of its step"
         lines.append(
             f"- {name}: the routers are {100 * share:.2g}% of its Newton–Schulz FLOPs "
@@ -199,7 +292,7 @@ def facts_lines(name: str, facts: Mapping, optimizer_ms: float | None) -> list[s
 
 def format_moe_table(table: Mapping) -> str:
     """Markdown: the MoE table (means ± 95% half-width over seeds), then per contender how its
-    optimizer held the experts and the router's FLOP share of the Newton–Schulz work."""
+    optimizer held the experts and the routers' share of its optimizer time and FLOPs."""
     header = (
         "| contender | seeds | steps to AdamW final | final val loss | tokens/s | optimizer ms "
         "| state MiB | expert load, run (min–max ×uniform) | per step |"

@@ -85,6 +85,22 @@ def train_config_for(
     )
 
 
+def muon_options_for(bench: BenchConfig, contender: str, lr: float, model) -> dict | None:
+    """The ``muonscale.Muon`` keyword arguments contender's run builds its optimizer with
+    (``model``: its model); None for a contender without a ``muonscale.Muon``."""
+    if base_optimizer(bench, contender) != "muon":
+        return None
+    from muonscale.train.optimizers import muon_options
+
+    options = muon_options(model, train_config_for(bench, contender, lr))
+    variant = bench.variant_options(contender)
+    if variant:
+        from muonscale.bench.variants import to_muon_kwargs
+
+        options.update(to_muon_kwargs(variant))
+    return options
+
+
 @functools.lru_cache(maxsize=1)
 def bundled_corpus_text(name: str) -> str:
     """The text of a bundled corpus (``muonscale/data/<name>.txt.xz``)."""

@@ -91,7 +91,6 @@ def build_variant_optimizer(model, config, options: Mapping[str, Any]):
     """``muonscale.Muon`` exactly as ``muonscale.train`` builds it for ``config`` (a
     ``TrainConfig`` with ``optimizer="muon"``), with ``options`` added."""
     from muonscale import Muon
-    from muonscale.train.optimizers import muon_options
+    from muonscale.train.optimizers import muon_options, muon_params
 
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return Muon(named, **{**muon_options(model, config), **to_muon_kwargs(options)})
+    return Muon(muon_params(model), **{**muon_options(model, config), **to_muon_kwargs(options)})

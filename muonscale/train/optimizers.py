@@ -2,10 +2,11 @@
 
 - ``adamw``: ``torch.optim.AdamW`` (fused when the device supports it); weight decay only on
   parameters with >= 2 dims.
-- ``muon``: ``muonscale.Muon`` over ``model.named_parameters()``; its routing sends embeddings,
-  the head, norms and biases to AdamW; fused QKV weights are split by ``model.qkv_layout``;
-  the expert layouts :func:`muonscale.experts.find_experts` reads from the model are handed
-  over (``experts=``), so MoE expert stacks get the expert view.
+- ``muon``: ``muonscale.Muon`` over the model itself (:func:`muon_params`); its routing sends
+  embeddings, the head, norms and biases to AdamW; fused QKV weights are split by
+  ``model.qkv_layout``; the expert layouts :func:`muonscale.experts.find_experts` reads from
+  the model are handed over (``experts=``), so MoE expert stacks get the expert view, and
+  ``summary()`` names them (and the routers) as for ``muonscale.Muon(model)``.
 - ``torch-muon``: ``torch.optim.Muon`` (``adjust_lr_fn="match_rms_adamw"``) for the 2-D hidden
   matrices chosen by :func:`muonscale.params.route` plus ``torch.optim.AdamW`` for the rest,
   wrapped in one :class:`HybridOptimizer` so the trainer and ``LambdaLR`` see one optimizer.
@@ -130,6 +131,16 @@ def muon_options(model: nn.Module, config) -> dict[str, Any]:
     )
 
 
+def muon_params(model: nn.Module) -> nn.Module | list[tuple[str, nn.Parameter]]:
+    """What the train path hands ``muonscale.Muon`` (and its distributed classes): the model
+    itself, so routing sees its embedding and expert modules and ``summary()`` labels expert
+    stacks and routers as for ``muonscale.Muon(model)`` (not "3-D hidden weight"); its
+    trainable ``named_parameters()`` where some parameters are frozen (the model would hand
+    those over too). The param groups are the same either way."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return model if len(named) == len(list(model.parameters())) else named
+
+
 def torch_muon_split(model: nn.Module) -> tuple[list[str], list[str]]:
     """(names ``torch.optim.Muon`` takes, names left to its AdamW): the trainable parameters
     :func:`muonscale.params.route` sends to Muon that are 2-D, and all others (embeddings,
@@ -167,7 +178,7 @@ def build_optimizer(name: str, model: nn.Module, config) -> torch.optim.Optimize
             raise RuntimeError(
                 f"optimizer 'muon' needs muonscale.optimizer.Muon: {error}"
             ) from error
-        return Muon(named, **muon_options(model, config))
+        return Muon(muon_params(model), **muon_options(model, config))
     if name == "torch-muon":
         muon_names, _ = torch_muon_split(model)
         hidden = [(n, p) for n, p in named if n in set(muon_names)]

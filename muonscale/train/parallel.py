@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from muonscale.distributed.comm import Communicator
-from muonscale.train.optimizers import adamw_for, muon_options
+from muonscale.train.optimizers import adamw_for, muon_options, muon_params
 
 __all__ = [
     "Parallelism",
@@ -245,7 +245,7 @@ class Parallelism:
             shard_fsdp(model, init_device_mesh(self.device.type, (self.world_size,)))
             if config.optimizer == "muon":
                 self.optimizer = distributed_muon(  # DTensor parameters: a DTensorMuon
-                    model.named_parameters(), **muon_options(model, config)
+                    muon_params(model), **muon_options(model, config)
                 )
             else:
                 self.optimizer = adamw_for(model, config, fused=False)
@@ -254,7 +254,7 @@ class Parallelism:
 
             # not wrapped in DDP: DistributedMuon reduces the gradients itself
             self.optimizer = DistributedMuon(
-                list(model.named_parameters()),
+                muon_params(model),
                 **muon_options(model, config),
                 defer_gather=config.defer_gather,  # landed by the model's forward pre-hooks
                 model=model,
