@@ -43,6 +43,7 @@ from ..experts import find_experts
 from ..optimizer import Muon
 from ..params import RouteDecision, route
 from ..qkv import QKVLayout
+from ..settings import PLAIN_MUON
 
 __all__ = [
     "OPTIMIZER_NAME",
@@ -233,6 +234,20 @@ class MuonScaleOptimizersContainer(OptimizersContainer):
 
             return factory
         return OptimizersContainer._resolve_optimizer_factory(name)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torchtitan's, reading a missing ``param_groups.<fqn>.state_precision`` as the
+        default: :meth:`Muon.state_dict` writes the key only where it is not the default, and
+        torchtitan looks up every key of each live group."""
+        state_dict = dict(state_dict)
+        for optimizer in self.optimizers:
+            if not isinstance(optimizer, Muon):
+                continue
+            for group in optimizer.param_groups:
+                for fqn in group.get("param_names", ())[:1]:  # torchtitan reads the first
+                    key = f"param_groups.{fqn}.state_precision"
+                    state_dict.setdefault(key, PLAIN_MUON.state_precision)
+        super().load_state_dict(state_dict)
 
     def _log_optimizer(
         self, optimizer: torch.optim.Optimizer, part_idx: int, patterns: list[str]
