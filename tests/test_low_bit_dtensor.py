@@ -6,17 +6,17 @@ weights and the full state (codes and scales gathered) equal single-process
 256-entry blocks (one of 7 rows: uneven shards), a 3-D stack of experts and an int8 AdamW
 table; the scales are DTensors sharded with the rows. DCP checkpoints resume 4 → 2 and 2 → 1
 bitwise, a floating DCP checkpoint loads into int8 state (converted, with the warning) and
-steps as one process does, and placements that cut rows are refused by name.
+steps as one process does, ``state_dict_in_precision("param")`` writes one process's floating
+state, and placements that cut rows are refused by name.
 """
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import pytest
 import torch
-from distributed_harness import shared_pool
+from distributed_harness import load_checkpoint, one_thread, save_checkpoint, shared_pool
 from torch import nn
 
 import muonscale
@@ -98,30 +98,21 @@ def _inject(model: nn.Module, opt, first: int, last: int) -> None:
         opt.step()
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """The ranks' one CPU thread (``distributed_harness``) in this process: a float32
-    matmul's bits may depend on the number of threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _full(t):
     from torch.distributed.tensor import DTensor
 
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
+def _gathered(state: dict) -> dict:
+    return {i: {k: _full(v) for k, v in e.items()} for i, e in state.items()}
+
+
 def _result(model: nn.Module, opt) -> dict:
     """Full weights, and the full state of ``state_dict()`` (codes and scales gathered)."""
-    state = opt.state_dict()["state"]
     return {
         "weights": {n: _full(p) for n, p in model.named_parameters()},
-        "state": {i: {k: _full(v) for k, v in e.items()} for i, e in state.items()},
+        "state": _gathered(opt.state_dict()["state"]),
     }
 
 
@@ -141,38 +132,29 @@ def _layout_of_scales(model: nn.Module, opt) -> dict[str, tuple]:
 
 def _uninterrupted(rank: int, world_size: int, path: str) -> dict:
     """The int8 run; its state saved through DCP at step ``SAVE_AT`` to ``path``."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     model, opt = _build(world_size)
     _inject(model, opt, 0, SAVE_AT)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    save_checkpoint(model, opt, path)
     _inject(model, opt, SAVE_AT, STEPS)
-    return dict(_result(model, opt), scales=_layout_of_scales(model, opt))
+    as_float = _gathered(opt.state_dict_in_precision("param")["state"])
+    return dict(_result(model, opt), scales=_layout_of_scales(model, opt), float=as_float)
 
 
 def _resumed(rank: int, world_size: int, path: str) -> dict:
     """A fresh model (other weights) and optimizer at ``world_size``, the DCP checkpoint at
     ``path`` loaded, the rest of the steps."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     model, opt = _build(world_size, seed=123)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    loaded = {"model": model_sd, "optim": optim_sd}
-    dcp.load(loaded, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
-    with _one_thread():
+    load_checkpoint(model, opt, path)
+    with one_thread():
         _inject(model, opt, SAVE_AT, STEPS)
     return _result(model, opt)
 
 
 def _single_process() -> dict:
     model, opt = _build(1)
-    with _one_thread():
+    with one_thread():
         _inject(model, opt, 0, STEPS)
-    return _result(model, opt)
+    return dict(_result(model, opt), float=opt.state_dict_in_precision("param")["state"])
 
 
 def _assert_equal(got: dict, want: dict, where) -> None:
@@ -207,6 +189,8 @@ def test_int8_state_under_fsdp2_equals_single_process_bitwise(runs, reference, w
     assert {torch.int8, torch.uint8} <= held  # the Muon momentum and AdamW's moments
     for rank, got in enumerate(runs[world_size][0]):
         _assert_equal(got, reference, (world_size, rank))
+        floating = {"weights": {}, "state": got["float"]}  # state_dict_in_precision("param")
+        _assert_equal(floating, {"weights": {}, "state": reference["float"]}, (world_size, rank))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -238,36 +222,24 @@ def test_int8_state_resumes_through_dcp_4_to_2_and_2_to_1_bitwise(runs, referenc
 
 
 def _save_floating(rank: int, world_size: int, path: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     model, opt = _build(world_size, precision="param")
     _inject(model, opt, 0, SAVE_AT)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    save_checkpoint(model, opt, path)
 
 
 def _floating_into_int8(rank: int, world_size: int, path: str) -> dict:
     """The floating checkpoint read by a floating optimizer of the model (DCP needs the
     checkpoint's keys), its state loaded into the int8 one (converted), one step."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     from muonscale.distributed import DTensorMuon
 
     model, reader = _build(world_size, seed=123, precision="param")
-    model_sd, optim_sd = get_state_dict(model, reader)
-    loaded = {"model": model_sd, "optim": optim_sd}
-    dcp.load(loaded, checkpoint_id=path)
-    set_state_dict(
-        model, reader, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
-    )
+    load_checkpoint(model, reader, path)
     opt = DTensorMuon(_groups(model), **OPTIONS)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         opt.load_state_dict(reader.state_dict())
     del reader
-    with _one_thread():
+    with one_thread():
         _inject(model, opt, SAVE_AT, STEPS)
     return dict(_result(model, opt), warnings=[str(w.message) for w in caught])
 
@@ -277,7 +249,7 @@ def test_floating_dcp_checkpoint_loads_into_int8_state_and_steps_as_one_process(
     quantized on each shard, the weights and state after a step those of one process that
     loads the floating state dict into int8 Muon."""
     model, opt = _build(1, precision="param")
-    with _one_thread():
+    with one_thread():
         _inject(model, opt, 0, SAVE_AT)
         converted = muonscale.Muon(_groups(model), **OPTIONS)
         with pytest.warns(UserWarning, match=r"state_precision differs.*'param' -> 'int8'"):
@@ -338,6 +310,6 @@ def test_one_process_without_a_group_equals_muon_bitwise(reference):
 
     model = Bag()
     opt = DTensorMuon(_groups(model), **OPTIONS)
-    with _one_thread():
+    with one_thread():
         _inject(model, opt, 0, STEPS)
     _assert_equal(_result(model, opt), reference, "one process")

@@ -24,6 +24,9 @@ momentum's local shards live in one stack per (param group, local shard shape, d
 :class:`muonscale.Muon` (:class:`~muonscale.optimizer_state.MomentumStacks`, rebuilt after a
 load): the momentum pass is one foreach per group, and the directions are written straight
 into the all-to-all's send buffer.
+With ``state_precision="int8"`` each rank quantizes its shard (:mod:`.dtensor_state`): the
+codes are DTensors with the parameter's placements, the scales DTensors with them on their
+rows, and a placement that cuts rows (and with them the 256-entry blocks) is refused.
 
 Gradient reduction is the framework's job: FSDP2 reduce-scatters (and all-reduces across an
 HSDP replicate axis), TP gradients come out of autograd complete. A gradient placed unlike its
