@@ -53,12 +53,13 @@ class Bag(nn.Module):
             self.register_parameter(name, nn.Parameter(torch.randn(shape, generator=g)))
 
 
-def _groups(model: nn.Module, precision: str = "int8") -> list[dict]:
+def _groups(model: nn.Module, precision: str = "int8", bias: str = "param") -> list[dict]:
+    """The Muon weights, the AdamW table and the bias in groups of these precisions."""
     named = dict(model.named_parameters())
     return [
         {"params": [(n, named[n]) for n in MUON], "state_precision": precision},
         {"params": [("table", named["table"])], "algorithm": "adamw", "state_precision": precision},
-        {"params": [("bias", named["bias"])], "algorithm": "adamw"},
+        {"params": [("bias", named["bias"])], "algorithm": "adamw", "state_precision": bias},
     ]
 
 
@@ -261,6 +262,43 @@ def test_floating_dcp_checkpoint_loads_into_int8_state_and_steps_as_one_process(
     for rank, got in enumerate(shared_pool(2).run(_floating_into_int8, path)):
         assert any("'param' -> 'int8'" in w for w in got["warnings"]), (rank, got["warnings"])
         _assert_equal(got, want, rank)
+
+
+TENSOR_PARALLEL = {"up": 0, "down": None, "experts": 0, "table": None, "bias": None}
+"""Dim each parameter is sharded on by tensor parallelism (colwise: 0), or None: replicated."""
+
+
+def _tensor_parallel(rank: int, world_size: int) -> dict:
+    """Every state int8 (the replicated bias too), parameters distributed as by TP's colwise
+    plan and replicas: each rank holds whole rows."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from muonscale.distributed import DTensorMuon
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = Bag()
+    for name, p in list(model.named_parameters()):
+        dim = TENSOR_PARALLEL[name]
+        placement = Replicate() if dim is None else Shard(dim)
+        whole = nn.Parameter(distribute_tensor(p.detach(), mesh, [placement]))
+        model.register_parameter(name, whole)
+    opt = DTensorMuon(_groups(model, bias="int8"), **OPTIONS)
+    _inject(model, opt, 0, STEPS)
+    return _result(model, opt)
+
+
+def test_int8_state_under_tensor_parallel_rows_and_replicas_equals_one_process_bitwise():
+    """TP's colwise Shard(0) and replicated parameters (a 1-D AdamW bias included) at 2
+    ranks: the weights and full state of one process."""
+    model = Bag()
+    opt = muonscale.Muon(_groups(model, bias="int8"), **OPTIONS)
+    with one_thread():
+        _inject(model, opt, 0, STEPS)
+    want = _result(model, opt)
+    assert want["state"][len(SHAPES) - 1]["exp_avg"].dtype == torch.uint8  # the bias: 8-bit
+    for rank, got in enumerate(shared_pool(2).run(_tensor_parallel)):
+        _assert_equal(got, want, ("tensor parallel", rank))
 
 
 def _refusals(rank: int, world_size: int) -> dict[str, str]:

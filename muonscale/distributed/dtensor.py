@@ -172,7 +172,7 @@ class DTensorMuon(Muon):
         """Fail fast on unsupported placements and meshes, and on int8 state whose rows a
         placement cuts (:func:`~.dtensor_state.check_whole_rows`)."""
         for group in self.param_groups:
-            quantized = group.get("state_precision", "param") != "param"
+            quantized = group.get("state_precision", "param") == "int8"
             for p in group["params"]:
                 self.matrix_layout(p)
                 if quantized and is_dtensor(p) and self.comm.active:
@@ -245,6 +245,14 @@ class DTensorMuon(Muon):
         self._check_layouts()
 
     # ---------------------------------------------------------------- state / checks
+    def _refuse_untested_precision(self, state_precision: str) -> None:
+        if state_precision not in ("param", "int8"):  # the shards are quantized as int8
+            raise ValueError(
+                f"DTensorMuon does not support state_precision={state_precision!r} yet "
+                "(tested: 'param' and 'int8')"
+            )
+        super()._refuse_untested_precision(state_precision)
+
     @classmethod
     def _accepts_quantized_state(cls) -> bool:
         """int8 state is quantized on each rank's shard of whole rows (Shard(0), Replicate);
@@ -372,19 +380,16 @@ class DTensorMuon(Muon):
         groups = list({id(g): g for _, g in entries}.values())
         local_grads = {id(p): local_tensor(grads[id(p)]) for p, _ in entries}
         momenta: dict[int, torch.Tensor] = {}
-        quantized: list[tuple[QuantizedMomentum, torch.Tensor]] = []
+        quantized: dict[int, QuantizedMomentum] = {}
         for group in groups:
             params = [p for p, g in entries if g is group]
             states = [self._init_state(p, group) for p in params]
-            if group.get("state_precision", "param") == "param":
+            if group.get("state_precision", "param") != "int8":
                 bufs = [local_tensor(b) for b in self._stacked_momentum(group, params, states)]
-            else:  # int8: read as float32, written back once the directions are out
-                stored = [
-                    local_quantized_momentum(s, self._matrix_view(p, group))
-                    for p, s in zip(params, states)
-                ]
-                bufs = [q.values() for q in stored]
-                quantized.extend(zip(stored, bufs))
+            else:  # read as float32 values, written back once the directions are out
+                for p, s in zip(params, states):
+                    quantized[id(p)] = local_quantized_momentum(s, self._matrix_view(p, group))
+                bufs = [quantized[id(p)].values() for p in params]
             functional.update_momentum_(
                 [local_grads[id(p)] for p in params], bufs, momentum=group["momentum"]
             )
@@ -394,6 +399,7 @@ class DTensorMuon(Muon):
         if self.approximate_per_shard:
             directions = {id(p): torch.empty_like(local_grads[id(p)]) for p, _ in entries}
             self._write_directions(entries, local_grads, momenta, directions)
+            self._store_quantized(entries, momenta, quantized)
             updates = self._per_shard_updates(entries, directions)
         else:
             updates = {}
@@ -409,6 +415,7 @@ class DTensorMuon(Muon):
                 device = local_grads[id(part[0][0])].device
                 packed, pieces = exchange.piece_buffer(wire_dtype, device)
                 self._write_unit_directions(part, units, pieces, local_grads, momenta)
+                self._store_quantized(part, momenta, quantized)
                 out = step_through_exchange(
                     exchange,
                     pieces,
@@ -423,8 +430,6 @@ class DTensorMuon(Muon):
                     updates[id(p)] = (
                         mine[0] if len(mine) == 1 else torch.cat([o.reshape(-1) for o in mine])
                     )
-        for stored, values in quantized:  # the new momentum, as one process quantizes it
-            stored.store_(values)
 
         # phase 3: weight decay and update on local shards, per group for its lr / λ, each
         # with the rule it is applied with (the same on every rank)
@@ -438,6 +443,16 @@ class DTensorMuon(Muon):
                 lr=float(group["lr"]),
                 weight_decay=group["weight_decay"],
             )
+
+    @staticmethod
+    def _store_quantized(
+        entries, momenta: dict[int, torch.Tensor], quantized: Mapping[int, QuantizedMomentum]
+    ) -> None:
+        """Quantize the new momentum of the int8 ``entries`` (their directions written), as
+        one process quantizes it, and drop its float32 values (before the exchange)."""
+        for p, _ in entries:
+            if id(p) in quantized:
+                quantized[id(p)].store_(momenta.pop(id(p)))
 
     @staticmethod
     def _write_directions(entries, grads, momenta, out: Mapping[int, torch.Tensor]) -> None:
