@@ -12,6 +12,7 @@ import torch
 
 from .declared_state import MOMENTUM, MOMENTUM_SCALE, MUON_STATE, check_loaded_state, kept_state
 from .distributed.dtensor_layout import local_tensor
+from .distributed.dtensor_state import convert_dtensor_state_
 from .distributed.setup_checks import is_dtensor
 from .kernels import elementwise_backend_from_environment
 from .matrices import MatrixView
@@ -433,8 +434,12 @@ def convert_state_precision_(
     precision: str,
 ) -> None:
     """The state ``entry`` of ``p`` (of ``group``) in ``precision``, in place: float → int8
-    quantized, int8 → float dequantized into ``p``'s dtype; as it is when it already is."""
-    if group["algorithm"] == "muon":
+    quantized, int8 → float dequantized into ``p``'s dtype; as it is when it already is. A
+    DTensor's state converts shard by shard (:mod:`muonscale.distributed.dtensor_state`)."""
+    if any(is_dtensor(v) for v in entry.values()):
+        muon = group["algorithm"] == "muon"
+        convert_dtensor_state_(entry, p, group, view(p, group) if muon else None, precision)
+    elif group["algorithm"] == "muon":
         _convert_momentum(entry, p, view(p, group), precision)
     elif precision == "int8" and not adamw_state_is_quantized(entry):
         quantize_adamw_state_(entry, p)

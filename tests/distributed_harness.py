@@ -18,6 +18,7 @@ always run ``gc.collect()``, a barrier (when healthy) and ``destroy_process_grou
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import gc
 import io
@@ -48,6 +49,41 @@ class RemoteError:
 
 class WorkerFailure(AssertionError):
     pass
+
+
+def save_checkpoint(model, opt, path: str) -> None:
+    """The model's and the optimizer's state through ``torch.distributed.checkpoint`` (the
+    ``get_state_dict`` form: keyed by parameter names)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+
+def load_checkpoint(model, opt, path: str) -> None:
+    """:func:`save_checkpoint`'s state at ``path`` loaded into ``model`` and ``opt`` (their
+    state dicts, of this process's layout, read from the checkpoint)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+@contextlib.contextmanager
+def one_thread():
+    """In this process, the ranks' one CPU thread (:func:`_worker_main`): a float32 matmul's
+    bits may depend on the number of threads, so a reference the ranks must equal bitwise is
+    computed as they compute."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def free_port() -> int:

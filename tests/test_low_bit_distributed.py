@@ -12,12 +12,11 @@ ranks, each bitwise against one process.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
 import torch
-from distributed_harness import shared_pool
+from distributed_harness import load_checkpoint, one_thread, save_checkpoint, shared_pool
 from test_experts_distributed import CONCATENATED, Concatenated
 from torch import nn
 
@@ -97,25 +96,13 @@ def _train_injected(model, opt, first: int, last: int) -> None:
         opt.step()
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """In this process, the ranks' one CPU thread (``distributed_harness``): a float32 matmul's
-    bits may depend on the number of threads, and the reference must be the ranks' process."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _weights(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _run(model_name: str, world_size: int) -> dict:
     model, opt = _build(model_name, world_size)
-    with _one_thread():
+    with one_thread():
         _train_injected(model, opt, 0, STEPS)
     as_float = opt.state_dict_in_precision("param")["state"]  # collective, as state_dict()
     return {
@@ -165,25 +152,15 @@ def test_int8_adamw_groups_are_refused_naming_the_fix():
 
 
 def _save_at(rank: int, world_size: int, model_name: str, path: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     model, opt = _build(model_name, world_size)
     _train_injected(model, opt, 0, SAVE_AT)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    save_checkpoint(model, opt, path)
 
 
 def _resume_at(rank: int, world_size: int, model_name: str, path: str) -> dict:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     model, opt = _build(model_name, world_size, seed=123)  # other weights: all come loaded
-    model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    with _one_thread():
+    load_checkpoint(model, opt, path)
+    with one_thread():
         _train_injected(model, opt, SAVE_AT, STEPS)
     return _weights(model)
 
@@ -197,7 +174,7 @@ def _resume_from(rank: int, world_size: int, path: str, precision: str) -> dict:
     assert held and {b.dtype for b in held} == {
         torch.int8 if precision == "int8" else torch.float32
     }
-    with _one_thread():
+    with one_thread():
         _train_injected(model, opt, SAVE_AT, STEPS)
     return _weights(model)
 
@@ -211,7 +188,7 @@ def test_plain_muon_state_dict_loads_at_2_ranks_bitwise(saved, loaded, tmp_path)
     floating state quantized, int8 state dequantized (as one process converts it): the
     weights of one process that loads the same state dict."""
     model, opt = _build("experts", 1, precision=saved)
-    with _one_thread():
+    with one_thread():
         _train_injected(model, opt, 0, SAVE_AT)
     path = str(tmp_path / "plain.pt")
     torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)

@@ -24,6 +24,9 @@ momentum's local shards live in one stack per (param group, local shard shape, d
 :class:`muonscale.Muon` (:class:`~muonscale.optimizer_state.MomentumStacks`, rebuilt after a
 load): the momentum pass is one foreach per group, and the directions are written straight
 into the all-to-all's send buffer.
+With ``state_precision="int8"`` each rank quantizes its shard (:mod:`.dtensor_state`): the
+codes are DTensors with the parameter's placements, the scales DTensors with them on their
+rows, and a placement that cuts rows (and with them the 256-entry blocks) is refused.
 
 Gradient reduction is the framework's job: FSDP2 reduce-scatters (and all-reduces across an
 HSDP replicate axis), TP gradients come out of autograd complete. A gradient placed unlike its
@@ -59,6 +62,7 @@ from ..group_step import adamw_group_step
 from ..newton_schulz import default_ns_dtype
 from ..optimizer import Muon
 from ..optimizer_state import parameter_states
+from ..quantized_state import MOMENTUM_SCALE_KEY, QuantizedMomentum
 from ..settings import MuonSettings
 from ..step_metrics import Reduction
 from .agreement import check_same_on_every_rank
@@ -72,8 +76,14 @@ from .dtensor_layout import (
     local_tensor,
     parameter_layout,
 )
+from .dtensor_state import (
+    check_whole_rows,
+    local_quantized_momentum,
+    state_block_shape,
+    zero_quantized_state,
+)
 from .exchange import PieceExchange, step_through_exchange
-from .setup_checks import check_process_group
+from .setup_checks import check_process_group, is_dtensor
 from .sharded import MatrixLayout, default_owners
 
 __all__ = ["DTensorMuon", "dtensor_layout", "local_indices", "local_tensor"]
@@ -156,9 +166,18 @@ class DTensorMuon(Muon):
             who="DTensorMuon",
             fields="algorithm, shape, dtype, matrices, options",
         )
-        for group in self.param_groups:  # fail fast on unsupported placements / meshes
+        self._check_layouts()
+
+    def _check_layouts(self) -> None:
+        """Fail fast on unsupported placements and meshes, and on int8 state whose rows a
+        placement cuts (:func:`~.dtensor_state.check_whole_rows`)."""
+        for group in self.param_groups:
+            quantized = group.get("state_precision", "param") == "int8"
             for p in group["params"]:
                 self.matrix_layout(p)
+                if quantized and is_dtensor(p) and self.comm.active:
+                    block = self._state_block_shape(p, group)
+                    check_whole_rows(self._name(p), p, block)
 
     def _routing_records(self) -> list[tuple[str, tuple]]:
         """Per parameter: its name and what this rank decided for it (routing, matrices,
@@ -223,11 +242,40 @@ class DTensorMuon(Muon):
         """New parameter objects: lay them out again (and fail fast on unsupported ones)."""
         self._layouts.clear()
         self._exchanges.clear()
-        for group in self.param_groups:
-            for p in group["params"]:
-                self.matrix_layout(p)
+        self._check_layouts()
 
     # ---------------------------------------------------------------- state / checks
+    def _refuse_untested_precision(self, state_precision: str) -> None:
+        if state_precision not in ("param", "int8"):  # the shards are quantized as int8
+            raise ValueError(
+                f"DTensorMuon does not support state_precision={state_precision!r} yet "
+                "(tested: 'param' and 'int8')"
+            )
+        super()._refuse_untested_precision(state_precision)
+
+    @classmethod
+    def _accepts_quantized_state(cls) -> bool:
+        """int8 state is quantized on each rank's shard of whole rows (Shard(0), Replicate);
+        a placement that cuts rows is refused at construction, naming the parameter."""
+        return cls is DTensorMuon
+
+    def _state_block_shape(self, p: torch.Tensor, group: Mapping[str, Any]) -> tuple[int, int]:
+        view = self._matrix_view(p, group) if group["algorithm"] == "muon" else None
+        return state_block_shape(p, group, view)
+
+    def _init_state(
+        self, p: torch.Tensor, group: Mapping[str, Any], settings: MuonSettings | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The base class's; the int8 state of a DTensor parameter laid out as its shards
+        (codes with its placements, scales with them on their rows)."""
+        state = self.state[p]
+        quantized = group.get("state_precision", "param") == "int8" and is_dtensor(p)
+        muon = group["algorithm"] == "muon"
+        if quantized and (MOMENTUM_SCALE_KEY not in state if muon else not state):
+            view = self._matrix_view(p, group) if muon else None
+            state.update(zero_quantized_state(p, group, view, self._name(p)))
+        return super()._init_state(p, group, settings)
+
     def optimizer_state_bytes(self) -> int:
         """Exact bytes of state tensors held by this rank (local shards)."""
         return sum(
@@ -309,14 +357,9 @@ class DTensorMuon(Muon):
         if not params:
             return
         states = [self._init_state(p, group) for p in params]
-        local_states = [  # the same step counters: AdamW increments them in place
-            {
-                **s,
-                "exp_avg": local_tensor(s["exp_avg"]),
-                "exp_avg_sq": local_tensor(s["exp_avg_sq"]),
-            }
-            for s in states
-        ]
+        # local shards of the moments (and of int8 codes and scales); the same step counters:
+        # AdamW increments them in place
+        local_states = [{k: local_tensor(v) for k, v in s.items()} for s in states]
         adamw_group_step(
             group,
             [local_tensor(p) for p in params],
@@ -337,10 +380,16 @@ class DTensorMuon(Muon):
         groups = list({id(g): g for _, g in entries}.values())
         local_grads = {id(p): local_tensor(grads[id(p)]) for p, _ in entries}
         momenta: dict[int, torch.Tensor] = {}
+        quantized: dict[int, QuantizedMomentum] = {}
         for group in groups:
             params = [p for p, g in entries if g is group]
             states = [self._init_state(p, group) for p in params]
-            bufs = [local_tensor(b) for b in self._stacked_momentum(group, params, states)]
+            if group.get("state_precision", "param") != "int8":
+                bufs = [local_tensor(b) for b in self._stacked_momentum(group, params, states)]
+            else:  # read as float32 values, written back once the directions are out
+                for p, s in zip(params, states):
+                    quantized[id(p)] = local_quantized_momentum(s, self._matrix_view(p, group))
+                bufs = [quantized[id(p)].values() for p in params]
             functional.update_momentum_(
                 [local_grads[id(p)] for p in params], bufs, momentum=group["momentum"]
             )
@@ -350,6 +399,7 @@ class DTensorMuon(Muon):
         if self.approximate_per_shard:
             directions = {id(p): torch.empty_like(local_grads[id(p)]) for p, _ in entries}
             self._write_directions(entries, local_grads, momenta, directions)
+            self._store_quantized(entries, momenta, quantized)
             updates = self._per_shard_updates(entries, directions)
         else:
             updates = {}
@@ -365,6 +415,7 @@ class DTensorMuon(Muon):
                 device = local_grads[id(part[0][0])].device
                 packed, pieces = exchange.piece_buffer(wire_dtype, device)
                 self._write_unit_directions(part, units, pieces, local_grads, momenta)
+                self._store_quantized(part, momenta, quantized)
                 out = step_through_exchange(
                     exchange,
                     pieces,
@@ -392,6 +443,16 @@ class DTensorMuon(Muon):
                 lr=float(group["lr"]),
                 weight_decay=group["weight_decay"],
             )
+
+    @staticmethod
+    def _store_quantized(
+        entries, momenta: dict[int, torch.Tensor], quantized: Mapping[int, QuantizedMomentum]
+    ) -> None:
+        """Quantize the new momentum of the int8 ``entries`` (their directions written), as
+        one process quantizes it, and drop its float32 values (before the exchange)."""
+        for p, _ in entries:
+            if id(p) in quantized:
+                quantized[id(p)].store_(momenta.pop(id(p)))
 
     @staticmethod
     def _write_directions(entries, grads, momenta, out: Mapping[int, torch.Tensor]) -> None:

@@ -32,6 +32,7 @@ __all__ = [
     "check_mesh_spans_group",
     "check_placement",
     "dtensor_layout",
+    "held_indices",
     "local_indices",
     "local_tensor",
     "parameter_layout",
@@ -61,13 +62,20 @@ def local_indices(t: DTensor, dim: int = 0) -> torch.Tensor:
     """Global indices along ``dim`` of the elements this rank's shard of ``t`` holds, in
     order (Shard / FSDP2's _StridedShard on ``dim`` select; Replicate and other dims keep all).
     Raises ``ValueError`` for a Partial placement (unreduced values)."""
-    idx = torch.arange(t.shape[dim])
-    coord = t.device_mesh.get_coordinate()
-    for mesh_dim, placement in enumerate(t.placements):
+    for placement in t.placements:
         check_placement("local_indices", placement, t.ndim)
+    return held_indices(t.shape[dim], dim, t.device_mesh, t.placements)
+
+
+def held_indices(size: int, dim: int, mesh: Any, placements: Sequence[Any]) -> torch.Tensor:
+    """Global indices along ``dim`` (of ``size`` elements) that this rank holds of a tensor
+    with ``placements`` on ``mesh`` (checked placements: Shard, _StridedShard, Replicate)."""
+    idx = torch.arange(size)
+    coord = mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(placements):
         if isinstance(placement, Replicate) or placement.dim != dim:
             continue
-        chunks, index = t.device_mesh.size(mesh_dim), coord[mesh_dim]
+        chunks, index = mesh.size(mesh_dim), coord[mesh_dim]
         if _StridedShard is not None and isinstance(placement, _StridedShard):
             idx = _strided_select(idx, chunks, index, int(placement.split_factor))
         else:
