@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from . import functional
+from .block_quantization import CPU_PIECE_ENTRIES
 from .capturable import device_lr, step_lr
 from .declared_state import replicated_state
 from .kernels import ElementwiseBackend
@@ -131,6 +132,20 @@ def adamw_group_step(
     )
 
 
+def quantized_adamw_rows(rows: int, cols: int, p: torch.Tensor, budget: int | None) -> int:
+    """Rows of ``p``'s (rows, cols) block matrix stepped at once by
+    :func:`_quantized_adamw_step`: as many as ``budget`` allows for their transients (per
+    entry: two float32 moments, AdamW's denominator, and a quantization's quotient, int32
+    index and codes: 28 bytes), and on CPU at most :data:`CPU_PIECE_ENTRIES` entries, so
+    that the moments are decoded, stepped and encoded while in cache."""
+    if budget is None or not p.is_contiguous():
+        return rows
+    step_rows = budget // (max(cols, 1) * 28)
+    if p.device.type == "cpu":
+        step_rows = min(step_rows, CPU_PIECE_ENTRIES // max(cols, 1))
+    return max(step_rows, 1)
+
+
 def _quantized_adamw_step(
     group: Mapping[str, Any],
     params: list[torch.Tensor],
@@ -154,14 +169,10 @@ def _quantized_adamw_step(
                 "them in a param group with state_precision='param'"
             )
         rows, cols = adamw_block_shape(p)
-        budget = chunk_bytes_for(max_chunk_bytes, p.device)
-        # per entry: two float32 moments, AdamW's denominator, and a quantization's quotient,
-        # int32 index and float32 table values
-        per_row = max(cols, 1) * 28
-        step_rows = rows if budget is None or not p.is_contiguous() else budget // per_row
+        step_rows = quantized_adamw_rows(rows, cols, p, chunk_bytes_for(max_chunk_bytes, p.device))
         counter = s["step"]
-        for start in range(0, rows, max(step_rows, 1)):
-            part = slice(start, min(rows, start + max(step_rows, 1)))
+        for start in range(0, rows, step_rows):
+            part = slice(start, min(rows, start + step_rows))
             moments = adamw_moment_values(s, p, part)
             whole = part.stop - part.start == rows
             param = p if whole else p.view(rows, cols)[part]  # whole: any strides
