@@ -51,7 +51,7 @@ def scale_shape(rows: int, cols: int, block_size: int = BLOCK_SIZE) -> tuple[int
     return rows, -(-cols // block_size)
 
 
-CPU_PIECE_ENTRIES = 2**18
+CPU_PIECE_ENTRIES = 2**19
 """On CPU the formats work through a matrix this many entries (whole rows) at a time: their
 temporaries stay in cache and in the allocator's pool instead of being mapped afresh (page
 faults) for every operation. Rows are independent, so the result is the same."""

@@ -15,11 +15,12 @@ from .capturable import device_lr, step_lr
 from .declared_state import replicated_state
 from .kernels import ElementwiseBackend
 from .matrices import MatrixView
-from .memory import UNCHUNKED, ChunkBytes, MemoryBudget, chunk_bytes_for
+from .memory import UNCHUNKED, ChunkBytes, MemoryBudget
 from .quantized_state import (
     adamw_block_shape,
     adamw_moment_values,
     quantized_momentum,
+    quantized_state_budget,
     store_adamw_moments_,
 )
 from .settings import MuonSettings
@@ -55,6 +56,7 @@ def muon_group_step(
     options), with their ``states``, momentum ``buffers`` and matrix ``views``. ``step_ok``:
     a capturable step's device flag (False: a no-op)."""
     if settings.state_precision != "param":  # read and written once, by functional.muon
+        memory = quantized_state_budget(memory, params[0].device)
         buffers = [quantized_momentum(s, view) for s, view in zip(states, views)]
         if step_ok is not None:  # the stored bits stay unless the step counts
             grads = [torch.where(step_ok, g, 0) for g in grads]
@@ -169,7 +171,8 @@ def _quantized_adamw_step(
                 "them in a param group with state_precision='param'"
             )
         rows, cols = adamw_block_shape(p)
-        step_rows = quantized_adamw_rows(rows, cols, p, chunk_bytes_for(max_chunk_bytes, p.device))
+        budget = quantized_state_budget(MemoryBudget(max_chunk_bytes), p.device)
+        step_rows = quantized_adamw_rows(rows, cols, p, budget.update_chunk_bytes)
         counter = s["step"]
         for start in range(0, rows, step_rows):
             part = slice(start, min(rows, start + step_rows))
