@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -213,15 +214,42 @@ def _quantize_dynamic_piece(
         _blocks(codes, start, stop, count).copy_(_nearest_dynamic_code(normalized, signed))
 
 
+@functools.cache
+def _dynamic_pair_table(signed: bool) -> torch.Tensor:
+    """65536 int64 entries, entry c₀ + 256 c₁ holding the float32 values of codes c₀ and c₁
+    in memory order (little-endian): two adjacent codes read as one uint16 look up both."""
+    table = _dynamic_table(signed)
+    codes = torch.arange(2**16)
+    pairs = torch.stack([table[codes % 256], table[codes // 256]], dim=1)  # (65536, 2)
+    return pairs.view(torch.int64).view(-1)
+
+
+def _dynamic_values(codes: torch.Tensor, signed: bool) -> torch.Tensor:
+    """table[q] of the (rows, cols) ``codes``, float32, contiguous. On CPU, where a look-up
+    runs on one thread, two adjacent codes are looked up at once
+    (:func:`_dynamic_pair_table`) when the codes can be read as uint16."""
+    flat = codes.reshape(-1)
+    if (
+        codes.device.type == "cpu"
+        and sys.byteorder == "little"
+        and flat.numel() % 2 == 0
+        and flat.storage_offset() % 2 == 0
+    ):
+        pairs = flat.view(torch.uint16).to(torch.int32)
+        values = _dynamic_pair_table(signed).index_select(0, pairs).view(torch.float32)
+    else:
+        values = dynamic_table(signed, codes.device).index_select(0, flat.int())
+    return values.view(codes.shape)
+
+
 def _dequantize_dynamic_piece(
     codes: torch.Tensor, absmax: torch.Tensor, *, signed: bool, block_size: int, out: torch.Tensor
 ) -> None:
-    table = dynamic_table(signed, codes.device)
+    values = _dynamic_values(codes, signed)
     for start, stop, first, count in _segments(codes.shape[1], block_size):
         target = _blocks(out, start, stop, count)
-        index = _blocks(codes, start, stop, count).reshape(-1).int()
-        values = table.index_select(0, index).view(target.shape)
-        torch.mul(values, absmax[:, first : first + count, None], out=target)
+        part = _blocks(values, start, stop, count)
+        torch.mul(part, absmax[:, first : first + count, None], out=target)
 
 
 def quantize_linear_(

@@ -152,3 +152,27 @@ def test_dynamic_codes_are_nearest_on_a_dense_grid(signed):
     chosen = distance.gather(-1, codes.long()[..., None]).squeeze(-1)
     # a point within float32 rounding (relative 1e-6 of it) of a midpoint may take either side
     assert (chosen <= distance.min(dim=-1).values + 1e-6 * x.double().abs()).all()
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_dynamic_codes_are_the_float64_nearest_exactly(signed):
+    """For float32 entries, the code's float64 distance is the smallest one, with no
+    tolerance: entries next to a midpoint (its float32 neighbours on both sides) take the
+    side the float64 midpoint puts them on."""
+    table = torch.tensor(dynamic_values(signed), dtype=torch.float64)
+    mids = ((table[1:] + table[:-1]) / 2).float()
+    g = torch.Generator().manual_seed(2)
+    spread = torch.rand(4000, generator=g) * 10.0 ** torch.randint(-8, 1, (4000,), generator=g)
+    points = torch.cat([mids, mids.nextafter(torch.tensor(2.0)), mids.nextafter(-mids), spread])
+    points = torch.cat([points, -points] if signed else [points]).clamp(-1, 1)
+    cols = BLOCK_SIZE - 1  # each row: 1.0 first (the block's absmax), then 255 points
+    rows = -(-points.numel() // cols)
+    padded = torch.zeros(rows * cols)
+    padded[: points.numel()] = points
+    x = torch.cat([torch.ones(rows, 1), padded.view(rows, cols)], dim=1)
+    codes = torch.empty(x.shape, dtype=torch.uint8)
+    absmax = torch.empty(scale_shape(*x.shape))
+    quantize_dynamic_(x, codes, absmax, signed=signed)
+    distance = (x.double()[..., None] - table).abs()
+    chosen = distance.gather(-1, codes.long()[..., None]).squeeze(-1)
+    assert torch.equal(chosen, distance.min(dim=-1).values)
