@@ -165,14 +165,12 @@ def test_dynamic_codes_are_the_float64_nearest_exactly(signed):
     spread = torch.rand(4000, generator=g) * 10.0 ** torch.randint(-8, 1, (4000,), generator=g)
     points = torch.cat([mids, mids.nextafter(torch.tensor(2.0)), mids.nextafter(-mids), spread])
     points = torch.cat([points, -points] if signed else [points]).clamp(-1, 1)
-    cols = BLOCK_SIZE - 1  # each row: 1.0 first (the block's absmax), then 255 points
-    rows = -(-points.numel() // cols)
-    padded = torch.zeros(rows * cols)
-    padded[: points.numel()] = points
-    x = torch.cat([torch.ones(rows, 1), padded.view(rows, cols)], dim=1)
-    codes = torch.empty(x.shape, dtype=torch.uint8)
-    absmax = torch.empty(scale_shape(*x.shape))
+    # rows of one block: 1.0 first (the block's absmax, so x / absmax = x), then the points
+    blocks = torch.nn.functional.pad(points, (0, -points.numel() % (BLOCK_SIZE - 1)))
+    x = torch.nn.functional.pad(blocks.view(-1, BLOCK_SIZE - 1), (1, 0), value=1.0)
+    codes, absmax = torch.empty_like(x, dtype=torch.uint8), torch.empty(x.shape[0], 1)
     quantize_dynamic_(x, codes, absmax, signed=signed)
+    assert torch.equal(absmax, torch.ones_like(absmax))
     distance = (x.double()[..., None] - table).abs()
     chosen = distance.gather(-1, codes.long()[..., None]).squeeze(-1)
     assert torch.equal(chosen, distance.min(dim=-1).values)
