@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -51,7 +52,7 @@ def scale_shape(rows: int, cols: int, block_size: int = BLOCK_SIZE) -> tuple[int
     return rows, -(-cols // block_size)
 
 
-CPU_PIECE_ENTRIES = 2**18
+CPU_PIECE_ENTRIES = 2**19
 """On CPU the formats work through a matrix this many entries (whole rows) at a time: their
 temporaries stay in cache and in the allocator's pool instead of being mapped afresh (page
 faults) for every operation. Rows are independent, so the result is the same."""
@@ -143,27 +144,64 @@ def dynamic_table(signed: bool, device: torch.device) -> torch.Tensor:
     return table if table.device == device else table.to(device)
 
 
+BUCKET_SHIFT = 16
+"""A float32 magnitude's bucket is its bits above the lowest 16 (exponent and 7 mantissa bits):
+every bucket below 1 holds at most one midpoint between neighbouring table values (their gaps
+are wider than a bucket; :func:`_dynamic_code_buckets` checks it)."""
+
+
+@functools.cache
+def _dynamic_code_buckets(signed: bool) -> torch.Tensor:
+    """Per bucket h of a float32 magnitude m ≤ 1 (its bits above the lowest
+    :data:`BUCKET_SHIFT`), the int32 r[h] with ``(r[h] + bits(m)) >> 16`` = the code of m:
+    r[h] = (c + 1) · 2¹⁶ − 1 − t − h · 2¹⁶, where c is the code of the bucket's smallest value
+    (the magnitude's index; the signed format's positive half: + 128) and t the low 16 bits
+    of the midpoint inside the bucket, where there is one (c · 2¹⁶ − h · 2¹⁶ otherwise). The
+    midpoints are the float64 ones rounded down to float32, so a float32 m passes one exactly
+    when it passes the float64 midpoint: the code is the float64 reference's nearest value (a
+    tie: the smaller magnitude)."""
+    values = torch.tensor(dynamic_values(signed), dtype=torch.float64)
+    magnitudes = values[values >= 0].unique()  # ascending; the signed format's zeros once
+    exact = (magnitudes[1:] + magnitudes[:-1]) / 2
+    mids = exact.float()
+    mids = torch.where(mids.double() > exact, mids.nextafter(torch.tensor(0.0)), mids)
+    buckets = torch.arange(2 ** (31 - BUCKET_SHIFT), dtype=torch.int32)
+    low = (buckets << BUCKET_SHIFT).view(torch.float32)
+    high = ((buckets << BUCKET_SHIFT) | (2**BUCKET_SHIFT - 1)).view(torch.float32)
+    finite = low.isfinite()  # the infinity and NaN buckets: the largest code
+    low, high = torch.where(finite, low, 2.0), torch.where(finite, high, 2.0)
+    below = torch.searchsorted(mids, low)  # midpoints < the bucket's smallest value
+    inside = torch.searchsorted(mids, high) - below  # midpoints in [low, high)
+    if inside[high <= 1].max() > 1:
+        raise AssertionError("a bucket holds two midpoints: shorten BUCKET_SHIFT")
+    midpoint_low = mids[below.clamp(max=mids.numel() - 1)].view(torch.int32)
+    midpoint_low = midpoint_low & (2**BUCKET_SHIFT - 1)
+    r = (below + (128 if signed else 0) - buckets) << BUCKET_SHIFT
+    r = torch.where(inside == 1, r + 2**BUCKET_SHIFT - 1 - midpoint_low, r)
+    return r.int()
+
+
 def _nearest_dynamic_code(normalized: torch.Tensor, signed: bool) -> torch.Tensor:
     """Index into :func:`dynamic_table` of the value nearest to each entry of ``normalized``
-    (in [−1, 1]), computed from the format's structure instead of a search: the decade
-    e = ⌊−log₁₀|x|⌋ and the fraction k = round((|x| 10ᵉ − 0.1) / 0.9 · 2ᶠ − 1). Decade e's
-    grid extended to k = −1 lands on the largest value of decade e + 1, so rounding within
-    the decade is rounding to the nearest value of the table; below half the smallest value
-    is 0. Returns int32."""
-    bits = 7 if signed else 8
-    last = bits - 1  # the decade with no fraction bits: one value, 10⁻ˡᵃˢᵗ
-    magnitude = normalized.abs()
-    decade = torch.log10(magnitude).neg_().floor_().clamp_(0, last)
-    levels = torch.exp2(last - decade)
-    k = magnitude * torch.pow(10.0, decade)
-    k = k.sub_(0.1).div_(0.9).mul_(levels).sub_(1).round_().clamp_(min=-1)
-    index = torch.minimum(k, levels - 1).add_(levels)  # magnitudes ascending, 0 at index 0
-    smallest = magnitude >= 0.5 * 10.0**-last
-    index = torch.where(decade >= last, smallest.float(), index).int()
-    if not signed:
-        return index
-    half = len(dynamic_values(True)) // 2  # 127 negatives, two zeros, 127 positives
-    return torch.where(normalized < 0, (half - 1) - index, half + index)
+    (float32, in [−1, 1]), from its bits b: one look-up per entry by the magnitude's bucket h
+    (:func:`_dynamic_code_buckets`), then (r[h] + b) >> 16, integer arithmetic. A signed
+    entry's sign reflects the code: for the magnitude code c (128..255), c for x ≥ 0 and
+    255 − c (the complement in 8 bits) for x < 0; 0 is code 128, −0 code 127, both the value
+    0. For x < 0, b carries the sign bit −2³¹, which moves the shifted sum by −2¹⁵ ≡ 0 modulo
+    256. Returns int32 codes, right modulo 256 (the uint8 store keeps those bits)."""
+    bits = normalized.contiguous().view(torch.int32)
+    buckets = _dynamic_code_buckets(signed)
+    if buckets.device != bits.device:
+        buckets = buckets.to(bits.device)
+    bucket = bits >> BUCKET_SHIFT
+    bucket &= 2 ** (31 - BUCKET_SHIFT) - 1  # the magnitude's bucket: no sign bit
+    code = buckets.index_select(0, bucket.view(-1)).view(bits.shape)
+    del bucket
+    code += bits
+    code >>= BUCKET_SHIFT
+    if signed:
+        code ^= bits >> 31  # all ones for x < 0: the complement
+    return code
 
 
 def _quantize_dynamic_piece(
@@ -176,15 +214,42 @@ def _quantize_dynamic_piece(
         _blocks(codes, start, stop, count).copy_(_nearest_dynamic_code(normalized, signed))
 
 
+@functools.cache
+def _dynamic_pair_table(signed: bool) -> torch.Tensor:
+    """65536 int64 entries, entry c₀ + 256 c₁ holding the float32 values of codes c₀ and c₁
+    in memory order (little-endian): two adjacent codes read as one uint16 look up both."""
+    table = _dynamic_table(signed)
+    codes = torch.arange(2**16)
+    pairs = torch.stack([table[codes % 256], table[codes // 256]], dim=1)  # (65536, 2)
+    return pairs.view(torch.int64).view(-1)
+
+
+def _dynamic_values(codes: torch.Tensor, signed: bool) -> torch.Tensor:
+    """table[q] of the (rows, cols) ``codes``, float32, contiguous. On CPU, where a look-up
+    runs on one thread, two adjacent codes are looked up at once
+    (:func:`_dynamic_pair_table`) when the codes can be read as uint16."""
+    flat = codes.reshape(-1)
+    if (
+        codes.device.type == "cpu"
+        and sys.byteorder == "little"
+        and flat.numel() % 2 == 0
+        and flat.storage_offset() % 2 == 0
+    ):
+        pairs = flat.view(torch.uint16).to(torch.int32)
+        values = _dynamic_pair_table(signed).index_select(0, pairs).view(torch.float32)
+    else:
+        values = dynamic_table(signed, codes.device).index_select(0, flat.int())
+    return values.view(codes.shape)
+
+
 def _dequantize_dynamic_piece(
     codes: torch.Tensor, absmax: torch.Tensor, *, signed: bool, block_size: int, out: torch.Tensor
 ) -> None:
-    table = dynamic_table(signed, codes.device)
+    values = _dynamic_values(codes, signed)
     for start, stop, first, count in _segments(codes.shape[1], block_size):
         target = _blocks(out, start, stop, count)
-        index = _blocks(codes, start, stop, count).reshape(-1).int()
-        values = table.index_select(0, index).view(target.shape)
-        torch.mul(values, absmax[:, first : first + count, None], out=target)
+        part = _blocks(values, start, stop, count)
+        torch.mul(part, absmax[:, first : first + count, None], out=target)
 
 
 def quantize_linear_(

@@ -10,15 +10,17 @@ from typing import Any
 import torch
 
 from . import functional
+from .block_quantization import CPU_PIECE_ENTRIES
 from .capturable import device_lr, step_lr
 from .declared_state import replicated_state
 from .kernels import ElementwiseBackend
 from .matrices import MatrixView
-from .memory import UNCHUNKED, ChunkBytes, MemoryBudget, chunk_bytes_for
+from .memory import UNCHUNKED, ChunkBytes, MemoryBudget
 from .quantized_state import (
     adamw_block_shape,
     adamw_moment_values,
     quantized_momentum,
+    quantized_state_budget,
     store_adamw_moments_,
 )
 from .settings import MuonSettings
@@ -54,6 +56,7 @@ def muon_group_step(
     options), with their ``states``, momentum ``buffers`` and matrix ``views``. ``step_ok``:
     a capturable step's device flag (False: a no-op)."""
     if settings.state_precision != "param":  # read and written once, by functional.muon
+        memory = quantized_state_budget(memory, params[0].device)
         buffers = [quantized_momentum(s, view) for s, view in zip(states, views)]
         if step_ok is not None:  # the stored bits stay unless the step counts
             grads = [torch.where(step_ok, g, 0) for g in grads]
@@ -131,6 +134,20 @@ def adamw_group_step(
     )
 
 
+def quantized_adamw_rows(rows: int, cols: int, p: torch.Tensor, budget: int | None) -> int:
+    """Rows of ``p``'s (rows, cols) block matrix stepped at once by
+    :func:`_quantized_adamw_step`: as many as ``budget`` allows for their transients (per
+    entry: two float32 moments, AdamW's denominator, and a quantization's quotient, int32
+    index and codes: 28 bytes), and on CPU at most :data:`CPU_PIECE_ENTRIES` entries, so
+    that the moments are decoded, stepped and encoded while in cache."""
+    if budget is None or not p.is_contiguous():
+        return rows
+    step_rows = budget // (max(cols, 1) * 28)
+    if p.device.type == "cpu":
+        step_rows = min(step_rows, CPU_PIECE_ENTRIES // max(cols, 1))
+    return max(step_rows, 1)
+
+
 def _quantized_adamw_step(
     group: Mapping[str, Any],
     params: list[torch.Tensor],
@@ -154,14 +171,11 @@ def _quantized_adamw_step(
                 "them in a param group with state_precision='param'"
             )
         rows, cols = adamw_block_shape(p)
-        budget = chunk_bytes_for(max_chunk_bytes, p.device)
-        # per entry: two float32 moments, AdamW's denominator, and a quantization's quotient,
-        # int32 index and float32 table values
-        per_row = max(cols, 1) * 28
-        step_rows = rows if budget is None or not p.is_contiguous() else budget // per_row
+        budget = quantized_state_budget(MemoryBudget(max_chunk_bytes), p.device)
+        step_rows = quantized_adamw_rows(rows, cols, p, budget.update_chunk_bytes)
         counter = s["step"]
-        for start in range(0, rows, max(step_rows, 1)):
-            part = slice(start, min(rows, start + max(step_rows, 1)))
+        for start in range(0, rows, step_rows):
+            part = slice(start, min(rows, start + step_rows))
             moments = adamw_moment_values(s, p, part)
             whole = part.stop - part.start == rows
             param = p if whole else p.view(rows, cols)[part]  # whole: any strides

@@ -26,10 +26,35 @@ from .block_quantization import (
     quantize_linear_,
     scale_shape,
 )
+from .memory import (
+    DEFAULT_NS_WORKSPACE_BYTES,
+    PER_DEVICE,
+    MemoryBudget,
+    chunk_bytes_for,
+)
 
 MOMENTUM_KEY, MOMENTUM_SCALE_KEY = "momentum_buffer", "momentum_scale"
 ADAMW_MOMENTS = (("exp_avg", "exp_avg_absmax", True), ("exp_avg_sq", "exp_avg_sq_absmax", False))
 """AdamW's moments: (codes key, absmax key, signed)."""
+
+
+QUANTIZED_BUDGET_DIVISOR = 4
+"""The default memory bounds of a step with 8-bit state are those of floating state divided by
+this: a stored entry takes 1 byte instead of 4 (float32), so the step's transients keep the
+same proportion to the state (*Low-bit state* in the docs)."""
+
+
+def quantized_state_budget(memory: MemoryBudget, device: torch.device) -> MemoryBudget:
+    """``memory`` for a step of 8-bit state on ``device``: each bound left at its default
+    (``MUONSCALE_UPDATE_CHUNK_MB`` and ``MUONSCALE_NS_WORKSPACE_MB`` not set) divided by
+    :data:`QUANTIZED_BUDGET_DIVISOR`; a bound set otherwise is kept."""
+    chunk = memory.update_chunk_bytes
+    if chunk == PER_DEVICE:
+        chunk = chunk_bytes_for(PER_DEVICE, device) // QUANTIZED_BUDGET_DIVISOR
+    workspace = memory.ns_workspace_bytes
+    if workspace == DEFAULT_NS_WORKSPACE_BYTES:
+        workspace //= QUANTIZED_BUDGET_DIVISOR
+    return MemoryBudget(update_chunk_bytes=chunk, ns_workspace_bytes=workspace)
 
 
 def momentum_block_shape(view: Any) -> tuple[int, int]:

@@ -152,3 +152,25 @@ def test_dynamic_codes_are_nearest_on_a_dense_grid(signed):
     chosen = distance.gather(-1, codes.long()[..., None]).squeeze(-1)
     # a point within float32 rounding (relative 1e-6 of it) of a midpoint may take either side
     assert (chosen <= distance.min(dim=-1).values + 1e-6 * x.double().abs()).all()
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_dynamic_codes_are_the_float64_nearest_exactly(signed):
+    """For float32 entries, the code's float64 distance is the smallest one, with no
+    tolerance: entries next to a midpoint (its float32 neighbours on both sides) take the
+    side the float64 midpoint puts them on."""
+    table = torch.tensor(dynamic_values(signed), dtype=torch.float64)
+    mids = ((table[1:] + table[:-1]) / 2).float()
+    g = torch.Generator().manual_seed(2)
+    spread = torch.rand(4000, generator=g) * 10.0 ** torch.randint(-8, 1, (4000,), generator=g)
+    points = torch.cat([mids, mids.nextafter(torch.tensor(2.0)), mids.nextafter(-mids), spread])
+    points = torch.cat([points, -points] if signed else [points]).clamp(-1, 1)
+    # rows of one block: 1.0 first (the block's absmax, so x / absmax = x), then the points
+    blocks = torch.nn.functional.pad(points, (0, -points.numel() % (BLOCK_SIZE - 1)))
+    x = torch.nn.functional.pad(blocks.view(-1, BLOCK_SIZE - 1), (1, 0), value=1.0)
+    codes, absmax = torch.empty_like(x, dtype=torch.uint8), torch.empty(x.shape[0], 1)
+    quantize_dynamic_(x, codes, absmax, signed=signed)
+    assert torch.equal(absmax, torch.ones_like(absmax))
+    distance = (x.double()[..., None] - table).abs()
+    chosen = distance.gather(-1, codes.long()[..., None]).squeeze(-1)
+    assert torch.equal(chosen, distance.min(dim=-1).values)

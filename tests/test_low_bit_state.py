@@ -347,6 +347,39 @@ def test_int8_state_in_small_chunks_equals_one_chunk():
     assert all(float(s["step"]) == 2 for s in opt_b.state.values() if "step" in s)
 
 
+def test_int8_state_default_bounds_are_a_quarter_of_floating_state(monkeypatch):
+    """With 8-bit state, the update chunk and Newton–Schulz workspace bounds left at their
+    defaults are divided by 4 (1 stored byte per entry instead of 4); bounds set otherwise
+    are kept. The step passes them to the update."""
+    from muonscale import functional
+    from muonscale.memory import DEFAULT_NS_WORKSPACE_BYTES, MemoryBudget, chunk_bytes_for
+    from muonscale.quantized_state import quantized_state_budget
+
+    cpu = torch.device("cpu")
+    quarter = quantized_state_budget(MemoryBudget(), cpu)
+    assert quarter.update_chunk_bytes == chunk_bytes_for("per_device", cpu) // 4
+    assert quarter.ns_workspace_bytes == DEFAULT_NS_WORKSPACE_BYTES // 4
+    chosen = MemoryBudget(update_chunk_bytes=4096, ns_workspace_bytes=2**20)
+    assert quantized_state_budget(chosen, cpu) == chosen
+    seen = []
+    real = functional.muon
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["max_chunk_bytes"], kwargs["max_workspace_bytes"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(functional, "muon", spy)
+    for precision in ("param", "int8"):
+        model = _Net()
+        opt = muonscale.Muon(model, lr=0.02, adamw_lr=3e-3, state_precision=precision)
+        opt.memory = MemoryBudget()
+        _steps(model, opt, range(1))
+    assert seen == [
+        ("per_device", DEFAULT_NS_WORKSPACE_BYTES),
+        (quarter.update_chunk_bytes, quarter.ns_workspace_bytes),
+    ]
+
+
 def test_int8_adamw_takes_strided_and_bfloat16_parameters():
     """A transposed (non-contiguous) AdamW parameter steps as its contiguous copy, bitwise; a
     bfloat16 parameter steps as a float32 one with the same values and gradients, its result
