@@ -14,7 +14,8 @@ import torch
 
 from . import variants
 from .matrices import MatrixView
-from .quantized_state import MOMENTUM_SCALE_KEY, momentum_scale_shape
+from .momentum_formats import INT4_MOMENTUM, INT8_MOMENTUM, MomentumFormat, momentum_format_of
+from .quantized_state import momentum_codes_shape, momentum_scale_shape
 from .settings import MuonSettings
 from .state_tensor import Placement, StateTensor  # noqa: F401 (Placement: re-exported)
 from .variants import VARIANT_STATE
@@ -27,15 +28,24 @@ MOMENTUM = StateTensor(
     dtype=lambda settings, dtype: settings.momentum_storage_dtype(dtype),
     placement="parameter",
 )
-MOMENTUM_SCALE = StateTensor(
-    key=MOMENTUM_SCALE_KEY,
-    what="the float32 scales of the int8 momentum, one per block of a row",
-    kept=lambda settings: settings.state_precision == "int8",
-    shape=momentum_scale_shape,
-    dtype=lambda settings, dtype: torch.float32,
-    placement="parameter",
-)
-MUON_STATE: tuple[StateTensor, ...] = (MOMENTUM, MOMENTUM_SCALE, *VARIANT_STATE)
+
+
+def _momentum_scales(fmt: MomentumFormat) -> StateTensor:
+    """The declaration of the float32 block scales of the momentum in format ``fmt``."""
+    return StateTensor(
+        key=fmt.scale_key,
+        what=f"the float32 scales of the {fmt.precision} momentum ({fmt.what}), one per block "
+        "of a row",
+        kept=lambda settings: settings.state_precision == fmt.precision,
+        shape=lambda view: momentum_scale_shape(view, fmt),
+        dtype=lambda settings, dtype: torch.float32,
+        placement="parameter",
+    )
+
+
+MOMENTUM_SCALE = _momentum_scales(INT8_MOMENTUM)
+MOMENTUM_ABSMAX = _momentum_scales(INT4_MOMENTUM)
+MUON_STATE: tuple[StateTensor, ...] = (MOMENTUM, MOMENTUM_SCALE, MOMENTUM_ABSMAX, *VARIANT_STATE)
 """Every state tensor a Muon parameter may hold (the variants' declared with their math)."""
 
 
@@ -43,7 +53,7 @@ def kept_state(settings: MuonSettings, *, variants_only: bool = False) -> list[S
     """The state tensors a group with ``settings`` keeps (the variants' declarations read when
     called, so that a variant declared after import counts); ``variants_only``: those besides
     the momentum buffer (which is laid out as the parameter and created with it)."""
-    besides = (MOMENTUM_SCALE, *variants.VARIANT_STATE)
+    besides = (MOMENTUM_SCALE, MOMENTUM_ABSMAX, *variants.VARIANT_STATE)
     declared = besides if variants_only else (MOMENTUM, *besides)
     return [t for t in declared if t.kept(settings)]
 
@@ -99,7 +109,8 @@ def check_loaded_state(
                 f"load_state_dict: state {spec.key!r} of parameter '{name}' is a "
                 f"{type(value).__name__}, expected a tensor ({spec.what}). Nothing was changed."
             )
-        want = tuple(spec.shape(view))
+        fmt = momentum_format_of(entry) if spec is MOMENTUM else None
+        want = tuple(spec.shape(view) if fmt is None else momentum_codes_shape(view, fmt))
         # torch keeps no shapes: a momentum of the parameter's size is read in its shape
         fits = tuple(value.shape) == want or (spec is MOMENTUM and value.numel() == _numel(want))
         if not fits:
@@ -109,12 +120,13 @@ def check_loaded_state(
                 f"{list(view.matrix_shapes)}). Was it saved from a model whose weights are "
                 "stored otherwise (transposed, split, another matrix_mode)? Nothing was changed."
             )
-        codes = spec is MOMENTUM and value.dtype == torch.int8 and MOMENTUM_SCALE.key in entry
+        codes = fmt is not None and value.dtype == fmt.code_dtype
         if not (value.is_floating_point() or codes):
             raise ValueError(
                 f"load_state_dict: state {spec.key!r} of parameter '{name}' has dtype "
                 f"{value.dtype}, expected a floating dtype ({spec.what}; int8 codes with "
-                f"{MOMENTUM_SCALE.key!r} for state_precision='int8'). Nothing was changed."
+                f"{MOMENTUM_SCALE.key!r} for state_precision='int8', uint8 bytes of 4-bit codes "
+                f"with {MOMENTUM_ABSMAX.key!r} for 'int4'). Nothing was changed."
             )
 
 

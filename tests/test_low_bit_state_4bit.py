@@ -1,0 +1,109 @@
+"""``state_precision="int4"``'s own tests (those it shares with ``"int8"`` are parametrized in
+``test_low_bit_state.py``): the stored bytes are packed 4-bit codes + a float32 absmax per
+128-entry block, checkpoints convert between param, int8 and int4 (each with a warning), and
+the layouts that cannot hold packed rows refuse it."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+from test_low_bit_state import _check_momentum_codes, _dequantized_state, _Net, _pair, _steps
+
+import muonscale
+from muonscale.block_quantization import BLOCK_SIZE
+from muonscale.block_quantization_4bit import BLOCK_SIZE_4BIT
+from muonscale.quantized_state import momentum_block_shape
+
+KW = dict(lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32)
+
+
+def test_int4_state_bytes_are_packed_codes_and_scales():
+    opt = muonscale.Muon(_Net(), lr=0.02, adamw_lr=3e-3, state_precision="int4")
+    opt.init_all_state()
+    muon = 0
+    for rows, cols in ((40, 300), (300, 40)):  # up, down: two 4-bit codes per byte
+        muon += rows * math.ceil(cols / 2) + 4 * rows * math.ceil(cols / BLOCK_SIZE_4BIT)
+    adamw = 0
+    for rows, cols in ((30, 300), (1, 300), (1, 300), (30, 300)):  # embed, norm w/b, head
+        adamw += 4 + 2 * (rows * cols + 4 * rows * math.ceil(cols / BLOCK_SIZE))
+    assert opt.optimizer_state_bytes() == muon + adamw
+    for p in opt.param_groups[0]["params"]:
+        assert opt.state[p]["momentum_buffer"].dtype == torch.uint8
+
+
+def test_int4_is_refused_by_distributed_muon_naming_the_layout():
+    from muonscale.distributed import DistributedMuon
+
+    muon = [p for p in _Net().parameters() if p.ndim == 2]
+    with pytest.raises(ValueError, match=r"state_precision='int4'.*layout.*laid out as"):
+        DistributedMuon([{"params": muon, "state_precision": "int4"}], **KW)  # no group needed
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    """The state of two state dicts: the same keys, dtypes and bits."""
+    assert a["state"].keys() == b["state"].keys()
+    for i, entry in a["state"].items():
+        assert entry.keys() == b["state"][i].keys()
+        for key, value in entry.items():
+            other = b["state"][i][key]
+            assert value.dtype == other.dtype and torch.equal(value, other), (i, key)
+
+
+def test_checkpoints_convert_between_param_int8_and_int4():
+    """param → int4: the float64 reference's codes; int4 → param: the dequantized values
+    exactly; int4 → int8 and int8 → int4: as loading the floating state (one conversion
+    through float32). Each load names its conversion in a warning."""
+    model_q, opt_q, model_f, opt_f = _pair("int4")
+    _steps(model_f, opt_f, range(2))
+    _steps(model_q, opt_q, range(2))
+    with pytest.warns(UserWarning, match="state_precision differs.*'param' -> 'int4'"):
+        opt_q.load_state_dict(copy.deepcopy(opt_f.state_dict()))
+    for pq, pf in zip(model_q.parameters(), model_f.parameters()):
+        if "momentum_buffer" in opt_q.state[pq]:
+            block = momentum_block_shape(opt_q.param_table.view(pq, "flatten"))
+            _check_momentum_codes(opt_q.state[pq], opt_f.state[pf]["momentum_buffer"], block)
+    _steps(model_q, opt_q, range(2, 3))  # and trains
+    int4_state = opt_q.state_dict()
+    with pytest.warns(UserWarning, match="'int4' -> 'param'"):
+        opt_f.load_state_dict(int4_state)
+    for pq, pf in zip(model_q.parameters(), model_f.parameters()):
+        for key, value in _dequantized_state(opt_q, pq).items():
+            assert opt_f.state[pf][key].dtype == torch.float32
+            assert torch.equal(opt_f.state[pf][key], value), key
+    assert "momentum_absmax" not in str(opt_f.state_dict()["state"].keys())
+    int8_a, int8_b, int4_a = (
+        muonscale.Muon(copy.deepcopy(model_q), **KW, state_precision=precision)
+        for precision in ("int8", "int8", "int4")
+    )
+    with pytest.warns(UserWarning, match="'int4' -> 'int8'"):
+        int8_a.load_state_dict(int4_state)
+    with pytest.warns(UserWarning, match="'param' -> 'int8'"):
+        int8_b.load_state_dict(opt_q.state_dict_in_precision("param"))
+    _assert_same_state(int8_a.state_dict(), int8_b.state_dict())
+    with pytest.warns(UserWarning, match="'int8' -> 'int4'"):
+        int4_a.load_state_dict(int8_a.state_dict())
+    with pytest.warns(UserWarning, match="'param' -> 'int4'"):
+        opt_q.load_state_dict(int8_a.state_dict_in_precision("param"))
+    _assert_same_state(int4_a.state_dict(), opt_q.state_dict())
+
+
+def test_state_dict_in_precision_int4_is_the_named_conversion():
+    """A floating optimizer's ``state_dict_in_precision("int4")`` leaves it unchanged and loads
+    into an int4 optimizer without a warning, as its floating state dict loads converted."""
+    _, opt_q, model_f, opt_f = _pair("int4")
+    _steps(model_f, opt_f, range(2))
+    before = copy.deepcopy(opt_f.state_dict())
+    as_int4 = opt_f.state_dict_in_precision("int4")
+    assert {g["state_precision"] for g in as_int4["param_groups"]} == {"int4"}
+    _assert_same_state(before, opt_f.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt_q.load_state_dict(as_int4)
+    converted = copy.deepcopy(opt_q.state_dict())
+    with pytest.warns(UserWarning, match="'param' -> 'int4'"):
+        opt_q.load_state_dict(opt_f.state_dict())
+    _assert_same_state(converted, opt_q.state_dict())
