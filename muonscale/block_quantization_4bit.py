@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from .block_quantization import block_absmax
+from .block_quantization import CPU_PIECE_ENTRIES, block_absmax
 
 BLOCK_SIZE_4BIT = 128
 """Entries per block: the paper's block size for the first moment (its "B128/DE")."""
@@ -85,6 +85,16 @@ def _per_entry(blockwise: torch.Tensor, cols: int, block_size: int) -> torch.Ten
     return blockwise.repeat_interleave(block_size, dim=1)[:, :cols]
 
 
+def _row_slices(x: torch.Tensor) -> list[slice]:
+    """Whole rows of the (rows, cols) ``x`` worked through at a time: about
+    :data:`~muonscale.block_quantization.CPU_PIECE_ENTRIES` entries on CPU (the temporaries
+    stay small), all rows elsewhere."""
+    rows, cols = x.shape
+    step = rows if x.device.type != "cpu" else CPU_PIECE_ENTRIES // max(cols, 1)
+    step = max(step, 1)
+    return [slice(start, min(rows, start + step)) for start in range(0, rows, step)]
+
+
 def quantize_de4_(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -94,12 +104,13 @@ def quantize_de4_(
     """Write the packed 4-bit codes (uint8, (rows, ⌈cols / 2⌉)) and float32 ``absmax``
     (rows, blocks) of the (rows, cols) ``x``: each code the index of the DE value nearest to
     x / absmax (x / 1 where the absmax is 0; a midpoint goes to the lower value)."""
-    rows, cols = x.shape
-    absmax.copy_(block_absmax(x, block_size))
-    safe = torch.where(absmax > 0, absmax, 1.0)
-    normalized = x.float() / _per_entry(safe, cols, block_size)
     _, mids = de_table(x.device)
-    pack_nibbles(torch.bucketize(normalized, mids, out_int32=True), packed)
+    for rows in _row_slices(x):
+        part = x[rows]
+        absmax[rows] = block_absmax(part, block_size)
+        safe = torch.where(absmax[rows] > 0, absmax[rows], 1.0)
+        normalized = part.float() / _per_entry(safe, part.shape[1], block_size)
+        pack_nibbles(torch.bucketize(normalized, mids, out_int32=True), packed[rows])
 
 
 def dequantize_de4(
@@ -111,10 +122,11 @@ def dequantize_de4(
 ) -> torch.Tensor:
     """map[q] · absmax per entry, in float32, (rows, ``cols``) (``out``: written there): the
     inverse of :func:`quantize_de4_`."""
-    rows = packed.shape[0]
     if out is None:
-        out = torch.empty((rows, cols), dtype=torch.float32, device=packed.device)
+        out = torch.empty((packed.shape[0], cols), dtype=torch.float32, device=packed.device)
     values, _ = de_table(packed.device)
-    decoded = values.index_select(0, unpack_nibbles(packed, cols).reshape(-1))
-    torch.mul(decoded.view(rows, cols), _per_entry(absmax, cols, block_size), out=out)
+    for rows in _row_slices(out):
+        codes = unpack_nibbles(packed[rows], cols)
+        decoded = values.index_select(0, codes.reshape(-1)).view(codes.shape)
+        torch.mul(decoded, _per_entry(absmax[rows], cols, block_size), out=out[rows])
     return out

@@ -138,3 +138,19 @@ def test_de4_zero_block_is_zero_and_a_positive_block_maximum_exact():
     # −0.5 sets its block's absmax; the map has no −1, so it reads as −0.8875 · 0.5
     assert back[1, 200] == torch.tensor(-0.8875).float() * 0.5
     assert (back[1, 6:200] == 0).all() and (back[1, 201:] == 0).all()
+
+
+def test_de4_of_a_large_matrix_in_row_pieces_equals_its_rows_alone():
+    """A matrix of more than ``CPU_PIECE_ENTRIES`` entries is worked through in row pieces on
+    CPU: its codes, absmax and values are those of each row quantized alone."""
+    from muonscale.block_quantization import CPU_PIECE_ENTRIES
+
+    cols = B + 3
+    rows = CPU_PIECE_ENTRIES // cols + 5  # two pieces, the second short
+    x = _sample((rows, cols), 2).float()
+    packed, absmax = _quantize(x)
+    back = dequantize_de4(packed, absmax, cols)
+    for r in (0, rows // 2, rows - 1):
+        p, a = _quantize(x[r : r + 1])
+        assert torch.equal(packed[r : r + 1], p) and torch.equal(absmax[r : r + 1], a)
+        assert torch.equal(back[r : r + 1], dequantize_de4(p, a, cols))
