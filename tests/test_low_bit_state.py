@@ -155,9 +155,14 @@ def test_quantized_step_is_the_float_step_from_the_dequantized_state(options, pr
     Plain Muon takes the stacked fast path; NorMuon (its row moment kept in float32) the
     matrix step. The Muon rows (300 and 40 entries) hold whole and short blocks of either
     format."""
-    model_q, opt_q, model_f, opt_f = _pair(precision, **options)
+    _check_steps_from_the_dequantized_state(*_pair(precision, **options), steps=3)
+
+
+def _check_steps_from_the_dequantized_state(model_q, opt_q, model_f, opt_f, *, steps: int):
+    """``steps`` steps of the quantized ``opt_q`` each equal the floating ``opt_f``'s from the
+    dequantized state, bitwise, and write back the reference quantization of its new state."""
     pairs = list(zip(model_q.parameters(), model_f.parameters()))
-    for step in range(3):
+    for step in range(steps):
         _grads(model_q, step)
         _grads(model_f, step)
         if step:

@@ -11,7 +11,15 @@ import warnings
 
 import pytest
 import torch
-from test_low_bit_state import _check_momentum_codes, _dequantized_state, _Net, _pair, _steps
+from test_low_bit_state import (
+    _check_momentum_codes,
+    _check_steps_from_the_dequantized_state,
+    _dequantized_state,
+    _Net,
+    _pair,
+    _steps,
+)
+from torch import nn
 
 import muonscale
 from muonscale.block_quantization import BLOCK_SIZE
@@ -107,3 +115,32 @@ def test_state_dict_in_precision_int4_is_the_named_conversion():
     with pytest.warns(UserWarning, match="'param' -> 'int4'"):
         opt_q.load_state_dict(opt_f.state_dict())
     _assert_same_state(converted, opt_q.state_dict())
+
+
+class _Shapes(nn.Module):
+    """A convolution (flattened: rows of 27 entries, odd) and a 3-D expert stack (its
+    experts' rows of 33 entries, odd) besides a 2-D weight: int4's packed rows of the block
+    matrix are not the parameter's shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, bias=False)
+        self.experts = nn.Parameter(torch.randn(4, 6, 33))
+        self.dense = nn.Linear(33, 130, bias=False)
+
+
+def test_int4_step_on_convolutions_and_expert_stacks_is_the_float_step():
+    """On a convolution and an expert stack, each int4 step equals the floating step from the
+    dequantized state, bitwise, and writes back the reference codes (packed (rows, ⌈cols / 2⌉)
+    of the block matrix: (8, 14) and (24, 17))."""
+    torch.manual_seed(0)
+    model_q = _Shapes()
+    model_f = copy.deepcopy(model_q)
+    experts = dict(experts={"experts": muonscale.ExpertLayout(n_experts=4)})
+    opt_q = muonscale.Muon(model_q, **KW, **experts, state_precision="int4")
+    opt_f = muonscale.Muon(model_f, **KW, **experts)
+    _check_steps_from_the_dequantized_state(model_q, opt_q, model_f, opt_f, steps=2)
+    shapes = {
+        n: tuple(opt_q.state[p]["momentum_buffer"].shape) for n, p in model_q.named_parameters()
+    }
+    assert shapes == {"conv.weight": (8, 14), "experts": (24, 17), "dense.weight": (130, 17)}
