@@ -7,14 +7,20 @@ these declarations instead of naming the tensors themselves.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from . import variants
 from .matrices import MatrixView
-from .momentum_formats import INT4_MOMENTUM, INT8_MOMENTUM, MomentumFormat, momentum_format_of
+from .momentum_formats import (
+    INT4_MOMENTUM,
+    INT8_MOMENTUM,
+    MOMENTUM_FORMATS,
+    MomentumFormat,
+    momentum_format_of,
+)
 from .quantized_state import momentum_codes_shape, momentum_scale_shape
 from .settings import MuonSettings
 from .state_tensor import Placement, StateTensor  # noqa: F401 (Placement: re-exported)
@@ -47,6 +53,36 @@ MOMENTUM_SCALE = _momentum_scales(INT8_MOMENTUM)
 MOMENTUM_ABSMAX = _momentum_scales(INT4_MOMENTUM)
 MUON_STATE: tuple[StateTensor, ...] = (MOMENTUM, MOMENTUM_SCALE, MOMENTUM_ABSMAX, *VARIANT_STATE)
 """Every state tensor a Muon parameter may hold (the variants' declared with their math)."""
+
+
+def momentum_shape(precision: str, view: MatrixView) -> tuple[int, ...]:
+    """Shape of the momentum stored in ``precision`` (a ``state_precision``) of a parameter with
+    this ``view``: the parameter's, or, for a format that packs codes (``"int4"``), the packed
+    rows of its block matrix."""
+    fmt = MOMENTUM_FORMATS.get(precision)
+    return tuple(view.param_shape) if fmt is None else momentum_codes_shape(view, fmt)
+
+
+def saved_precision(entry: Mapping[str, Any]) -> str:
+    """The ``state_precision`` a Muon parameter's state ``entry`` was stored with (its scales'
+    key tells)."""
+    fmt = momentum_format_of(entry)
+    return "param" if fmt is None else fmt.precision
+
+
+def zero_momentum(
+    like: torch.Tensor, settings: MuonSettings, dtype: torch.dtype, view: Callable[[], MatrixView]
+) -> torch.Tensor:
+    """A zero momentum buffer for ``like`` (a parameter, a DTensor's shards, an owner's range of
+    experts; ``dtype``: its parameter's or main copy's): laid out as ``like``, or the packed
+    rows of ``view()``'s block matrix for a format that packs codes."""
+    fmt = MOMENTUM_FORMATS.get(settings.state_precision)
+    if fmt is not None and fmt.codes_per_byte > 1:
+        shape = momentum_codes_shape(view(), fmt)
+        return torch.zeros(shape, dtype=fmt.code_dtype, device=like.device)
+    return torch.zeros_like(
+        like, dtype=MOMENTUM.dtype(settings, dtype), memory_format=torch.preserve_format
+    )
 
 
 def kept_state(settings: MuonSettings, *, variants_only: bool = False) -> list[StateTensor]:

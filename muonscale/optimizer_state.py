@@ -10,13 +10,19 @@ from typing import Any
 
 import torch
 
-from .declared_state import MOMENTUM, MUON_STATE, check_loaded_state, kept_state
+from .declared_state import (
+    MOMENTUM,
+    MUON_STATE,
+    check_loaded_state,
+    kept_state,
+    zero_momentum,
+)
 from .distributed.dtensor_layout import local_tensor
 from .distributed.setup_checks import is_dtensor
 from .kernels import elementwise_backend_from_environment
 from .matrices import MatrixView
 from .memory import MemoryBudget
-from .momentum_formats import MOMENTUM_FORMATS, momentum_format_of
+from .momentum_formats import momentum_format_of
 from .nonfinite import NonFiniteSteps
 from .optimizer_options import AdamWGroup
 from .param_table import ParamTable
@@ -25,7 +31,6 @@ from .quantized_state import (
     adamw_state_is_quantized,
     dequantize_adamw_state_,
     float_momentum_state,
-    momentum_codes_shape,
     quantize_adamw_state_,
     quantized_momentum_state,
     zero_adamw_moments,
@@ -62,14 +67,9 @@ def created_state(
     ``state`` is empty, AdamW's. ``matrix_view(p, group)``: ``p``'s matrices, read only for
     state shaped by them."""
     if settings is not None:
-        fmt = MOMENTUM_FORMATS.get(settings.state_precision)
-        if MOMENTUM.key not in state and fmt is not None and fmt.codes_per_byte > 1:
-            shape = momentum_codes_shape(matrix_view(p, group), fmt)  # packed rows
-            state[MOMENTUM.key] = torch.zeros(shape, dtype=fmt.code_dtype, device=p.device)
-        elif MOMENTUM.key not in state:  # laid out as the parameter (a DTensor's shards)
-            state[MOMENTUM.key] = torch.zeros_like(
-                p, dtype=MOMENTUM.dtype(settings, p.dtype), memory_format=torch.preserve_format
-            )
+        if MOMENTUM.key not in state:  # laid out as the parameter (a DTensor's shards)
+            view = lambda: matrix_view(p, group)  # noqa: E731 (read for packed codes only)
+            state[MOMENTUM.key] = zero_momentum(p, settings, p.dtype, view)
         for spec in kept_state(settings, variants_only=True):
             if spec.key not in state:
                 state[spec.key] = spec.zeros(settings, matrix_view(p, group), p.dtype, p.device)

@@ -1,7 +1,8 @@
 """``state_precision="int4"``'s own tests (those it shares with ``"int8"`` are parametrized in
 ``test_low_bit_state.py``): the stored bytes are packed 4-bit codes + a float32 absmax per
 128-entry block, checkpoints convert between param, int8 and int4 (each with a warning), and
-the layouts that cannot hold packed rows refuse it."""
+the step on convolutions and expert stacks (packed rows that are not the parameter's shape).
+``DistributedMuon``'s int4 tests are in ``test_low_bit_distributed.py``."""
 
 from __future__ import annotations
 
@@ -41,14 +42,6 @@ def test_int4_state_bytes_are_packed_codes_and_scales():
     assert opt.optimizer_state_bytes() == muon + adamw
     for p in opt.param_groups[0]["params"]:
         assert opt.state[p]["momentum_buffer"].dtype == torch.uint8
-
-
-def test_int4_is_refused_by_distributed_muon_naming_the_layout():
-    from muonscale.distributed import DistributedMuon
-
-    muon = [p for p in _Net().parameters() if p.ndim == 2]
-    with pytest.raises(ValueError, match=r"state_precision='int4'.*layout.*laid out as"):
-        DistributedMuon([{"params": muon, "state_precision": "int4"}], **KW)  # no group needed
 
 
 def _assert_same_state(a: dict, b: dict) -> None:

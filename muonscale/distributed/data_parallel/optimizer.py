@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from ...matrices import MatrixView
-from ...momentum_formats import MOMENTUM_FORMATS
 from ...optimizer import Muon
 from ...settings import MuonSettings
 from ...step_metrics import Reduction, StepMetrics
@@ -233,7 +232,6 @@ class DistributedMuon(Muon):
         self._sends_update = lambda p, g: sends_update(p, g, gather_updates, options.main_dtype)
         super().__init__(params, **muon_options)
         refuse_quantized_adamw(self.param_groups)
-        refuse_packed_momentum(self.param_groups)
         comm = communicator(process_group, wire_counter or WireCounter(), host_map)
         self.layout = DataParallelLayout(self.param_groups, comm, self._matrix_view)
         layout = self.layout
@@ -647,23 +645,6 @@ def refuse_quantized_adamw(param_groups: Sequence[Mapping[str, Any]]) -> None:
                 "element. Give the AdamW parameters a param group with "
                 "state_precision='param', e.g. [{'params': muon_params, 'state_precision': "
                 "'int8'}, {'params': adamw_params, 'algorithm': 'adamw'}]"
-            )
-
-
-def refuse_packed_momentum(param_groups: Sequence[Mapping[str, Any]]) -> None:
-    """ValueError for a group whose Muon momentum packs two codes per byte
-    (``state_precision="int4"``): this layout keeps each owner's momentum laid out as its
-    parameter (or its range of experts) and gathers and loads it so, which packed rows are
-    not."""
-    for i, group in enumerate(param_groups):
-        fmt = MOMENTUM_FORMATS.get(group.get("state_precision", "param"))
-        if group["params"] and fmt is not None and fmt.codes_per_byte > 1:
-            raise ValueError(
-                f"DistributedMuon: state_precision={fmt.precision!r} (param group {i}) is not "
-                "supported: its layout (owners hold each matrix's momentum laid out as the "
-                "parameter, or as their range of experts, and checkpoints gather and load it "
-                f"so) does not take {fmt.precision} state ({fmt.what}). Use "
-                "state_precision='int8' or 'param', or muonscale.Muon in one process"
             )
 
 
