@@ -88,7 +88,7 @@ def zero_momentum(
 def kept_state(settings: MuonSettings, *, variants_only: bool = False) -> list[StateTensor]:
     """The state tensors a group with ``settings`` keeps (the variants' declarations read when
     called, so that a variant declared after import counts); ``variants_only``: those besides
-    the momentum buffer (which is laid out as the parameter and created with it)."""
+    the momentum buffer (created with the parameter: :func:`zero_momentum`)."""
     besides = (MOMENTUM_SCALE, MOMENTUM_ABSMAX, *variants.VARIANT_STATE)
     declared = besides if variants_only else (MOMENTUM, *besides)
     return [t for t in declared if t.kept(settings)]

@@ -4,6 +4,7 @@ stacks its momentum buffers live in."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -15,6 +16,7 @@ from .declared_state import (
     MUON_STATE,
     check_loaded_state,
     kept_state,
+    saved_precision,
     zero_momentum,
 )
 from .distributed.dtensor_layout import local_tensor
@@ -68,7 +70,7 @@ def created_state(
     state shaped by them."""
     if settings is not None:
         if MOMENTUM.key not in state:  # laid out as the parameter (a DTensor's shards)
-            view = lambda: matrix_view(p, group)  # noqa: E731 (read for packed codes only)
+            view = functools.partial(matrix_view, p, group)  # read for packed codes only
             state[MOMENTUM.key] = zero_momentum(p, settings, p.dtype, view)
         for spec in kept_state(settings, variants_only=True):
             if spec.key not in state:
@@ -475,7 +477,7 @@ def _convert_momentum(entry: dict, p: torch.Tensor, view: MatrixView, precision:
     if buf is None:
         return
     saved = momentum_format_of(entry)
-    if (saved.precision if saved else "param") == precision:
+    if saved_precision(entry) == precision:
         return
     if saved is not None:  # dequantized first (float32 on the way to the other format)
         dtype = p.dtype if precision == "param" else torch.float32

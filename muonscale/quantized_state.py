@@ -27,7 +27,7 @@ from .block_quantization import (
 )
 from .momentum_formats import INT8_MOMENTUM, MOMENTUM_FORMATS, MomentumFormat, momentum_format_of
 
-MOMENTUM_KEY, MOMENTUM_SCALE_KEY = "momentum_buffer", INT8_MOMENTUM.scale_key
+MOMENTUM_KEY = "momentum_buffer"
 ADAMW_MOMENTS = (("exp_avg", "exp_avg_absmax", True), ("exp_avg_sq", "exp_avg_sq_absmax", False))
 """AdamW's moments: (codes key, absmax key, signed)."""
 
