@@ -252,33 +252,35 @@ def test_quantized_state_dict_round_trip_resumes_bitwise(precision):
             assert torch.equal(value, opt_b.state[pb][key]), key
 
 
-def test_float_and_int8_checkpoints_convert_on_load():
-    """A full-precision checkpoint loads into int8 state (quantized: the float64 reference's
-    codes) and the reverse (dequantized), each with a warning naming the conversion."""
-    model_q, opt_q, model_f, opt_f = _pair()
+@pytest.mark.parametrize("precision", QUANTIZED)
+def test_float_and_quantized_checkpoints_convert_on_load(precision):
+    """A full-precision checkpoint loads into quantized state (the float64 reference's codes)
+    and the reverse (dequantized), each with a warning naming the conversion."""
+    model_q, opt_q, model_f, opt_f = _pair(precision)
     _steps(model_f, opt_f, range(2))
     _steps(model_q, opt_q, range(2))
     float_state = copy.deepcopy(opt_f.state_dict())
     assert all("state_precision" not in g for g in float_state["param_groups"])  # 0.5.0's keys
-    with pytest.warns(UserWarning, match="state_precision differs.*'param' -> 'int8'"):
+    with pytest.warns(UserWarning, match=f"state_precision differs.*'param' -> '{precision}'"):
         opt_q.load_state_dict(float_state)
     for pq, pf in zip(model_q.parameters(), model_f.parameters()):
         sq, sf = opt_q.state[pq], opt_f.state[pf]
         if "momentum_buffer" in sq:
             block = momentum_block_shape(opt_q.param_table.view(pq, "flatten"))
-            _check_linear_codes(sq["momentum_buffer"], sf["momentum_buffer"], block)
+            _check_momentum_codes(sq, sf["momentum_buffer"], block)
         else:
             _check_dynamic_codes(sq["exp_avg"], sf["exp_avg"], True, adamw_block_shape(pq))
-    assert {g["state_precision"] for g in opt_q.param_groups} == {"int8"}
+    assert {g["state_precision"] for g in opt_q.param_groups} == {precision}
     _steps(model_q, opt_q, range(2, 3))  # and trains
-    int8_state = opt_q.state_dict()
-    with pytest.warns(UserWarning, match="'int8' -> 'param'"):
-        opt_f.load_state_dict(int8_state)
+    quantized_state = opt_q.state_dict()
+    with pytest.warns(UserWarning, match=f"'{precision}' -> 'param'"):
+        opt_f.load_state_dict(quantized_state)
     for pq, pf in zip(model_q.parameters(), model_f.parameters()):
         for key, value in _dequantized_state(opt_q, pq).items():
             assert opt_f.state[pf][key].dtype == torch.float32
             assert torch.equal(opt_f.state[pf][key], value), key
     assert "momentum_scale" not in str(opt_f.state_dict()["state"].keys())
+    assert "momentum_absmax" not in str(opt_f.state_dict()["state"].keys())
 
 
 # the compat model's bare 3-D "experts" keep 0.5.0's flatten view, and so its warning
