@@ -1,7 +1,8 @@
 """``state_precision="int4"``'s own tests (those it shares with ``"int8"`` are parametrized in
 ``test_low_bit_state.py``): the stored bytes are packed 4-bit codes + a float32 absmax per
-128-entry block, checkpoints convert between param, int8 and int4 (each with a warning), and
-the step on convolutions and expert stacks (packed rows that are not the parameter's shape).
+128-entry block, checkpoints convert between int8 and int4 (each with a warning) and are
+written in int4 by name, and the step on convolutions and expert stacks is the floating step
+(packed rows that are not the parameter's shape).
 ``DistributedMuon``'s int4 tests are in ``test_low_bit_distributed.py``."""
 
 from __future__ import annotations
