@@ -6,9 +6,9 @@ nearest value of the signed dynamic-exponent (DE) map (:func:`de_values`) of x /
 Blocks are segments of one row of the (rows, cols) matrix
 (:func:`~muonscale.block_quantization.block_matrix_shape`), and the 4-bit codes of a row are
 packed two per byte (:func:`pack_nibbles`): entry 2j in the low nibble of byte j, entry 2j + 1
-in its high nibble; an odd row's last byte holds one code. The derivation of the map and of
-the error bound is in *Low-bit state* in the docs. The functions never synchronize with the
-host.
+in its high nibble; an odd row's last byte holds one code and the code of 0. The derivation
+of the map and of the error bound is in *Low-bit state* in the docs. The functions never
+synchronize with the host.
 """
 
 from __future__ import annotations
@@ -42,6 +42,14 @@ def de_values() -> list[float]:
     return sorted(values)
 
 
+ZERO_CODE = de_values().index(0.0)
+"""The code of 0 (7: seven negative values below it)."""
+
+ZERO_BYTE = ZERO_CODE | ZERO_CODE << 4
+"""A byte of two zero codes: a zero momentum's packed codes, as :func:`quantize_de4_` writes
+them (an odd row's padding nibble too)."""
+
+
 @functools.cache
 def _tables() -> tuple[torch.Tensor, torch.Tensor]:
     values = torch.tensor(de_values(), dtype=torch.float64)
@@ -64,13 +72,13 @@ def packed_cols(cols: int) -> int:
 def pack_nibbles(codes: torch.Tensor, out: torch.Tensor) -> None:
     """Write the (rows, cols) ``codes`` (integers in 0..15) into the uint8 ``out`` (rows,
     ⌈cols / 2⌉): entry 2j in the low nibble of byte j, entry 2j + 1 in the high nibble; an odd
-    row's last high nibble is 0."""
+    row's last high nibble is :data:`ZERO_CODE`."""
     cols = codes.shape[1]
     pairs = cols // 2
     low, high = codes[:, 0 : 2 * pairs : 2], codes[:, 1 : 2 * pairs : 2]
     out[:, :pairs].copy_(low.bitwise_or(high.bitwise_left_shift(4)))
     if cols % 2:
-        out[:, pairs].copy_(codes[:, cols - 1])
+        out[:, pairs].copy_(codes[:, cols - 1].bitwise_or(ZERO_CODE << 4))
 
 
 def unpack_nibbles(packed: torch.Tensor, cols: int) -> torch.Tensor:

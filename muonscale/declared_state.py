@@ -75,11 +75,12 @@ def zero_momentum(
 ) -> torch.Tensor:
     """A zero momentum buffer for ``like`` (a parameter, a DTensor's shards, an owner's range of
     experts; ``dtype``: its parameter's or main copy's): laid out as ``like``, or the packed
-    rows of ``view()``'s block matrix for a format that packs codes."""
+    rows of ``view()``'s block matrix for a format that packs codes (each byte its codes of
+    0)."""
     fmt = MOMENTUM_FORMATS.get(settings.state_precision)
     if fmt is not None and fmt.codes_per_byte > 1:
         shape = momentum_codes_shape(view(), fmt)
-        return torch.zeros(shape, dtype=fmt.code_dtype, device=like.device)
+        return torch.full(shape, fmt.zero_byte, dtype=fmt.code_dtype, device=like.device)
     return torch.zeros_like(
         like, dtype=MOMENTUM.dtype(settings, dtype), memory_format=torch.preserve_format
     )

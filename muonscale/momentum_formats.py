@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .block_quantization import BLOCK_SIZE, dequantize_linear, quantize_linear_, scale_shape
-from .block_quantization_4bit import BLOCK_SIZE_4BIT, dequantize_de4, quantize_de4_
+from .block_quantization_4bit import BLOCK_SIZE_4BIT, ZERO_BYTE, dequantize_de4, quantize_de4_
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,8 @@ class MomentumFormat:
     codes_per_byte: int
     """1: the codes have the parameter's shape; 2: each row of the block matrix packed into
     ⌈cols / 2⌉ bytes, stored as (rows, ⌈cols / 2⌉)."""
+    zero_byte: int
+    """The stored byte of a zero momentum (its codes of 0, as quantizing zeros writes them)."""
     quantize_: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
     """``quantize_(x, codes, scales)``: x (rows, cols), codes :meth:`codes_matrix_shape`."""
     dequantize: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -53,6 +55,7 @@ INT8_MOMENTUM = MomentumFormat(
     code_dtype=torch.int8,
     block_size=BLOCK_SIZE,
     codes_per_byte=1,
+    zero_byte=0,
     quantize_=quantize_linear_,
     dequantize=lambda codes, scales, cols: dequantize_linear(codes, scales),
 )
@@ -63,6 +66,7 @@ INT4_MOMENTUM = MomentumFormat(
     code_dtype=torch.uint8,
     block_size=BLOCK_SIZE_4BIT,
     codes_per_byte=2,
+    zero_byte=ZERO_BYTE,
     quantize_=quantize_de4_,
     dequantize=dequantize_de4,
 )

@@ -34,11 +34,11 @@ def test_de_values_are_the_published_map():
     assert B == 128
 
 
-def test_packing_puts_even_entries_in_low_nibbles_and_handles_odd_rows():
+def test_packing_puts_even_entries_in_low_nibbles_and_pads_odd_rows_with_zero():
     codes = torch.tensor([[1, 2, 3], [15, 0, 7]], dtype=torch.int32)
     packed = torch.empty(2, packed_cols(3), dtype=torch.uint8)
     pack_nibbles(codes, packed)
-    assert packed.tolist() == [[0x21, 0x03], [0x0F, 0x07]]
+    assert packed.tolist() == [[0x21, 0x73], [0x0F, 0x77]]  # odd rows: 0's code (7) pads
     assert torch.equal(unpack_nibbles(packed, 3), codes)
     g = torch.Generator().manual_seed(0)
     for cols in (1, 2, 127, 128, 301):

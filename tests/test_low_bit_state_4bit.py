@@ -26,6 +26,19 @@ from muonscale.block_quantization import BLOCK_SIZE
 from muonscale.block_quantization_4bit import BLOCK_SIZE_4BIT
 
 KW = dict(lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32)
+EXPERTS = dict(experts={"experts": muonscale.ExpertLayout(n_experts=4)})
+
+
+class _Shapes(nn.Module):
+    """A convolution (flattened: rows of 27 entries, odd) and a 3-D expert stack (its
+    experts' rows of 33 entries, odd) besides a 2-D weight: int4's packed rows of the block
+    matrix are not the parameter's shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, bias=False)
+        self.experts = nn.Parameter(torch.randn(4, 6, 33))
+        self.dense = nn.Linear(33, 130, bias=False)
 
 
 def test_int4_state_bytes_are_packed_codes_and_scales():
@@ -38,8 +51,25 @@ def test_int4_state_bytes_are_packed_codes_and_scales():
     for rows, cols in ((30, 300), (1, 300), (1, 300), (30, 300)):  # embed, norm w/b, head
         adamw += 4 + 2 * (rows * cols + 4 * rows * math.ceil(cols / BLOCK_SIZE))
     assert opt.optimizer_state_bytes() == muon + adamw
-    for p in opt.param_groups[0]["params"]:
-        assert opt.state[p]["momentum_buffer"].dtype == torch.uint8
+
+
+def test_a_fresh_int4_momentum_is_the_quantization_of_zero():
+    """The bytes a new int4 momentum starts from are those quantizing a zero momentum writes
+    (the codes of 0, odd rows padded alike), and they read back as +0.0."""
+    from muonscale.quantized_state import quantized_momentum, quantized_momentum_state
+
+    model = _Shapes()  # rows of 27 and 33 entries (odd) and of 33
+    opt = muonscale.Muon(model, **KW, **EXPERTS, state_precision="int4")
+    opt.init_all_state()
+    for p in model.parameters():
+        view = opt.param_table.view(p, "flatten")
+        fresh = opt.state[p]
+        assert fresh["momentum_buffer"].dtype == torch.uint8
+        zero = quantized_momentum_state(torch.zeros(p.shape), view, "int4")
+        for key, value in zero.items():
+            assert torch.equal(fresh[key], value), key
+        values = quantized_momentum(fresh, view).values()
+        assert torch.equal(values, torch.zeros(p.shape)) and not values.signbit().any()
 
 
 def _assert_same_state(a: dict, b: dict) -> None:
@@ -92,18 +122,6 @@ def test_state_dict_in_precision_int4_is_the_named_conversion():
     _assert_same_state(converted, opt_q.state_dict())
 
 
-class _Shapes(nn.Module):
-    """A convolution (flattened: rows of 27 entries, odd) and a 3-D expert stack (its
-    experts' rows of 33 entries, odd) besides a 2-D weight: int4's packed rows of the block
-    matrix are not the parameter's shape."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3, bias=False)
-        self.experts = nn.Parameter(torch.randn(4, 6, 33))
-        self.dense = nn.Linear(33, 130, bias=False)
-
-
 def test_int4_step_on_convolutions_and_expert_stacks_is_the_float_step():
     """On a convolution and an expert stack, each int4 step equals the floating step from the
     dequantized state, bitwise, and writes back the reference codes (packed (rows, ⌈cols / 2⌉)
@@ -111,9 +129,8 @@ def test_int4_step_on_convolutions_and_expert_stacks_is_the_float_step():
     torch.manual_seed(0)
     model_q = _Shapes()
     model_f = copy.deepcopy(model_q)
-    experts = dict(experts={"experts": muonscale.ExpertLayout(n_experts=4)})
-    opt_q = muonscale.Muon(model_q, **KW, **experts, state_precision="int4")
-    opt_f = muonscale.Muon(model_f, **KW, **experts)
+    opt_q = muonscale.Muon(model_q, **KW, **EXPERTS, state_precision="int4")
+    opt_f = muonscale.Muon(model_f, **KW, **EXPERTS)
     _check_steps_from_the_dequantized_state(model_q, opt_q, model_f, opt_f, steps=2)
     shapes = {
         n: tuple(opt_q.state[p]["momentum_buffer"].shape) for n, p in model_q.named_parameters()
