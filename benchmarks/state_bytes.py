@@ -3,7 +3,8 @@ GPT-2-small and GPT-2-XL shapes, counted from the stored buffers (codes + scales
 parameters live on the ``meta`` device, so nothing the size of the model is allocated.
 
 AdamW's float32 state is exp_avg and exp_avg_sq (8 bytes per parameter) and a float32 step
-per tensor, as ``torch.optim.AdamW`` keeps it.
+per tensor, as ``torch.optim.AdamW`` keeps it. ``muonscale[int4]`` is the 4-bit Muon momentum
+with AdamW's 8-bit moments (``state_precision="int4"``).
 
     PYTHONPATH=. python3 benchmarks/state_bytes.py
 """
@@ -24,6 +25,7 @@ CONTENDERS = {
     "muonscale[param]": {},
     "muonscale[bf16 momentum]": {"momentum_dtype": torch.bfloat16},
     "muonscale[int8]": {"state_precision": "int8"},
+    "muonscale[int4]": {"state_precision": "int4"},
 }
 """Name → the muonscale.Muon options of its state."""
 

@@ -343,8 +343,8 @@ class Muon(torch.optim.Optimizer):
 
     def state_dict_in_precision(self, state_precision: StatePrecision) -> dict[str, Any]:
         """:meth:`state_dict` with the state converted to ``state_precision`` (``"param"``:
-        floating, the parameters' dtypes; ``"int8"``: quantized), this optimizer's state
-        unchanged: a full-precision checkpoint of an int8 run, or the reverse. Loading it into
+        floating, the parameters' dtypes; ``"int8"``, ``"int4"``: quantized), this optimizer's
+        state unchanged: a full-precision checkpoint of an int8 run, or the reverse. Loading it into
         an optimizer of either precision converts it again (``load_state_dict``)."""
         return state_dict_in_precision(
             self.state_dict(), self.param_groups, self._matrix_view, state_precision

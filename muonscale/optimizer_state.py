@@ -4,19 +4,28 @@ stacks its momentum buffers live in."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from .declared_state import MOMENTUM, MOMENTUM_SCALE, MUON_STATE, check_loaded_state, kept_state
+from .declared_state import (
+    MOMENTUM,
+    MUON_STATE,
+    check_loaded_state,
+    kept_state,
+    saved_precision,
+    zero_momentum,
+)
 from .distributed.dtensor_layout import local_tensor
 from .distributed.dtensor_state import convert_dtensor_state_
 from .distributed.setup_checks import is_dtensor
 from .kernels import elementwise_backend_from_environment
 from .matrices import MatrixView
 from .memory import MemoryBudget
+from .momentum_formats import momentum_format_of
 from .nonfinite import NonFiniteSteps
 from .optimizer_options import AdamWGroup
 from .param_table import ParamTable
@@ -62,9 +71,8 @@ def created_state(
     state shaped by them."""
     if settings is not None:
         if MOMENTUM.key not in state:  # laid out as the parameter (a DTensor's shards)
-            state[MOMENTUM.key] = torch.zeros_like(
-                p, dtype=MOMENTUM.dtype(settings, p.dtype), memory_format=torch.preserve_format
-            )
+            view = functools.partial(matrix_view, p, group)  # read for packed codes only
+            state[MOMENTUM.key] = zero_momentum(p, settings, p.dtype, view)
         for spec in kept_state(settings, variants_only=True):
             if spec.key not in state:
                 state[spec.key] = spec.zeros(settings, matrix_view(p, group), p.dtype, p.device)
@@ -72,7 +80,7 @@ def created_state(
         # capturable: on the parameter's device (torch's convention), made by a fill kernel
         device = p.device if capturable else torch.device("cpu")
         state["step"] = torch.zeros((), dtype=torch.float32, device=device)
-        if group.get("state_precision", "param") == "int8":
+        if group.get("state_precision", "param") != "param":  # 8-bit moments (int8, int4)
             state.update(zero_adamw_moments(p))
         else:
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -388,8 +396,8 @@ def restore_loaded(
                 value = entry.get(spec.key)
                 dtype = spec.dtype(settings, p.dtype)
                 if spec is MOMENTUM:  # codes where the scales are, else floating values
-                    quantized = MOMENTUM_SCALE.key in entry
-                    dtype = torch.int8 if quantized else settings.momentum_dtype or p.dtype
+                    fmt = momentum_format_of(entry)
+                    dtype = fmt.code_dtype if fmt else settings.momentum_dtype or p.dtype
                 if value is not None and value.dtype != dtype:
                     entry[spec.key] = value.to(dtype)
     keep_state_precisions(param_groups, state, [p for _, p in storage], view, stacklevel=4)
@@ -433,15 +441,16 @@ def convert_state_precision_(
     view: Callable[[torch.Tensor, Mapping[str, Any]], MatrixView],
     precision: str,
 ) -> None:
-    """The state ``entry`` of ``p`` (of ``group``) in ``precision``, in place: float → int8
-    quantized, int8 → float dequantized into ``p``'s dtype; as it is when it already is. A
+    """The state ``entry`` of ``p`` (of ``group``) in ``precision``, in place: float →
+    quantized, quantized → float dequantized into ``p``'s dtype, one quantized format to the
+    other through float32 (AdamW's moments are 8-bit in both); as it is when it already is. A
     DTensor's state converts shard by shard (:mod:`muonscale.distributed.dtensor_state`)."""
     if any(is_dtensor(v) for v in entry.values()):
         muon = group["algorithm"] == "muon"
         convert_dtensor_state_(entry, p, group, view(p, group) if muon else None, precision)
     elif group["algorithm"] == "muon":
         _convert_momentum(entry, p, view(p, group), precision)
-    elif precision == "int8" and not adamw_state_is_quantized(entry):
+    elif precision != "param" and not adamw_state_is_quantized(entry):
         quantize_adamw_state_(entry, p)
     elif precision == "param" and adamw_state_is_quantized(entry):
         dequantize_adamw_state_(entry, p)
@@ -472,12 +481,15 @@ def _convert_momentum(entry: dict, p: torch.Tensor, view: MatrixView, precision:
     buf = entry.get(MOMENTUM.key)
     if buf is None:
         return
-    quantized = MOMENTUM_SCALE.key in entry
-    if precision == "int8" and not quantized:
-        entry.update(quantized_momentum_state(buf, view))
-    elif precision == "param" and quantized:
-        entry[MOMENTUM.key] = float_momentum_state(entry, view, p.dtype)
-        del entry[MOMENTUM_SCALE.key]
+    saved = momentum_format_of(entry)
+    if saved_precision(entry) == precision:
+        return
+    if saved is not None:  # dequantized first (float32 on the way to the other format)
+        dtype = p.dtype if precision == "param" else torch.float32
+        entry[MOMENTUM.key] = buf = float_momentum_state(entry, view, dtype)
+        del entry[saved.scale_key]
+    if precision != "param":
+        entry.update(quantized_momentum_state(buf, view, precision))
 
 
 def check_loaded_groups(

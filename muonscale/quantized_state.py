@@ -1,6 +1,7 @@
-"""Optimizer state stored in 8 bits (``state_precision="int8"``): the Muon momentum as int8
-codes with float32 block scales, AdamW's moments as 8-bit dynamic codes with float32 block
-absmax (:mod:`muonscale.block_quantization` holds the formats).
+"""Quantized optimizer state (``state_precision="int8"`` or ``"int4"``): the Muon momentum as
+codes with float32 block scales in a :class:`~muonscale.momentum_formats.MomentumFormat`
+(int8 linear, or 4-bit dynamic exponent packed two per byte), AdamW's moments as 8-bit dynamic
+codes with float32 block absmax (:mod:`muonscale.block_quantization` holds the 8-bit formats).
 
 A step reads a quantized tensor as float32 values, computes with them as with a floating
 buffer, and writes the new values back once (:meth:`QuantizedMomentum.store_`); the math
@@ -20,10 +21,8 @@ import torch
 from .block_quantization import (
     block_matrix_shape,
     dequantize_dynamic,
-    dequantize_linear,
     dynamic_values,
     quantize_dynamic_,
-    quantize_linear_,
     scale_shape,
 )
 from .memory import (
@@ -32,8 +31,9 @@ from .memory import (
     MemoryBudget,
     chunk_bytes_for,
 )
+from .momentum_formats import INT8_MOMENTUM, MOMENTUM_FORMATS, MomentumFormat, momentum_format_of
 
-MOMENTUM_KEY, MOMENTUM_SCALE_KEY = "momentum_buffer", "momentum_scale"
+MOMENTUM_KEY = "momentum_buffer"
 ADAMW_MOMENTS = (("exp_avg", "exp_avg_absmax", True), ("exp_avg_sq", "exp_avg_sq_absmax", False))
 """AdamW's moments: (codes key, absmax key, signed)."""
 
@@ -65,62 +65,84 @@ def momentum_block_shape(view: Any) -> tuple[int, int]:
     return block_matrix_shape(view.param_shape, mode)
 
 
-def momentum_scale_shape(view: Any) -> tuple[int, int]:
-    """Shape of the int8 momentum's block scales (float32)."""
-    return scale_shape(*momentum_block_shape(view))
+def momentum_scale_shape(view: Any, fmt: MomentumFormat = INT8_MOMENTUM) -> tuple[int, int]:
+    """Shape of the quantized momentum's block scales (float32) in format ``fmt``."""
+    return fmt.scales_shape(momentum_block_shape(view))
+
+
+def momentum_codes_shape(view: Any, fmt: MomentumFormat) -> tuple[int, ...]:
+    """Shape of the stored codes of the momentum in format ``fmt``: the parameter's for one
+    code per byte, else (rows, bytes per row) of its block matrix."""
+    if fmt.codes_per_byte == 1:
+        return tuple(view.param_shape)
+    return fmt.codes_matrix_shape(momentum_block_shape(view))
 
 
 @dataclass
 class QuantizedMomentum:
-    """A Muon momentum buffer stored as int8 ``codes`` (the parameter's shape) and float32
-    ``scales`` (rows, blocks) over the (rows, cols) matrix ``block_shape``."""
+    """A Muon momentum buffer stored as ``codes`` and float32 ``scales`` (rows, blocks) over
+    the (rows, cols) matrix ``block_shape``, in ``format`` (int8: the codes have the
+    parameter's shape)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     block_shape: tuple[int, int]
     keep: torch.Tensor | None = None
     """A capturable step's device flag: where False, :meth:`store_` keeps the stored bits."""
+    format: MomentumFormat = INT8_MOMENTUM
+    param_shape: tuple[int, ...] | None = None
+    """The parameter's shape (None: the codes')."""
+
+    def _codes_matrix(self) -> torch.Tensor:
+        return self.codes.view(self.format.codes_matrix_shape(self.block_shape))
 
     def values(self) -> torch.Tensor:
         """The momentum in float32, the parameter's shape (a new tensor)."""
-        out = dequantize_linear(self.codes.view(self.block_shape), self.scales)
-        return out.view(self.codes.shape)
+        out = self.format.dequantize(self._codes_matrix(), self.scales, self.block_shape[1])
+        return out.view(self.param_shape or self.codes.shape)
 
     @torch.no_grad()
     def store_(self, values: torch.Tensor) -> None:
         """Quantize ``values`` (the new momentum, the parameter's shape) into the codes and
         scales, in place."""
-        flat = values.reshape(self.block_shape)
+        flat, stored = values.reshape(self.block_shape), self._codes_matrix()
         if self.keep is None:
-            quantize_linear_(flat, self.codes.view(self.block_shape), self.scales)
+            self.format.quantize_(flat, stored, self.scales)
             return
-        codes = torch.empty(self.block_shape, dtype=torch.int8, device=self.codes.device)
-        scales = torch.empty_like(self.scales)
-        quantize_linear_(flat, codes, scales)
-        self.codes.view(self.block_shape).copy_(
-            torch.where(self.keep, codes, self.codes.view(self.block_shape))
-        )
+        codes, scales = torch.empty_like(stored), torch.empty_like(self.scales)
+        self.format.quantize_(flat, codes, scales)
+        stored.copy_(torch.where(self.keep, codes, stored))
         self.scales.copy_(torch.where(self.keep, scales, self.scales))
 
 
 def quantized_momentum(state: Mapping[str, Any], view: Any) -> QuantizedMomentum:
-    """The quantized momentum a parameter's ``state`` holds."""
+    """The quantized momentum a parameter's ``state`` holds (its format by its scale key)."""
+    fmt = momentum_format_of(state) or INT8_MOMENTUM
     return QuantizedMomentum(
-        state[MOMENTUM_KEY], state[MOMENTUM_SCALE_KEY], momentum_block_shape(view)
+        state[MOMENTUM_KEY],
+        state[fmt.scale_key],
+        momentum_block_shape(view),
+        format=fmt,
+        param_shape=tuple(view.param_shape),
     )
 
 
-def quantized_momentum_state(values: torch.Tensor, view: Any) -> dict[str, torch.Tensor]:
-    """Conversion float → int8: the codes and scales of a floating momentum ``values``."""
+def quantized_momentum_state(
+    values: torch.Tensor, view: Any, precision: str = "int8"
+) -> dict[str, torch.Tensor]:
+    """Conversion float → quantized (``precision``'s format): the codes and scales of a
+    floating momentum ``values``."""
+    fmt = MOMENTUM_FORMATS[precision]
     block = momentum_block_shape(view)
-    codes = torch.empty(values.shape, dtype=torch.int8, device=values.device)
-    scales = torch.empty(scale_shape(*block), dtype=torch.float32, device=values.device)
-    QuantizedMomentum(codes, scales, block).store_(values.float())
-    return {MOMENTUM_KEY: codes, MOMENTUM_SCALE_KEY: scales}
+    shape = momentum_codes_shape(view, fmt) if fmt.codes_per_byte > 1 else values.shape
+    codes = torch.empty(shape, dtype=fmt.code_dtype, device=values.device)
+    scales = torch.empty(fmt.scales_shape(block), dtype=torch.float32, device=values.device)
+    QuantizedMomentum(codes, scales, block, format=fmt).store_(values.float())
+    return {MOMENTUM_KEY: codes, fmt.scale_key: scales}
 
 
 def float_momentum_state(state: Mapping[str, Any], view: Any, dtype: torch.dtype) -> torch.Tensor:
-    """Conversion int8 → float: the momentum of a quantized ``state`` in ``dtype``."""
+    """Conversion quantized → float: the momentum of a quantized ``state`` in ``dtype``."""
     return quantized_momentum(state, view).values().to(dtype)
 
 

@@ -18,19 +18,23 @@ import torch
 
 from .kernels.first_step import PRECONDITIONERS, Preconditioner
 from .matrices import MATRIX_MODES
+from .momentum_formats import MOMENTUM_FORMATS
 from .newton_schulz import DEFAULT_EPS, CoefficientSpec, validate_coefficients
 from .scaling import SCALE_RULES
 from .variants import NORMALIZE_MODES, NORMUON_BETA2, Normalize
 
 NS_METHODS = ("auto", "plain", "gram")
 
-StatePrecision = Literal["param", "int8"]
+StatePrecision = Literal["param", "int8", "int4"]
 """How optimizer state is stored: ``"param"``, in floating point (the Muon momentum in
 ``momentum_dtype``, else the parameter's dtype; AdamW's moments in the parameter's dtype);
 ``"int8"``, one byte per entry and a float32 scale per block of 256 entries of a row (the Muon
-momentum linear int8, AdamW's moments 8-bit dynamic: :mod:`muonscale.block_quantization`)."""
+momentum linear int8, AdamW's moments 8-bit dynamic: :mod:`muonscale.block_quantization`);
+``"int4"`` (experimental), the Muon momentum in 4 bits per entry, two per byte, and a float32
+absmax per block of 128 entries of a row (:mod:`muonscale.block_quantization_4bit`), AdamW's
+moments 8-bit as with ``"int8"``."""
 
-STATE_PRECISIONS: tuple[StatePrecision, ...] = ("param", "int8")
+STATE_PRECISIONS: tuple[StatePrecision, ...] = ("param", "int8", "int4")
 
 PRECONDITIONER_SCHEDULES: dict[str, tuple[int, str]] = {
     "frobenius": (5, "keller"),
@@ -192,9 +196,10 @@ class MuonSettings:
         return self.momentum_dtype or dtype
 
     def momentum_storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """dtype of the stored momentum buffer: int8 codes for ``state_precision="int8"``."""
-        if self.state_precision == "int8":
-            return torch.int8
+        """dtype of the stored momentum buffer: its format's codes' for quantized state (int8
+        codes, or 4-bit codes packed in uint8 bytes)."""
+        if self.state_precision in MOMENTUM_FORMATS:
+            return MOMENTUM_FORMATS[self.state_precision].code_dtype
         return self.momentum_dtype or dtype
 
 

@@ -88,8 +88,13 @@ def _schedulers(*opts: Muon) -> list[torch.optim.lr_scheduler.LRScheduler]:
 
 @pytest.mark.parametrize(
     "storage",
-    [{}, {"momentum_dtype": torch.bfloat16}, {"state_precision": "int8"}],
-    ids=["param", "bf16_momentum", "int8_state"],
+    [
+        {},
+        {"momentum_dtype": torch.bfloat16},
+        {"state_precision": "int8"},
+        {"state_precision": "int4"},
+    ],
+    ids=["param", "bf16_momentum", "int8_state", "int4_state"],
 )
 def test_capturable_step_reads_nothing_on_the_host_and_equals_the_host_step(storage):
     """Five steps with a StepLR schedule on both halves' tensor lrs; the third has a NaN

@@ -7,7 +7,9 @@ scales; and ``state_dict_in_precision("param")``) equal single-process
 concatenations and on 3-D expert stacks (one stored (in, out)) spread over owners. AdamW int8
 groups are refused (ZeRO-1 shards cut their blocks). Checkpoints: DCP saved at 2 ranks resumes
 at 2 and in one process, and plain Muon's state dict (int8, or floating: converted) loads at 2
-ranks, each bitwise against one process.
+ranks, each bitwise against one process. ``"int4"`` (the momentum's 4-bit codes packed as
+rows of its block matrix, which owners of whole rows hold whole) runs the same checks at 2
+ranks, and loads int8 and floating state dicts.
 """
 
 from __future__ import annotations
@@ -100,8 +102,8 @@ def _weights(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _run(model_name: str, world_size: int) -> dict:
-    model, opt = _build(model_name, world_size)
+def _run(model_name: str, world_size: int, precision: str = "int8") -> dict:
+    model, opt = _build(model_name, world_size, precision=precision)
     with one_thread():
         _train_injected(model, opt, 0, STEPS)
     as_float = opt.state_dict_in_precision("param")["state"]  # collective, as state_dict()
@@ -113,8 +115,8 @@ def _run(model_name: str, world_size: int) -> dict:
     }
 
 
-def _distributed(rank: int, world_size: int, model_name: str) -> dict:
-    out = _run(model_name, world_size)
+def _distributed(rank: int, world_size: int, model_name: str, precision: str) -> dict:
+    out = _run(model_name, world_size, precision)
     opt = out.pop("opt")
     out["spread"] = sorted(opt.param_table.name(opt.params[i]) for i in opt.expert_ranges)
     return out
@@ -129,12 +131,17 @@ def _assert_equal_state(got: dict, want: dict, where) -> None:
             assert torch.equal(got[index][key], value), (where, index, key)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize(
+    ("world_size", "precision"), [(2, "int8"), (4, "int8"), (2, "int4")], ids=str
+)
 @pytest.mark.parametrize("model_name", ["dense", "experts", "stacked"])
-def test_int8_momentum_of_owners_equals_single_process_bitwise(model_name, world_size):
-    want = _run(model_name, 1)
-    assert any(v.dtype == torch.int8 for e in want["state"].values() for v in e.values())
-    for rank, got in enumerate(shared_pool(world_size).run(_distributed, model_name)):
+def test_quantized_momentum_of_owners_equals_single_process_bitwise(
+    model_name, world_size, precision
+):
+    want = _run(model_name, 1, precision)
+    codes = torch.int8 if precision == "int8" else torch.uint8
+    assert any(v.dtype == codes for e in want["state"].values() for v in e.values())
+    for rank, got in enumerate(shared_pool(world_size).run(_distributed, model_name, precision)):
         for name, tensor in want["weights"].items():
             assert torch.equal(got["weights"][name], tensor), (rank, name)
         _assert_equal_state(got["state"], want["state"], rank)
@@ -151,14 +158,14 @@ def test_int8_adamw_groups_are_refused_naming_the_fix():
     DistributedMuon(_groups(Dense()), **OPTIONS)  # the Muon group int8, AdamW floating
 
 
-def _save_at(rank: int, world_size: int, model_name: str, path: str) -> None:
-    model, opt = _build(model_name, world_size)
+def _save_at(rank: int, world_size: int, model_name: str, path: str, precision: str) -> None:
+    model, opt = _build(model_name, world_size, precision=precision)
     _train_injected(model, opt, 0, SAVE_AT)
     save_checkpoint(model, opt, path)
 
 
-def _resume_at(rank: int, world_size: int, model_name: str, path: str) -> dict:
-    model, opt = _build(model_name, world_size, seed=123)  # other weights: all come loaded
+def _resume_at(rank: int, world_size: int, model_name: str, path: str, precision: str) -> dict:
+    model, opt = _build(model_name, world_size, seed=123, precision=precision)  # all loaded
     load_checkpoint(model, opt, path)
     with one_thread():
         _train_injected(model, opt, SAVE_AT, STEPS)
@@ -171,9 +178,8 @@ def _resume_from(rank: int, world_size: int, path: str, precision: str) -> dict:
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["optim"])  # state of the other precision: converted
     held = [e["momentum_buffer"] for e in opt.state.values() if "momentum_buffer" in e]
-    assert held and {b.dtype for b in held} == {
-        torch.int8 if precision == "int8" else torch.float32
-    }
+    codes = {"int8": torch.int8, "int4": torch.uint8, "param": torch.float32}
+    assert held and {b.dtype for b in held} == {codes[precision]}
     with one_thread():
         _train_injected(model, opt, SAVE_AT, STEPS)
     return _weights(model)
@@ -181,12 +187,20 @@ def _resume_from(rank: int, world_size: int, path: str, precision: str) -> dict:
 
 @pytest.mark.filterwarnings("ignore:load_state_dict. state_precision differs")
 @pytest.mark.parametrize(
-    ("saved", "loaded"), [("int8", "int8"), ("param", "int8"), ("int8", "param")]
+    ("saved", "loaded"),
+    [
+        ("int8", "int8"),
+        ("param", "int8"),
+        ("int8", "param"),
+        ("int4", "int4"),
+        ("int8", "int4"),
+        ("int4", "param"),
+    ],
 )
 def test_plain_muon_state_dict_loads_at_2_ranks_bitwise(saved, loaded, tmp_path):
-    """Plain Muon's state dict at step 2 into DistributedMuon at 2 ranks: int8 codes copied,
-    floating state quantized, int8 state dequantized (as one process converts it): the
-    weights of one process that loads the same state dict."""
+    """Plain Muon's state dict at step 2 into DistributedMuon at 2 ranks: codes copied,
+    floating state quantized, quantized state dequantized or converted to the other format (as
+    one process converts it): the weights of one process that loads the same state dict."""
     model, opt = _build("experts", 1, precision=saved)
     with one_thread():
         _train_injected(model, opt, 0, SAVE_AT)
@@ -199,23 +213,24 @@ def test_plain_muon_state_dict_loads_at_2_ranks_bitwise(saved, loaded, tmp_path)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
+@pytest.mark.parametrize("precision", ["int8", "int4"])
 @pytest.mark.parametrize("model_name", ["dense", "experts", "stacked"])
-def test_int8_state_resumes_through_dcp_at_2_and_1_bitwise(model_name, tmp_path):
+def test_quantized_state_resumes_through_dcp_at_2_and_1_bitwise(model_name, precision, tmp_path):
     """Saved through DCP at 2 ranks (the full state: codes and scales gathered from the
     owners), resumed at 2 ranks and in one process: the uninterrupted run's weights."""
-    want = _run(model_name, 1)["weights"]
+    want = _run(model_name, 1, precision)["weights"]
     path = str(tmp_path / "at2")
-    shared_pool(2).run(_save_at, model_name, path)
-    for rank, got in enumerate(shared_pool(2).run(_resume_at, model_name, path)):
+    shared_pool(2).run(_save_at, model_name, path, precision)
+    for rank, got in enumerate(shared_pool(2).run(_resume_at, model_name, path, precision)):
         for name, tensor in want.items():
             assert torch.equal(got[name], tensor), ("2 -> 2", rank, name)
-    got = _resume_at(0, 1, model_name, path)
+    got = _resume_at(0, 1, model_name, path, precision)
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), ("2 -> 1", name)
 
 
-def _with_option(rank: int, world_size: int, case: str) -> dict[str, bool]:
-    """{name: bitwise equal} (and whether the momentum held is int8) of the int8 run with
+def _with_option(rank: int, world_size: int, case: str, precision: str) -> dict[str, bool]:
+    """{name: bitwise equal} (and whether the momentum held is quantized) of the run with
     ``case`` against its single-process reference, run here: fp32 main copies of a bf16 model
     against fp32 Muon from the same bf16-rounded weights; the owners' bf16 updates against Muon
     applying each update rounded to bf16."""
@@ -225,7 +240,7 @@ def _with_option(rank: int, world_size: int, case: str) -> dict[str, bool]:
 
     torch.manual_seed(0)
     model = Stacked()
-    options = dict(OPTIONS, **STACKED, state_precision="int8")
+    options = dict(OPTIONS, **STACKED, state_precision=precision)
     if case == "main_copies":
         model = model.bfloat16()
         ref = copy.deepcopy(model).float()
@@ -243,12 +258,16 @@ def _with_option(rank: int, world_size: int, case: str) -> dict[str, bool]:
             _train_injected(ref, muonscale.Muon(ref, **options), 0, STEPS)
     held = [e["momentum_buffer"].dtype for e in opt.state.values() if "momentum_buffer" in e]
     out = {n: torch.equal(got[n], p.detach()) for n, p in ref.named_parameters()}
-    return dict(out, held_int8=bool(held) and set(held) == {torch.int8})
+    codes = torch.int8 if precision == "int8" else torch.uint8
+    return dict(out, held_codes=bool(held) and set(held) == {codes})
 
 
-@pytest.mark.parametrize("case", ["main_copies", "gather_updates"])
-def test_int8_momentum_with_main_copies_and_gathered_updates_bitwise(case):
-    """The int8 momentum of fp32 main copies (``main_params_dtype``) and of owners that send
-    their bf16 updates (``gather_updates=True``), at 2 ranks: bitwise their references."""
-    for rank, equal in enumerate(shared_pool(2).run(_with_option, case)):
+@pytest.mark.parametrize(
+    ("case", "precision"),
+    [("main_copies", "int8"), ("gather_updates", "int8"), ("main_copies", "int4")],
+)
+def test_quantized_momentum_with_main_copies_and_gathered_updates_bitwise(case, precision):
+    """The quantized momentum of fp32 main copies (``main_params_dtype``) and of owners that
+    send their bf16 updates (``gather_updates=True``), at 2 ranks: bitwise their references."""
+    for rank, equal in enumerate(shared_pool(2).run(_with_option, case, precision)):
         assert equal and all(equal.values()), (case, rank, equal)

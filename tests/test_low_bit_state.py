@@ -1,7 +1,8 @@
-"""``state_precision="int8"``: the step is the full-precision step from the dequantized state
-(bitwise), the state written back is the float64 reference's quantization of the new state,
-the stored bytes are codes + scales, checkpoints round-trip and convert, and a tiny model
-trains as with full-precision state."""
+"""``state_precision="int8"`` (and, where the test is the same, ``"int4"``: its own tests are in
+``test_low_bit_state_4bit.py``): the step is the full-precision step from the dequantized
+state (bitwise), the state written back is the float64 reference's quantization of the new
+state, the stored bytes are codes + scales, checkpoints round-trip and convert, and a tiny
+model trains as with full-precision state."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from torch import nn
 
 import muonscale
 from muonscale.block_quantization import BLOCK_SIZE, LINEAR_LEVELS, dynamic_values
+from muonscale.block_quantization_4bit import BLOCK_SIZE_4BIT, de_values, unpack_nibbles
 from muonscale.quantized_state import adamw_block_shape, momentum_block_shape
 
 COMPAT = Path(__file__).parent / "assets" / "compat" / "single"
+QUANTIZED = ["int8", "int4"]
 
 
 class _Net(nn.Module):
@@ -46,17 +49,15 @@ def _grads(model: nn.Module, seed: int) -> None:
         p.grad = torch.randn(p.shape, generator=g)
 
 
-def _blocks_per_entry(blockwise: torch.Tensor, cols: int) -> torch.Tensor:
-    return blockwise.repeat_interleave(BLOCK_SIZE, dim=1)[:, :cols]
+def _blocks_per_entry(blockwise: torch.Tensor, cols: int, block: int = BLOCK_SIZE):
+    return blockwise.repeat_interleave(block, dim=1)[:, :cols]
 
 
-def _reference_absmax(x: torch.Tensor) -> torch.Tensor:
+def _reference_absmax(x: torch.Tensor, block: int = BLOCK_SIZE) -> torch.Tensor:
     """float64 max |x| per block of each row of the (rows, cols) ``x``, per entry."""
     rows, cols = x.shape
-    blocks = torch.stack(
-        [x[:, j : j + BLOCK_SIZE].abs().amax(dim=1) for j in range(0, cols, BLOCK_SIZE)], dim=1
-    )
-    return _blocks_per_entry(blocks, cols)
+    blocks = torch.stack([x[:, j : j + block].abs().amax(dim=1) for j in range(0, cols, block)], 1)
+    return _blocks_per_entry(blocks, cols, block)
 
 
 def _check_linear_codes(codes: torch.Tensor, values: torch.Tensor, block: tuple[int, int]):
@@ -69,6 +70,30 @@ def _check_linear_codes(codes: torch.Tensor, values: torch.Tensor, block: tuple[
     near_half = (exact - exact.floor() - 0.5).abs() < 1e-4
     assert torch.equal(got[~near_half], exact.round()[~near_half])
     assert ((got - exact).abs()[near_half] <= 0.5 + 1e-4).all()
+
+
+def _check_de4_codes(packed: torch.Tensor, values: torch.Tensor, block: tuple[int, int]):
+    """``packed`` (two 4-bit codes per byte) holds, per entry, the dynamic-exponent map value
+    nearest to x / absmax per 128-entry block (float64), ties aside."""
+    rows, cols = block
+    x = values.double().reshape(block)
+    scale = _reference_absmax(x, BLOCK_SIZE_4BIT)
+    normalized = x / torch.where(scale > 0, scale, 1.0)
+    table = torch.tensor(de_values(), dtype=torch.float64)
+    distance = (normalized[..., None] - table).abs()
+    codes = unpack_nibbles(packed, cols).long()
+    chosen = distance.gather(-1, codes[..., None]).squeeze(-1)
+    assert packed.dtype == torch.uint8 and packed.shape == (rows, -(-cols // 2))
+    assert (chosen <= distance.min(dim=-1).values + 1e-6).all()
+
+
+def _check_momentum_codes(state: dict, values: torch.Tensor, block: tuple[int, int]):
+    """The stored momentum codes of ``state`` are the reference quantization of ``values``."""
+    if "momentum_absmax" in state:
+        _check_de4_codes(state["momentum_buffer"], values, block)
+    else:
+        assert state["momentum_buffer"].dtype == torch.int8
+        _check_linear_codes(state["momentum_buffer"], values, block)
 
 
 def _check_dynamic_codes(codes: torch.Tensor, values: torch.Tensor, signed: bool, block):
@@ -86,6 +111,12 @@ def _dequantized_state(opt: muonscale.Muon, p: torch.Tensor) -> dict[str, torch.
     """The float32 values of ``p``'s quantized state, from its codes and scales (float64
     arithmetic: the reference of dequantization)."""
     s = opt.state[p]
+    if "momentum_absmax" in s:  # 4-bit: a float32 map value × a float32 absmax, exact
+        rows, cols = momentum_block_shape(opt.param_table.view(p, "flatten"))
+        table = torch.tensor(de_values(), dtype=torch.float32).double()
+        absmax = _blocks_per_entry(s["momentum_absmax"].double(), cols, BLOCK_SIZE_4BIT)
+        values = table[unpack_nibbles(s["momentum_buffer"], cols).long()] * absmax
+        return {"momentum_buffer": values.float().view(p.shape)}
     if "momentum_buffer" in s:
         rows, cols = momentum_block_shape(opt.param_table.view(p, "flatten"))
         step = _blocks_per_entry(s["momentum_scale"].double(), cols)
@@ -102,28 +133,36 @@ def _dequantized_state(opt: muonscale.Muon, p: torch.Tensor) -> dict[str, torch.
     return out
 
 
-def _pair(**options):
+def _pair(precision: str = "int8", **options):
     torch.manual_seed(0)
     model_q = _Net()
     model_f = copy.deepcopy(model_q)
     kw = dict(lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32, **options)
     return (
         model_q,
-        muonscale.Muon(model_q, state_precision="int8", **kw),
+        muonscale.Muon(model_q, state_precision=precision, **kw),
         model_f,
         muonscale.Muon(model_f, **kw),
     )
 
 
+@pytest.mark.parametrize("precision", QUANTIZED)
 @pytest.mark.parametrize("options", [{}, {"normalize": "row"}], ids=["stacked", "matrix_step"])
-def test_int8_step_is_the_float_step_from_the_dequantized_state(options):
-    """Each step of int8 state equals, bitwise, the full-precision step of an optimizer whose
-    state is the int8 state dequantized (float64 reference of the formats); the state written
-    back is the float64 reference's quantization of that step's new state. Plain Muon takes
-    the stacked fast path; NorMuon (its row moment kept in float32) the matrix step."""
-    model_q, opt_q, model_f, opt_f = _pair(**options)
+def test_quantized_step_is_the_float_step_from_the_dequantized_state(options, precision):
+    """Each step of quantized state equals, bitwise, the full-precision step of an optimizer
+    whose state is the quantized state dequantized (float64 reference of the formats); the
+    state written back is the float64 reference's quantization of that step's new state.
+    Plain Muon takes the stacked fast path; NorMuon (its row moment kept in float32) the
+    matrix step. The Muon rows (300 and 40 entries) hold whole and short blocks of either
+    format."""
+    _check_steps_from_the_dequantized_state(*_pair(precision, **options), steps=3)
+
+
+def _check_steps_from_the_dequantized_state(model_q, opt_q, model_f, opt_f, *, steps: int):
+    """``steps`` steps of the quantized ``opt_q`` each equal the floating ``opt_f``'s from the
+    dequantized state, bitwise, and write back the reference quantization of its new state."""
     pairs = list(zip(model_q.parameters(), model_f.parameters()))
-    for step in range(3):
+    for step in range(steps):
         _grads(model_q, step)
         _grads(model_f, step)
         if step:
@@ -140,9 +179,8 @@ def test_int8_step_is_the_float_step_from_the_dequantized_state(options):
             assert torch.equal(pq, pf), (step, name)
             sq, sf = opt_q.state[pq], opt_f.state[pf]
             if "momentum_buffer" in sq:
-                assert sq["momentum_buffer"].dtype == torch.int8
                 block = momentum_block_shape(opt_q.param_table.view(pq, "flatten"))
-                _check_linear_codes(sq["momentum_buffer"], sf["momentum_buffer"], block)
+                _check_momentum_codes(sq, sf["momentum_buffer"], block)
             else:
                 assert torch.equal(sq["step"], sf["step"])
                 _check_dynamic_codes(sq["exp_avg"], sf["exp_avg"], True, adamw_block_shape(pq))
@@ -167,12 +205,19 @@ def test_int8_state_bytes_are_codes_and_scales():
 
 
 def test_state_precision_is_validated_and_refused_with_momentum_dtype():
-    with pytest.raises(ValueError, match=r"state_precision must be one of \('param', 'int8'\)"):
-        muonscale.Muon(_Net(), lr=0.02, adamw_lr=3e-3, state_precision="int4")
-    with pytest.raises(ValueError, match="momentum_dtype=torch.bfloat16 contradicts"):
-        muonscale.Muon(
-            _Net(), lr=0.02, adamw_lr=3e-3, state_precision="int8", momentum_dtype=torch.bfloat16
-        )
+    with pytest.raises(
+        ValueError, match=r"state_precision must be one of \('param', 'int8', 'int4'\)"
+    ):
+        muonscale.Muon(_Net(), lr=0.02, adamw_lr=3e-3, state_precision="int2")
+    for precision in QUANTIZED:
+        with pytest.raises(ValueError, match="momentum_dtype=torch.bfloat16 contradicts"):
+            muonscale.Muon(
+                _Net(),
+                lr=0.02,
+                adamw_lr=3e-3,
+                state_precision=precision,
+                momentum_dtype=torch.bfloat16,
+            )
 
 
 def _steps(model, opt, steps):
@@ -181,18 +226,19 @@ def _steps(model, opt, steps):
         opt.step()
 
 
-def test_int8_state_dict_round_trip_resumes_bitwise():
-    model_a, opt_a, _, _ = _pair()
+@pytest.mark.parametrize("precision", QUANTIZED)
+def test_quantized_state_dict_round_trip_resumes_bitwise(precision):
+    model_a, opt_a, _, _ = _pair(precision)
     model_b = copy.deepcopy(model_a)
     _steps(model_a, opt_a, range(2))
     buffer = io.BytesIO()
     torch.save({"model": model_a.state_dict(), "opt": opt_a.state_dict()}, buffer)
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
-    assert {g["state_precision"] for g in saved["opt"]["param_groups"]} == {"int8"}
+    assert {g["state_precision"] for g in saved["opt"]["param_groups"]} == {precision}
     model_b.load_state_dict(saved["model"])
     opt_b = muonscale.Muon(
-        model_b, lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32, state_precision="int8"
+        model_b, lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32, state_precision=precision
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # same precision: nothing to convert, no warning
@@ -206,33 +252,35 @@ def test_int8_state_dict_round_trip_resumes_bitwise():
             assert torch.equal(value, opt_b.state[pb][key]), key
 
 
-def test_float_and_int8_checkpoints_convert_on_load():
-    """A full-precision checkpoint loads into int8 state (quantized: the float64 reference's
-    codes) and the reverse (dequantized), each with a warning naming the conversion."""
-    model_q, opt_q, model_f, opt_f = _pair()
+@pytest.mark.parametrize("precision", QUANTIZED)
+def test_float_and_quantized_checkpoints_convert_on_load(precision):
+    """A full-precision checkpoint loads into quantized state (the float64 reference's codes)
+    and the reverse (dequantized), each with a warning naming the conversion."""
+    model_q, opt_q, model_f, opt_f = _pair(precision)
     _steps(model_f, opt_f, range(2))
     _steps(model_q, opt_q, range(2))
     float_state = copy.deepcopy(opt_f.state_dict())
     assert all("state_precision" not in g for g in float_state["param_groups"])  # 0.5.0's keys
-    with pytest.warns(UserWarning, match="state_precision differs.*'param' -> 'int8'"):
+    with pytest.warns(UserWarning, match=f"state_precision differs.*'param' -> '{precision}'"):
         opt_q.load_state_dict(float_state)
     for pq, pf in zip(model_q.parameters(), model_f.parameters()):
         sq, sf = opt_q.state[pq], opt_f.state[pf]
         if "momentum_buffer" in sq:
             block = momentum_block_shape(opt_q.param_table.view(pq, "flatten"))
-            _check_linear_codes(sq["momentum_buffer"], sf["momentum_buffer"], block)
+            _check_momentum_codes(sq, sf["momentum_buffer"], block)
         else:
             _check_dynamic_codes(sq["exp_avg"], sf["exp_avg"], True, adamw_block_shape(pq))
-    assert {g["state_precision"] for g in opt_q.param_groups} == {"int8"}
+    assert {g["state_precision"] for g in opt_q.param_groups} == {precision}
     _steps(model_q, opt_q, range(2, 3))  # and trains
-    int8_state = opt_q.state_dict()
-    with pytest.warns(UserWarning, match="'int8' -> 'param'"):
-        opt_f.load_state_dict(int8_state)
+    quantized_state = opt_q.state_dict()
+    with pytest.warns(UserWarning, match=f"'{precision}' -> 'param'"):
+        opt_f.load_state_dict(quantized_state)
     for pq, pf in zip(model_q.parameters(), model_f.parameters()):
         for key, value in _dequantized_state(opt_q, pq).items():
             assert opt_f.state[pf][key].dtype == torch.float32
             assert torch.equal(opt_f.state[pf][key], value), key
     assert "momentum_scale" not in str(opt_f.state_dict()["state"].keys())
+    assert "momentum_absmax" not in str(opt_f.state_dict()["state"].keys())
 
 
 # the compat model's bare 3-D "experts" keep 0.5.0's flatten view, and so its warning
@@ -255,11 +303,12 @@ def test_a_saved_0_5_0_checkpoint_loads_into_int8_state_and_trains():
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_orthogonalize_in_backward_with_int8_state_equals_the_step():
+@pytest.mark.parametrize("precision", QUANTIZED)
+def test_orthogonalize_in_backward_with_quantized_state_equals_the_step(precision):
     torch.manual_seed(0)
     model_a = _Net()
     model_b = copy.deepcopy(model_a)
-    kw = dict(lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32, state_precision="int8")
+    kw = dict(lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32, state_precision=precision)
     opt_a = muonscale.Muon(model_a, **kw)
     opt_b = muonscale.Muon(model_b, orthogonalize_in_backward=True, **kw)
     x = torch.randint(30, (4, 5), generator=torch.Generator().manual_seed(1))
@@ -287,12 +336,14 @@ class _Small(nn.Module):
         return self.head(h + self.down(torch.relu(self.up(h))))
 
 
-def test_int8_state_trains_a_tiny_model_as_full_precision_state():
-    """A regression task: after 30 steps the int8 run's loss is within 2 % of the way the
-    full-precision run came down from the start (two seeds)."""
+@pytest.mark.parametrize("quantized", QUANTIZED)
+def test_quantized_state_trains_a_tiny_model_as_full_precision_state(quantized):
+    """A regression task: after 30 steps the quantized run's loss is within 2 % of the way the
+    full-precision run came down from the start (two seeds). A smoke test of the step, not a
+    measure of quality."""
     for seed in range(2):
         losses = {}
-        for precision in ("param", "int8"):
+        for precision in ("param", quantized):
             torch.manual_seed(seed)
             model, target = _Small(), _Small()
             opt = muonscale.Muon(
@@ -310,7 +361,7 @@ def test_int8_state_trains_a_tiny_model_as_full_precision_state():
                 curve.append(loss.item())
             with torch.no_grad():
                 losses[precision] = (curve[0], (model(x) - y).square().mean().item())
-        (start, full), (_, low) = losses["param"], losses["int8"]
+        (start, full), (_, low) = losses["param"], losses[quantized]
         assert full < 0.5 * start, losses
         assert abs(low - full) <= 0.02 * (start - full), (seed, losses)
 
@@ -326,7 +377,8 @@ def test_a_layout_not_tested_with_quantized_state_refuses_it():
         Layout(groups, lr=0.02, adamw_lr=3e-3)  # a param group's own precision as well
 
 
-def test_int8_state_in_small_chunks_equals_one_chunk():
+@pytest.mark.parametrize("precision", QUANTIZED)
+def test_quantized_state_in_small_chunks_equals_one_chunk(precision):
     """Chunks of a few KiB (the Muon update a parameter at a time, AdamW's moments a few rows
     at a time, the step counter advanced once) give the bits of one chunk."""
     from muonscale.memory import UNCHUNKED, MemoryBudget
@@ -335,7 +387,7 @@ def test_int8_state_in_small_chunks_equals_one_chunk():
     for budget in (UNCHUNKED, 4096):
         torch.manual_seed(0)
         model = _Net()
-        opt = muonscale.Muon(model, lr=0.02, adamw_lr=3e-3, state_precision="int8")
+        opt = muonscale.Muon(model, lr=0.02, adamw_lr=3e-3, state_precision=precision)
         opt.memory = MemoryBudget(update_chunk_bytes=budget)
         _steps(model, opt, range(2))
         runs.append((model, opt))
@@ -440,13 +492,15 @@ def test_state_dict_in_precision_is_the_named_conversion():
         for key, value in entry.items():
             assert torch.equal(value, opt_q.state_dict()["state"][i][key]), key
     with pytest.raises(ValueError, match="state_precision must be one of"):
-        opt_f.state_dict_in_precision("int4")
+        opt_f.state_dict_in_precision("int2")
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-def test_int8_state_through_distributed_checkpoint_resumes_bitwise(tmp_path):
-    """torch.distributed.checkpoint (one process): int8 codes and scales saved and loaded into
-    a fresh optimizer's state dict, then the same steps as the uninterrupted run, bitwise."""
+@pytest.mark.parametrize("precision", QUANTIZED)
+def test_quantized_state_through_distributed_checkpoint_resumes_bitwise(tmp_path, precision):
+    """torch.distributed.checkpoint (one process): codes and scales (int4: packed) saved and
+    loaded into a fresh optimizer's state dict, then the same steps as the uninterrupted run,
+    bitwise."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -454,7 +508,7 @@ def test_int8_state_through_distributed_checkpoint_resumes_bitwise(tmp_path):
         torch.manual_seed(0)
         model = _Net()
         return model, muonscale.Muon(
-            model, lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32, state_precision="int8"
+            model, lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32, state_precision=precision
         )
 
     model_a, opt_a = build()

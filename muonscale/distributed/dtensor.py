@@ -62,7 +62,8 @@ from ..group_step import adamw_group_step
 from ..newton_schulz import default_ns_dtype
 from ..optimizer import Muon
 from ..optimizer_state import parameter_states
-from ..quantized_state import MOMENTUM_SCALE_KEY, QuantizedMomentum
+from ..momentum_formats import INT8_MOMENTUM
+from ..quantized_state import QuantizedMomentum
 from ..settings import MuonSettings
 from ..step_metrics import Reduction
 from .agreement import check_same_on_every_rank
@@ -271,7 +272,7 @@ class DTensorMuon(Muon):
         state = self.state[p]
         quantized = group.get("state_precision", "param") == "int8" and is_dtensor(p)
         muon = group["algorithm"] == "muon"
-        if quantized and (MOMENTUM_SCALE_KEY not in state if muon else not state):
+        if quantized and (INT8_MOMENTUM.scale_key not in state if muon else not state):
             view = self._matrix_view(p, group) if muon else None
             state.update(zero_quantized_state(p, group, view, self._name(p)))
         return super()._init_state(p, group, settings)

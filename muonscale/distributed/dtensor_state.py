@@ -20,10 +20,10 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..block_quantization import scale_shape
+from ..momentum_formats import INT8_MOMENTUM, momentum_format_of
 from ..quantized_state import (
     ADAMW_MOMENTS,
     MOMENTUM_KEY,
-    MOMENTUM_SCALE_KEY,
     QuantizedMomentum,
     adamw_block_shape,
     adamw_state_is_quantized,
@@ -115,7 +115,7 @@ def zero_quantized_state(
     if group["algorithm"] == "muon":
         rows, cols = _local_block_shape(local, block)
         scales = torch.zeros(scale_shape(rows, cols), dtype=torch.float32, device=local.device)
-        return {MOMENTUM_SCALE_KEY: _scales_on_mesh(scales, p, block)}
+        return {INT8_MOMENTUM.scale_key: _scales_on_mesh(scales, p, block)}
     moments = zero_adamw_moments(local)
     out: dict[str, torch.Tensor] = {"step": torch.zeros((), dtype=torch.float32)}
     for key, absmax_key, _ in ADAMW_MOMENTS:
@@ -128,7 +128,7 @@ def local_quantized_momentum(state: Mapping[str, Any], view: Any) -> QuantizedMo
     """The int8 momentum of this rank's shard: its local codes and scales, whole rows."""
     codes = local_tensor(state[MOMENTUM_KEY])
     block = _local_block_shape(codes, momentum_block_shape(view))
-    return QuantizedMomentum(codes, local_tensor(state[MOMENTUM_SCALE_KEY]), block)
+    return QuantizedMomentum(codes, local_tensor(state[INT8_MOMENTUM.scale_key]), block)
 
 
 def convert_dtensor_state_(
@@ -146,7 +146,14 @@ def convert_dtensor_state_(
     block = state_block_shape(p, group, view)
     if group["algorithm"] == "muon":
         momentum = entry.get(MOMENTUM_KEY)
-        quantized = MOMENTUM_SCALE_KEY in entry
+        stored = momentum_format_of(entry)
+        if stored not in (None, INT8_MOMENTUM) or precision not in ("param", "int8"):
+            raise ValueError(
+                f"DTensorMuon converts floating and int8 state only; this state is "
+                f"{stored.precision if stored else 'param'!r}, asked for {precision!r}: load it "
+                "into muonscale.Muon and save it with state_dict_in_precision('int8') first"
+            )
+        quantized = stored is INT8_MOMENTUM
         if momentum is None or quantized == (precision == "int8"):
             return
         if precision == "int8":
@@ -158,11 +165,11 @@ def convert_dtensor_state_(
             )
             QuantizedMomentum(codes, scales, local_block).store_(values.float())
             entry[MOMENTUM_KEY] = _on_mesh(codes, p, p.shape)
-            entry[MOMENTUM_SCALE_KEY] = _scales_on_mesh(scales, p, block)
+            entry[INT8_MOMENTUM.scale_key] = _scales_on_mesh(scales, p, block)
         else:
             values = local_quantized_momentum(entry, view).values().to(p.dtype)
             entry[MOMENTUM_KEY] = _on_mesh(values, p, p.shape)
-            del entry[MOMENTUM_SCALE_KEY]
+            del entry[INT8_MOMENTUM.scale_key]
         return
     if adamw_state_is_quantized(entry) == (precision == "int8"):
         return

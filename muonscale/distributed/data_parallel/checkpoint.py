@@ -27,7 +27,15 @@ from typing import Any
 
 import torch
 
-from ...declared_state import MOMENTUM, MOMENTUM_SCALE, VARIANT_STATE, kept_state
+from ...declared_state import (
+    MOMENTUM,
+    MOMENTUM_ABSMAX,
+    MOMENTUM_SCALE,
+    VARIANT_STATE,
+    kept_state,
+    momentum_shape,
+    saved_precision,
+)
 from ...optimizer_state import check_loaded_groups, keep_state_precisions
 from ...param_table import ParamTable
 from ...settings import MuonSettings
@@ -37,7 +45,7 @@ from .layout import DataParallelLayout, expert_rows
 from .reduction import BucketedReduction
 
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
-HELD_BESIDES_MOMENTUM = (MOMENTUM_SCALE, *VARIANT_STATE)
+HELD_BESIDES_MOMENTUM = (MOMENTUM_SCALE, MOMENTUM_ABSMAX, *VARIANT_STATE)
 """The state a Muon parameter's owner may hold besides the momentum (``kept`` decides)."""
 
 
@@ -75,7 +83,12 @@ def _gather_full_state(
         main_dtype = reduction.main_dtype(p.dtype)
         settings = MuonSettings.from_group(group)
         view = param_table.view(p, group["matrix_mode"])
-        specs = {MOMENTUM.key: (p.shape, MOMENTUM.dtype(settings, main_dtype or p.dtype))}
+        specs = {
+            MOMENTUM.key: (
+                momentum_shape(settings.state_precision, view),
+                MOMENTUM.dtype(settings, main_dtype or p.dtype),
+            )
+        }
         if main_dtype is not None:
             specs["main_param"] = (p.shape, main_dtype)
         for spec in kept_state(settings, variants_only=True):  # on the owner, whole
@@ -278,7 +291,8 @@ def _in_precisions(
             entry = dict(entry)
             momentum = entry.get(MOMENTUM.key)
             if torch.is_tensor(momentum):  # torch keeps no shapes: it may come flat
-                entry[MOMENTUM.key] = momentum.reshape(p.shape)
+                shape = _saved_momentum_shape(layout, param_table, i, entry)
+                entry[MOMENTUM.key] = momentum.reshape(shape)
             held[p] = entry
     keep_state_precisions(
         layout.param_groups,
@@ -307,13 +321,15 @@ def _unit_part(
 
 
 def _whole_shapes(layout: DataParallelLayout, param_table: ParamTable) -> dict[int, dict]:
-    """Per Muon index, the whole shape of each state tensor it may load: the momentum and the
-    main copy (the parameter's), and every row state (its declared shape)."""
+    """Per Muon index, the whole shape of each state tensor it may load: the momentum (in the
+    group's ``state_precision``: the parameter's shape, or packed rows) and the main copy (the
+    parameter's), and every row state (its declared shape)."""
     out = {}
     for i in layout.muon_indices:
-        p = layout.params[i]
-        view = param_table.view(p, layout.group_of[i]["matrix_mode"])
-        out[i] = {MOMENTUM.key: p.shape, "main_param": p.shape}
+        p, group = layout.params[i], layout.group_of[i]
+        view = param_table.view(p, group["matrix_mode"])
+        precision = group.get("state_precision", "param")
+        out[i] = {MOMENTUM.key: torch.Size(momentum_shape(precision, view)), "main_param": p.shape}
         out[i].update({s.key: torch.Size(s.shape(view)) for s in HELD_BESIDES_MOMENTUM})
     return out
 
@@ -325,12 +341,14 @@ def _check_whole_shapes(
     entries: Mapping[int, Mapping[str, Any]],
 ) -> None:
     """ValueError naming the parameter and the key, before anything changes, unless every
-    loaded state tensor of a Muon parameter has its whole shape (``whole``; the momentum and
-    the main copy may come with that many elements in any shape: torch keeps no shapes), so
-    that no copy into a part of it broadcasts."""
+    loaded state tensor of a Muon parameter has its whole shape (``whole``; the momentum that of
+    the precision it was saved in; it and the main copy may come with that many elements in any
+    shape: torch keeps no shapes), so that no copy into a part of it broadcasts."""
     for i, shapes in whole.items():
         for key, shape in shapes.items():
             source = entries[i].get(key)
+            if key == MOMENTUM.key and torch.is_tensor(source):
+                shape = torch.Size(_saved_momentum_shape(layout, param_table, i, entries[i]))
             if not torch.is_tensor(source) or source.shape == shape:
                 continue
             if key in (MOMENTUM.key, "main_param") and source.numel() == shape.numel():
@@ -340,6 +358,15 @@ def _check_whole_shapes(
                 f"load_state_dict: state '{key}' of parameter '{label}' has shape "
                 f"{tuple(source.shape)}, expected {tuple(shape)}. Nothing was changed."
             )
+
+
+def _saved_momentum_shape(
+    layout: DataParallelLayout, param_table: ParamTable, i: int, entry: Mapping[str, Any]
+) -> tuple[int, ...]:
+    """The whole shape of the momentum of Muon parameter ``i`` in the loaded ``entry``, in the
+    precision it was saved in."""
+    view = param_table.view(layout.params[i], layout.group_of[i]["matrix_mode"])
+    return momentum_shape(saved_precision(entry), view)
 
 
 def _load_main(main: torch.Tensor, model: torch.Tensor, source: torch.Tensor | None) -> None:

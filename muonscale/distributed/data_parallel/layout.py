@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...declared_state import MOMENTUM, kept_state
+from ...declared_state import MOMENTUM, kept_state, zero_momentum
 from ...matrices import MatrixView
 from ...settings import MuonSettings
 from ..agreement import require_same_options
@@ -237,11 +237,8 @@ class DataParallelLayout:
             owned = reduction.owned_slice(unit)  # the parameter, or its range of experts
             main_dtype = reduction.main_dtype(p.dtype)
             settings = MuonSettings.from_group(group)
-            held[MOMENTUM.key] = torch.zeros_like(
-                owned,
-                dtype=MOMENTUM.dtype(settings, main_dtype or p.dtype),
-                memory_format=torch.preserve_format,
-            )
+            dtype = main_dtype or p.dtype
+            held[MOMENTUM.key] = zero_momentum(owned, settings, dtype, lambda v=view: v)
             for spec in kept_state(settings, variants_only=True):  # on the owner
                 held[spec.key] = spec.zeros(settings, view, p.dtype, p.device)
             if main_dtype is not None:  # the whole matrices: this rank updates them
