@@ -56,9 +56,11 @@ from .optimizer_state import (
     created_state,
     extras_not_pickled,
     pickled_extras,
+    put_back_narrowed,
     restore_loaded,
     state_bytes,
     state_dict_in_precision,
+    state_torch_would_narrow,
     unpickled_attributes,
     upgraded_groups,
     with_group_defaults,
@@ -474,7 +476,9 @@ class Muon(torch.optim.Optimizer):
         storage = [
             (g.get("momentum_dtype"), g.get("state_precision", "param")) for g in self.param_groups
         ]
+        narrowed = state_torch_would_narrow(state_dict, self.param_groups)
         super().load_state_dict(with_group_defaults(state_dict, self.muon_defaults))
+        put_back_narrowed(self.state, narrowed)
         restore_loaded(self.param_groups, self.state, lrs, storage, self._matrix_view)
         if self._backward_ns is not None:
             self._backward_ns.reset()  # work done from the replaced state is void

@@ -5,6 +5,7 @@ stacks its momentum buffers live in."""
 from __future__ import annotations
 
 import functools
+import itertools
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -357,6 +358,46 @@ def state_bytes(state: Mapping[Any, dict]) -> int:
         for v in s.values()
         if isinstance(v, torch.Tensor)
     )
+
+
+def state_torch_would_narrow(
+    state_dict: Mapping[str, Any], param_groups: list[dict[str, Any]]
+) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+    """The floating state tensors of ``state_dict`` (not ``step``) that torch's
+    ``load_state_dict`` casts to their parameter's dtype although theirs differs (float32
+    block scales and float32 momentum of bfloat16 parameters), keyed by the parameter they
+    load into (paired by position, as torch pairs them): :func:`put_back_narrowed` restores
+    them after the load, so that no bit is lost to the round trip."""
+    saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+    params = itertools.chain.from_iterable(g["params"] for g in param_groups)
+    narrowed: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+    for saved_id, p in zip(saved_ids, params):
+        entry = state_dict["state"].get(saved_id)
+        if not entry or not p.is_floating_point():
+            continue
+        kept = {
+            key: value
+            for key, value in entry.items()
+            if key != "step"
+            and torch.is_tensor(value)
+            and value.is_floating_point()
+            and value.dtype != p.dtype
+        }
+        if kept:
+            narrowed[p] = kept
+    return narrowed
+
+
+def put_back_narrowed(
+    state: Mapping[Any, dict], narrowed: Mapping[torch.Tensor, Mapping[str, torch.Tensor]]
+) -> None:
+    """After torch's ``load_state_dict``: the tensors :func:`state_torch_would_narrow` found,
+    copied in their saved dtype onto their parameter's device (torch's load copies too)."""
+    for p, entry in narrowed.items():
+        loaded = state.get(p)
+        for key, value in entry.items():
+            if loaded is not None and key in loaded:
+                loaded[key] = value.to(device=p.device, copy=True)
 
 
 def restore_loaded(

@@ -252,6 +252,55 @@ def test_quantized_state_dict_round_trip_resumes_bitwise(precision):
             assert torch.equal(value, opt_b.state[pb][key]), key
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"state_precision": "int8"},
+        {"state_precision": "int4"},
+        {"momentum_dtype": torch.float32},
+    ],
+    ids=["int8", "int4", "float32_momentum"],
+)
+def test_float32_state_of_bfloat16_parameters_survives_load_state_dict(options):
+    """torch's load casts floating state to the parameter's dtype: the float32 block scales
+    (and a float32 momentum) of bfloat16 parameters come back with every bit, and the resumed
+    run steps as the uninterrupted one."""
+    torch.manual_seed(0)
+    model_a = _Net().to(torch.bfloat16)
+    model_b = copy.deepcopy(model_a)
+
+    def build(model):
+        return muonscale.Muon(model, lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32, **options)
+
+    def steps(model, opt, seeds):
+        for seed in seeds:
+            g = torch.Generator().manual_seed(seed)
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+            opt.step()
+
+    opt_a = build(model_a)
+    steps(model_a, opt_a, range(2))
+    wide = [
+        v
+        for s in opt_a.state.values()
+        for k, v in s.items()
+        if k != "step" and v.dtype == torch.float32
+    ]
+    assert wide and any(v.to(torch.bfloat16).float().ne(v).any() for v in wide)  # bf16 loses bits
+    model_b.load_state_dict(model_a.state_dict())
+    opt_b = build(model_b)
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        for key, value in opt_a.state[pa].items():
+            assert value.dtype == opt_b.state[pb][key].dtype, key
+            assert torch.equal(value, opt_b.state[pb][key]), key
+    steps(model_a, opt_a, range(2, 4))
+    steps(model_b, opt_b, range(2, 4))
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(pa, pb)
+
+
 @pytest.mark.parametrize("precision", QUANTIZED)
 def test_float_and_quantized_checkpoints_convert_on_load(precision):
     """A full-precision checkpoint loads into quantized state (the float64 reference's codes)

@@ -59,10 +59,10 @@ import torch.distributed as dist
 from .. import functional, matrix_step
 from ..declared_state import kept_state, replicated_state
 from ..group_step import adamw_group_step
+from ..momentum_formats import INT8_MOMENTUM
 from ..newton_schulz import default_ns_dtype
 from ..optimizer import Muon
 from ..optimizer_state import parameter_states
-from ..momentum_formats import INT8_MOMENTUM
 from ..quantized_state import QuantizedMomentum
 from ..settings import MuonSettings
 from ..step_metrics import Reduction
