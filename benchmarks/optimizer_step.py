@@ -27,6 +27,7 @@ import torch.optim._muon as torch_muon_module
 
 import muonscale
 from muonscale import newton_schulz_flops
+from muonscale.settings import STATE_PRECISIONS
 
 
 def gpt2_small_parameters(layers: int, d: int = 768, vocab: int = 50304, context: int = 1024):
@@ -106,7 +107,7 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--state-precision",
         default="param",
-        choices=("param", "int8"),
+        choices=STATE_PRECISIONS,
         help="also time muonscale with this state_precision, interleaved with the others",
     )
     parser.add_argument("--json", default=None, help="write the results here")
