@@ -8,6 +8,8 @@ bitwise, and DCP checkpoints resume 2 → 2, 2 → 1 and 4 → 2 bitwise the uni
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from distributed_harness import load_checkpoint, one_thread, save_checkpoint, shared_pool
@@ -45,16 +47,12 @@ class Tiny(nn.Module):
         self.head = nn.Linear(300, 3)
 
 
-def _build(world_size: int, seed: int = 0, vectors: str = "int8", precision: str = "int8"):
-    """The model and its optimizer (``world_size`` 1: plain Muon): the Muon weights and the
-    AdamW tables (embedding, head) in ``precision``, the norm and biases in ``vectors``."""
-    from muonscale.distributed import DistributedMuon
-
-    torch.manual_seed(seed)
-    model = Tiny()
+def _groups(model: nn.Module, vectors: str = "int8", precision: str = "int8") -> list[dict]:
+    """The Muon weights and the AdamW tables (embedding, head) in ``precision``, the norm and
+    biases in ``vectors``."""
     named = list(model.named_parameters())
     tables = ("embed.weight", "head.weight")
-    groups = [
+    return [
         {
             "params": [(n, p) for n, p in named if p.ndim == 2 and n not in tables],
             "state_precision": precision,
@@ -70,8 +68,16 @@ def _build(world_size: int, seed: int = 0, vectors: str = "int8", precision: str
             "state_precision": vectors if precision != "param" else "param",
         },
     ]
+
+
+def _build(world_size: int, seed: int = 0, vectors: str = "int8", precision: str = "int8"):
+    """The model and its optimizer (``world_size`` 1: plain Muon), groups as :func:`_groups`."""
+    from muonscale.distributed import DistributedMuon
+
+    torch.manual_seed(seed)
+    model = Tiny()
     cls = muonscale.Muon if world_size == 1 else DistributedMuon
-    return model, cls(groups, **OPTIONS)
+    return model, cls(_groups(model, vectors, precision), **OPTIONS)
 
 
 def _run(rank: int, world_size: int, vectors: str = "int8") -> dict:
@@ -176,3 +182,28 @@ def test_floating_state_dict_loads_into_int8_segments_bitwise(tmp_path):
         for name, tensor in want["weights"].items():
             assert torch.equal(got["weights"][name], tensor), (rank, name)
         _assert_equal_state(got["state"], want["state"], rank)
+
+
+def _with_main_copies(rank: int, world_size: int) -> dict[str, bool]:
+    """{name: bitwise equal} of the fp32 main copies of a bf16 model against fp32 Muon from
+    the same bf16-rounded weights, run here."""
+    from muonscale.distributed import DistributedMuon
+
+    torch.manual_seed(0)
+    model = Tiny().bfloat16()
+    ref = copy.deepcopy(model).float()
+    opt = DistributedMuon(_groups(model), **OPTIONS, main_params_dtype=torch.float32)
+    _train_injected(model, opt, 0, STEPS)
+    full = opt.state_dict()["state"]
+    got = {opt.param_table.name(p): full[i]["main_param"] for i, p in enumerate(opt.params)}
+    _train_injected(ref, muonscale.Muon(_groups(ref), **OPTIONS), 0, STEPS)
+    held = [e["exp_avg"].dtype for e in opt.state.values() if "exp_avg_absmax" in e]
+    out = {n: torch.equal(got[n], p.detach()) for n, p in ref.named_parameters()}
+    return dict(out, held_codes=bool(held) and set(held) == {torch.uint8})
+
+
+def test_int8_adamw_segments_of_main_copies_bitwise():
+    """fp32 main copies (``main_params_dtype``) of a bf16 model step int8 AdamW segments at 2
+    ranks: bitwise fp32 single-process Muon."""
+    for rank, equal in enumerate(shared_pool(2).run(_with_main_copies)):
+        assert equal and all(equal.values()), (rank, equal)

@@ -72,7 +72,9 @@ class DistributedMuon(Muon):
           2. all-reduce (max) of [has-gradient, non-finite] flags and of the backward
              passes since the last step: all ranks agree to raise / skip / go on
                                                        2(N−1)/N · (8·P + 12) bytes
-          3. AdamW on the local shards and fill range (state for those only)
+          3. AdamW on the local shards and fill range (state for those only); 8-bit
+             moments: all-reduce (max) of the C blocks that shard boundaries cut
+             (:mod:`.quantized_shards`)                2(N−1)/N · 8·C bytes
              ──▶ all-gather of the flat buckets (async)
           4. Muon on owned matrices in waves along the owner stream (momentum, batched
              Newton–Schulz, update); each bucket's all-gather starts (async) as soon as its
