@@ -22,7 +22,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ... import functional
 from ...block_quantization import (
     BLOCK_SIZE,
     block_matrix_shape,
@@ -30,9 +29,8 @@ from ...block_quantization import (
     dynamic_values,
     quantize_dynamic_,
 )
-from ...group_step import quantized_adamw_rows
-from ...memory import UNCHUNKED, MemoryBudget
-from ...quantized_state import ADAMW_MOMENTS, quantized_state_budget
+from ...group_step import adamw_group_step
+from ...quantized_state import ADAMW_MOMENTS
 
 CODE_BUFFERS = {"exp_avg": "exp_avg_codes", "exp_avg_sq": "exp_avg_sq_codes"}
 """A shard store's buffer of each moment's 8-bit codes (beside its floating ``exp_avg``)."""
@@ -186,56 +184,51 @@ class SharedBlockScales:
         max_chunk_bytes: Any,
     ) -> list[_CutPiece]:
         """AdamW on the local segments ``indices`` (``targets``: flat, updated in place) with
-        8-bit moments, part by part as one process steps rows (the same arithmetic:
-        :func:`functional.adamw <muonscale.functional.adamw>`); whole blocks are written back
-        at once, cut pieces returned for :meth:`exchange`."""
-        beta1, beta2 = group["betas"]
-        pending: list[_CutPiece] = []
+        8-bit moments: the whole blocks as one process steps rows (each part a (rows, width)
+        matrix of its own in :func:`~muonscale.group_step.adamw_group_step`), the cut pieces
+        on their moments in float32 (the same arithmetic), returned for :meth:`exchange`."""
+        whole: list[tuple[torch.Tensor, torch.Tensor, dict]] = []  # (param, grad, its state)
+        cut: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict, _CutPiece]] = []
+        counters: list[tuple[torch.Tensor, dict]] = []  # each part's step counter, then its own
         for i, target, grad, s in zip(indices, targets, grads, states):
-            budget = quantized_state_budget(MemoryBudget(max_chunk_bytes), target.device)
-            counter, step = s["step"], None
             segment = self.blocks[i]
             for part in segment.parts:
                 span = slice(part.start, part.start + part.rows * part.width)
                 x = target[span].view(part.rows, part.width)
                 g = grad[span].view(part.rows, part.width)
-                codes = [s[key][span].view(part.rows, part.width) for key, _, _ in ADAMW_MOMENTS]
                 scales = slice(part.block_start, part.block_start + part.rows * part.blocks)
-                absmax = [s[k][scales].view(part.rows, part.blocks) for _, k, _ in ADAMW_MOMENTS]
-                chunk = quantized_adamw_rows(part.rows, part.width, x, budget.update_chunk_bytes)
-                for first in range(0, part.rows, chunk):
-                    rows = slice(first, min(part.rows, first + chunk))
-                    moments = [
-                        dequantize_dynamic(c[rows], a[rows], signed=signed)
-                        for c, a, (_, _, signed) in zip(codes, absmax, ADAMW_MOMENTS)
-                    ]
-                    param = x[rows]
-                    work = param if param.dtype == torch.float32 else param.float()
-                    step = counter.clone()  # each part starts from the counter before the step
-                    functional.adamw(
-                        [work],
-                        [g[rows].float()],
-                        [moments[0]],
-                        [moments[1]],
-                        [step],
-                        lr=float(group["lr"]),
-                        beta1=beta1,
-                        beta2=beta2,
-                        eps=group["eps"],
-                        weight_decay=group["weight_decay"],
-                        max_chunk_bytes=UNCHUNKED,
-                        finite=None,
-                    )
-                    if work is not param:
-                        param.copy_(work)
-                    if part.cut:
-                        slot = self.slots[(i, segment.first_block + part.block_start)]
-                        pending.append(_CutPiece(moments, codes, absmax, slot))
-                        continue
-                    for value, c, a, (_, _, signed) in zip(moments, codes, absmax, ADAMW_MOMENTS):
-                        quantize_dynamic_(value, c[rows], a[rows], signed=signed)
-            counter.copy_(step)
-        return pending
+                held = {"step": s["step"].clone()}  # each part starts from the counter
+                for key, absmax_key, _ in ADAMW_MOMENTS:
+                    held[key] = s[key][span].view(part.rows, part.width)
+                    held[absmax_key] = s[absmax_key][scales].view(part.rows, part.blocks)
+                counters.append((s["step"], held))
+                if not part.cut:
+                    whole.append((x, g, held))
+                    continue
+                codes = [held[key] for key, _, _ in ADAMW_MOMENTS]
+                absmax = [held[key] for _, key, _ in ADAMW_MOMENTS]
+                moments = [
+                    dequantize_dynamic(c, a, signed=signed)
+                    for c, a, (_, _, signed) in zip(codes, absmax, ADAMW_MOMENTS)
+                ]
+                slot = self.slots[(i, segment.first_block + part.block_start)]
+                work = x if x.dtype == torch.float32 else x.float()  # rounded once, as Muon
+                values = {"exp_avg": moments[0], "exp_avg_sq": moments[1], "step": held["step"]}
+                cut.append((x, work, g.float(), values, _CutPiece(moments, codes, absmax, slot)))
+        options = dict(capturable=False, step_ok=None, max_chunk_bytes=max_chunk_bytes)
+        if whole:
+            params, part_grads, held_states = (list(t) for t in zip(*whole))
+            adamw_group_step(group, params, part_grads, held_states, **options)
+        if cut:
+            floating = {**group, "state_precision": "param"}  # the float32 moments, stepped
+            works, part_grads, values = ([c[k] for c in cut] for k in (1, 2, 3))
+            adamw_group_step(floating, works, part_grads, values, **options)
+            for x, work, *_ in cut:
+                if work is not x:
+                    x.copy_(work)
+        for counter, held in counters:
+            counter.copy_(held["step"])
+        return [c[4] for c in cut]
 
     def exchanges(self, present: Sequence[bool]) -> bool:
         """Whether this step exchanges maxima (the same on every rank: ``present`` is agreed):
