@@ -5,11 +5,11 @@ scales; and ``state_dict_in_precision("param")``) equal single-process
 ``Muon(state_precision="int8")``'s bitwise, on a dense model
 (rows of several 256-entry blocks, AdamW parameters in a floating group), on expert
 concatenations and on 3-D expert stacks (one stored (in, out)) spread over owners. AdamW int8
-groups are refused (ZeRO-1 shards cut their blocks). Checkpoints: DCP saved at 2 ranks resumes
-at 2 and in one process, and plain Muon's state dict (int8, or floating: converted) loads at 2
-ranks, each bitwise against one process. ``"int4"`` (the momentum's 4-bit codes packed as
-rows of its block matrix, which owners of whole rows hold whole) runs the same checks at 2
-ranks, and loads int8 and floating state dicts.
+groups are accepted (their ZeRO-1 segments: ``tests/test_low_bit_zero1.py``). Checkpoints: DCP
+saved at 2 ranks resumes at 2 and in one process, and plain Muon's state dict (int8, or
+floating: converted) loads at 2 ranks, each bitwise against one process. ``"int4"`` (the
+momentum's 4-bit codes packed as rows of its block matrix, which owners of whole rows hold
+whole) runs the same checks at 2 ranks, and loads int8 and floating state dicts.
 """
 
 from __future__ import annotations
@@ -150,12 +150,21 @@ def test_quantized_momentum_of_owners_equals_single_process_bitwise(
             assert SPREAD[model_name] <= set(got["spread"]), got["spread"]
 
 
-def test_int8_adamw_groups_are_refused_naming_the_fix():
+def test_int8_adamw_groups_are_accepted():
+    """Every group int8 (AdamW's too: its ZeRO-1 segments share the absmax of the blocks
+    their boundaries cut, ``tests/test_low_bit_zero1.py``); in one process no block is cut,
+    and the step is plain Muon's."""
     from muonscale.distributed import DistributedMuon
 
-    with pytest.raises(ValueError, match=r"supported for the Muon momentum only.*param group 1"):
-        DistributedMuon(Dense(), **OPTIONS, state_precision="int8")  # one process: no group
-    DistributedMuon(_groups(Dense()), **OPTIONS)  # the Muon group int8, AdamW floating
+    model, ref = Dense(), Dense()
+    ref.load_state_dict(model.state_dict())
+    opt = DistributedMuon(model, **OPTIONS, state_precision="int8")  # one process: no group
+    want = muonscale.Muon(ref, **OPTIONS, state_precision="int8")
+    assert not opt.block_scales.slots
+    _train_injected(model, opt, 0, 2)
+    _train_injected(ref, want, 0, 2)
+    _assert_equal_state(opt.state_dict()["state"], want.state_dict()["state"], "one process")
+    assert any("exp_avg_absmax" in e for e in opt.state_dict()["state"].values())
 
 
 def _save_at(rank: int, world_size: int, model_name: str, path: str, precision: str) -> None:

@@ -2,7 +2,8 @@
 
 One module per idea: :mod:`.optimizer` (the class and its step phases), :mod:`.layout` (who
 holds what: :class:`DataParallelLayout`), :mod:`.reduction` and :mod:`.buckets` (the bucketed
-reduce-scatter and its plans), :mod:`.step` (the phases after the reduction), :mod:`.gathers`
+reduce-scatter and its plans), :mod:`.step` (the phases after the reduction),
+:mod:`.quantized_shards` (8-bit AdamW moments of the ZeRO-1 segments), :mod:`.gathers`
 and :mod:`.update_gather` (the all-gathers back), :mod:`.deferred_gather` (gathers landed in the
 next forward), :mod:`.grad_clip` and :mod:`.checkpoint`.
 """

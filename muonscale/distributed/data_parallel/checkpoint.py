@@ -26,7 +26,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from ...block_quantization import scale_shape
 from ...declared_state import (
     MOMENTUM,
     MOMENTUM_ABSMAX,
@@ -38,10 +40,13 @@ from ...declared_state import (
 )
 from ...optimizer_state import check_loaded_groups, keep_state_precisions
 from ...param_table import ParamTable
+from ...quantized_state import ADAMW_MOMENTS as QUANTIZED_MOMENTS
+from ...quantized_state import adamw_block_shape
 from ...settings import MuonSettings
 from ..comm import WireCounter
 from .buckets import ExpertRange, OwnedUnit
 from .layout import DataParallelLayout, expert_rows
+from .quantized_shards import CODE_BUFFERS, absmax_numel, segment_blocks, zero_code
 from .reduction import BucketedReduction
 
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -50,9 +55,59 @@ HELD_BESIDES_MOMENTUM = (MOMENTUM_SCALE, MOMENTUM_ABSMAX, *VARIANT_STATE)
 
 
 def _sharded_names(store: Any) -> tuple[str, ...]:
-    """The element-wise sharded state of a flat shard or fill range: the AdamW moments, and
+    """The element-wise sharded buffers of a flat shard or fill range: the AdamW moments
+    (floating, and 8-bit codes: :data:`~.quantized_shards.CODE_BUFFERS`, those it has), and
     ``main_param`` where it keeps main copies."""
-    return ADAMW_MOMENTS + (() if store.main_param is None else ("main_param",))
+    names = (*ADAMW_MOMENTS, *CODE_BUFFERS.values(), "main_param")
+    return tuple(name for name in names if getattr(store, name) is not None)
+
+
+def _entry_buffers(reduction: BucketedReduction, i: int, store: Any) -> dict[str, str]:
+    """State key -> the store's buffer that holds it, for AdamW parameter ``i`` (8-bit
+    moments: the codes)."""
+    quantized = i in reduction.quantized_adamw
+    out = {name: CODE_BUFFERS[name] if quantized else name for name in ADAMW_MOMENTS}
+    if store.main_param is not None:
+        out["main_param"] = "main_param"
+    return out
+
+
+def _gather_absmax(
+    layout: DataParallelLayout,
+    reduction: BucketedReduction,
+    state: Mapping[torch.Tensor, dict[str, Any]],
+    indices: list[int],
+) -> dict[int, dict[str, torch.Tensor]]:
+    """The whole absmax (rows, ⌈cols / 256⌉) of each 8-bit AdamW parameter of ``indices``
+    (collective: one all-reduce (max) of every range laid end to end; a block on several
+    ranks has the same absmax on each)."""
+    quantized = [i for i in indices if i in reduction.quantized_adamw]
+    if not quantized:
+        return {}
+    offsets, total = {}, 0
+    for i in quantized:
+        for _, key, _ in QUANTIZED_MOMENTS:
+            offsets[(i, key)] = total
+            total += absmax_numel(layout.params[i].shape)
+    device = layout.params[quantized[0]].device
+    whole = torch.zeros(total, dtype=torch.float32, device=device)
+    for i in quantized:
+        if i in reduction.segments:
+            seg = reduction.segments[i][1]
+            blocks = segment_blocks(layout.params[i].shape, seg.param_start, seg.length)
+            for _, key, _ in QUANTIZED_MOMENTS:
+                at = offsets[(i, key)] + blocks.first_block
+                whole[at : at + blocks.block_count].copy_(state[layout.params[i]][key])
+    layout.comm.all_reduce(whole, op=dist.ReduceOp.MAX, tag="checkpoint")
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for i in quantized:
+        p = layout.params[i]
+        shape = scale_shape(*adamw_block_shape(p))
+        out[i] = {}
+        for _, key, _ in QUANTIZED_MOMENTS:
+            at = offsets[(i, key)]
+            out[i][key] = whole[at : at + absmax_numel(p.shape)].view(shape).clone()
+    return out
 
 
 @torch.no_grad()
@@ -116,11 +171,13 @@ def _gather_full_state(
             gathered[name] = shards.full.new_empty(shards.full.numel(), dtype=mine.dtype)
             layout.comm.all_gather(gathered[name], mine, tag="checkpoint")  # (padded,)
         flat = shards.layout
+        absmax = _gather_absmax(layout, reduction, state, flat.params)
         for i, off, n in zip(flat.params, flat.offsets, flat.numels):
             p = layout.params[i]
             full[i] = {"step": state[p]["step"].clone()}
-            for name in gathered:
-                full[i][name] = gathered[name][off : off + n].view(p.shape).clone()
+            for key, name in _entry_buffers(reduction, i, shards).items():
+                full[i][key] = gathered[name][off : off + n].view(p.shape).clone()
+            full[i].update(absmax.get(i, {}))
     full.update(_gather_fill_state(layout, reduction, state))
     return {i: full[i] for i in sorted(full)}
 
@@ -159,18 +216,22 @@ def _gather_fill_state(
                 layout.world_size * width, dtype=mine.dtype, device=mine.device
             )
             layout.comm.all_gather(gathered[name], padded, tag="checkpoint")
+        buffers = {i: _entry_buffers(reduction, i, fill) for i in fill_layout.params}
         for i in fill_layout.params:
             p = layout.params[i]
             full[i] = {"step": state[p]["step"].clone()}
-            for name in names:
-                full[i][name] = torch.empty_like(p, dtype=gathered[name].dtype)
+            for key, name in buffers[i].items():
+                full[i][key] = torch.empty_like(p, dtype=gathered[name].dtype)
         for rank in range(layout.world_size):
             for seg in fill_layout.segments(rank):
                 src = rank * width + seg.buffer_start
-                for name in names:
-                    full[seg.param][name].view(-1)[
+                for key, name in buffers[seg.param].items():
+                    full[seg.param][key].view(-1)[
                         seg.param_start : seg.param_start + seg.length
                     ] = gathered[name][src : src + seg.length]
+        absmax = _gather_absmax(layout, reduction, state, fill_layout.params)
+        for i, scales in absmax.items():
+            full[i].update(scales)
     return full
 
 
@@ -256,6 +317,9 @@ def load_full_state(
             continue
         seg = reduction.segments[i][1]
         window = slice(seg.param_start, seg.param_start + seg.length)
+        if i in reduction.quantized_adamw:
+            _load_quantized_segment(held, entry, p.shape, seg)
+            continue
         for name in ADAMW_MOMENTS:
             source = entry.get(name)
             if source is None:
@@ -269,6 +333,24 @@ def load_full_state(
                 p.view(-1)[window],
                 None if source is None else source.reshape(-1)[window],
             )
+
+
+def _load_quantized_segment(
+    held: dict[str, Any], entry: Mapping[str, Any], shape: torch.Size, seg: Any
+) -> None:
+    """This rank's codes and absmax range of a whole 8-bit AdamW entry (zero moments where the
+    entry has none)."""
+    blocks = segment_blocks(shape, seg.param_start, seg.length)
+    window = slice(seg.param_start, seg.param_start + seg.length)
+    scales = slice(blocks.first_block, blocks.first_block + blocks.block_count)
+    for key, absmax_key, signed in QUANTIZED_MOMENTS:
+        codes, absmax = entry.get(key), entry.get(absmax_key)
+        if codes is None or absmax is None:
+            held[key].fill_(zero_code(signed))
+            held[absmax_key].zero_()
+        else:
+            held[key].copy_(codes.reshape(-1)[window])
+            held[absmax_key].copy_(absmax.reshape(-1)[scales])
 
 
 def _in_precisions(

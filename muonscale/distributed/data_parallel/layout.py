@@ -26,6 +26,7 @@ from ..hosts import discover_host_map
 from ..ownership import assign_expert_ranges, format_ownership_table, rank_loads, rank_totals
 from ..setup_checks import is_dtensor, require_same_parameters, require_same_values
 from .buckets import ExpertRange, OwnedUnit
+from .quantized_shards import CODE_BUFFERS, SharedBlockScales
 from .reduction import BucketedReduction
 
 
@@ -222,10 +223,12 @@ class DataParallelLayout:
         state: Mapping[torch.Tensor, dict[str, Any]],
         reduction: BucketedReduction,
         matrix_view: Callable[[torch.Tensor, Mapping[str, Any]], Any],
+        block_scales: SharedBlockScales,
     ) -> None:
         """Create this rank's state now (owned momentum, AdamW shard views, every step counter,
         main copies), so that no rank's state is empty (DCP's ``get_state_dict`` would otherwise
-        call ``step()`` on that rank alone); the main copies' model parameters are recorded."""
+        call ``step()`` on that rank alone); the main copies' model parameters are recorded.
+        8-bit AdamW moments: views of the stores' codes and ``block_scales``' absmax."""
         for i in self.muon_indices:
             p, group = self.params[i], self.group_of[i]
             held = state[p]  # an entry on every rank, owner or not
@@ -254,8 +257,13 @@ class DataParallelLayout:
             if i in reduction.segments:  # a flat-bucket shard or a stream fill range
                 store, seg = reduction.segments[i]
                 window = slice(seg.buffer_start, seg.buffer_start + seg.length)
-                held["exp_avg"] = store.exp_avg[window]
-                held["exp_avg_sq"] = store.exp_avg_sq[window]
+                if i in reduction.quantized_adamw:
+                    for name, buffer in CODE_BUFFERS.items():
+                        held[name] = getattr(store, buffer)[window]
+                    held.update(block_scales.zero_state(i, p.device))
+                else:
+                    held["exp_avg"] = store.exp_avg[window]
+                    held["exp_avg_sq"] = store.exp_avg_sq[window]
                 if store.main_param is not None:
                     held["main_param"] = store.main_param[window]
                     held["main_param"].copy_(segment_of(p, seg))

@@ -38,6 +38,7 @@ from .layout import (
     communicator,
     expected_readiness,
 )
+from .quantized_shards import SharedBlockScales
 from .reduction import BucketedReduction, ReduceAt, ReductionOptions
 from .update_gather import UPDATE_DTYPE, UpdateGather, check_gather_updates, sends_update
 
@@ -71,7 +72,9 @@ class DistributedMuon(Muon):
           2. all-reduce (max) of [has-gradient, non-finite] flags and of the backward
              passes since the last step: all ranks agree to raise / skip / go on
                                                        2(N−1)/N · (8·P + 12) bytes
-          3. AdamW on the local shards and fill range (state for those only)
+          3. AdamW on the local shards and fill range (state for those only); 8-bit
+             moments: all-reduce (max) of the C blocks that shard boundaries cut
+             (:mod:`.quantized_shards`)                2(N−1)/N · 8·C bytes
              ──▶ all-gather of the flat buckets (async)
           4. Muon on owned matrices in waves along the owner stream (momentum, batched
              Newton–Schulz, update); each bucket's all-gather starts (async) as soon as its
@@ -231,7 +234,6 @@ class DistributedMuon(Muon):
         options = ReductionOptions(reduce_dtype, main_params_dtype, bucket_cap_mb, reduce_at)
         self._sends_update = lambda p, g: sends_update(p, g, gather_updates, options.main_dtype)
         super().__init__(params, **muon_options)
-        refuse_quantized_adamw(self.param_groups)
         comm = communicator(process_group, wire_counter or WireCounter(), host_map)
         self.layout = DataParallelLayout(self.param_groups, comm, self._matrix_view)
         layout = self.layout
@@ -249,6 +251,11 @@ class DistributedMuon(Muon):
         check_parameters(
             comm, layout.params, layout.group_of, names, self._sends_update, agreed_options
         )
+        quantized_adamw = frozenset(
+            i
+            for i in layout.adamw_indices
+            if layout.group_of[i].get("state_precision", "param") != "param"
+        )
         self.reduction = BucketedReduction(
             layout.params,
             options,
@@ -265,12 +272,25 @@ class DistributedMuon(Muon):
             ),
             update_dtype=UPDATE_DTYPE,
             readiness=expected_readiness(layout.params, model, self.param_table.names),
+            quantized_adamw=quantized_adamw,
         )
+        starts = self.reduction.segment_starts()
+        self.block_scales = SharedBlockScales(
+            {i: layout.params[i].shape for i in quantized_adamw},
+            {i: starts.get(i, []) for i in quantized_adamw},
+            {
+                i: (seg.param_start, seg.length)
+                for i, (_, seg) in self.reduction.segments.items()
+                if i in quantized_adamw
+            },
+            comm,
+        )
+        """The 8-bit AdamW segments and their shared block scales (:mod:`.quantized_shards`)."""
         self.update_gather = UpdateGather(self.reduction, gather_updates, name_of)
         self._owner_apply = None  # Muon's last pass on owners: as usual, or sending updates
         if self.update_gather.gathered_units:
             self._owner_apply = self.update_gather.owner_apply(layout.unit_of)
-        layout.init_local_state(self.state, self.reduction, self._matrix_view)
+        layout.init_local_state(self.state, self.reduction, self._matrix_view, self.block_scales)
         self.deferred: DeferredGather | None = None
         """The gathers left in flight by ``step()`` and their model hooks (``defer_gather``)."""
         if defer_gather:
@@ -356,7 +376,8 @@ class DistributedMuon(Muon):
     @classmethod
     def _accepts_quantized_state(cls) -> bool:
         """The owners' Muon momentum is quantized whole (each owner holds whole matrices or
-        whole experts, so whole rows); AdamW's int8 groups are refused at construction."""
+        whole experts, so whole rows); AdamW's 8-bit segments share the absmax of the blocks
+        their shard boundaries cut (:mod:`.quantized_shards`)."""
         return cls is DistributedMuon
 
     def _after_rebind(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -539,7 +560,9 @@ class DistributedMuon(Muon):
         present = grads.present
         self.update_gather.capture(self.layout, self.param_table, present)  # lr, decay now
         chunk = self.memory.update_chunk_bytes
-        phases.update_adamw_shards(self.layout, self.reduction, self.state, present, chunk)
+        phases.update_adamw_shards(
+            self.layout, self.reduction, self.state, present, chunk, self.block_scales
+        )
         if self.step_metrics is not None:
             self._record_adamw_shards(self.step_metrics, present)
         wave = functools.partial(self._update_owned_units, present)
@@ -629,23 +652,6 @@ class DistributedMuon(Muon):
             for target, model in zip(targets, owned):
                 if target is not model:
                     model.copy_(target)  # rounded into the model's parameter
-
-
-def refuse_quantized_adamw(param_groups: Sequence[Mapping[str, Any]]) -> None:
-    """ValueError unless every AdamW group with parameters keeps floating state: its ZeRO-1
-    flat shards cut AdamW's rows (and their 256-entry blocks) anywhere, so its 8-bit moments
-    would not be one process's."""
-    for i, group in enumerate(param_groups):
-        precision = group.get("state_precision", "param")
-        if group["algorithm"] == "adamw" and group["params"] and precision != "param":
-            raise ValueError(
-                f"DistributedMuon: state_precision={precision!r} is supported for the Muon "
-                f"momentum only, but param group {i} (AdamW) has it: AdamW's ZeRO-1 flat "
-                "shards cut its rows, and the 256-entry blocks of its 8-bit moments, at any "
-                "element. Give the AdamW parameters a param group with "
-                "state_precision='param', e.g. [{'params': muon_params, 'state_precision': "
-                "'int8'}, {'params': adamw_params, 'algorithm': 'adamw'}]"
-            )
 
 
 def _land_and_detach(deferred: DeferredGather) -> None:

@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import torch
 
+from ...quantized_state import ADAMW_MOMENTS
 from ...settings import check_dtype
 from ..comm import Communicator
 from .buckets import (
@@ -41,6 +42,7 @@ from .buckets import (
     plan_owner_streams,
     unit_param,
 )
+from .quantized_shards import zero_code
 
 
 @dataclass
@@ -50,9 +52,11 @@ class FillShard:
     layout: StreamFill
     grad: torch.Tensor  # (fill_r,) view of the stream's recv: reduced gradients, then updated
     #                     parameters (the stream's gather_in is its recv when there is a fill)
-    exp_avg: torch.Tensor  # (fill_r,) state of this range only (main dtype with main copies)
-    exp_avg_sq: torch.Tensor
+    exp_avg: torch.Tensor | None  # (fill_r,) state of this range only (main dtype with main
+    exp_avg_sq: torch.Tensor | None  # copies; None: every parameter's moments are 8-bit)
     main_param: torch.Tensor | None = None  # (fill_r,) main copies of this range, or None
+    exp_avg_codes: torch.Tensor | None = None  # (fill_r,) uint8: 8-bit moments, or None
+    exp_avg_sq_codes: torch.Tensor | None = None
 
 
 @dataclass
@@ -76,9 +80,11 @@ class FlatShard:
     layout: FlatBucket
     full: torch.Tensor  # (padded,) local gradients in, gathered parameters out
     shard: torch.Tensor  # (padded/N,) reduced gradient shard, then updated parameter shard
-    exp_avg: torch.Tensor  # (padded/N,) state of this shard only (main dtype with main copies)
-    exp_avg_sq: torch.Tensor
+    exp_avg: torch.Tensor | None  # (padded/N,) state of this shard only (main dtype with main
+    exp_avg_sq: torch.Tensor | None  # copies; None: every parameter's moments are 8-bit)
     main_param: torch.Tensor | None = None  # (padded/N,) main copies of this shard, or None
+    exp_avg_codes: torch.Tensor | None = None  # (padded/N,) uint8: 8-bit moments, or None
+    exp_avg_sq_codes: torch.Tensor | None = None
 
     @property
     def grad(self) -> torch.Tensor:
@@ -158,6 +164,9 @@ class BucketedReduction:
         update_params: Muon indices whose owner's update may be gathered instead of the
             parameter; a stream whose every matrix is one gathers updates in ``update_dtype``
             and carries no AdamW fill (:mod:`.update_gather`).
+        quantized_adamw: AdamW indices whose moments are 8-bit (``state_precision="int8"``):
+            their segments' codes live in the stores' ``exp_avg_codes`` and
+            ``exp_avg_sq_codes`` (:mod:`.quantized_shards`).
         readiness: every index, in the order backward is expected to make the gradients
             ready (None: the reverse of ``params``); streams and buckets follow it.
 
@@ -183,7 +192,9 @@ class BucketedReduction:
         update_params: frozenset[int] = frozenset(),
         update_dtype: torch.dtype = torch.bfloat16,
         readiness: list[int] | None = None,
+        quantized_adamw: frozenset[int] = frozenset(),
     ) -> None:
+        self.quantized_adamw = quantized_adamw
         self.params, self.options, self.comm, self.owner_rank = params, options, comm, owner_rank
         self.expert_ranges = dict(expert_ranges or {})
         order = readiness if readiness is not None else list(range(len(params)))[::-1]
@@ -271,13 +282,12 @@ class BucketedReduction:
             if layout.fill.params:
                 start, n = layout.fill.stream_starts[self.rank], layout.fill.lengths[self.rank]
                 main_dtype = self.main_dtype(dtype)
-                moments = [
-                    torch.zeros(n, dtype=main_dtype or dtype, device=device) for _ in range(2)
-                ]
+                moments = self._moments(layout.fill.params, n, main_dtype or dtype, device)
                 main = (
                     None if main_dtype is None else torch.zeros(n, dtype=main_dtype, device=device)
                 )
-                fill = FillShard(layout.fill, recv[start : start + n], *moments, main)
+                fill = FillShard(layout.fill, recv[start : start + n], moments[0], moments[1], main)
+                fill.exp_avg_codes, fill.exp_avg_sq_codes = moments[2:]
             stream = StreamBuffers(layout, recv, send, gather_in, gather_out, fill, updates)
             self.streams.append(stream)
             buckets += [
@@ -292,14 +302,14 @@ class BucketedReduction:
             for layout in plan_flat_buckets(members, numels, N, cap):
                 full = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
                 shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
-                exp_avg, exp_avg_sq = (
-                    torch.zeros(layout.shard_numel, dtype=main_dtype or dtype, device=device)
-                    for _ in range(2)
+                moments = self._moments(
+                    layout.params, layout.shard_numel, main_dtype or dtype, device
                 )
                 main = None
                 if main_dtype is not None:
                     main = torch.zeros(layout.shard_numel, dtype=main_dtype, device=device)
-                shards = FlatShard(layout, full, shard, exp_avg, exp_avg_sq, main)
+                shards = FlatShard(layout, full, shard, moments[0], moments[1], main)
+                shards.exp_avg_codes, shards.exp_avg_sq_codes = moments[2:]
                 self.flat_shards.append(shards)
                 buckets.append(_Bucket("adamw", frozenset(layout.params), shards=shards))
         # Launch order: by the last gradient a bucket waits for.
@@ -317,6 +327,36 @@ class BucketedReduction:
             if stream.fill is not None:
                 for seg in stream.fill.layout.segments(self.rank):
                     self.segments[seg.param] = (stream.fill, seg)
+
+    def _moments(
+        self, params: Sequence[int], n: int, dtype: torch.dtype, device: torch.device
+    ) -> list[torch.Tensor | None]:
+        """A store's AdamW moments for ``n`` elements holding ``params``: floating
+        ``exp_avg``, ``exp_avg_sq`` (None when every parameter's are 8-bit), then uint8
+        codes of each (every one the code of 0; None when no parameter's are 8-bit)."""
+        quantized = [i in self.quantized_adamw for i in params]
+        floating = [torch.zeros(n, dtype=dtype, device=device) for _ in range(2)]
+        if all(quantized):
+            floating = [None, None]
+        codes = [None, None]
+        if any(quantized):
+            codes = [
+                torch.full((n,), zero_code(signed), dtype=torch.uint8, device=device)
+                for _, _, signed in ADAMW_MOMENTS
+            ]
+        return floating + codes
+
+    def segment_starts(self) -> dict[int, list[int]]:
+        """Every sharded AdamW parameter -> the starts (in the flattened parameter) of its
+        segments on every rank."""
+        layouts = [s.layout for s in self.flat_shards]
+        layouts += [s.fill.layout for s in self.streams if s.fill is not None]
+        out: dict[int, list[int]] = {}
+        for layout in layouts:
+            for r in range(self.world_size):
+                for seg in layout.segments(r):
+                    out.setdefault(seg.param, []).append(seg.param_start)
+        return out
 
     # ================================================================ public helpers
     def communication_buffer_bytes(self) -> int:

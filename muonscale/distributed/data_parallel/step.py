@@ -20,6 +20,7 @@ from . import gathers
 from .buckets import OwnedUnit, unit_param
 from .deferred_gather import PendingGather
 from .layout import DataParallelLayout, segment_of
+from .quantized_shards import SharedBlockScales
 from .reduction import BucketedReduction, StreamBuffers
 
 Pending = list[tuple[Any, Any]]  # (work, copy back) pairs in launch order
@@ -70,8 +71,12 @@ def update_adamw_shards(
     state: Mapping[torch.Tensor, dict[str, Any]],
     present: list[bool],
     max_chunk_bytes: int,
+    block_scales: SharedBlockScales,
 ) -> None:
-    """AdamW on this rank's segments of every AdamW parameter with a gradient."""
+    """AdamW on this rank's segments of every AdamW parameter with a gradient; 8-bit moments
+    (``state_precision="int8"`` groups) through ``block_scales``, whose blocks cut by shard
+    boundaries take their absmax shared over the ranks (one all-reduce, collective)."""
+    cut_pieces = []
     for group in layout.param_groups:
         if group["algorithm"] != "adamw":
             continue
@@ -88,18 +93,23 @@ def update_adamw_shards(
         params = [s.get("main_param", seg) for s, seg in zip(states, segments)]
         grads = [reduction.reduced_shard_grad(i) for i in local]
         grads = [g if g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(grads, params)]
-        adamw_group_step(
-            group,
-            params,
-            grads,
-            states,
-            capturable=False,
-            step_ok=None,
-            max_chunk_bytes=max_chunk_bytes,
-        )
+        if group.get("state_precision", "param") != "param":
+            cut_pieces += block_scales.step(group, local, params, grads, states, max_chunk_bytes)
+        else:
+            adamw_group_step(
+                group,
+                params,
+                grads,
+                states,
+                capturable=False,
+                step_ok=None,
+                max_chunk_bytes=max_chunk_bytes,
+            )
         for target, segment in zip(params, segments):
             if target is not segment:
                 segment.copy_(target)  # rounded into the model's parameter
+    if block_scales.exchanges(present):
+        block_scales.exchange(cut_pieces)
 
 
 def _waves(
