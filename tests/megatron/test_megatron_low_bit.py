@@ -187,11 +187,11 @@ def _quantized_steps_equal_float_steps(
     return sorted(mismatched)
 
 
-def _refusal(tp: int, **extra) -> str:
+def _refusal(tp: int, num_experts: int | None = None, **extra) -> str:
     from megatron.core import parallel_state as ps
 
     W.setup_parallel(tp)
-    model = W.build_gpt(W.TINY, seed=0)
+    model = W.build_gpt(W.TINY, seed=0, num_experts=num_experts)
     try:
         _megatron(model, **extra)
     except ValueError as error:
@@ -213,6 +213,10 @@ def run_low_bit(rank: int, world_size: int) -> dict:
         tp1_int4=_run(1, state_precision="int4", dp_mode="replicated"),
         tp1_resumed=_run(1, resume_at=2, state_precision="int8", dp_mode="replicated"),
         zero1=_run(1, state_precision="int8", dp_mode="zero1", float_state_params=adamw),
+        zero1_int4=_run(1, state_precision="int4", dp_mode="zero1", float_state_params=adamw),
+        tp1_int4_float_adamw=_run(
+            1, state_precision="int4", dp_mode="replicated", float_state_params=adamw
+        ),
         tp1_float_adamw=_run(
             1, state_precision="int8", dp_mode="replicated", float_state_params=adamw
         ),
@@ -235,6 +239,9 @@ def run_low_bit(rank: int, world_size: int) -> dict:
             2, state_precision="int8", dp_mode="replicated", float_state_params=ROW_PARALLEL
         ),
         refuse_zero1_adamw=_refusal(1, state_precision="int8", dp_mode="zero1"),
+        refuse_zero1_experts=_refusal(
+            1, num_experts=2, state_precision="int8", dp_mode="zero1", float_state_params=adamw
+        ),
     )
     return out
 
@@ -293,13 +300,20 @@ def test_zero1_muon_int8_equals_replicated_bitwise(results):
     ref = results["ref8_float_adamw"]
     assert run["dp_mode"] == "zero1"
     _assert_same(run["params"], replicated["params"], "params")
+    _assert_same(run["state"], replicated["state"], "state")
     quantized = _quantized(run["state"])
     assert quantized and not quantized & set(results["adamw"])
-    assert quantized == _quantized(ref["state"]) == _quantized(replicated["state"])
+    assert quantized == _quantized(ref["state"])
     for name in quantized:
-        _assert_same(run["state"][name], replicated["state"][name], name)
         _assert_same(run["state"][name], ref["state"][name], name)
     _assert_weights_close(run, ref)
+
+
+def test_zero1_muon_int4_equals_replicated_bitwise(results):
+    run, replicated = results["zero1_int4"], results["tp1_int4_float_adamw"]
+    _assert_same(run["params"], replicated["params"], "params")
+    _assert_same(run["state"], replicated["state"], "state")
+    assert any("momentum_absmax" in s for s in run["state"].values())
 
 
 @pytest.mark.parametrize("layout", ["tp1", "zero1"])
@@ -333,3 +347,4 @@ def test_cut_rows_are_refused_by_name(results):
     assert ".bias'" in bias and "partition_dim=0" in bias, bias
     zero1 = results["refuse_zero1_adamw"]
     assert any(f"'{n}'" in zero1 for n in results["adamw"]) and "ZeRO-1" in zero1, zero1
+    assert "MegatronExpertZero1" in results["refuse_zero1_experts"]
