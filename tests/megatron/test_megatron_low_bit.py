@@ -41,7 +41,7 @@ def _megatron(model, **extra):
     return megatron_muon([model], MegatronMuonConfig().replaced(**_options(**extra)))
 
 
-def _named_state(opt, model) -> dict[str, dict[str, torch.Tensor]]:
+def _named_state(opt) -> dict[str, dict[str, torch.Tensor]]:
     """Every parameter's state by name, TP pieces gathered into the whole (canonical order);
     ZeRO-1: the full state of its ``state_dict()`` (collective)."""
     out = {}
@@ -124,7 +124,7 @@ def _run(tp: int, steps: int = STEPS, resume_at: int | None = None, **extra) -> 
         opt.zero_grad(set_to_none=True)
     out = dict(
         params={n: W.gather_full(p) for n, p in model.named_parameters()},
-        state=_named_state(opt, model),
+        state=_named_state(opt),
         dp_mode=opt.dp_mode,
     )
     ps.destroy_model_parallel()
@@ -231,6 +231,13 @@ def run_low_bit(rank: int, world_size: int) -> dict:
         ),
         tp1_mismatched=_quantized_steps_equal_float_steps(1, "int8"),
         tp1_int4_mismatched=_quantized_steps_equal_float_steps(1, "int4"),
+        tp2_resumed=_run(
+            2,
+            resume_at=2,
+            state_precision="int8",
+            dp_mode="replicated",
+            float_state_params=ROW_PARALLEL + CUT_BIASES,
+        ),
         tp2_mismatched=_quantized_steps_equal_float_steps(2, "int8", ROW_PARALLEL + CUT_BIASES),
         refuse_row_parallel=_refusal(
             2, state_precision="int8", dp_mode="replicated", float_state_params=CUT_BIASES
@@ -316,7 +323,7 @@ def test_zero1_muon_int4_equals_replicated_bitwise(results):
     assert any("momentum_absmax" in s for s in run["state"].values())
 
 
-@pytest.mark.parametrize("layout", ["tp1", "zero1"])
+@pytest.mark.parametrize("layout", ["tp1", "zero1", "tp2"])
 def test_state_dict_resumes_bitwise(results, layout):
     resumed, whole = results[f"{layout}_resumed"], results[layout]
     _assert_same(resumed["params"], whole["params"], "params")

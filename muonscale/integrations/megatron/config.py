@@ -196,9 +196,10 @@ class MegatronMuonConfig:
     is refused by name unless ``float_state_params`` names it (*Low-bit state* in the docs)."""
     float_state_params: tuple[str, ...] = ()
     """Names (``fnmatch`` patterns, e.g. ``"*.linear_proj.weight"``) of parameters whose state
-    stays floating (``state_precision="param"``) when ``state_precision``
-    quantizes the others: the parameters whose shards cut rows (TP's row-parallel weights, AdamW
-    under ZeRO-1), which a quantized state refuses by name (*Low-bit state* in the docs)."""
+    stays floating (``state_precision="param"``, a param group of their own) while
+    ``state_precision`` quantizes the others: the parameters whose shards cut rows (TP's
+    row-parallel weights, column-parallel biases, AdamW under ZeRO-1), which a quantized state
+    refuses by name (*Low-bit state* in the docs)."""
     dp_mode: str = "auto"
     """``"zero1"``: :class:`muonscale.DistributedMuon` over Megatron's DP group (reduce-scatter
     to owners, ZeRO-1); ``"replicated"``: every DP replica runs the step; ``"auto"``: zero1

@@ -100,7 +100,7 @@ class MegatronMuon(Muon):
     def _accepts_quantized_state(cls) -> bool:
         """Quantized on each rank's shard of whole rows; a shard that cuts rows is refused at
         construction, naming the parameter (:mod:`.low_bit`)."""
-        return True
+        return cls is MegatronMuon
 
     def _average_grads(self) -> None:
         """Mean of ``.grad`` over the data-parallel group (dense) and the expert-data group
@@ -331,7 +331,7 @@ class MegatronDistributedMuon(DistributedMuon):
         """The owners' Muon momentum, whole TP pieces of whole rows, as
         :class:`DistributedMuon`'s; row-parallel pieces and AdamW's flat shards are refused at
         construction, naming the parameter (:mod:`.low_bit`)."""
-        return True
+        return cls is MegatronDistributedMuon
 
     def _logical_numel(self, p: torch.Tensor) -> int:
         return whole_numel(self._plan_of(p), p)
