@@ -100,33 +100,56 @@ def _adamw_names() -> tuple[str, ...]:
     return tuple(pl.name for pl in plans if pl.algorithm == "adamw")
 
 
-def _run(tp: int, steps: int = STEPS, resume_at: int | None = None, **extra) -> dict:
+def _model(seed: int, bf16: bool):
+    model = W.build_gpt(W.TINY, seed=seed)
+    return model.bfloat16() if bf16 else model
+
+
+def _inject(model, step: int) -> None:
+    """:func:`megatron_workers.inject_gradients` into a model of any dtype: the float32
+    gradients it draws, rounded to each parameter's dtype."""
+    params = list(model.parameters())
+    dtypes = [p.dtype for p in params]
+    for p in params:
+        p.data = p.data.float()
+    W.inject_gradients(model, step)
+    for p, dtype in zip(params, dtypes):
+        p.data, p.grad = p.data.to(dtype), p.grad.to(dtype)
+
+
+def _run(
+    tp: int, steps: int = STEPS, resume_at: int | None = None, bf16: bool = False, **extra
+) -> dict:
     """The adapter at ``tp`` for ``steps`` steps; ``resume_at``: a new model and optimizer
-    loaded from the state dict (and weights) after that many steps take the rest."""
+    loaded from the state dict (and weights) after that many steps take the rest. ``bf16``:
+    a bf16 model, the optimizer stepping fp32 main copies."""
     from megatron.core import parallel_state as ps
 
     W.setup_parallel(tp)
-    model = W.build_gpt(W.TINY, seed=0)
+    model = _model(0, bf16)
     opt = _megatron(model, **extra)
     for step in range(steps):
         if step == resume_at:
             saved = opt.state_dict()
             weights = {n: p.detach().clone() for n, p in model.named_parameters()}
             del opt
-            model = W.build_gpt(W.TINY, seed=1)  # other weights: all come from the checkpoint
+            model = _model(1, bf16)  # other weights: all come from the checkpoint
             with torch.no_grad():
                 for n, p in model.named_parameters():
                     p.copy_(weights[n])
             opt = _megatron(model, **extra)
             opt.load_state_dict(saved)
-        W.inject_gradients(model, step)
+        _inject(model, step)
         opt.step()
         opt.zero_grad(set_to_none=True)
+    named = dict(model.named_parameters())
     out = dict(
-        params={n: W.gather_full(p) for n, p in model.named_parameters()},
+        params={n: W.gather_full(p) for n, p in named.items()},
         state=_named_state(opt),
         dp_mode=opt.dp_mode,
     )
+    if opt.dp_mode == "replicated":  # the main copies (ZeRO-1 holds them in its state)
+        out["main"] = {pl.name: W.gather_full(named[pl.name], pl.param) for pl in opt.plans}
     ps.destroy_model_parallel()
     return out
 
@@ -216,6 +239,14 @@ def run_low_bit(rank: int, world_size: int) -> dict:
         zero1_int4=_run(1, state_precision="int4", dp_mode="zero1", float_state_params=adamw),
         tp1_int4_float_adamw=_run(
             1, state_precision="int4", dp_mode="replicated", float_state_params=adamw
+        ),
+        bf16=_run(1, bf16=True, state_precision="int8", dp_mode="replicated"),
+        bf16_resumed=_run(1, resume_at=2, bf16=True, state_precision="int8", dp_mode="replicated"),
+        bf16_zero1=_run(
+            1, bf16=True, state_precision="int8", dp_mode="zero1", float_state_params=adamw
+        ),
+        bf16_float_adamw=_run(
+            1, bf16=True, state_precision="int8", dp_mode="replicated", float_state_params=adamw
         ),
         tp1_float_adamw=_run(
             1, state_precision="int8", dp_mode="replicated", float_state_params=adamw
@@ -316,6 +347,20 @@ def test_zero1_muon_int8_equals_replicated_bitwise(results):
     _assert_weights_close(run, ref)
 
 
+def test_zero1_bf16_main_copies_int8_equals_replicated_bitwise(results):
+    """bf16 models: the int8 momentum of the fp32 main copies, at their ZeRO-1 owners."""
+    run, replicated = results["bf16_zero1"], results["bf16_float_adamw"]
+    assert all(p.dtype == torch.bfloat16 for p in run["params"].values())
+    _assert_same(run["params"], replicated["params"], "params")
+    state = {n: dict(s) for n, s in run["state"].items()}
+    main = {n: s.pop("main_param") for n, s in state.items()}
+    _assert_same(main, replicated["main"], "main copies")
+    assert all(m.dtype == torch.float32 for m in main.values())
+    _assert_same(state, replicated["state"], "state")
+    assert _quantized(run["state"]) == _quantized(results["zero1"]["state"])
+    assert _quantized(results["bf16"]["state"]) == set(results["bf16"]["state"])
+
+
 def test_zero1_muon_int4_equals_replicated_bitwise(results):
     run, replicated = results["zero1_int4"], results["tp1_int4_float_adamw"]
     _assert_same(run["params"], replicated["params"], "params")
@@ -323,8 +368,9 @@ def test_zero1_muon_int4_equals_replicated_bitwise(results):
     assert any("momentum_absmax" in s for s in run["state"].values())
 
 
-@pytest.mark.parametrize("layout", ["tp1", "zero1", "tp2"])
+@pytest.mark.parametrize("layout", ["tp1", "zero1", "tp2", "bf16"])
 def test_state_dict_resumes_bitwise(results, layout):
+    """At the same layout (``bf16``: fp32 main copies, saved in the state dict)."""
     resumed, whole = results[f"{layout}_resumed"], results[layout]
     _assert_same(resumed["params"], whole["params"], "params")
     _assert_same(resumed["state"], whole["state"], "state")
