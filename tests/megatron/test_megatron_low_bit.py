@@ -2,12 +2,15 @@
 adapter on 2 gloo ranks, with identical gradients injected on every rank.
 
 Blocks are segments of a row, so a rank that holds whole rows quantizes as one process does:
-TP 1 (replicated and ZeRO-1) equals single-process :class:`muonscale.Muon` bitwise, weights
-and state; at TP 2 the column-parallel weights' state equals it bitwise too (the momentum
-depends on the gradients only), and each int8 step equals the adapter's floating step taken
-from the dequantized state (the TP exchange rounds otherwise than one process). Shards that
-cut rows (row-parallel weights, AdamW's flat ZeRO-1 shards, a TP-sharded bias) are refused by
-name, and kept floating with ``float_state_params``."""
+at TP 1 the state equals single-process :class:`muonscale.Muon`'s bitwise, and at TP 2 the
+column-parallel weights' state too (the state depends on the gradients only). The weights are
+not bitwise one process's even with floating state (the adapter batches Newton–Schulz
+otherwise; under TP the exchange too), so each quantized step is checked bitwise against the
+adapter's floating step taken from the same weights and the dequantized state, and the weights
+against one process's within the float32 bound of the variant tests. ZeRO-1 equals the
+replicated run bitwise (fp32 and bf16 models with main copies); checkpoints resume bitwise.
+Shards that cut rows (row-parallel weights, AdamW's flat ZeRO-1 shards, a TP-sharded bias)
+are refused by name, and kept floating with ``float_state_params``."""
 
 from __future__ import annotations
 
