@@ -220,9 +220,9 @@ class Muon(torch.optim.Optimizer):
         if state_precision != "param" and not self._accepts_quantized_state():
             raise ValueError(
                 f"{type(self).__name__} does not support state_precision={state_precision!r} "
-                "yet (quantized state is tested with muonscale.Muon, DistributedMuon and "
-                "DTensorMuon only); use state_precision='param' (momentum_dtype=torch.bfloat16 "
-                "halves the momentum)"
+                "yet (quantized state is tested with muonscale.Muon, DistributedMuon, "
+                "DTensorMuon and the Megatron-Core optimizer only); use "
+                "state_precision='param' (momentum_dtype=torch.bfloat16 halves the momentum)"
             )
 
     @classmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -22,6 +23,7 @@ TP_MODES = ("exact", "approximate_blockwise")
 ``"approximate_blockwise"``: each rank orthogonalizes its own shard (Megatron's ``blockwise``)."""
 
 DP_MODES = ("auto", "zero1", "replicated")
+STATE_PRECISIONS = ("param", "int8", "int4")
 
 # Megatron-Core --muon-scale-mode → muonscale ``scale`` rule. Same formulas, different names:
 # emerging_optimizers 0.3.0 orthogonalized_optimizers/muon.py, get_muon_scale_factor (L136).
@@ -187,6 +189,17 @@ class MegatronMuonConfig:
     matrix's variant runs at its owner rank, and replicated row state stays replicated over
     the TP group. :meth:`replaced` (and ``from_megatron`` / ``megatron_muon`` overrides) also
     take them by name."""
+    state_precision: str = "param"
+    """How the optimizer state is stored (:class:`muonscale.Muon`'s option): ``"param"``
+    (floating), ``"int8"`` (the Muon momentum as int8 codes, AdamW's moments 8-bit) or
+    ``"int4"`` (a 4-bit Muon momentum). A parameter whose shard cuts rows of its state's blocks
+    is refused by name unless ``float_state_params`` names it (*Low-bit state* in the docs)."""
+    float_state_params: tuple[str, ...] = ()
+    """Names (``fnmatch`` patterns, e.g. ``"*.linear_proj.weight"``) of parameters whose state
+    stays floating (``state_precision="param"``, a param group of their own) while
+    ``state_precision`` quantizes the others: the parameters whose shards cut rows (TP's
+    row-parallel weights, column-parallel biases, AdamW under ZeRO-1), which a quantized state
+    refuses by name (*Low-bit state* in the docs)."""
     dp_mode: str = "auto"
     """``"zero1"``: :class:`muonscale.DistributedMuon` over Megatron's DP group (reduce-scatter
     to owners, ZeRO-1); ``"replicated"``: every DP replica runs the step; ``"auto"``: zero1
@@ -215,6 +228,17 @@ class MegatronMuonConfig:
             raise ValueError(
                 f"clip_grad must be a number >= 0 (0 disables), got {self.clip_grad!r}"
             )
+        if self.state_precision not in STATE_PRECISIONS:
+            raise ValueError(
+                f"state_precision must be one of {STATE_PRECISIONS}, got {self.state_precision!r}"
+            )
+        names = self.float_state_params
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise TypeError(
+                "float_state_params must be a tuple of parameter names or fnmatch patterns, "
+                f"got {names!r}"
+            )
+        object.__setattr__(self, "float_state_params", tuple(names))
         if self.dp_mode not in DP_MODES:
             raise ValueError(f"dp_mode must be one of {DP_MODES}, got {self.dp_mode!r}")
         if self.qkv_split not in QKV_SPLIT_MODES:
@@ -308,13 +332,18 @@ def muon_arguments(
     plans: Sequence[ParamPlan], config: MegatronMuonConfig
 ) -> tuple[list[dict], dict[str, Any]]:
     """Param groups (routing pinned by the plan) and :class:`muonscale.Muon` options."""
-    muon = [(pl.name, pl.param) for pl in plans if pl.algorithm == "muon"]
-    adamw = [(pl.name, pl.param) for pl in plans if pl.algorithm == "adamw"]
+    floating = {pl.name for pl in plans if keeps_float_state(pl.name, config)}
     param_groups = []
-    if muon:
-        param_groups.append({"params": muon, "algorithm": "muon"})
-    if adamw:
-        param_groups.append({"params": adamw, "algorithm": "adamw"})
+    for algorithm in ("muon", "adamw"):
+        mine = [pl for pl in plans if pl.algorithm == algorithm]
+        quantized = [(pl.name, pl.param) for pl in mine if pl.name not in floating]
+        kept = [(pl.name, pl.param) for pl in mine if pl.name in floating]
+        if quantized:
+            param_groups.append({"params": quantized, "algorithm": algorithm})
+        if kept:  # the parameters named by float_state_params
+            param_groups.append(
+                {"params": kept, "algorithm": algorithm, "state_precision": "param"}
+            )
     options = dict(
         lr=config.lr,
         momentum=config.muon_momentum,
@@ -330,7 +359,14 @@ def muon_arguments(
         adamw_weight_decay=config.adam_weight_decay,
         nonfinite=config.nonfinite,
         qkv_split=config.qkv_split,
+        state_precision=config.state_precision,
         splits={pl.name: pl.qkv_layout for pl in plans if pl.qkv_layout is not None},
         **config.variant_options,
     )
     return param_groups, options
+
+
+def keeps_float_state(name: str, config: MegatronMuonConfig) -> bool:
+    """Whether parameter ``name`` is named by ``config.float_state_params`` (its state stays
+    floating)."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in config.float_state_params)

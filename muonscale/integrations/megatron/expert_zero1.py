@@ -58,6 +58,13 @@ class MegatronExpertZero1(torch.optim.Optimizer):
             "dense": [pl for pl in plans if not pl.expert],
             "experts": [pl for pl in plans if pl.expert],
         }
+        precision = config.state_precision
+        if precision != "param":
+            raise ValueError(
+                f"state_precision={precision!r} is not tested with ZeRO-1 on a model with "
+                "experts (MegatronExpertZero1); use dp_mode='replicated' or "
+                "state_precision='param'"
+            )
         # the halves neither clip nor judge gradients on their own: the norm below does both
         unclipped = config.replaced(clip_grad=0.0)
         self.config, self.groups = config, groups

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -15,14 +15,17 @@ import torch.distributed as dist
 from muonscale.declared_state import replicated_declarations, replicated_state
 from muonscale.distributed.comm import Communicator, WireCounter, combine_over_ranks
 from muonscale.distributed.data_parallel import AgreedGradients, DistributedMuon
+from muonscale.matrices import MatrixView
 from muonscale.matrix_step import ApplyUpdates
 from muonscale.optimizer import Muon
 from muonscale.params import RouteDecision
+from muonscale.quantized_state import QuantizedMomentum, quantized_momentum
 from muonscale.settings import MuonSettings
 from muonscale.step_metrics import Reduction, StepMetrics
 
 from .config import MegatronMuonConfig, muon_arguments
 from .grad_norm import GlobalGradNorm
+from .low_bit import refuse_cut_rows
 from .main_params import MainParams
 from .plan import MegatronGroups, ParamPlan
 from .row_state import RowStateEntry, TensorParallelMatrices, held_row_state
@@ -74,6 +77,8 @@ class MegatronMuon(Muon):
         self.last_step_wire_bytes, self.last_step_wire_breakdown = 0, {}
         self.tp_matrices = TensorParallelMatrices(groups, config)
         param_groups, options = muon_arguments(self.plans, config)
+        precision = options.get("state_precision", "param")
+        refuse_cut_rows(self.plans, param_groups, precision, zero1=False)
         super().__init__(param_groups, **options)
         self.routing = {pl.name: RouteDecision(pl.algorithm, pl.reason) for pl in self.plans}
         self.orthogonalizer = orthogonalizer or TensorParallelOrthogonalizer(
@@ -90,6 +95,12 @@ class MegatronMuon(Muon):
         self.grads_reduced = has_main_grad if config.grads_reduced is None else config.grads_reduced
         if not self.grads_reduced:
             check_self_reduction(plans, groups)
+
+    @classmethod
+    def _accepts_quantized_state(cls) -> bool:
+        """Quantized on each rank's shard of whole rows; a shard that cuts rows is refused at
+        construction, naming the parameter (:mod:`.low_bit`)."""
+        return cls is MegatronMuon
 
     def _average_grads(self) -> None:
         """Mean of ``.grad`` over the data-parallel group (dense) and the expert-data group
@@ -151,7 +162,7 @@ class MegatronMuon(Muon):
             muon_update_(
                 params,
                 grads,
-                self._stacked_momentum(group, params, states),
+                momentum_buffers(group, params, states, self._stacked_momentum, self._matrix_view),
                 [self._matrix_view(p, group) for p in params],
                 [self._plan_by_id[id(p)] for p in params],
                 group,
@@ -281,6 +292,8 @@ class MegatronDistributedMuon(DistributedMuon):
                 "MegatronDistributedMuon gathers the updated parameters: gather_updates must be "
                 "None or False"
             )
+        precision = options.get("state_precision", "param")
+        refuse_cut_rows(self.plans, param_groups, precision, zero1=True)
         self.external_grad_norm = external_grad_norm
         super().__init__(
             param_groups,
@@ -312,6 +325,13 @@ class MegatronDistributedMuon(DistributedMuon):
     def last_grad_norm(self) -> float | None:
         """Global gradient norm of the latest step, before clipping."""
         return self.grad_norm.last_norm
+
+    @classmethod
+    def _accepts_quantized_state(cls) -> bool:
+        """The owners' Muon momentum, whole TP pieces of whole rows, as
+        :class:`DistributedMuon`'s; row-parallel pieces and AdamW's flat shards are refused at
+        construction, naming the parameter (:mod:`.low_bit`)."""
+        return cls is MegatronDistributedMuon
 
     def _logical_numel(self, p: torch.Tensor) -> int:
         return whole_numel(self._plan_of(p), p)
@@ -374,7 +394,7 @@ class MegatronDistributedMuon(DistributedMuon):
             muon_update_(
                 params,
                 grads,
-                self._stacked_momentum(group, params, states),
+                momentum_buffers(group, params, states, self._stacked_momentum, self._matrix_view),
                 [self._matrix_view(p, group) for p in params],
                 [self._plan_by_id[id(self.model_param(p))] for p in params],
                 group,
@@ -419,6 +439,21 @@ class MegatronDistributedMuon(DistributedMuon):
                     agreed.present, "(a parameter on another tensor-parallel rank)"
                 )
         return agreed
+
+
+def momentum_buffers(
+    group: Mapping[str, Any],
+    params: list[torch.Tensor],
+    states: list[dict],
+    stacked: Callable[[Mapping[str, Any], list[torch.Tensor], list[dict]], list[torch.Tensor]],
+    view: Callable[[torch.Tensor, Mapping[str, Any]], MatrixView],
+) -> list[torch.Tensor | QuantizedMomentum]:
+    """The Muon momentum of ``params`` as :func:`~.tensor_parallel.muon_update_` takes it: the
+    floating buffers in their stacks (``stacked``), or each quantized one as its codes and
+    scales over the block matrix of its ``view``."""
+    if group.get("state_precision", "param") == "param":
+        return stacked(group, params, states)
+    return [quantized_momentum(s, view(p, group)) for p, s in zip(params, states)]
 
 
 def whole_numel(plan: ParamPlan, p: torch.Tensor) -> int:

@@ -21,6 +21,7 @@ from muonscale.distributed.sharded import MatrixLayout
 from muonscale.matrices import MatrixView
 from muonscale.matrix_step import RowStates
 from muonscale.memory import MemoryBudget
+from muonscale.quantized_state import QuantizedMomentum
 from muonscale.settings import MuonSettings
 from muonscale.state_tensor import StateTensor
 
@@ -179,7 +180,7 @@ class Orthogonalizer(Protocol):
 def muon_update_(
     params: Sequence[torch.Tensor],  # updated in place
     grads: Sequence[torch.Tensor],  # same shapes
-    momentum_buffers: Sequence[torch.Tensor],  # same shapes, updated in place
+    momentum_buffers: Sequence[torch.Tensor | QuantizedMomentum],  # updated in place
     views: Sequence[MatrixView],
     plans: Sequence[ParamPlan],
     group: Mapping[str, Any],
@@ -189,10 +190,17 @@ def muon_update_(
     """Muon's step with an injected orthogonalizer: B ← B.lerp(G, 1 − μ), U = G.lerp(B, μ) or
     B; W ← W (1 − η λ) − η · ``orthogonalize(U)`` with the matrix step's apply rule of a scaled
     update (:func:`muonscale.matrix_step.apply_updates_by_rule_`, elementwise on each rank's
-    shard)."""
+    shard). A quantized buffer (:class:`~muonscale.quantized_state.QuantizedMomentum`) is read
+    as float32 values and its new value stored once the directions are out, as one process
+    does."""
+    values = [b.values() if isinstance(b, QuantizedMomentum) else b for b in momentum_buffers]
     directions = functional.momentum_directions_(
-        list(grads), list(momentum_buffers), momentum=group["momentum"], nesterov=group["nesterov"]
+        list(grads), values, momentum=group["momentum"], nesterov=group["nesterov"]
     )
+    for stored, value in zip(momentum_buffers, values):
+        if isinstance(stored, QuantizedMomentum):
+            stored.store_(value)
+    del values
     updates = orthogonalize(directions, views, plans, group, row_states)
     settings = MuonSettings.from_group(group)
     matrix_step.apply_updates_by_rule_(

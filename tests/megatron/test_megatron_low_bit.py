@@ -1,0 +1,406 @@
+"""Quantized state (``state_precision="int8"``, and the 4-bit momentum) through the Megatron
+adapter on 2 gloo ranks, with identical gradients injected on every rank.
+
+Blocks are segments of a row, so a rank that holds whole rows quantizes as one process does:
+at TP 1 the state equals single-process :class:`muonscale.Muon`'s bitwise, and at TP 2 the
+column-parallel weights' state too (the state depends on the gradients only). The weights are
+not bitwise one process's even with floating state (the adapter batches Newton–Schulz
+otherwise; under TP the exchange too), so each quantized step is checked bitwise against the
+adapter's floating step taken from the same weights and the dequantized state, and the weights
+against one process's within the float32 bound of the variant tests. ZeRO-1 equals the
+replicated run bitwise (fp32 and bf16 models with main copies); checkpoints resume bitwise.
+Shards that cut rows (row-parallel weights, AdamW's flat ZeRO-1 shards, a TP-sharded bias)
+are refused by name, and kept floating with ``float_state_params``."""
+
+from __future__ import annotations
+
+import megatron_workers as W
+import pytest
+import torch
+import variant_workers as V
+from test_megatron_variants import tolerance, worst_relative
+
+STEPS = 3
+ROW_PARALLEL = ("*.linear_proj.weight", "*.linear_fc2.weight")
+CUT_BIASES = ("*.linear_qkv.bias", "*.linear_fc1.bias")
+"""Column-parallel biases: TP 2 cuts their one row of AdamW blocks."""
+
+
+def _options(**extra) -> dict:
+    return dict(
+        lr=V.COMMON["lr"],
+        weight_decay=V.COMMON["weight_decay"],
+        muon_momentum=V.COMMON["momentum"],
+        scale=V.COMMON["scale"],
+        adam_lr=V.COMMON["adam_lr"],
+        ns_dtype=torch.float32,
+        **extra,
+    )
+
+
+def _megatron(model, **extra):
+    from muonscale.integrations.megatron import MegatronMuonConfig, megatron_muon
+
+    return megatron_muon([model], MegatronMuonConfig().replaced(**_options(**extra)))
+
+
+def _named_state(opt) -> dict[str, dict[str, torch.Tensor]]:
+    """Every parameter's state by name, TP pieces gathered into the whole (canonical order);
+    ZeRO-1: the full state of its ``state_dict()`` (collective)."""
+    out = {}
+    if opt.dp_mode == "zero1":
+        saved = opt.state_dict()
+        for group in saved["param_groups"]:
+            for name, index in zip(group["param_names"], group["params"]):
+                state = saved["state"].get(index, {})
+                out[name] = {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim()}
+        return out
+    for plan in opt.plans:
+        state = opt.state.get(plan.param, {})
+        out[plan.name] = {
+            k: W.gather_full(plan.param, v) if v.shape[:1] == plan.param.shape[:1] else v.clone()
+            for k, v in state.items()
+            if torch.is_tensor(v) and v.dim() > 0
+        }
+    return out
+
+
+def _reference(precision: str, floating: tuple[str, ...] = ()) -> dict:
+    """Single-process Muon on the TP 1 model with ``state_precision=precision`` (AdamW
+    floating under ``floating`` names)."""
+    from megatron.core import parallel_state as ps
+
+    W.setup_parallel(1)
+    model = W.build_gpt(W.TINY, seed=0)
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = V._reference_muon(model, {"state_precision": precision})
+    for group in opt.param_groups:  # before any state exists
+        if group["param_names"] and all(n in floating for n in group["param_names"]):
+            group["state_precision"] = "param"
+    names = {id(p): n for g in opt.param_groups for n, p in zip(g["param_names"], g["params"])}
+    for step in range(STEPS):
+        W.inject_gradients(model, step)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    state = {
+        names[id(p)]: {k: v.clone() for k, v in s.items() if v.dim() > 0}
+        for p, s in opt.state.items()
+    }
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ps.destroy_model_parallel()
+    return dict(params=params, state=state, init=init)
+
+
+def _adamw_names() -> tuple[str, ...]:
+    from megatron.core import parallel_state as ps
+
+    from muonscale.integrations.megatron.plan import MegatronGroups, plan_parameters
+
+    W.setup_parallel(1)
+    model = W.build_gpt(W.TINY, seed=0)
+    plans = plan_parameters([model], MegatronGroups.from_megatron(None), split_qkv=True)
+    ps.destroy_model_parallel()
+    return tuple(pl.name for pl in plans if pl.algorithm == "adamw")
+
+
+def _model(seed: int, bf16: bool):
+    model = W.build_gpt(W.TINY, seed=seed)
+    return model.bfloat16() if bf16 else model
+
+
+def _inject(model, step: int) -> None:
+    """:func:`megatron_workers.inject_gradients` into a model of any dtype: the float32
+    gradients it draws, rounded to each parameter's dtype."""
+    params = list(model.parameters())
+    dtypes = [p.dtype for p in params]
+    for p in params:
+        p.data = p.data.float()
+    W.inject_gradients(model, step)
+    for p, dtype in zip(params, dtypes):
+        p.data, p.grad = p.data.to(dtype), p.grad.to(dtype)
+
+
+def _run(
+    tp: int, steps: int = STEPS, resume_at: int | None = None, bf16: bool = False, **extra
+) -> dict:
+    """The adapter at ``tp`` for ``steps`` steps; ``resume_at``: a new model and optimizer
+    loaded from the state dict (and weights) after that many steps take the rest. ``bf16``:
+    a bf16 model, the optimizer stepping fp32 main copies."""
+    from megatron.core import parallel_state as ps
+
+    W.setup_parallel(tp)
+    model = _model(0, bf16)
+    opt = _megatron(model, **extra)
+    for step in range(steps):
+        if step == resume_at:
+            saved = opt.state_dict()
+            weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+            del opt
+            model = _model(1, bf16)  # other weights: all come from the checkpoint
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(weights[n])
+            opt = _megatron(model, **extra)
+            opt.load_state_dict(saved)
+        _inject(model, step)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    named = dict(model.named_parameters())
+    out = dict(
+        params={n: W.gather_full(p) for n, p in named.items()},
+        state=_named_state(opt),
+        dp_mode=opt.dp_mode,
+    )
+    if opt.dp_mode == "replicated":  # the main copies (ZeRO-1 holds them in its state)
+        out["main"] = {pl.name: W.gather_full(named[pl.name], pl.param) for pl in opt.plans}
+    ps.destroy_model_parallel()
+    return out
+
+
+def _quantized_steps_equal_float_steps(
+    tp: int, precision: str, floating: tuple[str, ...] = ()
+) -> list[str]:
+    """At ``tp``, the quantized optimizer and a floating one side by side: before each step the
+    floating one takes the quantized one's weights and dequantized state; after it the weights
+    must match bitwise. Returns the names of the parameters that did not."""
+    from megatron.core import parallel_state as ps
+
+    from muonscale.momentum_formats import momentum_format_of
+    from muonscale.quantized_state import (
+        adamw_block_shape,
+        adamw_moment_values,
+        adamw_state_is_quantized,
+        quantized_momentum,
+    )
+
+    W.setup_parallel(tp)
+    model_q, model_f = W.build_gpt(W.TINY, seed=0), W.build_gpt(W.TINY, seed=0)
+    options = dict(float_state_params=floating, dp_mode="replicated")
+    opt_q = _megatron(model_q, state_precision=precision, **options)
+    opt_f = _megatron(model_f, **options)
+    opt_f.init_all_state()
+    plans_f = {pl.name: pl for pl in opt_f.plans}
+    groups = {id(p): g for g in opt_q.param_groups for p in g["params"]}
+    mismatched = set()
+    for step in range(STEPS):
+        with torch.no_grad():
+            for plan_q in opt_q.plans:
+                plan_f = plans_f[plan_q.name]
+                plan_f.param.copy_(plan_q.param)
+                s_q, s_f = opt_q.state.get(plan_q.param), opt_f.state[plan_f.param]
+                if not s_q:
+                    continue
+                if momentum_format_of(s_q) is not None:
+                    view = opt_q._matrix_view(plan_q.param, groups[id(plan_q.param)])
+                    s_f["momentum_buffer"].copy_(quantized_momentum(s_q, view).values())
+                elif adamw_state_is_quantized(s_q):
+                    shape = adamw_block_shape(plan_q.param)
+                    values = adamw_moment_values(s_q, plan_q.param, slice(None))
+                    s_f["exp_avg"].view(shape).copy_(values[0])
+                    s_f["exp_avg_sq"].view(shape).copy_(values[1])
+                    s_f["step"].copy_(s_q["step"])
+                else:
+                    for k, v in s_q.items():
+                        s_f[k].copy_(v)
+        for model in (model_q, model_f):
+            W.inject_gradients(model, step)
+        opt_q.step()
+        opt_f.step()
+        for plan_q in opt_q.plans:
+            if not torch.equal(plan_q.param, plans_f[plan_q.name].param):
+                mismatched.add(plan_q.name)
+    ps.destroy_model_parallel()
+    return sorted(mismatched)
+
+
+def _refusal(tp: int, num_experts: int | None = None, **extra) -> str:
+    from megatron.core import parallel_state as ps
+
+    W.setup_parallel(tp)
+    model = W.build_gpt(W.TINY, seed=0, num_experts=num_experts)
+    try:
+        _megatron(model, **extra)
+    except ValueError as error:
+        return str(error)
+    finally:
+        ps.destroy_model_parallel()
+    return ""
+
+
+def run_low_bit(rank: int, world_size: int) -> dict:
+    torch.set_num_threads(1)
+    adamw = _adamw_names()
+    out = dict(
+        adamw=adamw,
+        ref8=_reference("int8"),
+        ref8_float_adamw=_reference("int8", adamw),
+        ref4=_reference("int4"),
+        tp1=_run(1, state_precision="int8", dp_mode="replicated"),
+        tp1_int4=_run(1, state_precision="int4", dp_mode="replicated"),
+        tp1_resumed=_run(1, resume_at=2, state_precision="int8", dp_mode="replicated"),
+        zero1=_run(1, state_precision="int8", dp_mode="zero1", float_state_params=adamw),
+        zero1_int4=_run(1, state_precision="int4", dp_mode="zero1", float_state_params=adamw),
+        tp1_int4_float_adamw=_run(
+            1, state_precision="int4", dp_mode="replicated", float_state_params=adamw
+        ),
+        bf16=_run(1, bf16=True, state_precision="int8", dp_mode="replicated"),
+        bf16_resumed=_run(1, resume_at=2, bf16=True, state_precision="int8", dp_mode="replicated"),
+        bf16_zero1=_run(
+            1, bf16=True, state_precision="int8", dp_mode="zero1", float_state_params=adamw
+        ),
+        bf16_float_adamw=_run(
+            1, bf16=True, state_precision="int8", dp_mode="replicated", float_state_params=adamw
+        ),
+        tp1_float_adamw=_run(
+            1, state_precision="int8", dp_mode="replicated", float_state_params=adamw
+        ),
+        zero1_resumed=_run(
+            1, resume_at=2, state_precision="int8", dp_mode="zero1", float_state_params=adamw
+        ),
+        tp2=_run(
+            2,
+            state_precision="int8",
+            dp_mode="replicated",
+            float_state_params=ROW_PARALLEL + CUT_BIASES,
+        ),
+        tp1_mismatched=_quantized_steps_equal_float_steps(1, "int8"),
+        tp1_int4_mismatched=_quantized_steps_equal_float_steps(1, "int4"),
+        tp2_resumed=_run(
+            2,
+            resume_at=2,
+            state_precision="int8",
+            dp_mode="replicated",
+            float_state_params=ROW_PARALLEL + CUT_BIASES,
+        ),
+        tp2_mismatched=_quantized_steps_equal_float_steps(2, "int8", ROW_PARALLEL + CUT_BIASES),
+        refuse_row_parallel=_refusal(
+            2, state_precision="int8", dp_mode="replicated", float_state_params=CUT_BIASES
+        ),
+        refuse_bias=_refusal(
+            2, state_precision="int8", dp_mode="replicated", float_state_params=ROW_PARALLEL
+        ),
+        refuse_zero1_adamw=_refusal(1, state_precision="int8", dp_mode="zero1"),
+        refuse_zero1_experts=_refusal(
+            1, num_experts=2, state_precision="int8", dp_mode="zero1", float_state_params=adamw
+        ),
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(pool2):
+    per_rank = pool2.run(run_low_bit, timeout=600)
+    return per_rank[0]
+
+
+def _assert_same(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys(), what
+    for name, value in want.items():
+        if isinstance(value, dict):
+            _assert_same(got[name], value, f"{what}/{name}")
+        else:
+            assert torch.equal(got[name], value), f"{what}/{name}"
+
+
+def _quantized(state: dict) -> set[str]:
+    return {n for n, s in state.items() if "momentum_scale" in s or "exp_avg_absmax" in s}
+
+
+def _assert_weights_close(run: dict, ref: dict) -> None:
+    """Within the bound of two float32 runs whose Newton–Schulz rounds otherwise (the
+    adapter's orthogonalizer batches matrices as one process does not): floating state moves
+    the weights by the same rounding, so it is no property of the quantized state (that the
+    quantized step is the floating step from the dequantized state is checked bitwise)."""
+    worst, where = worst_relative(ref, run)
+    assert worst <= tolerance({}), where
+
+
+def test_tp1_replicated_int8_equals_single_process(results):
+    """TP 1 on 2 data-parallel replicas: the state (int8 momentum, 8-bit AdamW moments) equals
+    one process's bitwise, and each step is the adapter's floating step from it."""
+    run, ref = results["tp1"], results["ref8"]
+    assert run["dp_mode"] == "replicated"
+    _assert_same(run["state"], ref["state"], "state")
+    assert _quantized(run["state"]) == set(run["state"])  # every state quantized, AdamW's too
+    assert results["tp1_mismatched"] == []
+    _assert_weights_close(run, ref)
+
+
+def test_tp1_replicated_int4_momentum_equals_single_process(results):
+    run, ref = results["tp1_int4"], results["ref4"]
+    _assert_same(run["state"], ref["state"], "state")
+    assert any("momentum_absmax" in s for s in run["state"].values())
+    assert results["tp1_int4_mismatched"] == []
+    _assert_weights_close(run, ref)
+
+
+def test_zero1_muon_int8_equals_replicated_bitwise(results):
+    """ZeRO-1 owners hold whole matrices: weights and full state equal the replicated run's
+    (same float_state_params: AdamW floating) bitwise, and the state one process's."""
+    run, replicated = results["zero1"], results["tp1_float_adamw"]
+    ref = results["ref8_float_adamw"]
+    assert run["dp_mode"] == "zero1"
+    _assert_same(run["params"], replicated["params"], "params")
+    _assert_same(run["state"], replicated["state"], "state")
+    quantized = _quantized(run["state"])
+    assert quantized and not quantized & set(results["adamw"])
+    assert quantized == _quantized(ref["state"])
+    for name in quantized:
+        _assert_same(run["state"][name], ref["state"][name], name)
+    _assert_weights_close(run, ref)
+
+
+def test_zero1_bf16_main_copies_int8_equals_replicated_bitwise(results):
+    """bf16 models: the int8 momentum of the fp32 main copies, at their ZeRO-1 owners."""
+    run, replicated = results["bf16_zero1"], results["bf16_float_adamw"]
+    assert all(p.dtype == torch.bfloat16 for p in run["params"].values())
+    _assert_same(run["params"], replicated["params"], "params")
+    state = {n: dict(s) for n, s in run["state"].items()}
+    main = {n: s.pop("main_param") for n, s in state.items()}
+    _assert_same(main, replicated["main"], "main copies")
+    assert all(m.dtype == torch.float32 for m in main.values())
+    _assert_same(state, replicated["state"], "state")
+    assert _quantized(run["state"]) == _quantized(results["zero1"]["state"])
+    assert _quantized(results["bf16"]["state"]) == set(results["bf16"]["state"])
+
+
+def test_zero1_muon_int4_equals_replicated_bitwise(results):
+    run, replicated = results["zero1_int4"], results["tp1_int4_float_adamw"]
+    _assert_same(run["params"], replicated["params"], "params")
+    _assert_same(run["state"], replicated["state"], "state")
+    assert any("momentum_absmax" in s for s in run["state"].values())
+
+
+@pytest.mark.parametrize("layout", ["tp1", "zero1", "tp2", "bf16"])
+def test_state_dict_resumes_bitwise(results, layout):
+    """At the same layout (``bf16``: fp32 main copies, saved in the state dict)."""
+    resumed, whole = results[f"{layout}_resumed"], results[layout]
+    _assert_same(resumed["params"], whole["params"], "params")
+    _assert_same(resumed["state"], whole["state"], "state")
+
+
+def test_tp2_column_parallel_state_equals_single_process(results):
+    """The state depends on the gradients only: the gathered codes and scales of the
+    column-parallel weights (and the AdamW state of whole-row shards) are one process's."""
+    run, ref = results["tp2"], results["ref8"]
+    quantized = _quantized(run["state"])
+    assert any(n.endswith("linear_qkv.weight") for n in quantized)
+    assert any(n.endswith("word_embeddings.weight") for n in quantized)
+    assert not any(n.endswith(("linear_proj.weight", "linear_fc2.weight")) for n in quantized)
+    for name in quantized:
+        _assert_same(run["state"][name], ref["state"][name], name)
+
+
+def test_tp2_int8_step_equals_float_step_from_dequantized_state(results):
+    assert results["tp2_mismatched"] == []
+
+
+def test_cut_rows_are_refused_by_name(results):
+    row = results["refuse_row_parallel"]
+    assert "linear_proj.weight" in row or "linear_fc2.weight" in row, row
+    assert "partition_dim=1" in row and "float_state_params" in row
+    bias = results["refuse_bias"]
+    assert ".bias'" in bias and "partition_dim=0" in bias, bias
+    zero1 = results["refuse_zero1_adamw"]
+    assert any(f"'{n}'" in zero1 for n in results["adamw"]) and "ZeRO-1" in zero1, zero1
+    assert "MegatronExpertZero1" in results["refuse_zero1_experts"]
