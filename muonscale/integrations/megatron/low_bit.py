@@ -11,17 +11,17 @@ from typing import Any
 from .plan import ParamPlan
 
 
-def cut_rows_reason(plan: ParamPlan, *, zero1: bool) -> str | None:
+def cut_rows_reason(plan: ParamPlan) -> str | None:
     """Why ``plan``'s state shard on this rank cuts rows of its block matrix (None: it holds
     whole rows). Muon's momentum is blocked by the rows of its matrix, AdamW's moments by the
     rows of :func:`~muonscale.block_quantization.block_matrix_shape` (a 1-D tensor: one row)."""
     dim = plan.partition_dim
     if plan.algorithm == "muon":
-        if dim == 1:  # a ZeRO-1 owner holds the TP piece whole, so zero1 changes nothing
+        if dim == 1:  # a ZeRO-1 owner holds the TP piece whole: it cuts what TP cuts
             return "its tensor-parallel shard (partition_dim=1, row-parallel) cuts every row"
         return None
-    if zero1:
-        return "ZeRO-1 shards AdamW's state flat, cutting its rows at any element"
+    # ZeRO-1's flat AdamW shards cut blocks too, but DistributedMuon shares each cut block's
+    # scale over the ranks holding its pieces: exact, so ZeRO-1 adds no reason.
     if dim is not None and (dim != 0 or plan.param.dim() == 1):
         return f"its tensor-parallel shard (partition_dim={dim}) cuts its rows"
     return None
@@ -31,8 +31,6 @@ def refuse_cut_rows(
     plans: Sequence[ParamPlan],
     param_groups: Sequence[Mapping[str, Any]],
     default_precision: str,
-    *,
-    zero1: bool,
 ) -> None:
     """ValueError naming the first parameter whose quantized state would be cut across ranks
     (``param_groups``: :func:`~.config.muon_arguments`' groups, ``default_precision`` its
@@ -46,17 +44,9 @@ def refuse_cut_rows(
         wanted = precision.get(id(plan.param), "param")
         if wanted == "param":
             continue
-        reason = cut_rows_reason(plan, zero1=zero1)
+        reason = cut_rows_reason(plan)
         if reason is not None:
-            if zero1 and plan.algorithm == "adamw":  # all of them, then
-                names = tuple(
-                    pl.name
-                    for pl in plans
-                    if pl.algorithm == "adamw" and precision.get(id(pl.param), "param") != "param"
-                )
-                suggestion = repr(names)
-            else:
-                suggestion = f"({'*.' + '.'.join(plan.name.split('.')[-2:])!r},)"
+            suggestion = f"({'*.' + '.'.join(plan.name.split('.')[-2:])!r},)"
             raise ValueError(
                 f"parameter '{plan.name}': state_precision={wanted!r} quantizes state in "
                 f"blocks of a row, but {reason}, so its blocks would not be one process's; "

@@ -78,7 +78,7 @@ class MegatronMuon(Muon):
         self.tp_matrices = TensorParallelMatrices(groups, config)
         param_groups, options = muon_arguments(self.plans, config)
         precision = options.get("state_precision", "param")
-        refuse_cut_rows(self.plans, param_groups, precision, zero1=False)
+        refuse_cut_rows(self.plans, param_groups, precision)
         super().__init__(param_groups, **options)
         self.routing = {pl.name: RouteDecision(pl.algorithm, pl.reason) for pl in self.plans}
         self.orthogonalizer = orthogonalizer or TensorParallelOrthogonalizer(
@@ -293,7 +293,7 @@ class MegatronDistributedMuon(DistributedMuon):
                 "None or False"
             )
         precision = options.get("state_precision", "param")
-        refuse_cut_rows(self.plans, param_groups, precision, zero1=True)
+        refuse_cut_rows(self.plans, param_groups, precision)
         self.external_grad_norm = external_grad_norm
         super().__init__(
             param_groups,
