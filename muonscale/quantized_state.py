@@ -212,6 +212,20 @@ def dequantize_adamw_state_(state: MutableMapping[str, Any], p: torch.Tensor) ->
         del state[absmax_key]
 
 
+def adamw_moments(state: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """AdamW's two moments of a state entry (a parameter's, or a shard of whole rows): the
+    floating tensors, or float32 values of its 8-bit codes in their shape."""
+    if not adamw_state_is_quantized(state):
+        return state["exp_avg"], state["exp_avg_sq"]
+    m, v = (
+        dequantize_dynamic(
+            state[key].view(adamw_block_shape(state[key])), state[absmax], signed=signed
+        ).view(state[key].shape)
+        for key, absmax, signed in ADAMW_MOMENTS
+    )
+    return m, v
+
+
 def adamw_state_is_quantized(state: Mapping[str, Any]) -> bool:
     """Whether AdamW's moments in ``state`` are 8-bit codes."""
     return "exp_avg_absmax" in state

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import torch
 
 from .matrices import MatrixView
+from .quantized_state import adamw_moments
 
 RankOp = Literal["sum", "max", "min"]
 """How a figure combines over ranks: ``"sum"`` (what each rank did), ``"max"`` / ``"min"``."""
@@ -211,7 +212,8 @@ class StepMetrics:
         beta1, beta2 = group["betas"]
         norms: list[torch.Tensor] = []
         for s in states:
-            m, v, t = s["exp_avg"], s["exp_avg_sq"], s["step"]
+            m, v = adamw_moments(s)
+            t = s["step"]
             t = t.to(device=m.device, dtype=torch.float32) if torch.is_tensor(t) else float(t)
             c1, c2 = 1 - beta1**t, (1 - beta2**t) ** 0.5
             update = v.float().sqrt().add_(group["eps"] * c2)  # √v + ε c₂
@@ -220,7 +222,7 @@ class StepMetrics:
         if norms:
             squares = torch.stack([n.float() for n in norms]).square().sum()
             self.update_squares[label] = self.update_squares[label] + squares
-            self.update_elements[label] += sum(s["exp_avg"].numel() for s in states)
+            self.update_elements[label] += sum(s["exp_avg"].numel() for s in states)  # codes too
 
     def _sample(self, params, updates, view_of) -> None:
         target = (self.steps - 1) % self._last_matrices if self._last_matrices else 0

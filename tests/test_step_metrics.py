@@ -120,6 +120,34 @@ def test_update_rms_and_singular_values_match_float64_references():
     )
 
 
+def test_adamw_update_rms_of_8bit_moments_is_read_from_their_values():
+    """``state_precision="int8"``: the AdamW figure is m̂ / (√v̂ + ε) of the stored moments'
+    values (not of their codes). The step used the moments before they were stored, and the
+    8-bit codes are within 1% of each block's largest entry (*Low-bit state*), so the figure
+    matches the float64 change of the weights within a few percent."""
+    model = _model()
+    adamw_lr = 1e-3
+    opt = muonscale.Muon(
+        model, lr=0.02, adamw_lr=adamw_lr, ns_dtype=torch.float32, state_precision="int8"
+    )
+    opt.enable_step_metrics()
+    params = list(model.parameters())
+    for seed in range(3):
+        before = _step_with_snapshot(opt, model, seed)
+        read = opt.read_step_metrics()
+        for index, group in enumerate(opt.param_groups):
+            if group["algorithm"] != "adamw":
+                continue
+            changes = []
+            for p in group["params"]:
+                w0 = before[next(i for i, q in enumerate(params) if q is p)]
+                decay = 1 - group["lr"] * group["weight_decay"]
+                changes.append((p.detach().double() - w0 * decay) / group["lr"])
+            want = torch.cat([c.flatten() for c in changes]).square().mean().sqrt().item()
+            got = read[f"{P}update_rms/group{index}_adamw"]
+            assert got == pytest.approx(want, rel=5e-2)
+
+
 def test_sample_singular_values_are_those_of_the_applied_update():
     torch.manual_seed(0)
     layer = torch.nn.Linear(24, 16, bias=False)
@@ -173,10 +201,16 @@ def test_capturable_step_counts_a_device_skip_at_read():
     assert read[P + "skipped_elements"] == _elements(*model.parameters())
 
 
-def _distributed_reads(rank: int, world_size: int, defer: bool):
+def _distributed_reads(rank: int, world_size: int, defer: bool, precision: str = "param"):
     model = _model()
     opt = DistributedMuon(
-        model, lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float32, defer_gather=defer, model=model
+        model,
+        lr=0.02,
+        adamw_lr=1e-3,
+        ns_dtype=torch.float32,
+        defer_gather=defer,
+        model=model,
+        state_precision=precision,
     )
     opt.enable_step_metrics()
     reads = []
@@ -191,10 +225,13 @@ def _distributed_reads(rank: int, world_size: int, defer: bool):
     return reads
 
 
-@pytest.mark.parametrize("defer", [False, True])
-def test_distributed_muon_sums_its_ranks_into_the_one_process_figures(defer):
+@pytest.mark.parametrize("defer,precision", [(False, "param"), (True, "param"), (False, "int8")])
+def test_distributed_muon_sums_its_ranks_into_the_one_process_figures(defer, precision):
+    """``int8``: AdamW's 8-bit moments sharded flat, blocks cut by the shard boundaries."""
     model = _model()
-    single = muonscale.Muon(model, lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float32)
+    single = muonscale.Muon(
+        model, lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float32, state_precision=precision
+    )
     single.enable_step_metrics()
     expected = []
     for seed in range(2):
@@ -204,7 +241,7 @@ def test_distributed_muon_sums_its_ranks_into_the_one_process_figures(defer):
         single.step()
         single.zero_grad()
         expected.append(single.read_step_metrics())
-    per_rank = run_workers(_distributed_reads, 2, defer)
+    per_rank = run_workers(_distributed_reads, 2, defer, precision)
     for step, want in enumerate(expected):
         combined = [reads[step][1] for reads in per_rank]
         assert combined[0] == combined[1]  # every rank reads the same combined figures

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ...matrices import MatrixView
 from ...optimizer import Muon
+from ...quantized_state import adamw_state_is_quantized
 from ...settings import MuonSettings
 from ...step_metrics import Reduction, StepMetrics
 from ..comm import Communicator, WireCounter, combine_over_ranks
@@ -603,7 +604,12 @@ class DistributedMuon(Muon):
             local = [self.index_of(p) for p in group["params"]]
             local = [i for i in local if present[i] and i in self.reduction.segments]
             if local:
-                states = [self.state[self.params[i]] for i in local]
+                states = [
+                    self.block_scales.moment_values(i, self.state[self.params[i]])
+                    if adamw_state_is_quantized(self.state[self.params[i]])
+                    else self.state[self.params[i]]
+                    for i in local
+                ]
                 metrics.record_adamw(self._group_label(group), group, states)
 
     def _metrics_reduction(self) -> Reduction:

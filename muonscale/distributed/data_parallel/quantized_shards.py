@@ -173,6 +173,22 @@ class SharedBlockScales:
             for _, absmax_key, _ in ADAMW_MOMENTS
         }
 
+    def moment_values(self, i: int, state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """Local segment ``i``'s two moments in float32, flat (``state``: its codes and absmax),
+        with its ``step``: what :meth:`~muonscale.step_metrics.StepMetrics.record_adamw`
+        reads."""
+        values: dict[str, torch.Tensor] = {"step": state["step"]}
+        for key, absmax_key, signed in ADAMW_MOMENTS:
+            pieces = []
+            for part in self.blocks[i].parts:
+                span = slice(part.start, part.start + part.rows * part.width)
+                scales = slice(part.block_start, part.block_start + part.rows * part.blocks)
+                codes = state[key][span].view(part.rows, part.width)
+                absmax = state[absmax_key][scales].view(part.rows, part.blocks)
+                pieces.append(dequantize_dynamic(codes, absmax, signed=signed).reshape(-1))
+            values[key] = torch.cat(pieces)
+        return values
+
     @torch.no_grad()
     def step(
         self,
