@@ -40,21 +40,52 @@ def global_names(model) -> dict[str, torch.Tensor]:
     """``{global name: parameter}``: an expert's local index replaced by its global one."""
     from megatron.core import parallel_state as ps
 
-    ep_rank = ps.get_expert_model_parallel_rank()
     local_count = model.config.num_moe_experts // ps.get_expert_model_parallel_world_size()
-    out = {}
-    for name, p in model.named_parameters():
-        name = LOCAL_EXPERT.sub(
-            lambda m: f"local_experts.{ep_rank * local_count + int(m.group(1))}.", name
-        )
-        out[name] = p
-    return out
+    return {global_name(name, local_count): p for name, p in model.named_parameters()}
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
     """Every full parameter by global name on every rank (TP gathers, then experts gathered
     over all ranks)."""
     mine = {n: gather_full(p) for n, p in global_names(model).items()}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    out = {}
+    for part in everyone:
+        out.update(part)
+    return out
+
+
+def global_name(name: str, local_count: int) -> str:
+    """An expert's name with its local index replaced by its global one (``local_count``:
+    experts per expert-parallel rank)."""
+    from megatron.core import parallel_state as ps
+
+    ep_rank = ps.get_expert_model_parallel_rank()
+    return LOCAL_EXPERT.sub(
+        lambda m: f"local_experts.{ep_rank * local_count + int(m.group(1))}.", name
+    )
+
+
+def full_state(opt, local_count: int) -> dict[str, dict[str, torch.Tensor]]:
+    """Every parameter's optimizer state by global name on every rank (tensors of 1 dim or
+    more; TP 1 and ETP 1: each rank's state is its parameters' whole): a replicated
+    optimizer's own, ZeRO-1's the full state of its halves' ``state_dict()`` (collective)."""
+    mine = {}
+    if opt.dp_mode == "zero1":
+        for saved in opt.state_dict().values():
+            for group in saved["param_groups"]:
+                for name, index in zip(group["param_names"], group["params"]):
+                    entry = saved["state"].get(index, {})
+                    mine[global_name(name, local_count)] = {
+                        k: v.clone() for k, v in entry.items() if torch.is_tensor(v) and v.dim()
+                    }
+    else:
+        for plan in opt.plans:
+            entry = opt.state.get(plan.param, {})
+            mine[global_name(plan.name, local_count)] = {
+                k: v.clone() for k, v in entry.items() if torch.is_tensor(v) and v.dim()
+            }
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     out = {}
@@ -99,6 +130,10 @@ def _layout_model(spec: dict, initial: dict):
     return model, named, opt
 
 
+def _local_count(spec: dict) -> int:
+    return _model_kwargs(spec)["num_experts"] // spec["layout"][2]
+
+
 def _model_kwargs(spec: dict) -> dict:
     return dict(
         num_experts=spec.get("experts", 4),
@@ -119,7 +154,8 @@ def _steps(named, shapes, opt, first: int, count: int, norms: list, wire: list) 
 def run(rank: int, world_size: int, spec: dict) -> dict | None:
     """``spec``: ``layout`` (TP, ETP, EP), ``steps``, ``options`` (MegatronMuonConfig fields),
     optional ``resume_at`` (also: a run saved after that many steps, its state loaded into a
-    fresh model and optimizer at the same layout, which finishes the steps)."""
+    fresh model and optimizer at the same layout, which finishes the steps) and ``state``
+    (also: the optimizer state by global name, :func:`full_state`; TP 1 and ETP 1)."""
     from megatron.core import parallel_state as ps
 
     setup_parallel(1, 1, 1)  # the reference layout's full weights
@@ -139,6 +175,8 @@ def run(rank: int, world_size: int, spec: dict) -> dict | None:
         dp_mode=opt.dp_mode,
         summary=opt.summary(),
     )
+    if spec.get("state"):
+        out["state"] = full_state(opt, _local_count(spec))
     parts = getattr(opt, "parts", None)
     if spec.get("wire"):  # ZeRO-1: each half's bytes of the last step (its buckets move whole)
         split = (
@@ -172,5 +210,7 @@ def run(rank: int, world_size: int, spec: dict) -> dict | None:
         opt.load_state_dict(saved)
         _steps(named, shapes, opt, k, spec["steps"] - k, [], [])
         out["resumed"] = full_params(model)
+        if spec.get("state"):
+            out["resumed_state"] = full_state(opt, _local_count(spec))
     ps.destroy_model_parallel()
     return out if rank == 0 else None

@@ -96,3 +96,34 @@ def test_zero1_experts_with_expert_tensor_parallel(pool4, reference):
     assert got["dp_mode"] == "zero1"
     assert len(got["parts"]["dense"][0]) == 2 and len(got["parts"]["experts"][0]) == 1
     _check(reference, got, "TP2 ETP2 EP2 ZeRO-1")
+
+
+def _assert_same(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys(), what
+    for name, value in want.items():
+        if isinstance(value, dict):
+            _assert_same(got[name], value, f"{what}/{name}")
+        else:
+            assert torch.equal(got[name], value), f"{what}/{name}"
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_zero1_experts_quantized_state_equals_replicated(pool4, precision):
+    """``state_precision`` int8 / int4 with ZeRO-1 at TP 1, ETP 1, EP 2 on 4 ranks (DP 4, expert
+    DP 2): every matrix owned whole in its group (the experts' in the expert-data group), so
+    the Muon momentum quantizes as the replicated run's, and the dense half's 8-bit AdamW
+    shards share their cut blocks' scales: weights and full state equal the replicated run's
+    with the same precision bitwise; a resume after one step is bitwise the uninterrupted
+    run, weights and state."""
+    options = dict(state_precision=precision)
+    replicated = _run(pool4, (1, 1, 2), options=dict(options, dp_mode="replicated"), state=True)
+    got = _run(pool4, (1, 1, 2), options=dict(options, dp_mode="zero1"), state=True, resume_at=1)
+    assert replicated["dp_mode"] == "replicated" and got["dp_mode"] == "zero1"
+    scale_key = "momentum_scale" if precision == "int8" else "momentum_absmax"
+    experts = [n for n, s in got["state"].items() if "local_experts" in n and scale_key in s]
+    assert len(experts) == 2 * 4 * 2  # fc1 and fc2 of 4 experts in 2 layers, quantized
+    assert any("exp_avg_absmax" in s for s in got["state"].values())  # AdamW's 8-bit moments
+    _assert_same(got["params"], replicated["params"], "params")
+    _assert_same(got["state"], replicated["state"], "state")
+    _assert_same(got["resumed"], got["params"], "resumed params")
+    _assert_same(got["resumed_state"], got["state"], "resumed state")

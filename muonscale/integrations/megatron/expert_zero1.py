@@ -8,6 +8,11 @@ data-parallel rank, every expert matrix by one expert-data rank, and each half r
 and gathers within its group. What they share is the step's global view: one gradient norm over
 every rank (each gradient element counted once; one clipping coefficient and one non-finite
 decision for both halves), computed here before either half steps.
+
+Quantized state (``state_precision``) is each half's: every matrix is owned whole in its
+group, so its Muon momentum quantizes as one process's, and the dense half's AdamW shards
+share their cut blocks' scales over the data-parallel group (:class:`~.optimizer.
+MegatronDistributedMuon`).
 """
 
 from __future__ import annotations
@@ -58,13 +63,6 @@ class MegatronExpertZero1(torch.optim.Optimizer):
             "dense": [pl for pl in plans if not pl.expert],
             "experts": [pl for pl in plans if pl.expert],
         }
-        precision = config.state_precision
-        if precision != "param":
-            raise ValueError(
-                f"state_precision={precision!r} is not tested with ZeRO-1 on a model with "
-                "experts (MegatronExpertZero1); use dp_mode='replicated' or "
-                "state_precision='param'"
-            )
         # the halves neither clip nor judge gradients on their own: the norm below does both
         unclipped = config.replaced(clip_grad=0.0)
         self.config, self.groups = config, groups

@@ -1,40 +1,139 @@
-"""Which Megatron parameters may keep quantized state (``state_precision`` "int8" / "int4"):
-those whose shard on this rank holds whole rows of the state's block matrix (blocks are
-segments of a row), so that each rank quantizes exactly as one process does. The others are
-refused by name, pointing at ``float_state_params`` (*Low-bit state* in the docs)."""
+"""Quantized state (``state_precision`` "int8" / "int4") of Megatron's TP pieces.
+
+Blocks are segments of a row of the whole parameter's block matrix. A piece that holds whole
+rows (column-parallel weights, replicated parameters, the vocabulary-parallel embedding)
+quantizes as one process does, alone. A piece that holds *columns* of every row (a
+row-parallel weight, ``partition_dim=1``; a TP-sharded bias, whose one row the shard cuts)
+touches blocks that other TP ranks share: :class:`SharedColumnScales` keeps its scales per
+block it touches (:mod:`.column_blocks`, the plain-tensor math) and, each step, gives every
+such block the maximum of its pieces' absmax over the TP group (one all-reduce (max) per param
+group and TP group, tag ``"tp_block_scales"``), so codes and scales are one process's.
+
+ZeRO-1 (``dp_mode="zero1"``) gathers and shards state laid out by each piece's own blocks, so
+there such pieces are refused by name, pointing at ``float_state_params`` (*Low-bit state* in
+the docs)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
-from .plan import ParamPlan
+import torch
+import torch.distributed as dist
+
+from muonscale.block_quantization import (
+    BLOCK_SIZE,
+    dequantize_dynamic,
+    quantize_dynamic_,
+    scale_shape,
+)
+from muonscale.distributed.comm import Communicator, WireCounter
+from muonscale.group_step import adamw_group_step
+from muonscale.matrices import MatrixView
+from muonscale.momentum_formats import MOMENTUM_FORMATS, MomentumFormat, momentum_format_of
+from muonscale.quantized_state import (
+    ADAMW_MOMENTS,
+    MOMENTUM_KEY,
+    QuantizedMomentum,
+    adamw_block_shape,
+    adamw_state_is_quantized,
+    momentum_block_shape,
+    momentum_scale_shape,
+)
+
+from .column_blocks import (
+    ColumnBlocks,
+    column_blocks,
+    dequantize_columns,
+    local_block_maxima,
+    quantize_columns_,
+    strided_spans,
+)
+from .plan import MegatronGroups, ParamPlan
 
 
-def cut_rows_reason(plan: ParamPlan) -> str | None:
-    """Why ``plan``'s state shard on this rank cuts rows of its block matrix (None: it holds
-    whole rows). Muon's momentum is blocked by the rows of its matrix, AdamW's moments by the
-    rows of :func:`~muonscale.block_quantization.block_matrix_shape` (a 1-D tensor: one row)."""
+def _dynamic_format(key: str, absmax_key: str, signed: bool) -> MomentumFormat:
+    return MomentumFormat(
+        precision="int8",
+        scale_key=absmax_key,
+        what=f"8-bit dynamic codes of AdamW's {key}",
+        code_dtype=torch.uint8,
+        block_size=BLOCK_SIZE,
+        codes_per_byte=1,
+        zero_byte=0,
+        quantize_=partial(quantize_dynamic_, signed=signed),
+        dequantize=lambda codes, absmax, cols: dequantize_dynamic(codes, absmax, signed=signed),
+    )
+
+
+ADAMW_FORMATS: dict[str, MomentumFormat] = {
+    key: _dynamic_format(key, absmax_key, signed) for key, absmax_key, signed in ADAMW_MOMENTS
+}
+"""AdamW's two 8-bit moments as stored formats (by codes key), for :mod:`.column_blocks`."""
+
+
+def _whole_block_shape(plan: ParamPlan, local: tuple[int, int]) -> tuple[int, int] | None:
+    """(rows, cols) of the whole parameter's block matrix when ``plan``'s piece holds columns of
+    its rows (``local``: the piece's block matrix), else None (it holds whole rows)."""
     dim = plan.partition_dim
-    if plan.algorithm == "muon":
-        if dim == 1:  # a ZeRO-1 owner holds the TP piece whole: it cuts what TP cuts
-            return "its tensor-parallel shard (partition_dim=1, row-parallel) cuts every row"
+    if dim is None or plan.tp_size == 1:
         return None
-    # ZeRO-1's flat AdamW shards cut blocks too, but DistributedMuon shares each cut block's
-    # scale over the ranks holding its pieces: exact, so ZeRO-1 adds no reason.
-    if dim is not None and (dim != 0 or plan.param.dim() == 1):
-        return f"its tensor-parallel shard (partition_dim={dim}) cuts its rows"
+    if plan.param.dim() == 1 or (plan.param.dim() == 2 and dim == 1):
+        return local[0], local[1] * plan.tp_size
     return None
+
+
+def plan_column_blocks(
+    plan: ParamPlan, local: tuple[int, int], block_size: int, rank: int
+) -> ColumnBlocks | None:
+    """The :class:`ColumnBlocks` of TP rank ``rank``'s piece of ``plan`` (``local``: the
+    piece's block matrix), or None when every block it touches is its own (it holds whole rows,
+    or its spans fall on block boundaries)."""
+    whole = _whole_block_shape(plan, local)
+    if whole is None:
+        return None
+    spans = [
+        strided_spans(whole[1], plan.tp_size, r, plan.partition_stride) for r in range(plan.tp_size)
+    ]
+    blocks = column_blocks(whole[1], block_size, spans, rank)
+    return blocks if blocks.shared else None
+
+
+def _block_size(plan: ParamPlan, precision: str) -> int:
+    if plan.algorithm == "muon":
+        return MOMENTUM_FORMATS[precision].block_size
+    return BLOCK_SIZE
+
+
+def cut_rows_reason(plan: ParamPlan, precision: str, zero1: bool) -> str | None:
+    """Why ``plan``'s quantized state (in ``precision``) cannot be exact on this layout (None:
+    it is). A piece whose blocks other TP ranks share is exact through shared scales, except
+    under ZeRO-1 (``zero1``), whose gathered checkpoints and flat AdamW shards are laid out by
+    the piece's own blocks."""
+    if not zero1:
+        return None
+    local = adamw_block_shape(plan.param)  # a Muon matrix's too: Megatron's are 2-D
+    if plan_column_blocks(plan, local, _block_size(plan, precision), 0) is None:
+        return None
+    return (
+        f"its tensor-parallel shard (partition_dim={plan.partition_dim}) cuts blocks of its "
+        "rows, whose scales are shared over the TP group only under dp_mode='replicated' "
+        "(ZeRO-1 gathers and shards state laid out by the shard's own blocks)"
+    )
 
 
 def refuse_cut_rows(
     plans: Sequence[ParamPlan],
     param_groups: Sequence[Mapping[str, Any]],
     default_precision: str,
+    *,
+    zero1: bool,
 ) -> None:
-    """ValueError naming the first parameter whose quantized state would be cut across ranks
-    (``param_groups``: :func:`~.config.muon_arguments`' groups, ``default_precision`` its
-    ``state_precision`` option)."""
+    """ValueError naming the first parameter whose quantized state cannot be exact on this
+    layout (``param_groups``: :func:`~.config.muon_arguments`' groups, ``default_precision``
+    its ``state_precision`` option)."""
     precision = {
         id(p): group.get("state_precision", default_precision)
         for group in param_groups
@@ -44,12 +143,325 @@ def refuse_cut_rows(
         wanted = precision.get(id(plan.param), "param")
         if wanted == "param":
             continue
-        reason = cut_rows_reason(plan)
+        reason = cut_rows_reason(plan, wanted, zero1)
         if reason is not None:
             suggestion = f"({'*.' + '.'.join(plan.name.split('.')[-2:])!r},)"
             raise ValueError(
                 f"parameter '{plan.name}': state_precision={wanted!r} quantizes state in "
-                f"blocks of a row, but {reason}, so its blocks would not be one process's; "
-                f"keep its state floating with float_state_params={suggestion} (names or "
-                "fnmatch patterns: state_precision='param' for those parameters)"
+                f"blocks of a row, but {reason}; use dp_mode='replicated', or keep its state "
+                f"floating with float_state_params={suggestion} (names or fnmatch patterns: "
+                "state_precision='param' for those parameters)"
             )
+
+
+@dataclass
+class ColumnMomentum:
+    """A quantized Muon momentum of a piece that holds columns of its rows: ``codes`` (int8:
+    the piece's shape; int4: its packed rows) and ``scales`` (rows, blocks it touches)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    blocks: ColumnBlocks
+    format: MomentumFormat
+    plan: ParamPlan
+    rows: int
+
+    def values(self) -> torch.Tensor:
+        """The momentum in float32, the piece's shape (a new tensor)."""
+        codes = self.codes.view(self.rows, -1)
+        values = dequantize_columns(codes, self.scales, self.blocks, self.format)
+        return values.view(self.plan.param.shape)
+
+
+class SharedColumnScales:
+    """The quantized state of the pieces that hold columns of their rows, and the exchange of
+    the maxima of the blocks they share (see the module docstring). Collective over each TP
+    group: every rank of it steps the same parameters.
+
+    Args:
+        groups: the process groups (a piece's TP group: ``tp``, or ``expt_tp`` for experts).
+        counter: where the exchanges' bytes are counted.
+    """
+
+    def __init__(self, groups: MegatronGroups, counter: WireCounter) -> None:
+        self.groups, self.counter = groups, counter
+        self._blocks: dict[tuple[int, int], ColumnBlocks | None] = {}
+
+    def _rank(self, plan: ParamPlan) -> int:
+        group = self.groups.expt_tp if plan.expert else self.groups.tp
+        return dist.get_rank(group) if group is not None else 0
+
+    def blocks(
+        self, plan: ParamPlan, local: tuple[int, int], block_size: int
+    ) -> ColumnBlocks | None:
+        """:func:`plan_column_blocks` of this rank (cached per parameter and block size)."""
+        key = (id(plan.param), block_size)
+        if key not in self._blocks:
+            rank = self._rank(plan)
+            self._blocks[key] = plan_column_blocks(plan, local, block_size, rank)
+        return self._blocks[key]
+
+    def momentum_blocks(
+        self, plan: ParamPlan, view: MatrixView, fmt: MomentumFormat
+    ) -> ColumnBlocks | None:
+        return self.blocks(plan, momentum_block_shape(view), fmt.block_size)
+
+    def adamw_blocks(self, plan: ParamPlan) -> ColumnBlocks | None:
+        return self.blocks(plan, adamw_block_shape(plan.param), BLOCK_SIZE)
+
+    # ------------------------------------------------------------------ state
+    def shape_state_(
+        self, state: dict, plan: ParamPlan, group: Mapping[str, Any], view: MatrixView
+    ) -> None:
+        """Give a new quantized state of a column piece its scales: zeros of (rows, blocks it
+        touches), in place of the ones of the piece's own blocks."""
+        for key, blocks in self._scale_keys(state, plan, group, view):
+            rows = state[key].shape[0]
+            if state[key].shape != (rows, len(blocks.blocks)):
+                state[key] = state[key].new_zeros((rows, len(blocks.blocks)))
+
+    def _scale_keys(
+        self, state: Mapping[str, Any], plan: ParamPlan, group: Mapping[str, Any], view: Any
+    ) -> list[tuple[str, ColumnBlocks]]:
+        """The scale keys of ``state`` that are per block this column piece touches."""
+        precision = group.get("state_precision", "param")
+        if precision == "param":
+            return []
+        if group["algorithm"] == "muon":
+            fmt = MOMENTUM_FORMATS[precision]
+            blocks = self.momentum_blocks(plan, view, fmt)
+            return [] if blocks is None else [(fmt.scale_key, blocks)]
+        blocks = self.adamw_blocks(plan)
+        return [] if blocks is None else [(k, blocks) for _, k, _ in ADAMW_MOMENTS]
+
+    def momentum(self, state: Mapping[str, Any], plan: ParamPlan, view: MatrixView):
+        """The quantized momentum of ``state``: a :class:`ColumnMomentum` for a column piece,
+        else None."""
+        fmt = momentum_format_of(state)
+        blocks = None if fmt is None else self.momentum_blocks(plan, view, fmt)
+        if blocks is None:
+            return None
+        rows = momentum_block_shape(view)[0]
+        return ColumnMomentum(state[MOMENTUM_KEY], state[fmt.scale_key], blocks, fmt, plan, rows)
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def store_momenta_(
+        self,
+        buffers: Sequence[QuantizedMomentum | ColumnMomentum],
+        values: Sequence[torch.Tensor],
+    ) -> None:
+        """Write the new momentum ``values`` (float32, parameter-shaped) into ``buffers``: a
+        piece of whole rows alone, the column pieces with their shared maxima (collective)."""
+        pending: list[tuple[ColumnMomentum, torch.Tensor]] = []
+        for buffer, value in zip(buffers, values):
+            if isinstance(buffer, ColumnMomentum):
+                pending.append((buffer, value.reshape(buffer.rows, -1)))
+            else:
+                buffer.store_(value)
+        if not pending:
+            return
+        shared = self._shared_maxima(
+            [(b.plan, b.blocks, local_block_maxima(v, b.blocks)) for b, v in pending]
+        )
+        for (buffer, value), maxima in zip(pending, shared):
+            codes = buffer.codes.view(buffer.rows, -1)
+            quantize_columns_(value, buffer.blocks, maxima, buffer.format, codes, buffer.scales)
+
+    @torch.no_grad()
+    def adamw_step_(
+        self,
+        group: Mapping[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: list[dict],
+        plans: list[ParamPlan],
+        max_chunk_bytes: Any,
+    ) -> list[dict[str, torch.Tensor]]:
+        """AdamW on column pieces with 8-bit moments: the moments read as float32, stepped by
+        :func:`~muonscale.group_step.adamw_group_step` on them (the arithmetic of the 8-bit
+        step), written back under the shared maxima (collective). Returns each piece's stored
+        moments as values, with its ``step`` (what the step metrics read)."""
+        values, shapes = [], []
+        for p, s, plan in zip(params, states, plans):
+            blocks = self.adamw_blocks(plan)
+            rows = adamw_block_shape(p)[0]
+            entry: dict[str, torch.Tensor] = {"step": s["step"]}
+            for key, absmax_key, _ in ADAMW_MOMENTS:
+                codes = s[key].view(rows, -1)
+                moment = dequantize_columns(codes, s[absmax_key], blocks, ADAMW_FORMATS[key])
+                entry[key] = moment.view(p.shape)
+            values.append(entry)
+            shapes.append((rows, blocks))
+        works = [p if p.dtype == torch.float32 else p.float() for p in params]  # rounded once
+        floating = {**group, "state_precision": "param"}
+        options = dict(capturable=False, step_ok=None, max_chunk_bytes=max_chunk_bytes)
+        adamw_group_step(floating, works, [g.float() for g in grads], values, **options)
+        for p, work in zip(params, works):
+            if work is not p:
+                p.copy_(work)
+        items = [
+            (plan, blocks, local_block_maxima(v[key].view(rows, -1), blocks))
+            for plan, v, (rows, blocks) in zip(plans, values, shapes)
+            for key, _, _ in ADAMW_MOMENTS
+        ]
+        shared = iter(self._shared_maxima(items))
+        stored = []
+        for s, v, (rows, blocks) in zip(states, values, shapes):
+            kept = {"step": s["step"]}
+            for key, absmax_key, _ in ADAMW_MOMENTS:
+                fmt, codes = ADAMW_FORMATS[key], s[key].view(rows, -1)
+                moment = v[key].view(rows, -1)
+                quantize_columns_(moment, blocks, next(shared), fmt, codes, s[absmax_key])
+                kept[key] = dequantize_columns(codes, s[absmax_key], blocks, fmt)
+            stored.append(kept)
+        return stored
+
+    def _shared_maxima(
+        self, items: Sequence[tuple[ParamPlan, ColumnBlocks, torch.Tensor]]
+    ) -> list[torch.Tensor]:
+        """Each item's local block maxima (rows, blocks) with its shared blocks' maxima taken
+        over its TP group: one all-reduce (max) per TP group of rows × shared blocks float32
+        per item, in item order (tag ``"tp_block_scales"``; collective)."""
+        out = [maxima.clone() for _, _, maxima in items]
+        for expert in (False, True):
+            mine = [i for i, (plan, _, _) in enumerate(items) if plan.expert == expert]
+            if not mine:
+                continue
+            sizes = [items[i][2].shape[0] * len(items[i][1].shared) for i in mine]
+            flat = torch.zeros(sum(sizes), dtype=torch.float32, device=items[mine[0]][2].device)
+            slots = []
+            offset = 0
+            for i, size in zip(mine, sizes):
+                _, blocks, maxima = items[i]
+                table = flat[offset : offset + size].view(maxima.shape[0], len(blocks.shared))
+                cut = list(blocks.cut)
+                where = [blocks.shared.index(blocks.blocks[k]) for k in cut]
+                table[:, where] = maxima[:, cut]
+                slots.append((i, table, cut, where))
+                offset += size
+            group = self.groups.expt_tp if expert else self.groups.tp
+            comm = Communicator(group, counter=self.counter)
+            comm.all_reduce(flat, op=dist.ReduceOp.MAX, tag="tp_block_scales")
+            for i, table, cut, where in slots:
+                out[i][:, cut] = table[:, where]
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def set_aside_(
+        self,
+        state_dict: dict[str, Any],
+        param_groups: Sequence[Mapping[str, Any]],
+        view_of: Callable[[torch.Tensor, Mapping[str, Any]], MatrixView],
+        plan_of: Callable[[torch.Tensor], ParamPlan],
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """Before torch's load: the column pieces' scales of ``state_dict`` (a shallow copy's
+        entries) replaced by zeros of the piece's own blocks, which the load checks against the
+        piece's shape; returns them by parameter id, to put back with :meth:`put_back_`.
+        ``ValueError`` naming the parameter, before anything changes, for a piece saved in
+        another precision or with other blocks (another TP size): its conversion needs the
+        other TP ranks' blocks."""
+        aside: dict[int, dict[str, torch.Tensor]] = {}
+        for saved, group in zip(state_dict["param_groups"], param_groups):
+            for index, p in zip(saved["params"], group["params"]):
+                plan = plan_of(p)
+                entry = state_dict["state"].get(index)
+                view = view_of(p, group) if group["algorithm"] == "muon" else None
+                keys = self._scale_keys({}, plan, group, view) if entry else []
+                if not keys:
+                    continue
+                precision = group.get("state_precision", "param")
+                if _saved_precision(entry, group) != precision:
+                    raise ValueError(
+                        f"load_state_dict: parameter '{plan.name}' has state saved with "
+                        f"state_precision={_saved_precision(entry, group)!r} and this optimizer "
+                        f"keeps {precision!r}; its TP shard holds columns of its rows, whose "
+                        "blocks are shared with the other TP ranks, so its state converts only "
+                        "where it was saved: load with the saved state_precision (or save with "
+                        "state_dict_in_precision)"
+                    )
+                entry = state_dict["state"][index] = dict(entry)
+                held = aside[id(p)] = {}
+                for key, blocks in keys:
+                    value = entry[key]
+                    want = (value.shape[0], len(blocks.blocks))
+                    if tuple(value.shape) != want:
+                        raise ValueError(
+                            f"load_state_dict: parameter '{plan.name}': {key!r} has shape "
+                            f"{tuple(value.shape)} in the checkpoint, {want} here (saved at "
+                            "another TP size?)"
+                        )
+                    held[key] = value
+                    entry[key] = torch.zeros(self._own_scale_shape(p, group, view, key))
+        return aside
+
+    @staticmethod
+    def _own_scale_shape(
+        p: torch.Tensor, group: Mapping[str, Any], view: MatrixView | None, key: str
+    ) -> tuple[int, int]:
+        if group["algorithm"] == "muon":
+            return momentum_scale_shape(view, MOMENTUM_FORMATS[group["state_precision"]])
+        return scale_shape(*adamw_block_shape(p))
+
+    @staticmethod
+    def put_back_(
+        state: Mapping[torch.Tensor, dict],
+        params: Sequence[torch.Tensor],
+        aside: Mapping[int, Mapping[str, torch.Tensor]],
+    ) -> None:
+        """After torch's load: the scales :meth:`set_aside_` kept, float32 on the device."""
+        for p in params:
+            for key, value in aside.get(id(p), {}).items():
+                state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
+
+    def dequantized_(
+        self,
+        packed: dict[str, Any],
+        param_groups: Sequence[Mapping[str, Any]],
+        view_of: Callable[[torch.Tensor, Mapping[str, Any]], MatrixView],
+        plan_of: Callable[[torch.Tensor], ParamPlan],
+        precision: str,
+    ) -> None:
+        """In a ``state_dict()`` to be converted to ``precision``: each column piece's
+        quantized state as floating values (new entries; the parameter's dtype), which the
+        conversion then takes as any floating state. ``ValueError`` naming the parameter for a
+        quantized ``precision`` other than its own (it would need the other ranks' blocks)."""
+        for saved, group in zip(packed["param_groups"], param_groups):
+            own = group.get("state_precision", "param")
+            if own == precision or (group["algorithm"] != "muon" and precision != "param"):
+                continue  # AdamW's moments are 8-bit in "int8" and "int4" alike
+            for index, p in zip(saved["params"], group["params"]):
+                entry, plan = packed["state"].get(index), plan_of(p)
+                view = view_of(p, group) if group["algorithm"] == "muon" else None
+                keys = self._scale_keys({}, plan, group, view) if entry else []
+                if not keys:
+                    continue
+                if precision != "param":
+                    raise ValueError(
+                        f"state_dict_in_precision({precision!r}): parameter '{plan.name}' holds "
+                        f"columns of its rows in {own!r} blocks shared with the other TP ranks; "
+                        "only 'param' (floating) converts it here"
+                    )
+                entry = packed["state"][index] = dict(entry)
+                for key, blocks in keys:
+                    rows = entry[key].shape[0]
+                    if group["algorithm"] == "muon":
+                        fmt, code_key = MOMENTUM_FORMATS[own], MOMENTUM_KEY
+                    else:
+                        code_key = next(k for k, a, _ in ADAMW_MOMENTS if a == key)
+                        fmt = ADAMW_FORMATS[code_key]
+                    codes = entry[code_key].view(rows, -1)
+                    values = dequantize_columns(codes, entry[key], blocks, fmt)
+                    entry[code_key] = values.view(p.shape).to(p.dtype)
+                    del entry[key]
+
+
+def _saved_precision(entry: Mapping[str, Any], group: Mapping[str, Any]) -> str:
+    """The ``state_precision`` a loaded state ``entry`` holds (of a parameter of ``group``)."""
+    if group["algorithm"] == "muon":
+        fmt = momentum_format_of(entry)
+        return "param" if fmt is None else fmt.precision
+    if not adamw_state_is_quantized(entry):
+        return "param"
+    own = group.get("state_precision", "param")  # "int8" and "int4": the same 8-bit moments
+    return own if own != "param" else "int8"

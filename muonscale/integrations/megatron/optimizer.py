@@ -18,14 +18,15 @@ from muonscale.distributed.data_parallel import AgreedGradients, DistributedMuon
 from muonscale.matrices import MatrixView
 from muonscale.matrix_step import ApplyUpdates
 from muonscale.optimizer import Muon
+from muonscale.optimizer_state import state_dict_in_precision
 from muonscale.params import RouteDecision
 from muonscale.quantized_state import QuantizedMomentum, quantized_momentum
-from muonscale.settings import MuonSettings
+from muonscale.settings import MuonSettings, check_state_precision
 from muonscale.step_metrics import Reduction, StepMetrics
 
 from .config import MegatronMuonConfig, muon_arguments
 from .grad_norm import GlobalGradNorm
-from .low_bit import refuse_cut_rows
+from .low_bit import ColumnMomentum, SharedColumnScales, refuse_cut_rows
 from .main_params import MainParams
 from .plan import MegatronGroups, ParamPlan
 from .row_state import RowStateEntry, TensorParallelMatrices, held_row_state
@@ -78,7 +79,8 @@ class MegatronMuon(Muon):
         self.tp_matrices = TensorParallelMatrices(groups, config)
         param_groups, options = muon_arguments(self.plans, config)
         precision = options.get("state_precision", "param")
-        refuse_cut_rows(self.plans, param_groups, precision)
+        refuse_cut_rows(self.plans, param_groups, precision, zero1=False)
+        self.column_scales = SharedColumnScales(groups, self.wire_counter)
         super().__init__(param_groups, **options)
         self.routing = {pl.name: RouteDecision(pl.algorithm, pl.reason) for pl in self.plans}
         self.orthogonalizer = orthogonalizer or TensorParallelOrthogonalizer(
@@ -98,8 +100,8 @@ class MegatronMuon(Muon):
 
     @classmethod
     def _accepts_quantized_state(cls) -> bool:
-        """Quantized on each rank's shard of whole rows; a shard that cuts rows is refused at
-        construction, naming the parameter (:mod:`.low_bit`)."""
+        """Quantized on each rank's piece: alone where it holds whole rows, with the scales of
+        the blocks it shares taken over its TP group where it holds columns (:mod:`.low_bit`)."""
         return cls is MegatronMuon
 
     def _average_grads(self) -> None:
@@ -149,9 +151,10 @@ class MegatronMuon(Muon):
         step_ok: torch.Tensor | None = None,
         apply_updates: ApplyUpdates | None = None,
     ) -> None:
-        """AdamW as :class:`muonscale.Muon`; Muon through the orthogonalizer."""
+        """AdamW as :class:`muonscale.Muon` (the 8-bit moments of column pieces with their
+        shared scales); Muon through the orthogonalizer."""
         if group["algorithm"] != "muon" or not params:
-            return super()._update_group(group, params, grads, step_ok=step_ok)
+            return self._adamw_update(group, params, grads, step_ok)
         if apply_updates is not None:  # the orthogonalizer applies its own updates
             raise NotImplementedError("the Megatron Muon step takes no apply_updates")
         states = [self._init_state(p, group) for p in params]
@@ -162,13 +165,53 @@ class MegatronMuon(Muon):
             muon_update_(
                 params,
                 grads,
-                momentum_buffers(group, params, states, self._stacked_momentum, self._matrix_view),
+                momentum_buffers(
+                    group,
+                    params,
+                    states,
+                    self._stacked_momentum,
+                    self._matrix_view,
+                    lambda s, p, view: self.column_scales.momentum(s, self._plan_of(p), view),
+                ),
                 [self._matrix_view(p, group) for p in params],
                 [self._plan_by_id[id(p)] for p in params],
                 group,
                 orthogonalizer,
                 [replicated_state(s, MuonSettings.from_group(group)) for s in states],
+                store_momenta=self.column_scales.store_momenta_,
             )
+
+    def _adamw_update(
+        self,
+        group: Mapping[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        step_ok: torch.Tensor | None,
+    ) -> None:
+        """AdamW: :class:`muonscale.Muon`'s step, and the quantized column pieces' through
+        :meth:`SharedColumnScales.adamw_step_ <.low_bit.SharedColumnScales.adamw_step_>`."""
+        quantized = group.get("state_precision", "param") != "param"
+        columns = [
+            quantized and self.column_scales.adamw_blocks(self._plan_of(p)) is not None
+            for p in params
+        ]
+        if not any(columns):
+            return super()._update_group(group, params, grads, step_ok=step_ok)
+        rest = [(p, g) for p, g, c in zip(params, grads, columns) if not c]
+        super()._update_group(group, [p for p, _ in rest], [g for _, g in rest], step_ok=step_ok)
+        mine = [(p, g) for p, g, c in zip(params, grads, columns) if c]
+        pieces = [p for p, _ in mine]
+        stored = self.column_scales.adamw_step_(
+            group,
+            pieces,
+            [g for _, g in mine],
+            [self._init_state(p, group) for p in pieces],
+            [self._plan_of(p) for p in pieces],
+            self.memory.update_chunk_bytes,
+        )
+        if self.step_metrics is not None:
+            kept = [v for p, v in zip(pieces, stored) if self._counts_update(p)]
+            self.step_metrics.record_adamw(self._group_label(group), group, kept)
 
     def _begin_step(self) -> Sequence[Any]:
         """Gradients into the main copies, averaged over data parallel unless reduced."""
@@ -207,9 +250,11 @@ class MegatronMuon(Muon):
     def _init_state(
         self, p: torch.Tensor, group: Mapping[str, Any], settings: MuonSettings | None = None
     ) -> dict[str, torch.Tensor]:
-        """Muon's state; its row states hold the whole matrices' rows (:mod:`.row_state`)."""
+        """Muon's state; its row states hold the whole matrices' rows (:mod:`.row_state`), and
+        a quantized column piece's scales are per block it touches (:mod:`.low_bit`)."""
         state = self.state[p]
-        if group["algorithm"] == "muon":
+        muon = group["algorithm"] == "muon"
+        if muon:
             settings = settings if settings is not None else MuonSettings.from_group(group)
             for spec in replicated_declarations(settings):
                 if spec.key not in state:
@@ -219,7 +264,11 @@ class MegatronMuon(Muon):
                         spec.dtype(settings, p.dtype),
                         p.device,
                     )
-        return super()._init_state(p, group, settings)
+        state = super()._init_state(p, group, settings)
+        if group.get("state_precision", "param") != "param":
+            view = self._matrix_view(p, group) if muon else None
+            self.column_scales.shape_state_(state, self._plan_of(p), group, view)
+        return state
 
     def _plan_of(self, p: torch.Tensor) -> ParamPlan:
         return self._plan_by_id[id(p)]
@@ -238,7 +287,23 @@ class MegatronMuon(Muon):
         packed["main_params"] = self.main_params.state_dict()
         return packed
 
+    def state_dict_in_precision(self, state_precision: str) -> dict[str, Any]:
+        """:meth:`muonscale.Muon.state_dict_in_precision`; a column piece's quantized state
+        converts to ``"param"`` here (its blocks are shared with the other TP ranks:
+        :mod:`.low_bit`)."""
+        check_state_precision(state_precision)
+        packed = self.state_dict()
+        self.column_scales.dequantized_(
+            packed, self.param_groups, self._matrix_view, self._plan_of, state_precision
+        )
+        return state_dict_in_precision(
+            packed, self.param_groups, self._matrix_view, state_precision
+        )
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """:meth:`muonscale.Muon.load_state_dict` with the main copies and the row state
+        (collective over each TP group); a quantized column piece loads the state saved at
+        this layout in its precision (:mod:`.low_bit`)."""
         state_dict = dict(state_dict)
         main = state_dict.pop("main_params", None)
         if self.main_params.copied and main is None:
@@ -246,7 +311,12 @@ class MegatronMuon(Muon):
                 "this optimizer keeps main copies of low-precision parameters but the checkpoint "
                 "has no 'main_params' (saved with main_params_dtype=None?)"
             )
+        state_dict["state"] = dict(state_dict["state"])  # column pieces' entries replaced
+        aside = self.column_scales.set_aside_(
+            state_dict, self.param_groups, self._matrix_view, self._plan_of
+        )
         super().load_state_dict(state_dict)
+        self.column_scales.put_back_(self.state, [pl.param for pl in self.plans], aside)
         # collective over each TP group: the row state's rows of every TP rank
         self.tp_matrices.to_whole_(self._row_state_entries(), WireCounter())
         if main is not None:
@@ -293,7 +363,7 @@ class MegatronDistributedMuon(DistributedMuon):
                 "None or False"
             )
         precision = options.get("state_precision", "param")
-        refuse_cut_rows(self.plans, param_groups, precision)
+        refuse_cut_rows(self.plans, param_groups, precision, zero1=True)
         self.external_grad_norm = external_grad_norm
         super().__init__(
             param_groups,
@@ -329,8 +399,9 @@ class MegatronDistributedMuon(DistributedMuon):
     @classmethod
     def _accepts_quantized_state(cls) -> bool:
         """The owners' Muon momentum, whole TP pieces of whole rows, as
-        :class:`DistributedMuon`'s; row-parallel pieces and AdamW's flat shards are refused at
-        construction, naming the parameter (:mod:`.low_bit`)."""
+        :class:`DistributedMuon`'s, and AdamW's flat shards with their cut blocks' scales
+        shared; a TP piece that holds columns of its rows is refused at construction, naming
+        the parameter (:mod:`.low_bit`)."""
         return cls is MegatronDistributedMuon
 
     def _logical_numel(self, p: torch.Tensor) -> int:
@@ -447,13 +518,19 @@ def momentum_buffers(
     states: list[dict],
     stacked: Callable[[Mapping[str, Any], list[torch.Tensor], list[dict]], list[torch.Tensor]],
     view: Callable[[torch.Tensor, Mapping[str, Any]], MatrixView],
-) -> list[torch.Tensor | QuantizedMomentum]:
+    column: Callable[[dict, torch.Tensor, MatrixView], ColumnMomentum | None] | None = None,
+) -> list[torch.Tensor | QuantizedMomentum | ColumnMomentum]:
     """The Muon momentum of ``params`` as :func:`~.tensor_parallel.muon_update_` takes it: the
     floating buffers in their stacks (``stacked``), or each quantized one as its codes and
-    scales over the block matrix of its ``view``."""
+    scales over the block matrix of its ``view`` (``column(state, p, view)``: a column piece's,
+    None for a piece of whole rows)."""
     if group.get("state_precision", "param") == "param":
         return stacked(group, params, states)
-    return [quantized_momentum(s, view(p, group)) for p, s in zip(params, states)]
+    out: list[QuantizedMomentum | ColumnMomentum] = []
+    for p, s in zip(params, states):
+        piece = None if column is None else column(s, p, view(p, group))
+        out.append(piece if piece is not None else quantized_momentum(s, view(p, group)))
+    return out
 
 
 def whole_numel(plan: ParamPlan, p: torch.Tensor) -> int:

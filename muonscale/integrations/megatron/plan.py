@@ -84,6 +84,9 @@ class ParamPlan:
     pipeline_copy: bool = False
     """Megatron's ``shared`` flag: the tied embedding's copy on the last pipeline stage (its
     gradient is the first stage's, so global gradient norms count it once, as Megatron does)."""
+    partition_stride: int = 1
+    """Megatron's ``partition_stride`` of a sharded parameter: the dimension is split into
+    ``tp_size · partition_stride`` chunks, rank r holding chunks r, r + tp_size, …"""
 
 
 def _strip_wrappers(name: str) -> str:
@@ -236,6 +239,7 @@ def plan_parameters(
                     partition_dim,
                     layout,
                     pipeline_copy=bool(getattr(p, "shared", False)),
+                    partition_stride=int(getattr(p, "partition_stride", 1)) if sharded else 1,
                 )
             )
     if not plans:

@@ -4,7 +4,7 @@ name."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -176,31 +176,48 @@ class Orthogonalizer(Protocol):
     ) -> list[torch.Tensor]: ...
 
 
+class QuantizedBuffer(Protocol):
+    """A quantized momentum as :func:`muon_update_` reads it (its values, float32)."""
+
+    def values(self) -> torch.Tensor: ...
+
+
+StoreMomenta = Callable[[Sequence[QuantizedBuffer], Sequence[torch.Tensor]], None]
+"""Writes the new float32 momentum values into their quantized buffers."""
+
+
+def store_each_(buffers: Sequence[QuantizedMomentum], values: Sequence[torch.Tensor]) -> None:
+    """Each quantized buffer stores its own values (its rows whole on this rank)."""
+    for stored, value in zip(buffers, values):
+        stored.store_(value)
+
+
 @torch.no_grad()
 def muon_update_(
     params: Sequence[torch.Tensor],  # updated in place
     grads: Sequence[torch.Tensor],  # same shapes
-    momentum_buffers: Sequence[torch.Tensor | QuantizedMomentum],  # updated in place
+    momentum_buffers: Sequence[torch.Tensor | QuantizedBuffer],  # updated in place
     views: Sequence[MatrixView],
     plans: Sequence[ParamPlan],
     group: Mapping[str, Any],
     orthogonalize: Orthogonalizer,
     row_states: Sequence[RowStates] | None = None,  # whole rows, per parameter
+    store_momenta: StoreMomenta = store_each_,
 ) -> None:
     """Muon's step with an injected orthogonalizer: B ← B.lerp(G, 1 − μ), U = G.lerp(B, μ) or
     B; W ← W (1 − η λ) − η · ``orthogonalize(U)`` with the matrix step's apply rule of a scaled
     update (:func:`muonscale.matrix_step.apply_updates_by_rule_`, elementwise on each rank's
-    shard). A quantized buffer (:class:`~muonscale.quantized_state.QuantizedMomentum`) is read
-    as float32 values and its new value stored once the directions are out, as one process
-    does."""
-    values = [b.values() if isinstance(b, QuantizedMomentum) else b for b in momentum_buffers]
+    shard). A quantized buffer (:class:`~muonscale.quantized_state.QuantizedMomentum`, or a
+    column piece's :class:`~.low_bit.ColumnMomentum`) is read as float32 values and its new
+    value stored once the directions are out (``store_momenta``), as one process does."""
+    values = [b if torch.is_tensor(b) else b.values() for b in momentum_buffers]
     directions = functional.momentum_directions_(
         list(grads), values, momentum=group["momentum"], nesterov=group["nesterov"]
     )
-    for stored, value in zip(momentum_buffers, values):
-        if isinstance(stored, QuantizedMomentum):
-            stored.store_(value)
-    del values
+    quantized = [(b, v) for b, v in zip(momentum_buffers, values) if not torch.is_tensor(b)]
+    if quantized:
+        store_momenta([b for b, _ in quantized], [v for _, v in quantized])
+    del values, quantized
     updates = orthogonalize(directions, views, plans, group, row_states)
     settings = MuonSettings.from_group(group)
     matrix_step.apply_updates_by_rule_(
