@@ -3,16 +3,21 @@ adapter on 2 gloo ranks, with identical gradients injected on every rank.
 
 Blocks are segments of a row, so a rank that holds whole rows quantizes as one process does:
 at TP 1 the state equals single-process :class:`muonscale.Muon`'s bitwise, and at TP 2 the
-column-parallel weights' state too (the state depends on the gradients only). The weights are
-not bitwise one process's even with floating state (the adapter batches Newton–Schulz
-otherwise; under TP the exchange too), so each quantized step is checked bitwise against the
-adapter's floating step taken from the same weights and the dequantized state, and the weights
-against one process's within the float32 bound of the variant tests. ZeRO-1 equals the
-replicated run bitwise (fp32 and bf16 models with main copies); checkpoints resume bitwise.
-Shards that cut rows (row-parallel weights, AdamW's flat ZeRO-1 shards, a TP-sharded bias)
-are refused by name, and kept floating with ``float_state_params``."""
+column-parallel weights' state too (the state depends on the gradients only). A piece that
+holds columns of its rows (row-parallel weights, TP-sharded biases) shares the scales of the
+blocks it cuts over the TP group: at TP 2 every parameter's gathered codes and scales equal
+one process's, and the all-reduce carries the bytes its shapes say. The weights are not
+bitwise one process's even with floating state (the adapter batches Newton–Schulz otherwise;
+under TP the exchange too), so each quantized step is checked bitwise against the adapter's
+floating step taken from the same weights and the dequantized state
+(``state_dict_in_precision("param")``), and the weights against one process's within the
+float32 bound of the variant tests. ZeRO-1 equals the replicated run bitwise (fp32 and bf16
+models with main copies); checkpoints resume bitwise. ZeRO-1 refuses pieces that hold columns
+of their rows by name; ``float_state_params`` keeps named parameters floating."""
 
 from __future__ import annotations
+
+import copy
 
 import megatron_workers as W
 import pytest
@@ -44,9 +49,45 @@ def _megatron(model, **extra):
     return megatron_muon([model], MegatronMuonConfig().replaced(**_options(**extra)))
 
 
+SCALE_BLOCKS = {
+    "momentum_scale": 256,
+    "momentum_absmax": 128,
+    "exp_avg_absmax": 256,
+    "exp_avg_sq_absmax": 256,
+}
+"""Each quantized state's scales and the entries of its blocks."""
+
+
+def _whole_scales(opt, plan, key: str, value: torch.Tensor) -> torch.Tensor | None:
+    """A column piece's scales (rows, blocks it touches) placed among the whole rows' blocks,
+    every TP rank's (a block that several share holds one value on all of them); None for a
+    piece of whole rows."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from muonscale.quantized_state import adamw_block_shape
+
+    size = SCALE_BLOCKS[key]
+    blocks = opt.column_scales.blocks(plan, adamw_block_shape(plan.param), size)
+    if blocks is None:
+        return None
+    group = ps.get_tensor_model_parallel_group()
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (blocks.blocks, value), group=group)
+    whole = torch.full((value.shape[0], -(-blocks.cols // size)), float("nan"))
+    for touched, scales in everyone:
+        for k, b in enumerate(touched):
+            if not whole[:, b].isnan().all():
+                assert torch.equal(whole[:, b], scales[:, k]), (plan.name, key, b)
+            whole[:, b] = scales[:, k]
+    assert not whole.isnan().any(), (plan.name, key)
+    return whole
+
+
 def _named_state(opt) -> dict[str, dict[str, torch.Tensor]]:
-    """Every parameter's state by name, TP pieces gathered into the whole (canonical order);
-    ZeRO-1: the full state of its ``state_dict()`` (collective)."""
+    """Every parameter's state by name, TP pieces gathered into the whole (canonical order;
+    a column piece's scales placed among its blocks); ZeRO-1: the full state of its
+    ``state_dict()`` (collective)."""
     out = {}
     if opt.dp_mode == "zero1":
         saved = opt.state_dict()
@@ -57,11 +98,15 @@ def _named_state(opt) -> dict[str, dict[str, torch.Tensor]]:
         return out
     for plan in opt.plans:
         state = opt.state.get(plan.param, {})
-        out[plan.name] = {
-            k: W.gather_full(plan.param, v) if v.shape[:1] == plan.param.shape[:1] else v.clone()
-            for k, v in state.items()
-            if torch.is_tensor(v) and v.dim() > 0
-        }
+        out[plan.name] = {}
+        for k, v in state.items():
+            if not (torch.is_tensor(v) and v.dim() > 0):
+                continue
+            whole = _whole_scales(opt, plan, k, v) if k in SCALE_BLOCKS else None
+            if whole is None:
+                same_rows = v.shape[:1] == plan.param.shape[:1]
+                whole = W.gather_full(plan.param, v) if same_rows else v.clone()
+            out[plan.name][k] = whole
     return out
 
 
@@ -150,6 +195,13 @@ def _run(
         params={n: W.gather_full(p) for n, p in named.items()},
         state=_named_state(opt),
         dp_mode=opt.dp_mode,
+        wire=dict(opt.last_step_wire_breakdown),
+        sharded={  # TP-sharded parameters: (algorithm, whole shape, partition_dim, stride)
+            pl.name: (pl.algorithm, W.full_shape(named[pl.name]), pl.partition_dim, stride)
+            for pl in opt.plans
+            if pl.partition_dim is not None
+            for stride in [int(getattr(named[pl.name], "partition_stride", 1))]
+        },
     )
     if opt.dp_mode == "replicated":  # the main copies (ZeRO-1 holds them in its state)
         out["main"] = {pl.name: W.gather_full(named[pl.name], pl.param) for pl in opt.plans}
@@ -157,51 +209,25 @@ def _run(
     return out
 
 
-def _quantized_steps_equal_float_steps(
-    tp: int, precision: str, floating: tuple[str, ...] = ()
-) -> list[str]:
+def _quantized_steps_equal_float_steps(tp: int, precision: str) -> list[str]:
     """At ``tp``, the quantized optimizer and a floating one side by side: before each step the
-    floating one takes the quantized one's weights and dequantized state; after it the weights
-    must match bitwise. Returns the names of the parameters that did not."""
+    floating one takes the quantized one's weights and its state converted to floating values
+    (``state_dict_in_precision("param")``: the dequantized state); after it the weights must
+    match bitwise. Returns the names of the parameters that did not."""
     from megatron.core import parallel_state as ps
-
-    from muonscale.momentum_formats import momentum_format_of
-    from muonscale.quantized_state import (
-        adamw_block_shape,
-        adamw_moment_values,
-        adamw_state_is_quantized,
-        quantized_momentum,
-    )
 
     W.setup_parallel(tp)
     model_q, model_f = W.build_gpt(W.TINY, seed=0), W.build_gpt(W.TINY, seed=0)
-    options = dict(float_state_params=floating, dp_mode="replicated")
-    opt_q = _megatron(model_q, state_precision=precision, **options)
-    opt_f = _megatron(model_f, **options)
-    opt_f.init_all_state()
+    opt_q = _megatron(model_q, state_precision=precision, dp_mode="replicated")
+    opt_f = _megatron(model_f, dp_mode="replicated")
     plans_f = {pl.name: pl for pl in opt_f.plans}
-    groups = {id(p): g for g in opt_q.param_groups for p in g["params"]}
     mismatched = set()
     for step in range(STEPS):
         with torch.no_grad():
             for plan_q in opt_q.plans:
-                plan_f = plans_f[plan_q.name]
-                plan_f.param.copy_(plan_q.param)
-                s_q, s_f = opt_q.state.get(plan_q.param), opt_f.state[plan_f.param]
-                if not s_q:
-                    continue
-                if momentum_format_of(s_q) is not None:
-                    view = opt_q._matrix_view(plan_q.param, groups[id(plan_q.param)])
-                    s_f["momentum_buffer"].copy_(quantized_momentum(s_q, view).values())
-                elif adamw_state_is_quantized(s_q):
-                    shape = adamw_block_shape(plan_q.param)
-                    values = adamw_moment_values(s_q, plan_q.param, slice(None))
-                    s_f["exp_avg"].view(shape).copy_(values[0])
-                    s_f["exp_avg_sq"].view(shape).copy_(values[1])
-                    s_f["step"].copy_(s_q["step"])
-                else:
-                    for k, v in s_q.items():
-                        s_f[k].copy_(v)
+                plans_f[plan_q.name].param.copy_(plan_q.param)
+        # a copy: torch's load keeps the saved step counters themselves
+        opt_f.load_state_dict(copy.deepcopy(opt_q.state_dict_in_precision("param")))
         for model in (model_q, model_f):
             W.inject_gradients(model, step)
         opt_q.step()
@@ -211,6 +237,26 @@ def _quantized_steps_equal_float_steps(
                 mismatched.add(plan_q.name)
     ps.destroy_model_parallel()
     return sorted(mismatched)
+
+
+def _conversion_refusal(tp: int) -> str:
+    """Loading an int8 state dict saved at ``tp`` into a floating optimizer: a column piece's
+    conversion is refused by name (its blocks are shared with the other TP ranks)."""
+    from megatron.core import parallel_state as ps
+
+    W.setup_parallel(tp)
+    model = W.build_gpt(W.TINY, seed=0)
+    opt = _megatron(model, state_precision="int8", dp_mode="replicated")
+    W.inject_gradients(model, 0)
+    opt.step()
+    saved = opt.state_dict()
+    try:
+        _megatron(model, dp_mode="replicated").load_state_dict(saved)
+    except ValueError as error:
+        return str(error)
+    finally:
+        ps.destroy_model_parallel()
+    return ""
 
 
 def _refusal(tp: int, num_experts: int | None = None, **extra) -> str:
@@ -257,32 +303,27 @@ def run_low_bit(rank: int, world_size: int) -> dict:
         zero1_resumed=_run(
             1, resume_at=2, state_precision="int8", dp_mode="zero1", float_state_params=adamw
         ),
-        tp2=_run(
-            2,
-            state_precision="int8",
-            dp_mode="replicated",
-            float_state_params=ROW_PARALLEL + CUT_BIASES,
-        ),
+        tp2=_run(2, state_precision="int8", dp_mode="replicated"),
+        tp2_int4=_run(2, state_precision="int4", dp_mode="replicated"),
         tp1_mismatched=_quantized_steps_equal_float_steps(1, "int8"),
         tp1_int4_mismatched=_quantized_steps_equal_float_steps(1, "int4"),
-        tp2_resumed=_run(
+        tp2_resumed=_run(2, resume_at=2, state_precision="int8", dp_mode="replicated"),
+        tp2_mismatched=_quantized_steps_equal_float_steps(2, "int8"),
+        tp2_int4_mismatched=_quantized_steps_equal_float_steps(2, "int4"),
+        tp2_float_columns=_run(
             2,
-            resume_at=2,
             state_precision="int8",
             dp_mode="replicated",
             float_state_params=ROW_PARALLEL + CUT_BIASES,
         ),
-        tp2_mismatched=_quantized_steps_equal_float_steps(2, "int8", ROW_PARALLEL + CUT_BIASES),
         refuse_row_parallel=_refusal(
-            2, state_precision="int8", dp_mode="replicated", float_state_params=CUT_BIASES
+            2, state_precision="int8", dp_mode="zero1", float_state_params=CUT_BIASES
         ),
         refuse_bias=_refusal(
-            2, state_precision="int8", dp_mode="replicated", float_state_params=ROW_PARALLEL
+            2, state_precision="int8", dp_mode="zero1", float_state_params=ROW_PARALLEL
         ),
+        refuse_conversion=_conversion_refusal(2),
         zero1_int8_adamw=_run(1, state_precision="int8", dp_mode="zero1"),
-        refuse_zero1_experts=_refusal(
-            1, num_experts=2, state_precision="int8", dp_mode="zero1", float_state_params=adamw
-        ),
     )
     return out
 
@@ -303,7 +344,7 @@ def _assert_same(got: dict, want: dict, what: str) -> None:
 
 
 def _quantized(state: dict) -> set[str]:
-    return {n for n, s in state.items() if "momentum_scale" in s or "exp_avg_absmax" in s}
+    return {n for n, s in state.items() if set(s) & {*SCALE_BLOCKS}}
 
 
 def _assert_weights_close(run: dict, ref: dict) -> None:
@@ -391,24 +432,74 @@ def test_state_dict_resumes_bitwise(results, layout):
 
 def test_tp2_column_parallel_state_equals_single_process(results):
     """The state depends on the gradients only: the gathered codes and scales of the
-    column-parallel weights (and the AdamW state of whole-row shards) are one process's."""
-    run, ref = results["tp2"], results["ref8"]
+    column-parallel weights (and the AdamW state of whole-row shards) are one process's, with
+    the parameters that hold columns of their rows kept floating by ``float_state_params``."""
+    run, ref = results["tp2_float_columns"], results["ref8"]
     quantized = _quantized(run["state"])
     assert any(n.endswith("linear_qkv.weight") for n in quantized)
     assert any(n.endswith("word_embeddings.weight") for n in quantized)
-    assert not any(n.endswith(("linear_proj.weight", "linear_fc2.weight")) for n in quantized)
+    floating = ("linear_proj.weight", "linear_fc2.weight", "linear_qkv.bias", "linear_fc1.bias")
+    assert not any(n.endswith(floating) for n in quantized)
     for name in quantized:
         _assert_same(run["state"][name], ref["state"][name], name)
 
 
-def test_tp2_int8_step_equals_float_step_from_dequantized_state(results):
-    assert results["tp2_mismatched"] == []
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_tp2_every_state_equals_single_process(results, precision):
+    """Row-parallel weights and TP-sharded biases (``partition_stride`` 2: ``linear_fc1``'s)
+    hold columns of their rows and share the scales of the blocks they cut over the TP group:
+    every parameter's gathered codes and scales equal one process's bitwise."""
+    run = results["tp2" if precision == "int8" else "tp2_int4"]
+    ref = results["ref8" if precision == "int8" else "ref4"]
+    assert _quantized(run["state"]) == set(run["state"])
+    columns = [n for n, (_, shape, dim, _) in run["sharded"].items() if dim == 1 or len(shape) == 1]
+    assert any(n.endswith("linear_proj.weight") for n in columns)
+    assert any(n.endswith("linear_fc1.bias") for n in columns)
+    _assert_same(run["state"], ref["state"], "state")
+    _assert_weights_close(run, ref)
 
 
-def test_cut_rows_are_refused_by_name(results):
+def _cut_blocks(cols: int, pieces: int, block: int) -> int:
+    """Blocks of a row of ``cols`` that a split into ``pieces`` equal chunks cuts (a chunk
+    boundary inside the block)."""
+    chunk = cols // pieces
+    return len({q // block for q in range(chunk, cols, chunk) if q % block})
+
+
+def test_tp2_shared_scales_bytes_from_shapes(results):
+    """One all-reduce (max) per param group over the TP group, of the shared blocks' maxima
+    (float32): the Muon group's rows × cut blocks of every row-parallel weight, the AdamW
+    group's two moments × cut blocks of every TP-sharded bias."""
+    tp = 2
+    for precision, block in (("int8", 256), ("int4", 128)):
+        run = results["tp2" if precision == "int8" else "tp2_int4"]
+        muon = adamw = 0
+        for algorithm, shape, dim, stride in run["sharded"].values():
+            if algorithm == "muon" and dim == 1:
+                muon += 4 * shape[0] * _cut_blocks(shape[1], tp * stride, block)
+            elif algorithm == "adamw" and len(shape) == 1:
+                adamw += 2 * 4 * _cut_blocks(shape[0], tp * stride, 256)
+        assert muon and adamw
+        want = sum(2 * (tp - 1) * nbytes // tp for nbytes in (muon, adamw))
+        assert run["wire"]["tp_block_scales/all_reduce"] == want, (precision, run["wire"])
+    assert "tp_block_scales/all_reduce" not in results["tp2_float_columns"]["wire"]
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_tp2_quantized_step_equals_float_step_from_dequantized_state(results, precision):
+    assert results["tp2_mismatched" if precision == "int8" else "tp2_int4_mismatched"] == []
+
+
+def test_cut_rows_are_refused_by_name_under_zero1(results):
     row = results["refuse_row_parallel"]
     assert "linear_proj.weight" in row or "linear_fc2.weight" in row, row
     assert "partition_dim=1" in row and "float_state_params" in row
+    assert "dp_mode='replicated'" in row
     bias = results["refuse_bias"]
     assert ".bias'" in bias and "partition_dim=0" in bias, bias
-    assert "MegatronExpertZero1" in results["refuse_zero1_experts"]
+
+
+def test_column_piece_conversion_is_refused_by_name(results):
+    refusal = results["refuse_conversion"]
+    assert "state_precision='int8'" in refusal and "'param'" in refusal, refusal
+    assert "linear_" in refusal and "state_dict_in_precision" in refusal

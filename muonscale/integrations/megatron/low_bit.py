@@ -215,19 +215,20 @@ class SharedColumnScales:
     ) -> None:
         """Give a new quantized state of a column piece its scales: zeros of (rows, blocks it
         touches), in place of the ones of the piece's own blocks."""
-        for key, blocks in self._scale_keys(state, plan, group, view):
+        precision = group.get("state_precision", "param")
+        for key, blocks in self._scale_keys(plan, group["algorithm"], precision, view):
             rows = state[key].shape[0]
             if state[key].shape != (rows, len(blocks.blocks)):
                 state[key] = state[key].new_zeros((rows, len(blocks.blocks)))
 
     def _scale_keys(
-        self, state: Mapping[str, Any], plan: ParamPlan, group: Mapping[str, Any], view: Any
+        self, plan: ParamPlan, algorithm: str, precision: str, view: Any
     ) -> list[tuple[str, ColumnBlocks]]:
-        """The scale keys of ``state`` that are per block this column piece touches."""
-        precision = group.get("state_precision", "param")
+        """The keys of the scales of ``plan``'s state in ``precision`` that are per block it
+        touches as a column piece (none for a piece of whole rows)."""
         if precision == "param":
             return []
-        if group["algorithm"] == "muon":
+        if algorithm == "muon":
             fmt = MOMENTUM_FORMATS[precision]
             blocks = self.momentum_blocks(plan, view, fmt)
             return [] if blocks is None else [(fmt.scale_key, blocks)]
@@ -364,22 +365,24 @@ class SharedColumnScales:
         aside: dict[int, dict[str, torch.Tensor]] = {}
         for saved, group in zip(state_dict["param_groups"], param_groups):
             for index, p in zip(saved["params"], group["params"]):
-                plan = plan_of(p)
-                entry = state_dict["state"].get(index)
-                view = view_of(p, group) if group["algorithm"] == "muon" else None
-                keys = self._scale_keys({}, plan, group, view) if entry else []
-                if not keys:
+                plan, entry = plan_of(p), state_dict["state"].get(index)
+                if not entry:
                     continue
+                algorithm = group["algorithm"]
+                view = view_of(p, group) if algorithm == "muon" else None
                 precision = group.get("state_precision", "param")
-                if _saved_precision(entry, group) != precision:
+                saved = _saved_precision(entry, group)
+                keys = self._scale_keys(plan, algorithm, precision, view)
+                if saved != precision and (keys or self._scale_keys(plan, algorithm, saved, view)):
                     raise ValueError(
                         f"load_state_dict: parameter '{plan.name}' has state saved with "
-                        f"state_precision={_saved_precision(entry, group)!r} and this optimizer "
-                        f"keeps {precision!r}; its TP shard holds columns of its rows, whose "
-                        "blocks are shared with the other TP ranks, so its state converts only "
-                        "where it was saved: load with the saved state_precision (or save with "
-                        "state_dict_in_precision)"
+                        f"state_precision={saved!r} and this optimizer keeps {precision!r}; its "
+                        "TP shard holds columns of its rows, whose blocks are shared with the "
+                        "other TP ranks, so its state converts only where it was saved: load "
+                        "with the saved state_precision (or save with state_dict_in_precision)"
                     )
+                if not keys:
+                    continue
                 entry = state_dict["state"][index] = dict(entry)
                 held = aside[id(p)] = {}
                 for key, blocks in keys:
@@ -433,7 +436,7 @@ class SharedColumnScales:
             for index, p in zip(saved["params"], group["params"]):
                 entry, plan = packed["state"].get(index), plan_of(p)
                 view = view_of(p, group) if group["algorithm"] == "muon" else None
-                keys = self._scale_keys({}, plan, group, view) if entry else []
+                keys = self._scale_keys(plan, group["algorithm"], own, view) if entry else []
                 if not keys:
                     continue
                 if precision != "param":
