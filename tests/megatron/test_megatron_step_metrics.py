@@ -11,10 +11,14 @@ import torch
 OPTIONS = dict(lr=0.02, weight_decay=0.1, scale="unit_rms", adam_lr=0.01, ns_dtype=torch.float32)
 
 
-def test_step_metrics_in_megatron_writers_at_tp1_and_tp2(pool2):
+@pytest.mark.parametrize("precision", ["param", "int8"])
+def test_step_metrics_in_megatron_writers_at_tp1_and_tp2(pool2, precision):
+    """``int8``: at TP 2 the row-parallel weights and the TP-sharded biases hold columns of
+    their rows (scales shared over the TP group); AdamW's update RMS is read from the stored
+    8-bit moments' values, the same state as TP 1's."""
     runs = {}
     for tp in (1, 2):
-        spec = dict(tp=tp, steps=2, options=OPTIONS)
+        spec = dict(tp=tp, steps=2, options=dict(OPTIONS, state_precision=precision))
         runs[tp] = pool2.run(SW.run, spec, timeout=600)
         ns_full = runs[tp][0]["ns_full"]
         assert runs[tp][0]["scalars"]["muon/ns_elements"] == {1: ns_full, 2: ns_full}
