@@ -166,11 +166,17 @@ def _inject(model, step: int) -> None:
 
 
 def _run(
-    tp: int, steps: int = STEPS, resume_at: int | None = None, bf16: bool = False, **extra
+    tp: int,
+    steps: int = STEPS,
+    resume_at: int | None = None,
+    bf16: bool = False,
+    resume_with: dict | None = None,
+    **extra,
 ) -> dict:
     """The adapter at ``tp`` for ``steps`` steps; ``resume_at``: a new model and optimizer
-    loaded from the state dict (and weights) after that many steps take the rest. ``bf16``:
-    a bf16 model, the optimizer stepping fp32 main copies."""
+    (``resume_with``: options that replace ``extra``'s) loaded from the state dict (and
+    weights) after that many steps take the rest. ``bf16``: a bf16 model, the optimizer
+    stepping fp32 main copies."""
     from megatron.core import parallel_state as ps
 
     W.setup_parallel(tp)
@@ -185,7 +191,7 @@ def _run(
             with torch.no_grad():
                 for n, p in model.named_parameters():
                     p.copy_(weights[n])
-            opt = _megatron(model, **extra)
+            opt = _megatron(model, **{**extra, **(resume_with or {})})
             opt.load_state_dict(saved)
         _inject(model, step)
         opt.step()
@@ -324,6 +330,20 @@ def run_low_bit(rank: int, world_size: int) -> dict:
         ),
         refuse_conversion=_conversion_refusal(2),
         zero1_int8_adamw=_run(1, state_precision="int8", dp_mode="zero1"),
+        zero1_to_replicated=_run(
+            1,
+            resume_at=2,
+            resume_with=dict(dp_mode="replicated"),
+            state_precision="int8",
+            dp_mode="zero1",
+        ),
+        replicated_to_zero1=_run(
+            1,
+            resume_at=2,
+            resume_with=dict(dp_mode="zero1"),
+            state_precision="int8",
+            dp_mode="replicated",
+        ),
     )
     return out
 
@@ -428,6 +448,17 @@ def test_state_dict_resumes_bitwise(results, layout):
     resumed, whole = results[f"{layout}_resumed"], results[layout]
     _assert_same(resumed["params"], whole["params"], "params")
     _assert_same(resumed["state"], whole["state"], "state")
+
+
+@pytest.mark.parametrize("resumed", ["zero1_to_replicated", "replicated_to_zero1"])
+def test_int8_state_resumes_across_data_parallel_modes(results, resumed):
+    """At TP 1 (DP 2), ZeRO-1's full state dict (8-bit AdamW shards gathered with their
+    shared scales) loads into the replicated optimizer, and the replicated one's into ZeRO-1:
+    bitwise the uninterrupted run, weights and state."""
+    run, whole = results[resumed], results["tp1"]
+    assert run["dp_mode"] == resumed.rsplit("_", 1)[-1]
+    _assert_same(run["params"], whole["params"], "params")
+    _assert_same(run["state"], whole["state"], "state")
 
 
 def test_tp2_column_parallel_state_equals_single_process(results):
