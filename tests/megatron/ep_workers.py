@@ -18,7 +18,7 @@ import zlib
 
 import torch
 import torch.distributed as dist
-from megatron_workers import TINY, build_gpt, cpu_shims, gather_full, local_slice
+from megatron_workers import TINY, build_gpt, cpu_shims, gather_full, local_slice, whole_state
 
 LOCAL_EXPERT = re.compile(r"local_experts\.(\d+)\.")
 
@@ -69,8 +69,8 @@ def global_name(name: str, local_count: int) -> str:
 
 def full_state(opt, local_count: int) -> dict[str, dict[str, torch.Tensor]]:
     """Every parameter's optimizer state by global name on every rank (tensors of 1 dim or
-    more; TP 1 and ETP 1: each rank's state is its parameters' whole): a replicated
-    optimizer's own, ZeRO-1's the full state of its halves' ``state_dict()`` (collective)."""
+    more): a replicated optimizer's own, TP pieces gathered (``whole_state``); ZeRO-1's the
+    full state of its halves' ``state_dict()`` (TP 1 and ETP 1; collective)."""
     mine = {}
     if opt.dp_mode == "zero1":
         for saved in opt.state_dict().values():
@@ -82,10 +82,7 @@ def full_state(opt, local_count: int) -> dict[str, dict[str, torch.Tensor]]:
                     }
     else:
         for plan in opt.plans:
-            entry = opt.state.get(plan.param, {})
-            mine[global_name(plan.name, local_count)] = {
-                k: v.clone() for k, v in entry.items() if torch.is_tensor(v) and v.dim()
-            }
+            mine[global_name(plan.name, local_count)] = whole_state(opt, plan)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     out = {}
@@ -155,7 +152,7 @@ def run(rank: int, world_size: int, spec: dict) -> dict | None:
     """``spec``: ``layout`` (TP, ETP, EP), ``steps``, ``options`` (MegatronMuonConfig fields),
     optional ``resume_at`` (also: a run saved after that many steps, its state loaded into a
     fresh model and optimizer at the same layout, which finishes the steps) and ``state``
-    (also: the optimizer state by global name, :func:`full_state`; TP 1 and ETP 1)."""
+    (also: the optimizer state by global name, :func:`full_state`)."""
     from megatron.core import parallel_state as ps
 
     setup_parallel(1, 1, 1)  # the reference layout's full weights

@@ -142,6 +142,54 @@ def gather_full(p: torch.Tensor, data: torch.Tensor | None = None) -> torch.Tens
     return torch.cat([per_rank[r][c] for c in range(stride) for r in range(t)], dim=dim)
 
 
+SCALE_BLOCKS = {
+    "momentum_scale": 256,
+    "momentum_absmax": 128,
+    "exp_avg_absmax": 256,
+    "exp_avg_sq_absmax": 256,
+}
+"""Each quantized state's scales and the entries of its blocks."""
+
+
+def whole_scales(opt, plan, key: str, value: torch.Tensor) -> torch.Tensor | None:
+    """A column piece's scales (rows, blocks it touches) placed among the whole rows' blocks,
+    every TP rank's (a block that several share holds one value on all of them); None for a
+    piece of whole rows. Collective over the piece's TP group."""
+    from muonscale.quantized_state import adamw_block_shape
+
+    size = SCALE_BLOCKS[key]
+    blocks = opt.column_scales.blocks(plan, adamw_block_shape(plan.param), size)
+    if blocks is None:
+        return None
+    group = _tp_group(plan.param)
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (blocks.blocks, value), group=group)
+    whole = torch.full((value.shape[0], -(-blocks.cols // size)), float("nan"))
+    for touched, scales in everyone:
+        for k, b in enumerate(touched):
+            if not whole[:, b].isnan().all():
+                assert torch.equal(whole[:, b], scales[:, k]), (plan.name, key, b)
+            whole[:, b] = scales[:, k]
+    assert not whole.isnan().any(), (plan.name, key)
+    return whole
+
+
+def whole_state(opt, plan) -> dict[str, torch.Tensor]:
+    """The state tensors (1 dim or more) of ``plan``'s parameter in a replicated Megatron
+    optimizer, TP pieces gathered into the whole parameter's (canonical order; a column piece's
+    scales placed among its blocks). Collective over its TP group."""
+    out = {}
+    for key, value in opt.state.get(plan.param, {}).items():
+        if not (torch.is_tensor(value) and value.dim() > 0):
+            continue
+        whole = whole_scales(opt, plan, key, value) if key in SCALE_BLOCKS else None
+        if whole is None:
+            same_rows = value.shape[:1] == plan.param.shape[:1]
+            whole = gather_full(plan.param, value) if same_rows else value.clone()
+        out[key] = whole
+    return out
+
+
 def full_shape(p) -> tuple[int, ...]:
     info = _tp_info(p)
     shape = list(p.shape)

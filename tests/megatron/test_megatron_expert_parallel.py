@@ -127,3 +127,17 @@ def test_zero1_experts_quantized_state_equals_replicated(pool4, precision):
     _assert_same(got["state"], replicated["state"], "state")
     _assert_same(got["resumed"], got["params"], "resumed params")
     _assert_same(got["resumed_state"], got["state"], "resumed state")
+
+
+def test_expert_tensor_parallel_int8_state_equals_one_layout(pool4):
+    """``state_precision="int8"``, replicated, at TP 2, ETP 2, EP 2 against (1, 1, 1): the
+    row-parallel ``linear_proj`` and expert ``linear_fc2`` pieces share their cut blocks'
+    scales over the tensor-parallel and the expert-tensor group; the state depends on the
+    gradients only, so every parameter's gathered codes and scales equal the (1, 1, 1) run's
+    bitwise."""
+    options = dict(state_precision="int8", dp_mode="replicated")
+    whole = _run(pool4, (1, 1, 1), options=options, state=True)
+    got = _run(pool4, (2, 2, 2), options=options, state=True)
+    _check(whole, got, "TP2 ETP2 EP2 int8")
+    assert any("local_experts" in n and "momentum_scale" in s for n, s in got["state"].items())
+    _assert_same(got["state"], whole["state"], "state")

@@ -49,41 +49,6 @@ def _megatron(model, **extra):
     return megatron_muon([model], MegatronMuonConfig().replaced(**_options(**extra)))
 
 
-SCALE_BLOCKS = {
-    "momentum_scale": 256,
-    "momentum_absmax": 128,
-    "exp_avg_absmax": 256,
-    "exp_avg_sq_absmax": 256,
-}
-"""Each quantized state's scales and the entries of its blocks."""
-
-
-def _whole_scales(opt, plan, key: str, value: torch.Tensor) -> torch.Tensor | None:
-    """A column piece's scales (rows, blocks it touches) placed among the whole rows' blocks,
-    every TP rank's (a block that several share holds one value on all of them); None for a
-    piece of whole rows."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from muonscale.quantized_state import adamw_block_shape
-
-    size = SCALE_BLOCKS[key]
-    blocks = opt.column_scales.blocks(plan, adamw_block_shape(plan.param), size)
-    if blocks is None:
-        return None
-    group = ps.get_tensor_model_parallel_group()
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (blocks.blocks, value), group=group)
-    whole = torch.full((value.shape[0], -(-blocks.cols // size)), float("nan"))
-    for touched, scales in everyone:
-        for k, b in enumerate(touched):
-            if not whole[:, b].isnan().all():
-                assert torch.equal(whole[:, b], scales[:, k]), (plan.name, key, b)
-            whole[:, b] = scales[:, k]
-    assert not whole.isnan().any(), (plan.name, key)
-    return whole
-
-
 def _named_state(opt) -> dict[str, dict[str, torch.Tensor]]:
     """Every parameter's state by name, TP pieces gathered into the whole (canonical order;
     a column piece's scales placed among its blocks); ZeRO-1: the full state of its
@@ -97,16 +62,7 @@ def _named_state(opt) -> dict[str, dict[str, torch.Tensor]]:
                 out[name] = {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim()}
         return out
     for plan in opt.plans:
-        state = opt.state.get(plan.param, {})
-        out[plan.name] = {}
-        for k, v in state.items():
-            if not (torch.is_tensor(v) and v.dim() > 0):
-                continue
-            whole = _whole_scales(opt, plan, k, v) if k in SCALE_BLOCKS else None
-            if whole is None:
-                same_rows = v.shape[:1] == plan.param.shape[:1]
-                whole = W.gather_full(plan.param, v) if same_rows else v.clone()
-            out[plan.name][k] = whole
+        out[plan.name] = W.whole_state(opt, plan)
     return out
 
 
@@ -364,7 +320,7 @@ def _assert_same(got: dict, want: dict, what: str) -> None:
 
 
 def _quantized(state: dict) -> set[str]:
-    return {n for n, s in state.items() if set(s) & {*SCALE_BLOCKS}}
+    return {n for n, s in state.items() if set(s) & {*W.SCALE_BLOCKS}}
 
 
 def _assert_weights_close(run: dict, ref: dict) -> None:
