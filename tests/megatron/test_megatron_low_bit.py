@@ -26,6 +26,10 @@ import variant_workers as V
 from test_megatron_variants import tolerance, worst_relative
 
 STEPS = 3
+WIDE_FFN = dict(W.TINY, ffn_hidden_size=200)
+"""``linear_fc2`` (64, 200) at TP 2: rank 1's columns [100, 200) touch two 128-entry blocks
+(int4) where its own 100 columns make one, so its scales have another shape than the
+piece's own blocks would give."""
 ROW_PARALLEL = ("*.linear_proj.weight", "*.linear_fc2.weight")
 CUT_BIASES = ("*.linear_qkv.bias", "*.linear_fc1.bias")
 """Column-parallel biases: TP 2 cuts their one row of AdamW blocks."""
@@ -66,13 +70,13 @@ def _named_state(opt) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-def _reference(precision: str, floating: tuple[str, ...] = ()) -> dict:
+def _reference(precision: str, floating: tuple[str, ...] = (), shape: dict = W.TINY) -> dict:
     """Single-process Muon on the TP 1 model with ``state_precision=precision`` (AdamW
     floating under ``floating`` names)."""
     from megatron.core import parallel_state as ps
 
     W.setup_parallel(1)
-    model = W.build_gpt(W.TINY, seed=0)
+    model = W.build_gpt(shape, seed=0)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = V._reference_muon(model, {"state_precision": precision})
     for group in opt.param_groups:  # before any state exists
@@ -104,8 +108,8 @@ def _adamw_names() -> tuple[str, ...]:
     return tuple(pl.name for pl in plans if pl.algorithm == "adamw")
 
 
-def _model(seed: int, bf16: bool):
-    model = W.build_gpt(W.TINY, seed=seed)
+def _model(seed: int, bf16: bool, shape: dict = W.TINY):
+    model = W.build_gpt(shape, seed=seed)
     return model.bfloat16() if bf16 else model
 
 
@@ -127,23 +131,24 @@ def _run(
     resume_at: int | None = None,
     bf16: bool = False,
     resume_with: dict | None = None,
+    shape: dict = W.TINY,
     **extra,
 ) -> dict:
     """The adapter at ``tp`` for ``steps`` steps; ``resume_at``: a new model and optimizer
     (``resume_with``: options that replace ``extra``'s) loaded from the state dict (and
     weights) after that many steps take the rest. ``bf16``: a bf16 model, the optimizer
-    stepping fp32 main copies."""
+    stepping fp32 main copies. ``shape``: the GPT's."""
     from megatron.core import parallel_state as ps
 
     W.setup_parallel(tp)
-    model = _model(0, bf16)
+    model = _model(0, bf16, shape)
     opt = _megatron(model, **extra)
     for step in range(steps):
         if step == resume_at:
             saved = opt.state_dict()
             weights = {n: p.detach().clone() for n, p in model.named_parameters()}
             del opt
-            model = _model(1, bf16)  # other weights: all come from the checkpoint
+            model = _model(1, bf16, shape)  # other weights: all come from the checkpoint
             with torch.no_grad():
                 for n, p in model.named_parameters():
                     p.copy_(weights[n])
@@ -285,6 +290,11 @@ def run_low_bit(rank: int, world_size: int) -> dict:
             2, state_precision="int8", dp_mode="zero1", float_state_params=ROW_PARALLEL
         ),
         refuse_conversion=_conversion_refusal(2),
+        wide_ref4=_reference("int4", shape=WIDE_FFN),
+        wide_tp2_int4=_run(2, state_precision="int4", dp_mode="replicated", shape=WIDE_FFN),
+        wide_tp2_int4_resumed=_run(
+            2, resume_at=2, state_precision="int4", dp_mode="replicated", shape=WIDE_FFN
+        ),
         zero1_int8_adamw=_run(1, state_precision="int8", dp_mode="zero1"),
         zero1_to_replicated=_run(
             1,
@@ -444,6 +454,18 @@ def test_tp2_every_state_equals_single_process(results, precision):
     assert any(n.endswith("linear_fc1.bias") for n in columns)
     _assert_same(run["state"], ref["state"], "state")
     _assert_weights_close(run, ref)
+
+
+def test_tp2_column_scales_of_their_own_shape_step_and_resume(results):
+    """A piece whose touched blocks outnumber its own columns' blocks (``WIDE_FFN``): its
+    scales take the touched blocks' shape, the state equals one process's bitwise, and a
+    resume at the same layout (loaded through scales of that shape) is bitwise the
+    uninterrupted run."""
+    run, ref = results["wide_tp2_int4"], results["wide_ref4"]
+    _assert_same(run["state"], ref["state"], "state")
+    resumed = results["wide_tp2_int4_resumed"]
+    _assert_same(resumed["params"], run["params"], "params")
+    _assert_same(resumed["state"], run["state"], "state")
 
 
 def _cut_blocks(cols: int, pieces: int, block: int) -> int:
