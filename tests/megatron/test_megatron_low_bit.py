@@ -206,24 +206,78 @@ def _quantized_steps_equal_float_steps(tp: int, precision: str) -> list[str]:
     return sorted(mismatched)
 
 
-def _conversion_refusal(tp: int) -> str:
-    """Loading an int8 state dict saved at ``tp`` into a floating optimizer: a column piece's
-    conversion is refused by name (its blocks are shared with the other TP ranks)."""
+def _saved_by_name(saved: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """A state dict's state (tensors of 1 dim or more) by parameter name."""
+    out = {}
+    for group in saved["param_groups"]:
+        for name, index in zip(group["param_names"], group["params"]):
+            state = saved["state"].get(index, {})
+            out[name] = {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim()}
+    return out
+
+
+def _conversion_references(shape: dict) -> dict:
+    """Single-process Muon on ``shape`` after STEPS steps: its int4 state converted to floating
+    and to int8 (``state_dict_in_precision``), and its floating state loaded into int4 state."""
+    import warnings
+
+    from megatron.core import parallel_state as ps
+
+    W.setup_parallel(1)
+    out = {}
+    for precision in ("int4", "param"):
+        model = W.build_gpt(shape, seed=0)
+        opt = V._reference_muon(model, {"state_precision": precision})
+        for step in range(STEPS):
+            W.inject_gradients(model, step)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if precision == "int4":
+            out["int4_as_param"] = _saved_by_name(opt.state_dict_in_precision("param"))
+            out["int4_as_int8"] = _saved_by_name(opt.state_dict_in_precision("int8"))
+        else:
+            loaded = V._reference_muon(model, {"state_precision": "int4"})
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the conversion's warning
+                loaded.load_state_dict(copy.deepcopy(opt.state_dict()))
+            out["param_into_int4"] = _saved_by_name(loaded.state_dict())
+    ps.destroy_model_parallel()
+    return out
+
+
+def _conversions(tp: int, shape: dict) -> dict:
+    """The adapter at ``tp`` on ``shape`` after STEPS steps, its state converted as the
+    references' (:func:`_conversion_references`): an int4 run's state dict loaded into a
+    floating optimizer, its ``state_dict_in_precision("int8")`` into an int8 one, and a
+    floating run's state dict into an int4 one; each optimizer's gathered state."""
+    import warnings
+
     from megatron.core import parallel_state as ps
 
     W.setup_parallel(tp)
-    model = W.build_gpt(W.TINY, seed=0)
-    opt = _megatron(model, state_precision="int8", dp_mode="replicated")
-    W.inject_gradients(model, 0)
-    opt.step()
-    saved = opt.state_dict()
-    try:
-        _megatron(model, dp_mode="replicated").load_state_dict(saved)
-    except ValueError as error:
-        return str(error)
-    finally:
-        ps.destroy_model_parallel()
-    return ""
+    out, saved = {}, {}
+    for precision in ("int4", "param"):
+        model = W.build_gpt(shape, seed=0)
+        opt = _megatron(model, state_precision=precision, dp_mode="replicated")
+        for step in range(STEPS):
+            W.inject_gradients(model, step)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        saved[precision] = copy.deepcopy(opt.state_dict())
+        if precision == "int4":
+            saved["int4_as_int8"] = copy.deepcopy(opt.state_dict_in_precision("int8"))
+    for name, source, precision in (
+        ("int4_as_param", "int4", "param"),
+        ("int4_as_int8", "int4_as_int8", "int8"),
+        ("param_into_int4", "param", "int4"),
+    ):
+        opt = _megatron(W.build_gpt(shape, seed=0), state_precision=precision, dp_mode="replicated")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the conversion's warning
+            opt.load_state_dict(saved[source])
+        out[name] = _named_state(opt)
+    ps.destroy_model_parallel()
+    return out
 
 
 def _refusal(tp: int, num_experts: int | None = None, **extra) -> str:
@@ -289,7 +343,8 @@ def run_low_bit(rank: int, world_size: int) -> dict:
         refuse_bias=_refusal(
             2, state_precision="int8", dp_mode="zero1", float_state_params=ROW_PARALLEL
         ),
-        refuse_conversion=_conversion_refusal(2),
+        conversion_refs=_conversion_references(WIDE_FFN),
+        conversions=_conversions(2, WIDE_FFN),
         wide_ref4=_reference("int4", shape=WIDE_FFN),
         wide_tp2_int4=_run(2, state_precision="int4", dp_mode="replicated", shape=WIDE_FFN),
         wide_tp2_int4_resumed=_run(
@@ -508,7 +563,13 @@ def test_cut_rows_are_refused_by_name_under_zero1(results):
     assert ".bias'" in bias and "partition_dim=0" in bias, bias
 
 
-def test_column_piece_conversion_is_refused_by_name(results):
-    refusal = results["refuse_conversion"]
-    assert "state_precision='int8'" in refusal and "'param'" in refusal, refusal
-    assert "linear_" in refusal and "state_dict_in_precision" in refusal
+@pytest.mark.parametrize("conversion", ["int4_as_param", "int4_as_int8", "param_into_int4"])
+def test_tp2_column_state_converts_as_one_process(results, conversion):
+    """Converting state between precisions at TP 2 (``WIDE_FFN``: pieces whose touched blocks
+    outnumber their own): an int4 checkpoint loaded into floating state, an int4 run's
+    ``state_dict_in_precision("int8")`` loaded into int8 state, a floating checkpoint loaded
+    into int4 state (quantized under the shared maxima at load): every parameter's gathered
+    state equals one process's same conversion bitwise."""
+    got, want = results["conversions"][conversion], results["conversion_refs"][conversion]
+    assert any(n.endswith("linear_fc2.weight") for n in got)
+    _assert_same(got, want, conversion)

@@ -15,7 +15,7 @@ the docs)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -27,7 +27,6 @@ from muonscale.block_quantization import (
     BLOCK_SIZE,
     dequantize_dynamic,
     quantize_dynamic_,
-    scale_shape,
 )
 from muonscale.distributed.comm import Communicator, WireCounter
 from muonscale.group_step import adamw_group_step
@@ -38,9 +37,7 @@ from muonscale.quantized_state import (
     MOMENTUM_KEY,
     QuantizedMomentum,
     adamw_block_shape,
-    adamw_state_is_quantized,
     momentum_block_shape,
-    momentum_scale_shape,
 )
 
 from .column_blocks import (
@@ -154,6 +151,23 @@ def refuse_cut_rows(
             )
 
 
+@dataclass(frozen=True)
+class ColumnTensor:
+    """One quantized tensor of a column piece's state: its codes (``code_key``) and scales
+    (``scale_key``, (rows, blocks it touches)) in ``format``, over its ``blocks``."""
+
+    code_key: str
+    scale_key: str
+    format: MomentumFormat
+    blocks: ColumnBlocks
+
+    def values(self, entry: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The float32 (rows, columns) values of ``entry``'s codes and scales."""
+        scales = entry[self.scale_key]
+        codes = entry[self.code_key].reshape(scales.shape[0], -1)
+        return dequantize_columns(codes, scales, self.blocks, self.format)
+
+
 @dataclass
 class ColumnMomentum:
     """A quantized Muon momentum of a piece that holds columns of its rows: ``codes`` (int8:
@@ -171,6 +185,19 @@ class ColumnMomentum:
         codes = self.codes.view(self.rows, -1)
         values = dequantize_columns(codes, self.scales, self.blocks, self.format)
         return values.view(self.plan.param.shape)
+
+
+@dataclass
+class ColumnPiece:
+    """New float32 ``values`` (rows, columns) of a column piece's tensor of ``plan``, to be
+    written into its ``codes`` (rows, bytes) and ``scales`` under the shared maxima."""
+
+    plan: ParamPlan
+    blocks: ColumnBlocks
+    format: MomentumFormat
+    values: torch.Tensor
+    codes: torch.Tensor
+    scales: torch.Tensor
 
 
 class SharedColumnScales:
@@ -201,51 +228,66 @@ class SharedColumnScales:
             self._blocks[key] = plan_column_blocks(plan, local, block_size, rank)
         return self._blocks[key]
 
-    def momentum_blocks(
-        self, plan: ParamPlan, view: MatrixView, fmt: MomentumFormat
-    ) -> ColumnBlocks | None:
-        return self.blocks(plan, momentum_block_shape(view), fmt.block_size)
-
     def adamw_blocks(self, plan: ParamPlan) -> ColumnBlocks | None:
         return self.blocks(plan, adamw_block_shape(plan.param), BLOCK_SIZE)
 
-    # ------------------------------------------------------------------ state
-    def shape_state_(
-        self, state: dict, plan: ParamPlan, group: Mapping[str, Any], view: MatrixView
-    ) -> None:
-        """Give a new quantized state of a column piece its scales: zeros of (rows, blocks it
-        touches), in place of the ones of the piece's own blocks."""
-        precision = group.get("state_precision", "param")
-        for key, blocks in self._scale_keys(plan, group["algorithm"], precision, view):
-            rows = state[key].shape[0]
-            if state[key].shape != (rows, len(blocks.blocks)):
-                state[key] = state[key].new_zeros((rows, len(blocks.blocks)))
-
-    def _scale_keys(
-        self, plan: ParamPlan, algorithm: str, precision: str, view: Any
-    ) -> list[tuple[str, ColumnBlocks]]:
-        """The keys of the scales of ``plan``'s state in ``precision`` that are per block it
-        touches as a column piece (none for a piece of whole rows)."""
+    def tensors(
+        self, plan: ParamPlan, algorithm: str, precision: str, view: MatrixView | None
+    ) -> list[ColumnTensor]:
+        """The quantized tensors of ``plan``'s state in ``precision`` (``view``: a Muon
+        parameter's) when it is a column piece; none for a piece of whole rows or floating
+        state."""
         if precision == "param":
             return []
         if algorithm == "muon":
             fmt = MOMENTUM_FORMATS[precision]
-            blocks = self.momentum_blocks(plan, view, fmt)
-            return [] if blocks is None else [(fmt.scale_key, blocks)]
+            blocks = self.blocks(plan, momentum_block_shape(view), fmt.block_size)
+            return (
+                [] if blocks is None else [ColumnTensor(MOMENTUM_KEY, fmt.scale_key, fmt, blocks)]
+            )
         blocks = self.adamw_blocks(plan)
-        return [] if blocks is None else [(k, blocks) for _, k, _ in ADAMW_MOMENTS]
+        if blocks is None:
+            return []
+        return [ColumnTensor(k, a, ADAMW_FORMATS[k], blocks) for k, a, _ in ADAMW_MOMENTS]
 
-    def momentum(self, state: Mapping[str, Any], plan: ParamPlan, view: MatrixView):
+    # ------------------------------------------------------------------ state
+    def shape_state_(
+        self, state: dict, plan: ParamPlan, group: Mapping[str, Any], view: MatrixView | None
+    ) -> None:
+        """Give a new quantized state of a column piece its scales: zeros of (rows, blocks it
+        touches), in place of the ones of the piece's own blocks."""
+        precision = group.get("state_precision", "param")
+        for tensor in self.tensors(plan, group["algorithm"], precision, view):
+            held = state[tensor.scale_key]
+            if held.shape != (held.shape[0], len(tensor.blocks.blocks)):
+                state[tensor.scale_key] = held.new_zeros((held.shape[0], len(tensor.blocks.blocks)))
+
+    def momentum(
+        self, state: Mapping[str, Any], plan: ParamPlan, view: MatrixView
+    ) -> ColumnMomentum | None:
         """The quantized momentum of ``state``: a :class:`ColumnMomentum` for a column piece,
         else None."""
         fmt = momentum_format_of(state)
-        blocks = None if fmt is None else self.momentum_blocks(plan, view, fmt)
-        if blocks is None:
+        found = [] if fmt is None else self.tensors(plan, "muon", fmt.precision, view)
+        if not found:
             return None
         rows = momentum_block_shape(view)[0]
+        blocks = found[0].blocks
         return ColumnMomentum(state[MOMENTUM_KEY], state[fmt.scale_key], blocks, fmt, plan, rows)
 
     # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def quantize_(self, pieces: Sequence[ColumnPiece]) -> None:
+        """Each piece's codes and scales of its values, under the maxima of the blocks it
+        shares (:meth:`shared_maxima`; collective)."""
+        shared = self.shared_maxima(
+            [(p.plan, p.blocks, local_block_maxima(p.values, p.blocks)) for p in pieces]
+        )
+        for piece, maxima in zip(pieces, shared):
+            quantize_columns_(
+                piece.values, piece.blocks, maxima, piece.format, piece.codes, piece.scales
+            )
+
     @torch.no_grad()
     def store_momenta_(
         self,
@@ -254,20 +296,16 @@ class SharedColumnScales:
     ) -> None:
         """Write the new momentum ``values`` (float32, parameter-shaped) into ``buffers``: a
         piece of whole rows alone, the column pieces with their shared maxima (collective)."""
-        pending: list[tuple[ColumnMomentum, torch.Tensor]] = []
-        for buffer, value in zip(buffers, values):
-            if isinstance(buffer, ColumnMomentum):
-                pending.append((buffer, value.reshape(buffer.rows, -1)))
-            else:
-                buffer.store_(value)
-        if not pending:
-            return
-        shared = self._shared_maxima(
-            [(b.plan, b.blocks, local_block_maxima(v, b.blocks)) for b, v in pending]
-        )
-        for (buffer, value), maxima in zip(pending, shared):
-            codes = buffer.codes.view(buffer.rows, -1)
-            quantize_columns_(value, buffer.blocks, maxima, buffer.format, codes, buffer.scales)
+        pending = []
+        for b, value in zip(buffers, values):
+            if not isinstance(b, ColumnMomentum):
+                b.store_(value)
+                continue
+            codes = b.codes.view(b.rows, -1)
+            values_2d = value.reshape(b.rows, -1)
+            pending.append(ColumnPiece(b.plan, b.blocks, b.format, values_2d, codes, b.scales))
+        if pending:
+            self.quantize_(pending)
 
     @torch.no_grad()
     def adamw_step_(
@@ -283,17 +321,12 @@ class SharedColumnScales:
         :func:`~muonscale.group_step.adamw_group_step` on them (the arithmetic of the 8-bit
         step), written back under the shared maxima (collective). Returns each piece's stored
         moments as values, with its ``step`` (what the step metrics read)."""
-        values, shapes = [], []
-        for p, s, plan in zip(params, states, plans):
-            blocks = self.adamw_blocks(plan)
-            rows = adamw_block_shape(p)[0]
-            entry: dict[str, torch.Tensor] = {"step": s["step"]}
-            for key, absmax_key, _ in ADAMW_MOMENTS:
-                codes = s[key].view(rows, -1)
-                moment = dequantize_columns(codes, s[absmax_key], blocks, ADAMW_FORMATS[key])
-                entry[key] = moment.view(p.shape)
-            values.append(entry)
-            shapes.append((rows, blocks))
+        moments = [self.tensors(plan, "adamw", "int8", None) for plan in plans]
+        values = []
+        for p, s, tensors in zip(params, states, moments):
+            values.append(
+                {"step": s["step"], **{t.code_key: t.values(s).view(p.shape) for t in tensors}}
+            )
         works = [p if p.dtype == torch.float32 else p.float() for p in params]  # rounded once
         floating = {**group, "state_precision": "param"}
         options = dict(capturable=False, step_ok=None, max_chunk_bytes=max_chunk_bytes)
@@ -301,24 +334,25 @@ class SharedColumnScales:
         for p, work in zip(params, works):
             if work is not p:
                 p.copy_(work)
-        items = [
-            (plan, blocks, local_block_maxima(v[key].view(rows, -1), blocks))
-            for plan, v, (rows, blocks) in zip(plans, values, shapes)
-            for key, _, _ in ADAMW_MOMENTS
+        pieces = [
+            ColumnPiece(
+                plan,
+                t.blocks,
+                t.format,
+                v[t.code_key].view(s[t.scale_key].shape[0], -1),
+                s[t.code_key].view(s[t.scale_key].shape[0], -1),
+                s[t.scale_key],
+            )
+            for plan, s, v, tensors in zip(plans, states, values, moments)
+            for t in tensors
         ]
-        shared = iter(self._shared_maxima(items))
-        stored = []
-        for s, v, (rows, blocks) in zip(states, values, shapes):
-            kept = {"step": s["step"]}
-            for key, absmax_key, _ in ADAMW_MOMENTS:
-                fmt, codes = ADAMW_FORMATS[key], s[key].view(rows, -1)
-                moment = v[key].view(rows, -1)
-                quantize_columns_(moment, blocks, next(shared), fmt, codes, s[absmax_key])
-                kept[key] = dequantize_columns(codes, s[absmax_key], blocks, fmt)
-            stored.append(kept)
-        return stored
+        self.quantize_(pieces)
+        return [
+            {"step": s["step"], **{t.code_key: t.values(s) for t in tensors}}
+            for s, tensors in zip(states, moments)
+        ]
 
-    def _shared_maxima(
+    def shared_maxima(
         self, items: Sequence[tuple[ParamPlan, ColumnBlocks, torch.Tensor]]
     ) -> list[torch.Tensor]:
         """Each item's local block maxima (rows, blocks) with its shared blocks' maxima taken
@@ -347,124 +381,3 @@ class SharedColumnScales:
             for i, table, cut, where in slots:
                 out[i][:, cut] = table[:, where]
         return out
-
-    # ------------------------------------------------------------------ checkpoints
-    def set_aside_(
-        self,
-        state_dict: dict[str, Any],
-        param_groups: Sequence[Mapping[str, Any]],
-        view_of: Callable[[torch.Tensor, Mapping[str, Any]], MatrixView],
-        plan_of: Callable[[torch.Tensor], ParamPlan],
-    ) -> dict[int, dict[str, torch.Tensor]]:
-        """Before torch's load: the column pieces' scales of ``state_dict`` (a shallow copy's
-        entries) replaced by zeros of the piece's own blocks, which the load checks against the
-        piece's shape; returns them by parameter id, to put back with :meth:`put_back_`.
-        ``ValueError`` naming the parameter, before anything changes, for a piece saved in
-        another precision or with other blocks (another TP size): its conversion needs the
-        other TP ranks' blocks."""
-        aside: dict[int, dict[str, torch.Tensor]] = {}
-        for saved, group in zip(state_dict["param_groups"], param_groups):
-            for index, p in zip(saved["params"], group["params"]):
-                plan, entry = plan_of(p), state_dict["state"].get(index)
-                if not entry:
-                    continue
-                algorithm = group["algorithm"]
-                view = view_of(p, group) if algorithm == "muon" else None
-                precision = group.get("state_precision", "param")
-                saved = _saved_precision(entry, group)
-                keys = self._scale_keys(plan, algorithm, precision, view)
-                if saved != precision and (keys or self._scale_keys(plan, algorithm, saved, view)):
-                    raise ValueError(
-                        f"load_state_dict: parameter '{plan.name}' has state saved with "
-                        f"state_precision={saved!r} and this optimizer keeps {precision!r}; its "
-                        "TP shard holds columns of its rows, whose blocks are shared with the "
-                        "other TP ranks, so its state converts only where it was saved: load "
-                        "with the saved state_precision (or save with state_dict_in_precision)"
-                    )
-                if not keys:
-                    continue
-                entry = state_dict["state"][index] = dict(entry)
-                held = aside[id(p)] = {}
-                for key, blocks in keys:
-                    value = entry[key]
-                    want = (value.shape[0], len(blocks.blocks))
-                    if tuple(value.shape) != want:
-                        raise ValueError(
-                            f"load_state_dict: parameter '{plan.name}': {key!r} has shape "
-                            f"{tuple(value.shape)} in the checkpoint, {want} here (saved at "
-                            "another TP size?)"
-                        )
-                    held[key] = value
-                    entry[key] = torch.zeros(self._own_scale_shape(p, group, view, key))
-        return aside
-
-    @staticmethod
-    def _own_scale_shape(
-        p: torch.Tensor, group: Mapping[str, Any], view: MatrixView | None, key: str
-    ) -> tuple[int, int]:
-        if group["algorithm"] == "muon":
-            return momentum_scale_shape(view, MOMENTUM_FORMATS[group["state_precision"]])
-        return scale_shape(*adamw_block_shape(p))
-
-    @staticmethod
-    def put_back_(
-        state: Mapping[torch.Tensor, dict],
-        params: Sequence[torch.Tensor],
-        aside: Mapping[int, Mapping[str, torch.Tensor]],
-    ) -> None:
-        """After torch's load: the scales :meth:`set_aside_` kept, float32 on the device."""
-        for p in params:
-            for key, value in aside.get(id(p), {}).items():
-                state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
-
-    def dequantized_(
-        self,
-        packed: dict[str, Any],
-        param_groups: Sequence[Mapping[str, Any]],
-        view_of: Callable[[torch.Tensor, Mapping[str, Any]], MatrixView],
-        plan_of: Callable[[torch.Tensor], ParamPlan],
-        precision: str,
-    ) -> None:
-        """In a ``state_dict()`` to be converted to ``precision``: each column piece's
-        quantized state as floating values (new entries; the parameter's dtype), which the
-        conversion then takes as any floating state. ``ValueError`` naming the parameter for a
-        quantized ``precision`` other than its own (it would need the other ranks' blocks)."""
-        for saved, group in zip(packed["param_groups"], param_groups):
-            own = group.get("state_precision", "param")
-            if own == precision or (group["algorithm"] != "muon" and precision != "param"):
-                continue  # AdamW's moments are 8-bit in "int8" and "int4" alike
-            for index, p in zip(saved["params"], group["params"]):
-                entry, plan = packed["state"].get(index), plan_of(p)
-                view = view_of(p, group) if group["algorithm"] == "muon" else None
-                keys = self._scale_keys(plan, group["algorithm"], own, view) if entry else []
-                if not keys:
-                    continue
-                if precision != "param":
-                    raise ValueError(
-                        f"state_dict_in_precision({precision!r}): parameter '{plan.name}' holds "
-                        f"columns of its rows in {own!r} blocks shared with the other TP ranks; "
-                        "only 'param' (floating) converts it here"
-                    )
-                entry = packed["state"][index] = dict(entry)
-                for key, blocks in keys:
-                    rows = entry[key].shape[0]
-                    if group["algorithm"] == "muon":
-                        fmt, code_key = MOMENTUM_FORMATS[own], MOMENTUM_KEY
-                    else:
-                        code_key = next(k for k, a, _ in ADAMW_MOMENTS if a == key)
-                        fmt = ADAMW_FORMATS[code_key]
-                    codes = entry[code_key].view(rows, -1)
-                    values = dequantize_columns(codes, entry[key], blocks, fmt)
-                    entry[code_key] = values.view(p.shape).to(p.dtype)
-                    del entry[key]
-
-
-def _saved_precision(entry: Mapping[str, Any], group: Mapping[str, Any]) -> str:
-    """The ``state_precision`` a loaded state ``entry`` holds (of a parameter of ``group``)."""
-    if group["algorithm"] == "muon":
-        fmt = momentum_format_of(entry)
-        return "param" if fmt is None else fmt.precision
-    if not adamw_state_is_quantized(entry):
-        return "param"
-    own = group.get("state_precision", "param")  # "int8" and "int4": the same 8-bit moments
-    return own if own != "param" else "int8"

@@ -24,6 +24,7 @@ from muonscale.quantized_state import QuantizedMomentum, quantized_momentum
 from muonscale.settings import MuonSettings, check_state_precision
 from muonscale.step_metrics import Reduction, StepMetrics
 
+from . import column_checkpoint
 from .config import MegatronMuonConfig, muon_arguments
 from .grad_norm import GlobalGradNorm
 from .low_bit import ColumnMomentum, SharedColumnScales, refuse_cut_rows
@@ -288,13 +289,19 @@ class MegatronMuon(Muon):
         return packed
 
     def state_dict_in_precision(self, state_precision: str) -> dict[str, Any]:
-        """:meth:`muonscale.Muon.state_dict_in_precision`; a column piece's quantized state
-        converts to ``"param"`` here (its blocks are shared with the other TP ranks:
-        :mod:`.low_bit`)."""
+        """:meth:`muonscale.Muon.state_dict_in_precision`; a column piece's state converts here
+        (its blocks are shared with the other TP ranks: :mod:`.column_checkpoint`), collective
+        over each TP group when it is quantized."""
         check_state_precision(state_precision)
         packed = self.state_dict()
-        self.column_scales.dequantized_(
-            packed, self.param_groups, self._matrix_view, self._plan_of, state_precision
+        packed["state"] = dict(packed["state"])  # column pieces' entries replaced
+        column_checkpoint.converted_(
+            self.column_scales,
+            packed,
+            self.param_groups,
+            self._matrix_view,
+            self._plan_of,
+            state_precision,
         )
         return state_dict_in_precision(
             packed, self.param_groups, self._matrix_view, state_precision
@@ -302,8 +309,8 @@ class MegatronMuon(Muon):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """:meth:`muonscale.Muon.load_state_dict` with the main copies and the row state
-        (collective over each TP group); a quantized column piece loads the state saved at
-        this layout in its precision (:mod:`.low_bit`)."""
+        (collective over each TP group); a column piece loads the state saved at this layout,
+        converted as one process converts it (:mod:`.column_checkpoint`)."""
         state_dict = dict(state_dict)
         main = state_dict.pop("main_params", None)
         if self.main_params.copied and main is None:
@@ -312,11 +319,11 @@ class MegatronMuon(Muon):
                 "has no 'main_params' (saved with main_params_dtype=None?)"
             )
         state_dict["state"] = dict(state_dict["state"])  # column pieces' entries replaced
-        aside = self.column_scales.set_aside_(
-            state_dict, self.param_groups, self._matrix_view, self._plan_of
-        )
+        views = (self.param_groups, self._matrix_view, self._plan_of)
+        aside = column_checkpoint.set_aside_(self.column_scales, state_dict, *views)
         super().load_state_dict(state_dict)
-        self.column_scales.put_back_(self.state, [pl.param for pl in self.plans], aside)
+        # collective over each TP group where a column piece is quantized from another precision
+        column_checkpoint.put_back_(self.column_scales, self.state, *views, aside)
         # collective over each TP group: the row state's rows of every TP rank
         self.tp_matrices.to_whole_(self._row_state_entries(), WireCounter())
         if main is not None:
