@@ -57,117 +57,123 @@ def _own_scale_shape(p: torch.Tensor, view: MatrixView | None, precision: str) -
     return scale_shape(*adamw_block_shape(p))
 
 
-def _entries(state_dict, param_groups, view_of: ViewOf, plan_of: PlanOf):
-    """(index, parameter, group, plan, view) of every saved entry with state."""
-    for saved, group in zip(state_dict["param_groups"], param_groups):
-        for index, p in zip(saved["params"], group["params"]):
-            if state_dict["state"].get(index):
-                view = view_of(p, group) if group["algorithm"] == "muon" else None
-                yield index, p, group, plan_of(p), view
+class ColumnCheckpoints:
+    """The checkpoint side of a replicated Megatron optimizer's column pieces (see the module
+    docstring).
 
+    Args:
+        scales: the optimizer's :class:`~.low_bit.SharedColumnScales`.
+        view_of: a Muon parameter's matrix view in its group.
+        plan_of: a parameter's plan.
+    """
 
-def set_aside_(
-    scales: SharedColumnScales,
-    state_dict: dict[str, Any],
-    param_groups: Sequence[Mapping[str, Any]],
-    view_of: ViewOf,
-    plan_of: PlanOf,
-) -> HeldAside:
-    """Before torch's load: each column piece's saved tensors held aside, its scales in
-    ``state_dict`` (whose ``"state"`` the caller copied; the entries are replaced, not
-    changed) zeros of the piece's own shape. ``ValueError`` naming the parameter and the
-    tensor, before anything changes, for scales of another shape (saved at another TP
-    size)."""
-    aside: HeldAside = {}
-    for index, p, group, plan, view in _entries(state_dict, param_groups, view_of, plan_of):
-        entry = state_dict["state"][index]
-        own = group.get("state_precision", "param")
-        saved = saved_precision(entry, group)
-        held = scales.tensors(plan, group["algorithm"], saved, view)
-        if saved == "param" and scales.tensors(plan, group["algorithm"], own, view):
-            keys = ["exp_avg", "exp_avg_sq"] if view is None else ["momentum_buffer"]
-            aside[id(p)] = (saved, {k: entry[k] for k in keys})  # quantized after the load
-            continue
-        if not held:
-            continue
-        entry = state_dict["state"][index] = dict(entry)
-        kept: dict[str, torch.Tensor] = {}
-        for tensor in held:
-            value = entry[tensor.scale_key]
-            want = (value.shape[0], len(tensor.blocks.blocks))
-            if tuple(value.shape) != want:
-                raise ValueError(
-                    f"load_state_dict: parameter '{plan.name}': {tensor.scale_key!r} has shape "
-                    f"{tuple(value.shape)} in the checkpoint, {want} here (saved at another TP "
-                    "size?)"
-                )
-            kept[tensor.code_key], kept[tensor.scale_key] = entry[tensor.code_key], value
-            entry[tensor.scale_key] = torch.zeros(_own_scale_shape(p, view, saved))
-        aside[id(p)] = (saved, kept)
-    return aside
+    def __init__(self, scales: SharedColumnScales, view_of: ViewOf, plan_of: PlanOf) -> None:
+        self.scales, self.view_of, self.plan_of = scales, view_of, plan_of
 
+    def _entries(self, state_dict, param_groups):
+        """(index, parameter, group, plan, view) of every saved entry with state."""
+        for saved, group in zip(state_dict["param_groups"], param_groups):
+            for index, p in zip(saved["params"], group["params"]):
+                if state_dict["state"].get(index):
+                    view = self.view_of(p, group) if group["algorithm"] == "muon" else None
+                    yield index, p, group, self.plan_of(p), view
 
-@torch.no_grad()
-def put_back_(
-    scales: SharedColumnScales,
-    state: Mapping[torch.Tensor, dict],
-    param_groups: Sequence[Mapping[str, Any]],
-    view_of: ViewOf,
-    plan_of: PlanOf,
-    aside: HeldAside,
-) -> None:
-    """After torch's load (and its conversions, which took the placeholders): each column
-    piece's state from what :func:`set_aside_` held, in this optimizer's precision. Collective
-    over each TP group when a piece is quantized from another precision."""
-    pending: list[ColumnPiece] = []
-    for group in param_groups:
-        own = group.get("state_precision", "param")
-        for p in group["params"]:
-            if id(p) not in aside:
+    def set_aside_(
+        self,
+        state_dict: dict[str, Any],
+        param_groups: Sequence[Mapping[str, Any]],
+    ) -> HeldAside:
+        """Before torch's load: each column piece's saved tensors held aside, its scales in
+        ``state_dict`` (whose ``"state"`` the caller copied; the entries are replaced, not
+        changed) zeros of the piece's own shape. ``ValueError`` naming the parameter and the
+        tensor, before anything changes, for scales of another shape (saved at another TP
+        size)."""
+        aside: HeldAside = {}
+        for index, p, group, plan, view in self._entries(state_dict, param_groups):
+            entry = state_dict["state"][index]
+            own = group.get("state_precision", "param")
+            saved = saved_precision(entry, group)
+            held = self.scales.tensors(plan, group["algorithm"], saved, view)
+            if saved == "param" and self.scales.tensors(plan, group["algorithm"], own, view):
+                keys = ["exp_avg", "exp_avg_sq"] if view is None else ["momentum_buffer"]
+                aside[id(p)] = (saved, {k: entry[k] for k in keys})  # quantized after the load
                 continue
-            saved, held = aside[id(p)]
-            entry, plan = state[p], plan_of(p)
-            view = view_of(p, group) if group["algorithm"] == "muon" else None
-            if saved == own:  # the saved codes (torch kept them) and scales
-                for tensor in scales.tensors(plan, group["algorithm"], own, view):
-                    entry[tensor.scale_key] = held[tensor.scale_key].to(
-                        device=p.device, dtype=torch.float32, copy=True
+            if not held:
+                continue
+            entry = state_dict["state"][index] = dict(entry)
+            kept: dict[str, torch.Tensor] = {}
+            for tensor in held:
+                value = entry[tensor.scale_key]
+                want = (value.shape[0], len(tensor.blocks.blocks))
+                if tuple(value.shape) != want:
+                    raise ValueError(
+                        f"load_state_dict: parameter '{plan.name}': {tensor.scale_key!r} has shape "
+                        f"{tuple(value.shape)} in the checkpoint, {want} here (saved at another TP "
+                        "size?)"
                     )
+                kept[tensor.code_key], kept[tensor.scale_key] = entry[tensor.code_key], value
+                entry[tensor.scale_key] = torch.zeros(_own_scale_shape(p, view, saved))
+            aside[id(p)] = (saved, kept)
+        return aside
+
+    @torch.no_grad()
+    def put_back_(
+        self,
+        state: Mapping[torch.Tensor, dict],
+        param_groups: Sequence[Mapping[str, Any]],
+        aside: HeldAside,
+    ) -> None:
+        """After torch's load (and its conversions, which took the placeholders): each column
+        piece's state from what :func:`set_aside_` held, in this optimizer's precision. Collective
+        over each TP group when a piece is quantized from another precision."""
+        pending: list[ColumnPiece] = []
+        for group in param_groups:
+            own = group.get("state_precision", "param")
+            for p in group["params"]:
+                if id(p) not in aside:
+                    continue
+                saved, held = aside[id(p)]
+                entry, plan = state[p], self.plan_of(p)
+                view = self.view_of(p, group) if group["algorithm"] == "muon" else None
+                if saved == own:  # the saved codes (torch kept them) and scales
+                    for tensor in self.scales.tensors(plan, group["algorithm"], own, view):
+                        entry[tensor.scale_key] = held[tensor.scale_key].to(
+                            device=p.device, dtype=torch.float32, copy=True
+                        )
+                    continue
+                held = {k: v.to(p.device) for k, v in held.items()}
+                values = _values(self.scales, plan, group["algorithm"], saved, view, held)
+                pending += _written(
+                    self.scales, entry, p, plan, group["algorithm"], own, view, values
+                )
+        if pending:
+            self.scales.quantize_(pending)
+
+    @torch.no_grad()
+    def converted_(
+        self,
+        packed: dict[str, Any],
+        param_groups: Sequence[Mapping[str, Any]],
+        precision: str,
+    ) -> None:
+        """In a ``state_dict()`` of this optimizer: each column piece's state in ``precision``
+        (new entries): dequantized by the piece alone, quantized under the shared maxima
+        (collective over each TP group), so that the conversion that follows leaves it as it is."""
+        pending: list[ColumnPiece] = []
+        for index, p, group, plan, view in self._entries(packed, param_groups):
+            own, algorithm = group.get("state_precision", "param"), group["algorithm"]
+            if own == precision or (algorithm != "muon" and "param" not in (own, precision)):
+                continue  # AdamW's moments are 8-bit in "int8" and "int4" alike
+            if not (
+                self.scales.tensors(plan, algorithm, own, view)
+                or self.scales.tensors(plan, algorithm, precision, view)
+            ):
                 continue
-            held = {k: v.to(p.device) for k, v in held.items()}
-            values = _values(scales, plan, group["algorithm"], saved, view, held)
-            pending += _written(scales, entry, p, plan, group["algorithm"], own, view, values)
-    if pending:
-        scales.quantize_(pending)
-
-
-@torch.no_grad()
-def converted_(
-    scales: SharedColumnScales,
-    packed: dict[str, Any],
-    param_groups: Sequence[Mapping[str, Any]],
-    view_of: ViewOf,
-    plan_of: PlanOf,
-    precision: str,
-) -> None:
-    """In a ``state_dict()`` of this optimizer: each column piece's state in ``precision``
-    (new entries): dequantized by the piece alone, quantized under the shared maxima
-    (collective over each TP group), so that the conversion that follows leaves it as it is."""
-    pending: list[ColumnPiece] = []
-    for index, p, group, plan, view in _entries(packed, param_groups, view_of, plan_of):
-        own, algorithm = group.get("state_precision", "param"), group["algorithm"]
-        if own == precision or (algorithm != "muon" and "param" not in (own, precision)):
-            continue  # AdamW's moments are 8-bit in "int8" and "int4" alike
-        if not (
-            scales.tensors(plan, algorithm, own, view)
-            or scales.tensors(plan, algorithm, precision, view)
-        ):
-            continue
-        entry = packed["state"][index] = dict(packed["state"][index])
-        values = _values(scales, plan, algorithm, own, view, entry)
-        pending += _written(scales, entry, p, plan, algorithm, precision, view, values)
-    if pending:
-        scales.quantize_(pending)
+            entry = packed["state"][index] = dict(packed["state"][index])
+            values = _values(self.scales, plan, algorithm, own, view, entry)
+            pending += _written(self.scales, entry, p, plan, algorithm, precision, view, values)
+        if pending:
+            self.scales.quantize_(pending)
 
 
 def _values(

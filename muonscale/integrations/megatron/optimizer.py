@@ -24,7 +24,7 @@ from muonscale.quantized_state import QuantizedMomentum, quantized_momentum
 from muonscale.settings import MuonSettings, check_state_precision
 from muonscale.step_metrics import Reduction, StepMetrics
 
-from . import column_checkpoint
+from .column_checkpoint import ColumnCheckpoints
 from .config import MegatronMuonConfig, muon_arguments
 from .grad_norm import GlobalGradNorm
 from .low_bit import ColumnMomentum, SharedColumnScales, refuse_cut_rows
@@ -82,6 +82,9 @@ class MegatronMuon(Muon):
         precision = options.get("state_precision", "param")
         refuse_cut_rows(self.plans, param_groups, precision, zero1=False)
         self.column_scales = SharedColumnScales(groups, self.wire_counter)
+        self.column_checkpoints = ColumnCheckpoints(
+            self.column_scales, self._matrix_view, self._plan_of
+        )
         super().__init__(param_groups, **options)
         self.routing = {pl.name: RouteDecision(pl.algorithm, pl.reason) for pl in self.plans}
         self.orthogonalizer = orthogonalizer or TensorParallelOrthogonalizer(
@@ -295,14 +298,7 @@ class MegatronMuon(Muon):
         check_state_precision(state_precision)
         packed = self.state_dict()
         packed["state"] = dict(packed["state"])  # column pieces' entries replaced
-        column_checkpoint.converted_(
-            self.column_scales,
-            packed,
-            self.param_groups,
-            self._matrix_view,
-            self._plan_of,
-            state_precision,
-        )
+        self.column_checkpoints.converted_(packed, self.param_groups, state_precision)
         return state_dict_in_precision(
             packed, self.param_groups, self._matrix_view, state_precision
         )
@@ -319,11 +315,10 @@ class MegatronMuon(Muon):
                 "has no 'main_params' (saved with main_params_dtype=None?)"
             )
         state_dict["state"] = dict(state_dict["state"])  # column pieces' entries replaced
-        views = (self.param_groups, self._matrix_view, self._plan_of)
-        aside = column_checkpoint.set_aside_(self.column_scales, state_dict, *views)
+        aside = self.column_checkpoints.set_aside_(state_dict, self.param_groups)
         super().load_state_dict(state_dict)
         # collective over each TP group where a column piece is quantized from another precision
-        column_checkpoint.put_back_(self.column_scales, self.state, *views, aside)
+        self.column_checkpoints.put_back_(self.state, self.param_groups, aside)
         # collective over each TP group: the row state's rows of every TP rank
         self.tp_matrices.to_whole_(self._row_state_entries(), WireCounter())
         if main is not None:
