@@ -8,6 +8,7 @@ touches blocks that other TP ranks share: :class:`SharedColumnScales` keeps its 
 block it touches (:mod:`.column_blocks`, the plain-tensor math) and, each step, gives every
 such block the maximum of its pieces' absmax over the TP group (one all-reduce (max) per param
 group and TP group, tag ``"tp_block_scales"``), so codes and scales are one process's.
+Their checkpoints: :mod:`.column_checkpoint`.
 
 ZeRO-1 (``dp_mode="zero1"``) gathers and shards state laid out by each piece's own blocks, so
 there such pieces are refused by name, pointing at ``float_state_params`` (*Low-bit state* in
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from muonscale.block_quantization import (
     BLOCK_SIZE,
     dequantize_dynamic,
+    dynamic_values,
     quantize_dynamic_,
 )
 from muonscale.distributed.comm import Communicator, WireCounter
@@ -59,7 +61,7 @@ def _dynamic_format(key: str, absmax_key: str, signed: bool) -> MomentumFormat:
         code_dtype=torch.uint8,
         block_size=BLOCK_SIZE,
         codes_per_byte=1,
-        zero_byte=0,
+        zero_byte=dynamic_values(signed).index(0.0),
         quantize_=partial(quantize_dynamic_, signed=signed),
         dequantize=lambda codes, absmax, cols: dequantize_dynamic(codes, absmax, signed=signed),
     )
