@@ -12,8 +12,10 @@ under TP the exchange too), so each quantized step is checked bitwise against th
 floating step taken from the same weights and the dequantized state
 (``state_dict_in_precision("param")``), and the weights against one process's within the
 float32 bound of the variant tests. ZeRO-1 equals the replicated run bitwise (fp32 and bf16
-models with main copies); checkpoints resume bitwise. ZeRO-1 refuses pieces that hold columns
-of their rows by name; ``float_state_params`` keeps named parameters floating."""
+models with main copies); checkpoints resume bitwise (ZeRO-1 and replicated load each
+other's), and a column piece converts between precisions at load as one process does. ZeRO-1
+refuses pieces that hold columns of their rows by name; ``float_state_params`` keeps named
+parameters floating."""
 
 from __future__ import annotations
 
