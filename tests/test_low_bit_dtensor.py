@@ -6,8 +6,8 @@ weights and the full state (codes and scales gathered) equal single-process
 256-entry blocks (one of 7 rows: uneven shards), a 3-D stack of experts and an int8 AdamW
 table; the scales are DTensors sharded with the rows. DCP checkpoints resume 4 → 2 and 2 → 1
 bitwise, a floating DCP checkpoint loads into int8 state (converted, with the warning) and
-steps as one process does, ``state_dict_in_precision("param")`` writes one process's floating
-state, and placements that cut rows are refused by name.
+steps as one process does, and ``state_dict_in_precision("param")`` writes one process's
+floating state. Placements that cut rows: ``test_low_bit_dtensor_columns.py``.
 """
 
 from __future__ import annotations
@@ -299,47 +299,6 @@ def test_int8_state_under_tensor_parallel_rows_and_replicas_equals_one_process_b
     assert want["state"][len(SHAPES) - 1]["exp_avg"].dtype == torch.uint8  # the bias: 8-bit
     for rank, got in enumerate(shared_pool(2).run(_tensor_parallel)):
         _assert_equal(got, want, ("tensor parallel", rank))
-
-
-def _refusals(rank: int, world_size: int) -> dict[str, str]:
-    """The error of each int8 layout that cuts rows (``"no error"`` if built)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    from muonscale.distributed import DTensorMuon
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    cases = {  # name: (shape, placement, algorithm)
-        "attn.wo.weight": ((10, 600), Shard(1), "muon"),  # TP rowwise
-        "moe.experts": ((4, 6, 300), Shard(1), "muon"),  # a stack sharded within experts
-        "uneven.experts": ((3, 6, 300), Shard(0), "muon"),  # 2 + 1 experts, 9 + 9 scale rows
-        "norm.weight": ((300,), Shard(0), "adamw"),  # FSDP2's 1-D shard: one row cut
-        "wte.weight": ((11, 300), Shard(1), "adamw"),
-    }
-    out = {}
-    for name, (shape, placement, algorithm) in cases.items():
-        p = nn.Parameter(distribute_tensor(torch.randn(shape), mesh, [placement]))
-        experts = {name: ExpertLayout(n_experts=shape[0])} if name.endswith("experts") else {}
-        group = {"params": [(name, p)], "algorithm": algorithm, "state_precision": "int8"}
-        try:
-            DTensorMuon([group], lr=0.02, adamw_lr=0.01, experts=experts)
-            out[name] = "no error"
-        except ValueError as exc:
-            out[name] = str(exc)
-        DTensorMuon([dict(group, state_precision="param")], lr=0.02, adamw_lr=0.01, experts=experts)
-    return out
-
-
-def test_int8_state_whose_rows_a_placement_cuts_is_refused_by_name():
-    """Column-sharded state (TP's Shard(1), a stack sharded within its experts, a 1-D tensor
-    sharded at all) and dim-0 chunks that are not its scales' chunks: refused at construction,
-    naming the parameter and the placement (floating state builds)."""
-    for rank, errors in enumerate(shared_pool(2).run(_refusals)):
-        for name, message in errors.items():
-            assert f"parameter '{name}'" in message, (rank, name, message)
-            assert "state_precision='param'" in message, (rank, name, message)
-            placement = "Shard(dim=0)" if name in ("uneven.experts", "norm.weight") else "dim=1"
-            assert placement in message, (rank, name, message)
 
 
 def test_one_process_without_a_group_equals_muon_bitwise(reference):

@@ -62,11 +62,11 @@ import torch.distributed as dist
 from .. import functional, matrix_step
 from ..declared_state import kept_state, replicated_state
 from ..group_step import adamw_group_step
+from ..memory import UNCHUNKED
 from ..momentum_formats import MOMENTUM_FORMATS
 from ..newton_schulz import default_ns_dtype
 from ..optimizer import Muon
 from ..optimizer_state import parameter_states
-from ..memory import UNCHUNKED
 from ..quantized_state import ADAMW_MOMENTS, MOMENTUM_KEY, QuantizedMomentum, quantized_momentum
 from ..settings import MuonSettings
 from ..step_metrics import Reduction
@@ -453,7 +453,8 @@ class DTensorMuon(Muon):
             functional.adamw(
                 [work],
                 [local_tensor(grads[id(p)]).float()],
-                moments,
+                moments[:1],
+                moments[1:],
                 [s["step"]],
                 lr=float(group["lr"]),
                 beta1=beta1,

@@ -110,6 +110,18 @@ def _flat(shape: Sequence[int], dims: Sequence[int], held: Sequence[torch.Tensor
     return out
 
 
+def _coordinates(mesh: Any):
+    """Every mesh coordinate (every rank's)."""
+    return itertools.product(*(range(s) for s in mesh.mesh.shape))
+
+
+def _piece(shape, row_dims, col_dims, mesh, placements, coord) -> tuple[torch.Tensor, torch.Tensor]:
+    """(global rows, global columns) of the block matrix that the rank at mesh coordinate
+    ``coord`` holds, in its local order."""
+    held = {d: held_indices(shape[d], d, mesh, placements, coord) for d in (*row_dims, *col_dims)}
+    return _flat(shape, row_dims, held), _flat(shape, col_dims, held)
+
+
 @dataclass(frozen=True)
 class ShardBlocks:
     """Where this rank's shard of one state tensor lies in its block matrix, and how its
@@ -194,10 +206,10 @@ def shard_blocks(
     rows_count, cols_count = block_shape
     row_dims, col_dims = _block_dims(len(shape), mode)
     starts = []
-    for coord in itertools.product(*(range(s) for s in mesh.mesh.shape)):
-        held = {d: held_indices(shape[d], d, mesh, placements, coord) for d in col_dims}
-        cols = _flat(shape, col_dims, held)
-        if cols.numel() and not torch.equal(cols, torch.arange(int(cols[0]), int(cols[0]) + cols.numel())):
+    for coord in _coordinates(mesh):
+        _, cols = _piece(shape, (), col_dims, mesh, placements, coord)
+        first = int(cols[0]) if cols.numel() else 0
+        if cols.numel() and not torch.equal(cols, torch.arange(first, first + cols.numel())):
             raise ValueError(
                 f"DTensorMuon: parameter '{name}' of shape {shape} with placements {placements} "
                 f"gives a rank columns of its {rows_count}×{cols_count} quantized state's rows "
@@ -207,11 +219,11 @@ def shard_blocks(
             )
         if cols.numel():
             starts.append(int(cols[0]))
-    held = {d: held_indices(shape[d], d, mesh, placements) for d in (*row_dims, *col_dims)}
-    rows, cols = _flat(shape, row_dims, held), _flat(shape, col_dims, held)
+    rows, cols = _piece(shape, row_dims, col_dims, mesh, placements, mesh.get_coordinate())
     cut = sorted({s // block_size for s in starts if s % block_size and s < cols_count})
     kept = tuple(
-        pl if 0 in row_dims and len(shape) >= 2 and not isinstance(pl, Replicate) and pl.dim == 0
+        pl
+        if 0 in row_dims and len(shape) >= 2 and not isinstance(pl, Replicate) and pl.dim == 0
         else Replicate()
         for pl in placements
     )
@@ -221,7 +233,9 @@ def shard_blocks(
         scale_held = torch.arange(rows_count)
     if torch.equal(scale_held, rows):
         scale_rows: Any = slice(None)
-    elif rows.numel() and torch.equal(rows, torch.arange(int(rows[0]), int(rows[0]) + rows.numel())):
+    elif rows.numel() and torch.equal(
+        rows, torch.arange(int(rows[0]), int(rows[0]) + rows.numel())
+    ):
         scale_rows = slice(int(rows[0]), int(rows[0]) + rows.numel())
     else:
         scale_rows = rows
@@ -256,14 +270,16 @@ def packed_code_placements(name: str, p: DTensor, blocks: ShardBlocks) -> tuple:
         else:  # checked below: the chunks these make are the shard's rows and columns
             out.append(Shard(0) if pl.dim in blocks.row_dims else Shard(1))
     rows, cols = blocks.block_shape
-    bytes_held = held_indices(-(-cols // 2), 1, mesh, out)
-    want = torch.arange(blocks.col_start // 2, -(-(blocks.col_start + blocks.cols) // 2))
-    rows_held = held_indices(rows, 0, mesh, out)
-    if (
-        blocks.col_start % 2
-        or not torch.equal(bytes_held, want if blocks.cols else bytes_held[:0])
-        or not torch.equal(rows_held, blocks.rows)
-    ):
+    col_dims = tuple(d for d in range(len(shape)) if d not in blocks.row_dims)
+    fits = True
+    for coord in _coordinates(mesh):  # every rank's piece: each rank decides alike
+        held_rows, held_cols = _piece(shape, blocks.row_dims, col_dims, mesh, p.placements, coord)
+        start = int(held_cols[0]) if held_cols.numel() else 0
+        want = torch.arange(start // 2, -(-(start + held_cols.numel()) // 2))
+        fits = fits and not start % 2
+        fits = fits and torch.equal(held_indices(-(-cols // 2), 1, mesh, out, coord), want)
+        fits = fits and torch.equal(held_indices(rows, 0, mesh, out, coord), held_rows)
+    if not fits:
         raise ValueError(
             f"DTensorMuon: parameter '{name}' of shape {shape} with placements "
             f"{tuple(p.placements)}: state_precision='int4' packs two columns of each of its "
@@ -477,14 +493,18 @@ def zero_quantized_state(
         out[fmt.scale_key] = _scales_on_mesh(scales, p, b)
         if fmt.codes_per_byte > 1:
             codes = torch.full(
-                (b.rows.numel(), -(-b.cols // 2)), fmt.zero_byte, dtype=fmt.code_dtype,
+                (b.rows.numel(), -(-b.cols // 2)),
+                fmt.zero_byte,
+                dtype=fmt.code_dtype,
                 device=local.device,
             )
             placements = packed_code_placements(name, p, b)
             packed = (b.block_shape[0], -(-b.block_shape[1] // 2))
             out[key] = _on_mesh(codes, p, packed, placements)
         elif group["algorithm"] != "muon":
-            codes = torch.full(local.shape, fmt.zero_byte, dtype=fmt.code_dtype, device=local.device)
+            codes = torch.full(
+                local.shape, fmt.zero_byte, dtype=fmt.code_dtype, device=local.device
+            )
             out[key] = _on_mesh(codes, p, p.shape)
     return out
 
@@ -583,4 +603,3 @@ def _quantize_whole_(
     else:
         entry[key] = _on_mesh(mine.reshape(local_tensor(p).shape).contiguous(), p, p.shape)
     entry[fmt.scale_key] = _scales_on_mesh(held_scales.contiguous(), p, b)
-
