@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +60,7 @@ from .dtensor_layout import held_indices, local_tensor
 
 __all__ = [
     "ADAMW_FORMATS",
+    "quantize_cut_piece",
     "ShardBlocks",
     "ShardCodes",
     "convert_dtensor_state_",
@@ -389,20 +390,52 @@ class ShardCodes:
         if not b.cols or not b.rows.numel():
             return
         x = values.reshape(b.rows.numel(), b.cols)
-        if b.padded:  # the blocks touched, zero elsewhere, each cut one holding its absmax
-            wide = torch.zeros((x.shape[0], b.width), dtype=torch.float32, device=x.device)
-            wide[:, b.offset : b.offset + b.cols] = x
-            for k, j in enumerate(b.local_cut):  # the first block cut on its left, or the last
-                wide[:, 0 if j == 0 and b.offset > 0 else b.width - 1] = shared[:, k]
-            x = wide
-        codes_shape = (x.shape[0], -(-b.width // fmt.codes_per_byte))
-        codes = torch.empty(codes_shape, dtype=fmt.code_dtype, device=x.device)
-        scales = torch.empty(
-            (x.shape[0], b.stop_block - b.first_block), dtype=torch.float32, device=x.device
+        codes, scales = quantize_cut_piece(
+            x,
+            b.offset,
+            b.width,
+            shared,
+            fmt.quantize_,
+            fmt.code_dtype,
+            b.block_size,
+            fmt.codes_per_byte,
         )
-        fmt.quantize_(x, codes, scales)
         self._codes_matrix().copy_(codes[:, self._code_columns()] if b.padded else codes)
         self.scales[b.scale_rows, self._block_columns()] = scales
+
+
+def quantize_cut_piece(
+    values: torch.Tensor,
+    offset: int,
+    width: int,
+    shared: torch.Tensor | None,
+    quantize_: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+    code_dtype: torch.dtype,
+    block_size: int,
+    codes_per_byte: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes ``(rows, ⌈width / codes_per_byte⌉)`` and scales ``(rows, blocks)`` of the
+    blocks that ``values`` (rows, n) touches, as columns ``[offset, offset + n)`` of ``width``
+    columns starting at a block boundary, the other columns lying on other ranks: those are
+    quantized as zeros, except one absent column of each cut block, which holds the block's
+    ``shared`` absmax (rows, cut blocks: the first block's when ``offset`` > 0, then the
+    last's when ``offset + n < width``; each ≥ its piece's max |x|), so that each block's
+    scale is its shared one and each code the one of x / (its block's absmax). ``quantize_``
+    writes codes and scales of a (rows, width) matrix; the caller keeps its columns."""
+    rows, n = values.shape
+    wide = values
+    if offset or n < width:
+        wide = torch.zeros((rows, width), dtype=torch.float32, device=values.device)
+        wide[:, offset : offset + n] = values
+        first_cut = offset > 0
+        if first_cut:
+            wide[:, 0] = shared[:, 0]
+        if offset + n < width:  # the last block (the first one too when only one is touched)
+            wide[:, width - 1] = shared[:, -1]
+    codes = torch.empty((rows, -(-width // codes_per_byte)), dtype=code_dtype, device=values.device)
+    scales = torch.empty((rows, -(-width // block_size)), dtype=torch.float32, device=values.device)
+    quantize_(wide, codes, scales)
+    return codes, scales
 
 
 def store_shards_(comm: Any, items: Sequence[tuple[ShardCodes, torch.Tensor]]) -> None:
@@ -476,37 +509,36 @@ def zero_quantized_state(
     p: DTensor, group: Mapping[str, Any], blocks: Mapping[str, ShardBlocks], name: str
 ) -> dict[str, torch.Tensor]:
     """The quantized state of the DTensor ``p`` that the plain creation would make whole:
-    the Muon momentum's scales (and ``"int4"``'s packed codes; int8 codes are made like the
-    parameter), or AdamW's step counter and zero moments. ``blocks``: each state tensor's
-    :class:`ShardBlocks`, by codes key."""
-    local = local_tensor(p)
+    the Muon momentum's codes and scales, or AdamW's step counter and zero moments.
+    ``blocks``: each state tensor's :class:`ShardBlocks`, by codes key."""
     out: dict[str, torch.Tensor] = {}
     if group["algorithm"] != "muon":
         out["step"] = torch.zeros((), dtype=torch.float32)
     for key, b in blocks.items():
-        fmt = _stored_format(group, key)
-        scales = torch.zeros(
-            (_local_scale_rows(b), -(-b.block_shape[1] // b.block_size)),
-            dtype=torch.float32,
-            device=local.device,
-        )
-        out[fmt.scale_key] = _scales_on_mesh(scales, p, b)
-        if fmt.codes_per_byte > 1:
-            codes = torch.full(
-                (b.rows.numel(), -(-b.cols // 2)),
-                fmt.zero_byte,
-                dtype=fmt.code_dtype,
-                device=local.device,
-            )
-            placements = packed_code_placements(name, p, b)
-            packed = (b.block_shape[0], -(-b.block_shape[1] // 2))
-            out[key] = _on_mesh(codes, p, packed, placements)
-        elif group["algorithm"] != "muon":
-            codes = torch.full(
-                local.shape, fmt.zero_byte, dtype=fmt.code_dtype, device=local.device
-            )
-            out[key] = _on_mesh(codes, p, p.shape)
+        out.update(_zero_codes(p, group, key, b, name))
     return out
+
+
+def _zero_codes(
+    p: DTensor, group: Mapping[str, Any], key: str, b: ShardBlocks, name: str
+) -> dict[str, DTensor]:
+    """State tensor ``key`` of ``p`` zero: its codes (each the code of 0) laid out as ``p``,
+    or ``"int4"``'s packed rows (:func:`packed_code_placements`), and its zero scales."""
+    fmt, device = _stored_format(group, key), local_tensor(p).device
+    rows, cols = b.block_shape
+    scales = torch.zeros(
+        (_local_scale_rows(b), -(-cols // b.block_size)), dtype=torch.float32, device=device
+    )
+    if fmt.codes_per_byte > 1:
+        local_shape, shape = (b.rows.numel(), -(-b.cols // 2)), (rows, -(-cols // 2))
+        placements = packed_code_placements(name, p, b)
+    else:
+        local_shape, shape, placements = local_tensor(p).shape, p.shape, None
+    codes = torch.full(local_shape, fmt.zero_byte, dtype=fmt.code_dtype, device=device)
+    return {
+        key: _on_mesh(codes, p, shape, placements),
+        fmt.scale_key: _scales_on_mesh(scales, p, b),
+    }
 
 
 def shard_state_codes(
@@ -558,8 +590,7 @@ def convert_dtensor_state_(
         entry[MOMENTUM_KEY] = floating
         if precision == "param":
             return
-        target = {**group, "state_precision": precision}
-        _quantize_whole_(entry, p, target, view, name, floating.full_tensor().float())
+        _quantize_state_(entry, p, {**group, "state_precision": precision}, view, name, floating)
         return
     if adamw_state_is_quantized(entry) == (precision != "param"):
         return
@@ -571,35 +602,32 @@ def convert_dtensor_state_(
             del entry[c.format.scale_key]
         return
     for key in ADAMW_FORMATS:
-        _quantize_whole_(entry, p, group, None, name, entry[key].full_tensor().float(), key)
+        _quantize_state_(entry, p, group, None, name, entry[key], key)
 
 
-def _quantize_whole_(
+def _quantize_state_(
     entry: MutableMapping[str, Any],
     p: DTensor,
     group: Mapping[str, Any],
     view: Any,
     name: str,
-    whole: torch.Tensor,
+    floating: DTensor,
     key: str = MOMENTUM_KEY,
 ) -> None:
-    """``entry[key]`` the codes and scales of the float32 ``whole`` state, quantized whole,
-    this rank's part of them."""
+    """``entry[key]`` and its scales: the codes and scales of the ``floating`` state (laid out
+    as ``p``), each rank's part of one process's: quantized on the shard where it holds whole
+    rows, else quantized whole (``floating.full_tensor()``, collective) and its part kept."""
     b = state_blocks(name, p, group, view, key)
-    fmt = _stored_format(group, key)
-    rows, cols = b.block_shape
-    codes = torch.empty(
-        (rows, -(-cols // fmt.codes_per_byte)), dtype=fmt.code_dtype, device=whole.device
-    )
+    entry.update(_zero_codes(p, group, key, b, name))
+    held = shard_state_codes(entry, group, {key: b}, local_tensor(p).shape)[key]
+    if b.whole:
+        held.store_(local_tensor(floating).float())
+        return
+    fmt, (rows, cols), per = held.format, b.block_shape, held.format.codes_per_byte
+    whole = floating.full_tensor().float().reshape(rows, cols)
+    codes = torch.empty((rows, -(-cols // per)), dtype=fmt.code_dtype, device=whole.device)
     scales = torch.empty((rows, -(-cols // b.block_size)), dtype=torch.float32, device=whole.device)
-    fmt.quantize_(whole.reshape(rows, cols), codes, scales)
-    per = fmt.codes_per_byte
-    mine = codes[b.rows][:, b.col_start // per : b.col_start // per + -(-b.cols // per)]
-    whole_rows = isinstance(b.scale_rows, slice) and b.scale_rows == slice(None)
-    held_scales = scales[b.rows] if whole_rows else scales  # else replicated: every row
-    if per > 1:
-        packed = (rows, -(-cols // 2))
-        entry[key] = _on_mesh(mine.contiguous(), p, packed, packed_code_placements(name, p, b))
-    else:
-        entry[key] = _on_mesh(mine.reshape(local_tensor(p).shape).contiguous(), p, p.shape)
-    entry[fmt.scale_key] = _scales_on_mesh(held_scales.contiguous(), p, b)
+    fmt.quantize_(whole, codes, scales)
+    first = b.col_start // per
+    held.codes.copy_(codes[b.rows][:, first : first + -(-b.cols // per)].reshape(held.codes.shape))
+    held.scales.copy_(scales[b.rows] if held.scales.shape[0] != rows else scales)
