@@ -332,6 +332,7 @@ CUT_OPTIONS = dict(
 )
 STEPS, SAVE_AT = 3, 2
 CUT_LAYOUT = {  # name: (shape, sharded dim, algorithm)
+    "up": ((7, 300), 0, "muon"),  # whole rows (4 + 3, 2 + 2 + 2 + 1), int4's packed ones too
     "wo": ((10, 600), 1, "muon"),  # TP rowwise: boundaries at 300 (2 ranks), 150/300/450 (4)
     "wo_aligned": ((6, 1024), 1, "muon"),  # boundaries at multiples of 256: no block cut
     "experts": ((4, 6, 300), 1, "muon"),  # FSDP2 Shard(1) of a stack: rows of each expert

@@ -89,6 +89,7 @@ from .dtensor_state import (
     state_blocks,
     state_keys,
     store_shards_,
+    stored_format,
     synced_scales,
     zero_quantized_state,
 )
@@ -313,7 +314,7 @@ class DTensorMuon(Muon):
             for key, b in blocks.items():
                 if b.whole or key not in entry:
                     continue
-                scale_key = shard_state_codes(entry, group, {key: b}, ())[key].format.scale_key
+                scale_key = stored_format(group, key).scale_key
                 comms = [self._mesh_comm(p, d) for d in b.replicated_on]
                 entry = out["state"][index] = dict(entry)
                 entry[scale_key] = synced_scales(entry[scale_key], b, comms)

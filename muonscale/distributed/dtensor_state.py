@@ -67,6 +67,7 @@ __all__ = [
     "shard_blocks",
     "shard_state_codes",
     "store_shards_",
+    "stored_format",
     "synced_scales",
     "zero_quantized_state",
 ]
@@ -499,7 +500,8 @@ def state_blocks(
     return shard_blocks(name, p, adamw_block_shape(p), "flatten", BLOCK_SIZE)
 
 
-def _stored_format(group: Mapping[str, Any], key: str) -> MomentumFormat:
+def stored_format(group: Mapping[str, Any], key: str) -> MomentumFormat:
+    """The format of a group's quantized state tensor ``key`` (its codes key)."""
     if group["algorithm"] == "muon":
         return MOMENTUM_FORMATS[group["state_precision"]]
     return ADAMW_FORMATS[key]
@@ -524,7 +526,7 @@ def _zero_codes(
 ) -> dict[str, DTensor]:
     """State tensor ``key`` of ``p`` zero: its codes (each the code of 0) laid out as ``p``,
     or ``"int4"``'s packed rows (:func:`packed_code_placements`), and its zero scales."""
-    fmt, device = _stored_format(group, key), local_tensor(p).device
+    fmt, device = stored_format(group, key), local_tensor(p).device
     rows, cols = b.block_shape
     scales = torch.zeros(
         (_local_scale_rows(b), -(-cols // b.block_size)), dtype=torch.float32, device=device
@@ -548,7 +550,7 @@ def shard_state_codes(
     by codes key."""
     out = {}
     for key, b in blocks.items():
-        fmt = _stored_format(group, key)
+        fmt = stored_format(group, key)
         codes, scales = local_tensor(state[key]), local_tensor(state[fmt.scale_key])
         out[key] = ShardCodes(codes, scales, b, fmt, tuple(shape))
     return out
