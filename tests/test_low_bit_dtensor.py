@@ -21,6 +21,7 @@ it; layouts that cannot be kept exact are refused by name.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -45,6 +46,7 @@ OPTIONS = dict(
     experts={"experts": ExpertLayout(n_experts=8)},
 )
 STEPS, SAVE_AT = 3, 2
+EPS32 = torch.finfo(torch.float32).eps
 SHAPES = {
     "up": (12, 600),  # rows of three blocks: 256 + 256 + 88
     "down": (7, 300),  # two blocks (256 + 44); 7 rows: shards of 4 / 3 and 2 / 2 / 2 / 1
@@ -330,7 +332,6 @@ CUT_OPTIONS = dict(
     adamw_lr=0.01,
     experts={"experts": ExpertLayout(n_experts=4), "uneven": ExpertLayout(n_experts=3)},
 )
-STEPS, SAVE_AT = 3, 2
 CUT_LAYOUT = {  # name: (shape, sharded dim, algorithm)
     "up": ((7, 300), 0, "muon"),  # whole rows (4 + 3, 2 + 2 + 2 + 1), int4's packed ones too
     "wo": ((10, 600), 1, "muon"),  # TP rowwise: boundaries at 300 (2 ranks), 150/300/450 (4)
@@ -393,9 +394,11 @@ def _cut_uninterrupted(rank: int, world_size: int, precision: str, path: str) ->
     model, opt = _build_cut(world_size, precision)
     _inject(model, opt, 0, SAVE_AT)
     save_checkpoint(model, opt, path)
+    opt.enable_step_metrics()
     _inject(model, opt, SAVE_AT, STEPS)
     out = _result(model, opt)
     out["wire"] = opt.last_step_wire_breakdown
+    out["metrics"] = opt.read_step_metrics(across_ranks=True)
     floating = opt.state_dict_in_precision("param")["state"]
     out["float"] = {i: {k: _full(v) for k, v in e.items()} for i, e in floating.items()}
     return out
@@ -412,8 +415,11 @@ def _cut_resumed(rank: int, world_size: int, precision: str, path: str) -> dict:
 def _cut_single_process(precision: str) -> dict:
     model, opt = _build_cut(1, precision)
     with one_thread():
-        _inject(model, opt, 0, STEPS)
+        _inject(model, opt, 0, SAVE_AT)
+        opt.enable_step_metrics()
+        _inject(model, opt, SAVE_AT, STEPS)
     out = _result(model, opt)
+    out["metrics"] = opt.read_step_metrics()
     out["float"] = opt.state_dict_in_precision("param")["state"]
     return out
 
@@ -481,6 +487,14 @@ def test_cut_rows_share_block_scales_and_equal_single_process_bitwise(
         floating = {"weights": {}, "state": got["float"]}  # state_dict_in_precision("param")
         _assert_equal(floating, {"weights": {}, "state": want["float"]}, (precision, rank))
         assert got["wire"].get("block_scales/all_reduce") == expected, got["wire"]
+        # step metrics read the stored moments' values: one process's figures, summed over
+        # the ranks in another order (float32 rounding of sums of at most the largest
+        # parameter's entries)
+        rel = max(math.prod(shape) for shape, _, _ in CUT_LAYOUT.values()) * EPS32
+        for name, value in want["metrics"].items():
+            if "ns_sample/" in name or name.endswith("wire_bytes"):
+                continue  # shards: no orthogonality sample; one process: no traffic
+            assert got["metrics"][name] == pytest.approx(value, rel=rel), name
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
