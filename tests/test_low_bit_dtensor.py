@@ -105,7 +105,7 @@ def _inject(model: nn.Module, opt, first: int, last: int) -> None:
         for p in model.parameters():
             full = torch.randn(p.shape, generator=g)
             if isinstance(p, DTensor):
-                whole = distribute_tensor(full, p.device_mesh, [Replicate()])
+                whole = distribute_tensor(full, p.device_mesh, [Replicate()] * p.device_mesh.ndim)
                 full = whole.redistribute(p.device_mesh, p.placements)
             p.grad = full
         opt.step()
@@ -372,20 +372,27 @@ def _cut_groups(
     return groups
 
 
-def _build_cut(world_size: int, precision: str, seed: int = 0):
+def _build_cut(world_size: int, precision: str, seed: int = 0, two_dims: bool = False):
+    """The model and its optimizer: each parameter sharded on its dim of :data:`CUT_LAYOUT`
+    over the ranks (``two_dims``: over mesh dim 1 of a 2 × 2 mesh, whose dim 0 shards the
+    others' rows as FSDP × TP does and replicates the rest), or (``world_size`` 1) plain
+    Muon."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from muonscale.distributed import DTensorMuon
 
     model = CutBag(seed)
     if world_size == 1:
         return model, muonscale.Muon(_cut_groups(model, precision), **CUT_OPTIONS)
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh("cpu", (2, world_size // 2) if two_dims else (world_size,))
     for name, (_, dim, _) in CUT_LAYOUT.items():
         p = getattr(model, name)
+        placements = [Shard(dim)]
+        if two_dims:
+            placements.insert(0, Shard(0) if dim else Replicate())
         model.register_parameter(
-            name, nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(dim)]))
+            name, nn.Parameter(distribute_tensor(p.detach(), mesh, placements))
         )
     return model, DTensorMuon(_cut_groups(model, precision), **CUT_OPTIONS)
 
@@ -507,12 +514,35 @@ def test_cut_rows_resume_through_dcp_2_to_1_bitwise(cut_runs, cut_reference, pre
     )
 
 
-def test_cut_rows_resume_through_dcp_4_to_2_bitwise(cut_runs):
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_cut_rows_resume_through_dcp_4_to_2_bitwise(cut_runs, precision):
     """Saved at 4 ranks, resumed at 2: the uninterrupted run at 2, weights and full state."""
-    at2, _ = cut_runs(2, "int8")
-    _, path4 = cut_runs(4, "int8")
-    for rank, got in enumerate(shared_pool(2).run(_cut_resumed, "int8", path4)):
-        _assert_equal(got, at2[rank], ("4 -> 2", rank))
+    at2, _ = cut_runs(2, precision)
+    _, path4 = cut_runs(4, precision)
+    for rank, got in enumerate(shared_pool(2).run(_cut_resumed, precision, path4)):
+        _assert_equal(got, at2[rank], ("4 -> 2", precision, rank))
+
+
+def _cut_on_2d_mesh(rank: int, world_size: int, precision: str, path: str) -> dict:
+    model, opt = _build_cut(world_size, precision, two_dims=True)
+    _inject(model, opt, 0, SAVE_AT)
+    save_checkpoint(model, opt, path)
+    _inject(model, opt, SAVE_AT, STEPS)
+    return _result(model, opt)
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_cut_rows_on_a_2d_mesh_equal_single_process_and_resume_in_one_process(
+    cut_reference, tmp_path, precision
+):
+    """A 2 × 2 mesh (rows sharded on one dim, where the scales keep that placement, columns
+    on the other, replicated or cut): weights and full state one process's bitwise, and the
+    DCP checkpoint (scales made whole over the cutting dim only) resumes in one process."""
+    want = cut_reference[precision]
+    for rank, got in enumerate(shared_pool(4).run(_cut_on_2d_mesh, precision, str(tmp_path))):
+        _assert_equal(got, want, ("2 x 2", precision, rank))
+    resumed = _cut_resumed(0, 1, precision, str(tmp_path))
+    _assert_equal(resumed, want, ("2 x 2 -> 1", precision))
 
 
 def _cut_floating_into_quantized(rank: int, world_size: int, precision: str) -> dict:
