@@ -60,12 +60,15 @@ from .dtensor_layout import held_indices, local_tensor
 
 __all__ = [
     "ADAMW_FORMATS",
-    "quantize_cut_piece",
     "ShardBlocks",
     "ShardCodes",
     "convert_dtensor_state_",
+    "packed_code_placements",
+    "quantize_cut_piece",
     "shard_blocks",
     "shard_state_codes",
+    "state_blocks",
+    "state_keys",
     "store_shards_",
     "stored_format",
     "synced_scales",
@@ -229,10 +232,12 @@ def shard_blocks(
         else Replicate()
         for pl in placements
     )
+    for coord in _coordinates(mesh):  # every rank's rows are its scales' rows, or none's
+        held_rows, _ = _piece(shape, row_dims, (), mesh, placements, coord)
+        if not torch.equal(held_indices(rows_count, 0, mesh, kept, coord), held_rows):
+            kept = tuple(Replicate() for _ in placements)
+            break
     scale_held = held_indices(rows_count, 0, mesh, kept)
-    if not torch.equal(scale_held, rows):
-        kept = tuple(Replicate() for _ in placements)
-        scale_held = torch.arange(rows_count)
     if torch.equal(scale_held, rows):
         scale_rows: Any = slice(None)
     elif rows.numel() and torch.equal(
@@ -346,6 +351,7 @@ class ShardCodes:
         return slice(self.blocks.first_block, self.blocks.stop_block)
 
     def _touched_scales(self) -> torch.Tensor:
+        """The scales of the blocks the shard touches (a view where its rows are a slice)."""
         return self.scales[self.blocks.scale_rows, self._block_columns()]
 
     def values(self) -> torch.Tensor:
@@ -391,6 +397,9 @@ class ShardCodes:
         if not b.cols or not b.rows.numel():
             return
         x = values.reshape(b.rows.numel(), b.cols)
+        if not b.padded and isinstance(b.scale_rows, slice):  # whole blocks: in place
+            fmt.quantize_(x, self._codes_matrix(), self._touched_scales())
+            return
         codes, scales = quantize_cut_piece(
             x,
             b.offset,
@@ -401,7 +410,7 @@ class ShardCodes:
             b.block_size,
             fmt.codes_per_byte,
         )
-        self._codes_matrix().copy_(codes[:, self._code_columns()] if b.padded else codes)
+        self._codes_matrix().copy_(codes[:, self._code_columns()])
         self.scales[b.scale_rows, self._block_columns()] = scales
 
 
