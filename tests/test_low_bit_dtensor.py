@@ -1,17 +1,27 @@
-"""``DTensorMuon(state_precision="int8")`` under FSDP2 (``Shard(0)``): every rank holds whole
-rows of each state tensor's block matrix, so its codes and scales are its rows of the ones one
-process holds. With identical gradients injected on every rank, at 2 and 4 gloo ranks, the
-weights and the full state (codes and scales gathered) equal single-process
-``Muon(state_precision="int8")``'s bitwise, on dense weights whose rows span two and three
-256-entry blocks (one of 7 rows: uneven shards), a 3-D stack of experts and an int8 AdamW
-table; the scales are DTensors sharded with the rows. DCP checkpoints resume 4 → 2 and 2 → 1
-bitwise, a floating DCP checkpoint loads into int8 state (converted, with the warning) and
-steps as one process does, ``state_dict_in_precision("param")`` writes one process's floating
-state, and placements that cut rows are refused by name.
+"""``DTensorMuon(state_precision="int8")`` (and ``"int4"``) against single-process
+``muonscale.Muon``, with identical gradients injected on every rank, at 2 and 4 gloo ranks.
+
+Shards of whole rows (FSDP2's ``Shard(0)``, TP's colwise ``Shard(0)``, replicas): every rank's
+codes and scales are its rows of the ones one process holds. On dense weights whose rows span
+two and three 256-entry blocks (one of 7 rows: uneven shards), a 3-D stack of experts and an
+int8 AdamW table, the weights and the full state (codes and scales gathered) are one
+process's bitwise; the scales are DTensors sharded with the rows. DCP checkpoints resume
+4 → 2 and 2 → 1 bitwise, a floating DCP checkpoint loads into int8 state (converted, with the
+warning) and steps as one process does, ``state_dict_in_precision("param")`` writes one
+process's floating state.
+
+Shards that cut rows (TP's rowwise ``Shard(1)`` of a weight whose boundary cuts a block and
+of one whose boundaries fall between blocks, ``Shard(1)`` of a 3-D expert stack, an uneven
+``Shard(0)`` of a stack, a ``Shard(0)`` 1-D bias and a ``Shard(1)`` table with 8-bit AdamW
+moments), int8 and int4: a cut block shares its scale, so the weights and full state are one
+process's bitwise; each step all-reduces exactly the cut blocks' maxima (counted from the
+shapes); DCP resumes 2 → 1 and 4 → 2 bitwise; floating state converts as one process converts
+it; layouts that cannot be kept exact are refused by name.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -21,6 +31,7 @@ from torch import nn
 
 import muonscale
 from muonscale import ExpertLayout
+from muonscale.distributed.comm import ring_wire_bytes
 
 pytestmark = [
     pytest.mark.timeout(150),
@@ -35,6 +46,7 @@ OPTIONS = dict(
     experts={"experts": ExpertLayout(n_experts=8)},
 )
 STEPS, SAVE_AT = 3, 2
+EPS32 = torch.finfo(torch.float32).eps
 SHAPES = {
     "up": (12, 600),  # rows of three blocks: 256 + 256 + 88
     "down": (7, 300),  # two blocks (256 + 44); 7 rows: shards of 4 / 3 and 2 / 2 / 2 / 1
@@ -93,7 +105,7 @@ def _inject(model: nn.Module, opt, first: int, last: int) -> None:
         for p in model.parameters():
             full = torch.randn(p.shape, generator=g)
             if isinstance(p, DTensor):
-                whole = distribute_tensor(full, p.device_mesh, [Replicate()])
+                whole = distribute_tensor(full, p.device_mesh, [Replicate()] * p.device_mesh.ndim)
                 full = whole.redistribute(p.device_mesh, p.placements)
             p.grad = full
         opt.step()
@@ -301,47 +313,6 @@ def test_int8_state_under_tensor_parallel_rows_and_replicas_equals_one_process_b
         _assert_equal(got, want, ("tensor parallel", rank))
 
 
-def _refusals(rank: int, world_size: int) -> dict[str, str]:
-    """The error of each int8 layout that cuts rows (``"no error"`` if built)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    from muonscale.distributed import DTensorMuon
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    cases = {  # name: (shape, placement, algorithm)
-        "attn.wo.weight": ((10, 600), Shard(1), "muon"),  # TP rowwise
-        "moe.experts": ((4, 6, 300), Shard(1), "muon"),  # a stack sharded within experts
-        "uneven.experts": ((3, 6, 300), Shard(0), "muon"),  # 2 + 1 experts, 9 + 9 scale rows
-        "norm.weight": ((300,), Shard(0), "adamw"),  # FSDP2's 1-D shard: one row cut
-        "wte.weight": ((11, 300), Shard(1), "adamw"),
-    }
-    out = {}
-    for name, (shape, placement, algorithm) in cases.items():
-        p = nn.Parameter(distribute_tensor(torch.randn(shape), mesh, [placement]))
-        experts = {name: ExpertLayout(n_experts=shape[0])} if name.endswith("experts") else {}
-        group = {"params": [(name, p)], "algorithm": algorithm, "state_precision": "int8"}
-        try:
-            DTensorMuon([group], lr=0.02, adamw_lr=0.01, experts=experts)
-            out[name] = "no error"
-        except ValueError as exc:
-            out[name] = str(exc)
-        DTensorMuon([dict(group, state_precision="param")], lr=0.02, adamw_lr=0.01, experts=experts)
-    return out
-
-
-def test_int8_state_whose_rows_a_placement_cuts_is_refused_by_name():
-    """Column-sharded state (TP's Shard(1), a stack sharded within its experts, a 1-D tensor
-    sharded at all) and dim-0 chunks that are not its scales' chunks: refused at construction,
-    naming the parameter and the placement (floating state builds)."""
-    for rank, errors in enumerate(shared_pool(2).run(_refusals)):
-        for name, message in errors.items():
-            assert f"parameter '{name}'" in message, (rank, name, message)
-            assert "state_precision='param'" in message, (rank, name, message)
-            placement = "Shard(dim=0)" if name in ("uneven.experts", "norm.weight") else "dim=1"
-            assert placement in message, (rank, name, message)
-
-
 def test_one_process_without_a_group_equals_muon_bitwise(reference):
     """DTensorMuon on plain tensors (no process group) with int8 state is muonscale.Muon."""
     from muonscale.distributed import DTensorMuon
@@ -351,3 +322,290 @@ def test_one_process_without_a_group_equals_muon_bitwise(reference):
     with one_thread():
         _inject(model, opt, 0, STEPS)
     _assert_equal(_result(model, opt), reference, "one process")
+
+
+# ---------------------------------------------------------------- rows cut by a placement
+CUT_OPTIONS = dict(
+    lr=0.02,
+    weight_decay=0.1,
+    ns_dtype=torch.float32,
+    adamw_lr=0.01,
+    experts={"experts": ExpertLayout(n_experts=4), "uneven": ExpertLayout(n_experts=3)},
+)
+CUT_LAYOUT = {  # name: (shape, sharded dim, algorithm)
+    "up": ((7, 300), 0, "muon"),  # whole rows (4 + 3, 2 + 2 + 2 + 1), int4's packed ones too
+    "wo": ((10, 600), 1, "muon"),  # TP rowwise: boundaries at 300 (2 ranks), 150/300/450 (4)
+    "wo_aligned": ((6, 1024), 1, "muon"),  # boundaries at multiples of 256: no block cut
+    "experts": ((4, 6, 300), 1, "muon"),  # FSDP2 Shard(1) of a stack: rows of each expert
+    "uneven": ((3, 6, 300), 0, "muon"),  # 2 + 1 experts: 12 + 6 rows against 9 + 9
+    "bias": ((300,), 0, "adamw"),  # a 1-D shard: its one row cut
+    "table": ((5, 600), 1, "adamw"),
+}
+PACKED_REFUSED = ("experts", "uneven")
+"""int4 packs two columns per byte of rows that these layouts do not hold as one chunk."""
+
+
+class CutBag(nn.Module):
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        for name, (shape, _, _) in CUT_LAYOUT.items():
+            self.register_parameter(name, nn.Parameter(torch.randn(shape, generator=g)))
+
+
+def _cut_groups(
+    model: nn.Module, precision: str, adamw: str = "int8", stacks: str | None = None
+) -> list[dict]:
+    """The Muon weights in ``precision``, the stacks in a group of their own in ``stacks``
+    (int8 under int4, which refuses them), AdamW's in ``adamw``."""
+    named = dict(model.named_parameters())
+    stacks = "int8" if stacks is None and precision == "int4" else stacks
+    muon = [n for n, (_, _, a) in CUT_LAYOUT.items() if a == "muon"]
+    first = [n for n in muon if stacks is None or n not in PACKED_REFUSED]
+    groups = [{"params": [(n, named[n]) for n in first], "state_precision": precision}]
+    if stacks is not None:
+        groups.append(
+            {"params": [(n, named[n]) for n in PACKED_REFUSED], "state_precision": stacks}
+        )
+    moments = [(n, named[n]) for n, (_, _, a) in CUT_LAYOUT.items() if a == "adamw"]
+    groups.append({"params": moments, "algorithm": "adamw", "state_precision": adamw})
+    return groups
+
+
+def _build_cut(world_size: int, precision: str, seed: int = 0, two_dims: bool = False):
+    """The model and its optimizer: each parameter sharded on its dim of :data:`CUT_LAYOUT`
+    over the ranks (``two_dims``: over mesh dim 1 of a 2 × 2 mesh, whose dim 0 shards the
+    others' rows as FSDP × TP does and replicates the rest), or (``world_size`` 1) plain
+    Muon."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from muonscale.distributed import DTensorMuon
+
+    model = CutBag(seed)
+    if world_size == 1:
+        return model, muonscale.Muon(_cut_groups(model, precision), **CUT_OPTIONS)
+    mesh = init_device_mesh("cpu", (2, world_size // 2) if two_dims else (world_size,))
+    for name, (_, dim, _) in CUT_LAYOUT.items():
+        p = getattr(model, name)
+        placements = [Shard(dim)]
+        if two_dims:
+            placements.insert(0, Shard(0) if dim else Replicate())
+        model.register_parameter(
+            name, nn.Parameter(distribute_tensor(p.detach(), mesh, placements))
+        )
+    return model, DTensorMuon(_cut_groups(model, precision), **CUT_OPTIONS)
+
+
+def _cut_uninterrupted(rank: int, world_size: int, precision: str, path: str) -> dict:
+    model, opt = _build_cut(world_size, precision)
+    _inject(model, opt, 0, SAVE_AT)
+    save_checkpoint(model, opt, path)
+    opt.enable_step_metrics()
+    _inject(model, opt, SAVE_AT, STEPS)
+    out = _result(model, opt)
+    out["wire"] = opt.last_step_wire_breakdown
+    out["metrics"] = opt.read_step_metrics(across_ranks=True)
+    floating = opt.state_dict_in_precision("param")["state"]
+    out["float"] = {i: {k: _full(v) for k, v in e.items()} for i, e in floating.items()}
+    return out
+
+
+def _cut_resumed(rank: int, world_size: int, precision: str, path: str) -> dict:
+    model, opt = _build_cut(world_size, precision, seed=123)
+    load_checkpoint(model, opt, path)
+    with one_thread():
+        _inject(model, opt, SAVE_AT, STEPS)
+    return _result(model, opt)
+
+
+def _cut_single_process(precision: str) -> dict:
+    model, opt = _build_cut(1, precision)
+    with one_thread():
+        _inject(model, opt, 0, SAVE_AT)
+        opt.enable_step_metrics()
+        _inject(model, opt, SAVE_AT, STEPS)
+    out = _result(model, opt)
+    out["metrics"] = opt.read_step_metrics()
+    out["float"] = opt.state_dict_in_precision("param")["state"]
+    return out
+
+
+def _cut_blocks(cols: int, world_size: int, block: int) -> int:
+    """Blocks of a row of ``cols`` that torch's chunks over ``world_size`` ranks cut."""
+    size = -(-cols // world_size)
+    starts = range(size, cols, size)
+    return len({s // block for s in starts if s % block})
+
+
+def _block_scales_bytes(world_size: int, precision: str) -> int:
+    """The step's all-reduced bytes of cut blocks' maxima (float32, ring model): the Muon
+    momentum's in one all-reduce, AdamW's two moments' in another."""
+    block = 128 if precision == "int4" else 256
+    muon = adamw = 0
+    for name, (shape, dim, algorithm) in CUT_LAYOUT.items():
+        cols = shape[-1] if len(shape) != 1 else shape[0]
+        rows = 1 if len(shape) == 1 else shape[0]
+        column_cut = len(shape) == 1 or dim == len(shape) - 1
+        if algorithm == "muon" and column_cut:
+            size = block if name not in PACKED_REFUSED or precision != "int4" else 256
+            muon += rows * _cut_blocks(cols, world_size, size)
+        elif algorithm == "adamw":
+            adamw += 2 * rows * _cut_blocks(cols, world_size, 256)
+    f32 = torch.finfo(torch.float32).bits // 8
+    return sum(ring_wire_bytes("all_reduce", f32 * n, world_size) for n in (muon, adamw) if n)
+
+
+@pytest.fixture(scope="module")
+def cut_reference() -> dict:
+    return {precision: _cut_single_process(precision) for precision in ("int8", "int4")}
+
+
+@pytest.fixture(scope="module")
+def cut_runs(tmp_path_factory) -> dict:
+    """The uninterrupted runs (per rank) and their checkpoints, by (world size, precision)."""
+    out = {}
+
+    def run(world_size: int, precision: str):
+        if (world_size, precision) not in out:
+            path = str(tmp_path_factory.mktemp(f"{precision}_at_{world_size}"))
+            got = shared_pool(world_size).run(_cut_uninterrupted, precision, path)
+            out[world_size, precision] = got, path
+        return out[world_size, precision]
+
+    return run
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_cut_rows_share_block_scales_and_equal_single_process_bitwise(
+    cut_runs, cut_reference, world_size, precision
+):
+    want = cut_reference[precision]
+    held = {v.dtype for e in want["state"].values() for v in e.values()}
+    assert {torch.int8, torch.uint8} <= held  # int8 momentum (the stacks'), AdamW's moments
+    packed = any("momentum_absmax" in e for e in want["state"].values())
+    assert packed == (precision == "int4")
+    got_runs, _ = cut_runs(world_size, precision)
+    expected = _block_scales_bytes(world_size, precision)
+    assert expected > 0
+    for rank, got in enumerate(got_runs):
+        _assert_equal(got, want, (world_size, precision, rank))
+        floating = {"weights": {}, "state": got["float"]}  # state_dict_in_precision("param")
+        _assert_equal(floating, {"weights": {}, "state": want["float"]}, (precision, rank))
+        assert got["wire"].get("block_scales/all_reduce") == expected, got["wire"]
+        # step metrics read the stored moments' values: one process's figures, summed over
+        # the ranks in another order (float32 rounding of sums of at most the largest
+        # parameter's entries)
+        rel = max(math.prod(shape) for shape, _, _ in CUT_LAYOUT.values()) * EPS32
+        for name, value in want["metrics"].items():
+            if "ns_sample/" in name or name.endswith("wire_bytes"):
+                continue  # shards: no orthogonality sample; one process: no traffic
+            assert got["metrics"][name] == pytest.approx(value, rel=rel), name
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_cut_rows_resume_through_dcp_2_to_1_bitwise(cut_runs, cut_reference, precision):
+    """Saved at 2 ranks (scales replicated where rows are cut), resumed in one process
+    (muonscale.Muon): the uninterrupted one-process run."""
+    _, path = cut_runs(2, precision)
+    _assert_equal(
+        _cut_resumed(0, 1, precision, path), cut_reference[precision], ("2 -> 1", precision)
+    )
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_cut_rows_resume_through_dcp_4_to_2_bitwise(cut_runs, precision):
+    """Saved at 4 ranks, resumed at 2: the uninterrupted run at 2, weights and full state."""
+    at2, _ = cut_runs(2, precision)
+    _, path4 = cut_runs(4, precision)
+    for rank, got in enumerate(shared_pool(2).run(_cut_resumed, precision, path4)):
+        _assert_equal(got, at2[rank], ("4 -> 2", precision, rank))
+
+
+def _cut_on_2d_mesh(rank: int, world_size: int, precision: str, path: str) -> dict:
+    model, opt = _build_cut(world_size, precision, two_dims=True)
+    _inject(model, opt, 0, SAVE_AT)
+    save_checkpoint(model, opt, path)
+    _inject(model, opt, SAVE_AT, STEPS)
+    return _result(model, opt)
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_cut_rows_on_a_2d_mesh_equal_single_process_and_resume_in_one_process(
+    cut_reference, tmp_path, precision
+):
+    """A 2 × 2 mesh (rows sharded on one dim, where the scales keep that placement, columns
+    on the other, replicated or cut): weights and full state one process's bitwise, and the
+    DCP checkpoint (scales made whole over the cutting dim only) resumes in one process."""
+    want = cut_reference[precision]
+    for rank, got in enumerate(shared_pool(4).run(_cut_on_2d_mesh, precision, str(tmp_path))):
+        _assert_equal(got, want, ("2 x 2", precision, rank))
+    resumed = _cut_resumed(0, 1, precision, str(tmp_path))
+    _assert_equal(resumed, want, ("2 x 2 -> 1", precision))
+
+
+def _cut_floating_into_quantized(rank: int, world_size: int, precision: str) -> dict:
+    """Floating state of two steps loaded into quantized state (converted: quantized whole
+    where rows are cut), then the last step."""
+    from muonscale.distributed import DTensorMuon
+
+    model, _ = _build_cut(world_size, "param")
+    cls = DTensorMuon if world_size > 1 else muonscale.Muon
+    floating = cls(_cut_groups(model, "param", "param", stacks="param"), **CUT_OPTIONS)
+    with one_thread():
+        _inject(model, floating, 0, SAVE_AT)
+        opt = cls(_cut_groups(model, precision), **CUT_OPTIONS)
+        with pytest.warns(UserWarning, match=r"state_precision differs.*'param' -> "):
+            opt.load_state_dict(floating.state_dict())
+        _inject(model, opt, SAVE_AT, STEPS)
+    return _result(model, opt)
+
+
+def test_floating_state_loads_into_cut_rows_as_one_process_converts_it():
+    """Floating state loaded into int4 (and int8) state whose rows are cut, at 2 ranks: the
+    weights and state after the next step are one process's that loads the same floating
+    state."""
+    want = _cut_floating_into_quantized(0, 1, "int4")
+    for rank, got in enumerate(shared_pool(2).run(_cut_floating_into_quantized, "int4")):
+        _assert_equal(got, want, ("param -> int4", rank))
+
+
+def _cut_refusals(rank: int, world_size: int) -> dict[str, str]:
+    """The error of each quantized layout that cannot be kept exact (``"no error"`` if
+    built)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from muonscale.distributed import DTensorMuon
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    cases = {  # name: (shape, placement, algorithm, precision)
+        "moe.w13": ((4, 6, 300), Shard(2), "adamw", "int8"),  # a flattened row's columns
+        "moe.experts": ((4, 6, 300), Shard(1), "muon", "int4"),  # packed rows not one chunk
+        "attn.wo.weight": ((10, 602), Shard(1), "muon", "int4"),  # 301 columns: half a byte
+    }
+    out = {}
+    for name, (shape, placement, algorithm, precision) in cases.items():
+        p = nn.Parameter(distribute_tensor(torch.randn(shape), mesh, [placement]))
+        experts = {name: ExpertLayout(n_experts=shape[0])} if name.endswith("experts") else {}
+        group = {"params": [(name, p)], "algorithm": algorithm, "state_precision": precision}
+        try:
+            DTensorMuon([group], lr=0.02, adamw_lr=0.01, experts=experts)
+            out[name] = "no error"
+        except ValueError as exc:
+            out[name] = str(exc)
+        DTensorMuon([dict(group, state_precision="param")], lr=0.02, adamw_lr=0.01, experts=experts)
+    return out
+
+
+def test_layouts_that_cannot_share_scales_exactly_are_refused_by_name():
+    """Columns of a flattened row that are not contiguous (a shard of a trailing dim), and
+    int4's packed bytes that a layout does not hold as one chunk: refused at construction,
+    naming the parameter (floating state builds)."""
+    for rank, errors in enumerate(shared_pool(2).run(_cut_refusals)):
+        for name, message in errors.items():
+            assert f"parameter '{name}'" in message, (rank, name, message)
+            assert "state_precision='param'" in message or "'int8'" in message, message
+            reason = "contiguous" if name == "moe.w13" else "packs two columns"
+            assert reason in message, (rank, name, message)

@@ -24,9 +24,12 @@ momentum's local shards live in one stack per (param group, local shard shape, d
 :class:`muonscale.Muon` (:class:`~muonscale.optimizer_state.MomentumStacks`, rebuilt after a
 load): the momentum pass is one foreach per group, and the directions are written straight
 into the all-to-all's send buffer.
-With ``state_precision="int8"`` each rank quantizes its shard (:mod:`.dtensor_state`): the
-codes are DTensors with the parameter's placements, the scales DTensors with them on their
-rows, and a placement that cuts rows (and with them the 256-entry blocks) is refused.
+With ``state_precision="int8"`` or ``"int4"`` each rank quantizes its shard
+(:mod:`.dtensor_state`): the codes are DTensors laid out as the parameter, the scales DTensors
+sharded with their rows where every rank holds whole rows, else replicated on the mesh dims
+that cut the rows; a block that a shard boundary cuts shares its scale (the maximum of its
+pieces' absmax, one all-reduce per step of the cut blocks' maxima, tag ``"block_scales"``),
+so the codes and scales are one process's.
 
 Gradient reduction is the framework's job: FSDP2 reduce-scatters (and all-reduces across an
 HSDP replicate axis), TP gradients come out of autograd complete. A gradient placed unlike its
@@ -59,11 +62,12 @@ import torch.distributed as dist
 from .. import functional, matrix_step
 from ..declared_state import kept_state, replicated_state
 from ..group_step import adamw_group_step
-from ..momentum_formats import INT8_MOMENTUM
+from ..memory import UNCHUNKED
+from ..momentum_formats import MOMENTUM_FORMATS
 from ..newton_schulz import default_ns_dtype
 from ..optimizer import Muon
 from ..optimizer_state import parameter_states
-from ..quantized_state import QuantizedMomentum
+from ..quantized_state import ADAMW_MOMENTS, MOMENTUM_KEY, QuantizedMomentum, quantized_momentum
 from ..settings import MuonSettings
 from ..step_metrics import Reduction
 from .agreement import check_same_on_every_rank
@@ -78,9 +82,15 @@ from .dtensor_layout import (
     parameter_layout,
 )
 from .dtensor_state import (
-    check_whole_rows,
-    local_quantized_momentum,
-    state_block_shape,
+    ShardBlocks,
+    ShardCodes,
+    packed_code_placements,
+    shard_state_codes,
+    state_blocks,
+    state_keys,
+    store_shards_,
+    stored_format,
+    synced_scales,
     zero_quantized_state,
 )
 from .exchange import PieceExchange, step_through_exchange
@@ -161,6 +171,8 @@ class DTensorMuon(Muon):
             self._group_ranks = [0]
         self._exchanges: dict[tuple, PieceExchange] = {}
         self._layouts: dict[int, MatrixLayout] = {}
+        self._blocks: dict[tuple, dict[str, ShardBlocks]] = {}
+        self._mesh_comms: dict[tuple, Communicator] = {}
         check_same_on_every_rank(
             self.comm,
             self._routing_records(),
@@ -170,15 +182,35 @@ class DTensorMuon(Muon):
         self._check_layouts()
 
     def _check_layouts(self) -> None:
-        """Fail fast on unsupported placements and meshes, and on int8 state whose rows a
-        placement cuts (:func:`~.dtensor_state.check_whole_rows`)."""
+        """Fail fast on unsupported placements and meshes, and on quantized state a layout
+        cannot keep exact (:func:`~.dtensor_state.shard_blocks`)."""
         for group in self.param_groups:
-            quantized = group.get("state_precision", "param") == "int8"
             for p in group["params"]:
                 self.matrix_layout(p)
-                if quantized and is_dtensor(p) and self.comm.active:
-                    block = self._state_block_shape(p, group)
-                    check_whole_rows(self._name(p), p, block)
+                if self.comm.active:
+                    self._state_blocks(p, group)
+
+    def _state_blocks(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, ShardBlocks]:
+        """Where this rank's shard of each quantized state tensor of ``p`` lies (cached; empty
+        for floating state or a plain tensor)."""
+        precision = group.get("state_precision", "param")
+        key = (id(p), precision)
+        if key not in self._blocks:
+            blocks: dict[str, ShardBlocks] = {}
+            if precision != "param" and is_dtensor(p):
+                muon = group["algorithm"] == "muon"
+                view = self._matrix_view(p, group) if muon else None
+                for k in state_keys(group):
+                    blocks[k] = state_blocks(self._name(p), p, group, view, k)
+                    if muon and MOMENTUM_FORMATS[precision].codes_per_byte > 1:
+                        packed_code_placements(self._name(p), p, blocks[k])
+            self._blocks[key] = blocks
+        return self._blocks[key]
+
+    def _shard_codes(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, ShardCodes]:
+        """This rank's quantized state tensors of ``p``, by codes key."""
+        shape = local_tensor(p).shape
+        return shard_state_codes(self.state[p], group, self._state_blocks(p, group), shape)
 
     def _routing_records(self) -> list[tuple[str, tuple]]:
         """Per parameter: its name and what this rank decided for it (routing, matrices,
@@ -243,39 +275,59 @@ class DTensorMuon(Muon):
         """New parameter objects: lay them out again (and fail fast on unsupported ones)."""
         self._layouts.clear()
         self._exchanges.clear()
+        self._blocks.clear()
         self._check_layouts()
 
     # ---------------------------------------------------------------- state / checks
-    def _refuse_untested_precision(self, state_precision: str) -> None:
-        if state_precision not in ("param", "int8"):  # the shards are quantized as int8
-            raise ValueError(
-                f"DTensorMuon does not support state_precision={state_precision!r} yet "
-                "(tested: 'param' and 'int8')"
-            )
-        super()._refuse_untested_precision(state_precision)
-
     @classmethod
     def _accepts_quantized_state(cls) -> bool:
-        """int8 state is quantized on each rank's shard of whole rows (Shard(0), Replicate);
-        a placement that cuts rows is refused at construction, naming the parameter."""
+        """int8 and int4 state are quantized on each rank's shard, cut blocks sharing their
+        scales (:mod:`.dtensor_state`); a layout it cannot keep exact is refused at
+        construction, naming the parameter."""
         return cls is DTensorMuon
-
-    def _state_block_shape(self, p: torch.Tensor, group: Mapping[str, Any]) -> tuple[int, int]:
-        view = self._matrix_view(p, group) if group["algorithm"] == "muon" else None
-        return state_block_shape(p, group, view)
 
     def _init_state(
         self, p: torch.Tensor, group: Mapping[str, Any], settings: MuonSettings | None = None
     ) -> dict[str, torch.Tensor]:
-        """The base class's; the int8 state of a DTensor parameter laid out as its shards
-        (codes with its placements, scales with them on their rows)."""
+        """The base class's; the quantized state of a DTensor parameter laid out as its shards
+        (:func:`~.dtensor_state.zero_quantized_state`)."""
         state = self.state[p]
-        quantized = group.get("state_precision", "param") == "int8" and is_dtensor(p)
+        precision = group.get("state_precision", "param")
         muon = group["algorithm"] == "muon"
-        if quantized and (INT8_MOMENTUM.scale_key not in state if muon else not state):
-            view = self._matrix_view(p, group) if muon else None
-            state.update(zero_quantized_state(p, group, view, self._name(p)))
+        if precision != "param" and is_dtensor(p):
+            missing = MOMENTUM_FORMATS[precision].scale_key not in state if muon else not state
+            if missing:
+                blocks = self._state_blocks(p, group)
+                state.update(zero_quantized_state(p, group, blocks, self._name(p)))
         return super()._init_state(p, group, settings)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The base class's, with the scales of quantized state whose rows a placement cuts
+        made whole on every rank (each replica holds exactly the blocks its rank touches:
+        :func:`~.dtensor_state.synced_scales`), so that a checkpoint reads one process's
+        scales; collective over those parameters' meshes."""
+        out = super().state_dict()
+        params = [(p, g) for g in self.param_groups for p in g["params"]]
+        for index, (p, group) in enumerate(params):
+            entry = out["state"].get(index)
+            blocks = self._state_blocks(p, group) if entry else {}
+            for key, b in blocks.items():
+                if b.whole or key not in entry:
+                    continue
+                scale_key = stored_format(group, key).scale_key
+                comms = [self._mesh_comm(p, d) for d in b.replicated_on]
+                entry = out["state"][index] = dict(entry)
+                entry[scale_key] = synced_scales(entry[scale_key], b, comms)
+        return out
+
+    def _mesh_comm(self, p: torch.Tensor, mesh_dim: int) -> Communicator:
+        """A communicator of ``p``'s mesh dim ``mesh_dim`` (cached), for checkpoint traffic
+        (counted apart from the steps')."""
+        mesh = p.device_mesh
+        key = (id(mesh), mesh_dim)
+        if key not in self._mesh_comms:
+            self._mesh_comms[key] = Communicator(mesh.get_group(mesh_dim))
+        return self._mesh_comms[key]
 
     def optimizer_state_bytes(self) -> int:
         """Exact bytes of state tensors held by this rank (local shards)."""
@@ -323,12 +375,23 @@ class DTensorMuon(Muon):
         closure and the collective non-finite check first (neither ``capturable`` nor
         ``orthogonalize_in_backward``: ``from_backward`` is empty, ``step_ok`` None)."""
         muon_entries: list[tuple[torch.Tensor, Mapping[str, Any]]] = []
+        cut: list[tuple[Mapping[str, Any], list[dict], list]] = []  # AdamW's cut rows
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if group["algorithm"] == "muon":
                 muon_entries.extend((p, group) for p in params)
             else:
-                self._adamw_on_shards(group, params, grads)
+                cut.append((group, *self._adamw_on_shards(group, params, grads)))
+        store_shards_(self.comm, [item for _, _, items in cut for item in items])
+        if self.step_metrics is not None:
+            for group, states, items in cut:
+                if states:  # the stored moments' values
+                    values = iter(codes.values() for codes, _ in items)
+                    read = [
+                        {"step": s["step"], "exp_avg": next(values), "exp_avg_sq": next(values)}
+                        for s in states
+                    ]
+                    self.step_metrics.record_adamw(self._group_label(group), group, read)
         if muon_entries:
             metrics = self.step_metrics
             timed = (
@@ -354,24 +417,58 @@ class DTensorMuon(Muon):
 
     def _adamw_on_shards(
         self, group: Mapping[str, Any], params: list[torch.Tensor], grads: Mapping[int, Any]
-    ) -> None:
+    ) -> tuple[list[dict], list[tuple[ShardCodes, torch.Tensor]]]:
+        """AdamW on the local shards. 8-bit moments whose rows a placement cuts are stepped
+        here in float32 (the arithmetic of the quantized step) and returned, (their step
+        counters, (codes, new values) per moment), to be stored under the shared scales of
+        their cut blocks (:func:`~.dtensor_state.store_shards_`)."""
         if not params:
-            return
+            return [], []
         states = [self._init_state(p, group) for p in params]
-        # local shards of the moments (and of int8 codes and scales); the same step counters:
-        # AdamW increments them in place
-        local_states = [{k: local_tensor(v) for k, v in s.items()} for s in states]
-        adamw_group_step(
-            group,
-            [local_tensor(p) for p in params],
-            [local_tensor(grads[id(p)]) for p in params],
-            local_states,
-            capturable=False,
-            step_ok=None,
-            max_chunk_bytes=self.memory.update_chunk_bytes,
-        )
-        if self.step_metrics is not None:
-            self.step_metrics.record_adamw(self._group_label(group), group, local_states)
+        cut = [not all(b.whole for b in self._state_blocks(p, group).values()) for p in params]
+        rows = [(p, s) for p, s, c in zip(params, states, cut) if not c]
+        if rows:
+            # local shards of the moments (and of 8-bit codes and scales); the same step
+            # counters: AdamW increments them in place
+            local_states = [{k: local_tensor(v) for k, v in s.items()} for _, s in rows]
+            adamw_group_step(
+                group,
+                [local_tensor(p) for p, _ in rows],
+                [local_tensor(grads[id(p)]) for p, _ in rows],
+                local_states,
+                capturable=False,
+                step_ok=None,
+                max_chunk_bytes=self.memory.update_chunk_bytes,
+            )
+            if self.step_metrics is not None:
+                self.step_metrics.record_adamw(self._group_label(group), group, local_states)
+        held, items = [], []
+        beta1, beta2 = group["betas"]
+        for p, s, c in zip(params, states, cut):
+            if not c:
+                continue
+            codes = self._shard_codes(p, group)
+            moments = [codes[k].values() for k, _, _ in ADAMW_MOMENTS]
+            param = local_tensor(p)
+            work = param if param.dtype == torch.float32 else param.float()  # rounded once
+            functional.adamw(
+                [work],
+                [local_tensor(grads[id(p)]).float()],
+                moments[:1],
+                moments[1:],
+                [s["step"]],
+                lr=float(group["lr"]),
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                max_chunk_bytes=UNCHUNKED,
+            )
+            if work is not param:
+                param.copy_(work)
+            held.append(s)
+            items.extend((codes[k], m) for (k, _, _), m in zip(ADAMW_MOMENTS, moments))
+        return held, items
 
     def _muon(
         self, entries: list[tuple[torch.Tensor, Mapping[str, Any]]], grads: Mapping[int, Any]
@@ -381,15 +478,19 @@ class DTensorMuon(Muon):
         groups = list({id(g): g for _, g in entries}.values())
         local_grads = {id(p): local_tensor(grads[id(p)]) for p, _ in entries}
         momenta: dict[int, torch.Tensor] = {}
-        quantized: dict[int, QuantizedMomentum] = {}
+        quantized: dict[int, ShardCodes | QuantizedMomentum] = {}
         for group in groups:
             params = [p for p, g in entries if g is group]
             states = [self._init_state(p, group) for p in params]
-            if group.get("state_precision", "param") != "int8":
+            if group.get("state_precision", "param") == "param":
                 bufs = [local_tensor(b) for b in self._stacked_momentum(group, params, states)]
             else:  # read as float32 values, written back once the directions are out
                 for p, s in zip(params, states):
-                    quantized[id(p)] = local_quantized_momentum(s, self._matrix_view(p, group))
+                    quantized[id(p)] = (
+                        self._shard_codes(p, group)[MOMENTUM_KEY]
+                        if is_dtensor(p)
+                        else quantized_momentum(s, self._matrix_view(p, group))
+                    )
                 bufs = [quantized[id(p)].values() for p in params]
             functional.update_momentum_(
                 [local_grads[id(p)] for p in params], bufs, momentum=group["momentum"]
@@ -445,15 +546,22 @@ class DTensorMuon(Muon):
                 weight_decay=group["weight_decay"],
             )
 
-    @staticmethod
     def _store_quantized(
-        entries, momenta: dict[int, torch.Tensor], quantized: Mapping[int, QuantizedMomentum]
+        self, entries, momenta: dict[int, torch.Tensor], quantized: Mapping[int, Any]
     ) -> None:
-        """Quantize the new momentum of the int8 ``entries`` (their directions written), as
-        one process quantizes it, and drop its float32 values (before the exchange)."""
+        """Quantize the new momentum of the quantized ``entries`` (their directions written),
+        as one process quantizes it (cut blocks under their shared scales: one all-reduce),
+        and drop its float32 values (before the exchange)."""
+        shards = []
         for p, _ in entries:
-            if id(p) in quantized:
-                quantized[id(p)].store_(momenta.pop(id(p)))
+            if id(p) not in quantized:
+                continue
+            held, values = quantized[id(p)], momenta.pop(id(p))
+            if isinstance(held, ShardCodes):
+                shards.append((held, values))
+            else:  # a plain parameter, the same on every rank
+                held.store_(values)
+        store_shards_(self.comm, shards)
 
     @staticmethod
     def _write_directions(entries, grads, momenta, out: Mapping[int, torch.Tensor]) -> None:

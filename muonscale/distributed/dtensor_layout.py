@@ -67,11 +67,14 @@ def local_indices(t: DTensor, dim: int = 0) -> torch.Tensor:
     return held_indices(t.shape[dim], dim, t.device_mesh, t.placements)
 
 
-def held_indices(size: int, dim: int, mesh: Any, placements: Sequence[Any]) -> torch.Tensor:
-    """Global indices along ``dim`` (of ``size`` elements) that this rank holds of a tensor
-    with ``placements`` on ``mesh`` (checked placements: Shard, _StridedShard, Replicate)."""
+def held_indices(
+    size: int, dim: int, mesh: Any, placements: Sequence[Any], coord: Sequence[int] | None = None
+) -> torch.Tensor:
+    """Global indices along ``dim`` (of ``size`` elements) that this rank (or the rank at mesh
+    coordinate ``coord``) holds of a tensor with ``placements`` on ``mesh`` (checked
+    placements: Shard, _StridedShard, Replicate)."""
     idx = torch.arange(size)
-    coord = mesh.get_coordinate()
+    coord = mesh.get_coordinate() if coord is None else coord
     for mesh_dim, placement in enumerate(placements):
         if isinstance(placement, Replicate) or placement.dim != dim:
             continue

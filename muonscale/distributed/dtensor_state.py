@@ -1,134 +1,573 @@
-"""Quantized state (``state_precision="int8"``) of DTensor parameters, shard by shard.
+"""Quantized state (``state_precision="int8"`` or ``"int4"``) of DTensor parameters, shard by
+shard, with the block scales of cut blocks shared across ranks.
 
 Blocks are segments of one row of a state tensor's block matrix
-(:func:`~muonscale.block_quantization.block_matrix_shape`). Where every rank holds whole rows
-of that matrix (the parameter sharded on dim 0 only: ``Shard(0)``, FSDP2's ``_StridedShard(0)``;
-or replicated), a rank's codes and scales are exactly its rows of the ones one process holds,
-quantized on the local shard by the same code, with no communication. The codes are DTensors
-with the parameter's placements, the float32 scales ``(rows, blocks)`` DTensors with the same
-placements on their rows. A placement that cuts the rows (a shard of another dim) is refused
-with the parameter's name: a 256-entry block would span ranks.
+(:func:`~muonscale.block_quantization.block_matrix_shape`). :class:`ShardBlocks` says where a
+rank's shard lies in that (rows, cols) matrix: a set of rows, and in each of them one
+contiguous range of columns.
+
+* **Whole rows** (the parameter sharded on dim 0 only: ``Shard(0)``, FSDP2's
+  ``_StridedShard(0)``; or replicated): a rank's codes and scales are exactly its rows of the
+  ones one process holds, quantized on the local shard, with no communication. The scales
+  ``(rows, blocks)`` are DTensors with the parameter's placements on their rows.
+* **Cut rows** (TP's rowwise ``Shard(1)``, FSDP2's ``Shard(1)`` of an expert stack, any shard
+  of a 1-D tensor, dim-0 chunks that are not the scales' chunks): the scales are
+  **replicated** on each mesh dim whose placement cuts the rows (the parameter's dim-0
+  placements kept where its rows are the scales' rows). A rank writes the scales of the
+  blocks its columns touch; a block that a shard boundary cuts takes the maximum of its
+  pieces' absmax over the ranks (:func:`store_shards_`: one all-reduce (max) of the cut
+  blocks' maxima, tag ``"block_scales"``), which is its absmax in one process, and each rank
+  quantizes its piece under it. A scale replica is exact for the blocks its rank touches;
+  :func:`synced_scales` (``DTensorMuon.state_dict``) makes every replica whole (an
+  all-reduce (max) per replicated mesh dim, tag ``"checkpoint"``) before a checkpoint reads
+  it, so ``torch.distributed.checkpoint`` loads it at any layout.
+
+The codes are DTensors with the parameter's placements (int8 momentum, AdamW's 8-bit
+moments), or, for ``"int4"``'s packed rows ``(rows, ⌈cols / 2⌉)``, with its row placements
+on dim 0 and its column ones on dim 1; a layout whose column chunks are not whole bytes of
+the packed chunks, or whose columns of a row are not contiguous, is refused by name.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..block_quantization import scale_shape
-from ..momentum_formats import INT8_MOMENTUM, momentum_format_of
+from ..block_quantization import (
+    BLOCK_SIZE,
+    block_absmax,
+    dequantize_dynamic,
+    dynamic_values,
+    quantize_dynamic_,
+)
+from ..momentum_formats import MOMENTUM_FORMATS, MomentumFormat, momentum_format_of
 from ..quantized_state import (
     ADAMW_MOMENTS,
     MOMENTUM_KEY,
-    QuantizedMomentum,
     adamw_block_shape,
     adamw_state_is_quantized,
-    dequantize_adamw_state_,
     momentum_block_shape,
-    quantize_adamw_state_,
-    zero_adamw_moments,
 )
 from .dtensor_layout import held_indices, local_tensor
 
 __all__ = [
-    "check_whole_rows",
+    "ADAMW_FORMATS",
+    "ShardBlocks",
+    "ShardCodes",
     "convert_dtensor_state_",
-    "local_quantized_momentum",
-    "state_block_shape",
+    "packed_code_placements",
+    "quantize_cut_piece",
+    "shard_blocks",
+    "shard_state_codes",
+    "state_blocks",
+    "state_keys",
+    "store_shards_",
+    "stored_format",
+    "synced_scales",
     "zero_quantized_state",
 ]
 
 
-def state_block_shape(p: torch.Tensor, group: Mapping[str, Any], view: Any) -> tuple[int, int]:
-    """(rows, cols) of the block matrix of ``p``'s quantized state (global): the Muon
-    momentum's by its matrix ``view``, AdamW's moments' by ``p``'s shape."""
-    return momentum_block_shape(view) if group["algorithm"] == "muon" else adamw_block_shape(p)
-
-
-def check_whole_rows(name: str, p: DTensor, block_shape: tuple[int, int]) -> None:
-    """``ValueError`` naming parameter ``name`` and the placement unless every rank holds whole
-    rows of the ``(rows, cols)`` block matrix of ``p``'s state, in the chunks that the same
-    placements make of its scales' rows (dim 0 of ``p`` spans whole rows of the block matrix
-    when ``p`` has 2 or more dims; a 1-D tensor is one row)."""
-    rows, _ = block_shape
-    mesh, placements = p.device_mesh, p.placements
-    for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, Replicate) or mesh.size(mesh_dim) == 1:
-            continue
-        if p.ndim < 2 or placement.dim != 0:
-            raise ValueError(
-                f"DTensorMuon: parameter '{name}' has placement {placement!r} (mesh dim "
-                f"{mesh_dim}), which cuts the rows of its {rows}×{block_shape[1]} state into "
-                "pieces on several ranks, and with them the 256-entry blocks that "
-                "state_precision='int8' keeps one scale for; int8 state needs every rank to "
-                "hold whole rows (Shard(0) or Replicate). Put it in a param group with "
-                "state_precision='param'."
-            )
-    if p.ndim < 2 or p.shape[0] == 0:
-        return
-    per = rows // p.shape[0]  # rows of the block matrix per index of dim 0
-    held = held_indices(p.shape[0], 0, mesh, placements)
-    held_rows = (held[:, None] * per + torch.arange(per)).reshape(-1)
-    if not torch.equal(held_rows, held_indices(rows, 0, mesh, placements)):
-        raise ValueError(
-            f"DTensorMuon: parameter '{name}' of shape {tuple(p.shape)} with placements "
-            f"{p.placements} splits its dim 0 into chunks whose {per} rows each are not the "
-            f"chunks the same placements make of the {rows} rows of its int8 state's scales; "
-            "give dim 0 a size the mesh divides, or put it in a param group with "
-            "state_precision='param'."
-        )
-
-
-def _on_mesh(local: torch.Tensor, p: DTensor, shape: tuple[int, ...]) -> DTensor:
-    """``local`` (contiguous) as this rank's shard of a DTensor of ``shape`` with ``p``'s mesh
-    and placements."""
-    shape = tuple(int(s) for s in shape)
-    stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
-    return DTensor.from_local(
-        local, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape), stride=stride
+def _adamw_format(key: str, absmax_key: str, signed: bool) -> MomentumFormat:
+    """One of AdamW's 8-bit moments as a :class:`MomentumFormat` (its codes and absmax)."""
+    return MomentumFormat(
+        precision="int8",
+        scale_key=absmax_key,
+        what=f"AdamW's {key}: 8-bit dynamic codes per 256-entry block",
+        code_dtype=torch.uint8,
+        block_size=BLOCK_SIZE,
+        codes_per_byte=1,
+        zero_byte=dynamic_values(signed).index(0.0),
+        quantize_=functools.partial(quantize_dynamic_, signed=signed),
+        dequantize=lambda codes, absmax, cols: dequantize_dynamic(codes, absmax, signed=signed),
     )
 
 
-def _local_block_shape(local: torch.Tensor, block_shape: tuple[int, int]) -> tuple[int, int]:
-    """The rows of the block matrix a local shard of whole rows holds, and its columns."""
-    cols = block_shape[1]
-    return (local.numel() // cols if cols else 0), cols
+ADAMW_FORMATS = {key: _adamw_format(key, absmax, signed) for key, absmax, signed in ADAMW_MOMENTS}
+"""AdamW's two 8-bit moments, by codes key."""
 
 
-def _scales_on_mesh(local: torch.Tensor, p: DTensor, block_shape: tuple[int, int]) -> DTensor:
-    return _on_mesh(local, p, scale_shape(*block_shape))
+def _block_dims(ndim: int, mode: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The dims that index the rows and the columns of the block matrix of a tensor of
+    ``ndim`` dims (as :func:`~muonscale.block_quantization.block_matrix_shape` reads it)."""
+    if ndim == 0:
+        return (), ()
+    if ndim == 1:
+        return (), (0,)
+    if ndim == 2 or mode == "batch":
+        return tuple(range(ndim - 1)), (ndim - 1,)
+    return (0,), tuple(range(1, ndim))
 
 
-def zero_quantized_state(
-    p: DTensor, group: Mapping[str, Any], view: Any, name: str
-) -> dict[str, torch.Tensor]:
-    """The quantized state of the DTensor ``p`` that the plain creation would make whole:
-    the Muon momentum's scales (its codes are made like the parameter), or AdamW's step
-    counter and zero moments; ``ValueError`` naming ``name`` for a layout that cuts rows."""
-    block = state_block_shape(p, group, view)
-    check_whole_rows(name, p, block)
-    local = local_tensor(p)
-    if group["algorithm"] == "muon":
-        rows, cols = _local_block_shape(local, block)
-        scales = torch.zeros(scale_shape(rows, cols), dtype=torch.float32, device=local.device)
-        return {INT8_MOMENTUM.scale_key: _scales_on_mesh(scales, p, block)}
-    moments = zero_adamw_moments(local)
-    out: dict[str, torch.Tensor] = {"step": torch.zeros((), dtype=torch.float32)}
-    for key, absmax_key, _ in ADAMW_MOMENTS:
-        out[key] = _on_mesh(moments[key], p, p.shape)
-        out[absmax_key] = _scales_on_mesh(moments[absmax_key], p, block)
+def _flat(shape: Sequence[int], dims: Sequence[int], held: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Row-major flat indices over ``dims`` of ``shape`` of the held indices ``held[d]``."""
+    out = torch.zeros(1, dtype=torch.long)
+    for d in dims:
+        out = (out[:, None] * shape[d] + held[d][None, :]).reshape(-1)
     return out
 
 
-def local_quantized_momentum(state: Mapping[str, Any], view: Any) -> QuantizedMomentum:
-    """The int8 momentum of this rank's shard: its local codes and scales, whole rows."""
-    codes = local_tensor(state[MOMENTUM_KEY])
-    block = _local_block_shape(codes, momentum_block_shape(view))
-    return QuantizedMomentum(codes, local_tensor(state[INT8_MOMENTUM.scale_key]), block)
+def _coordinates(mesh: Any):
+    """Every mesh coordinate (every rank's)."""
+    return itertools.product(*(range(s) for s in mesh.mesh.shape))
+
+
+def _piece(shape, row_dims, col_dims, mesh, placements, coord) -> tuple[torch.Tensor, torch.Tensor]:
+    """(global rows, global columns) of the block matrix that the rank at mesh coordinate
+    ``coord`` holds, in its local order."""
+    held = {d: held_indices(shape[d], d, mesh, placements, coord) for d in (*row_dims, *col_dims)}
+    return _flat(shape, row_dims, held), _flat(shape, col_dims, held)
+
+
+@dataclass(frozen=True)
+class ShardBlocks:
+    """Where this rank's shard of one state tensor lies in its block matrix, and how its
+    scales are laid out."""
+
+    block_shape: tuple[int, int]
+    """(rows, cols) of the global block matrix."""
+    block_size: int
+    rows: torch.Tensor
+    """Global rows of the local shard's rows (its leading dims flattened), in order."""
+    col_start: int
+    cols: int
+    """The local shard's columns of each row: ``[col_start, col_start + cols)``."""
+    scale_placements: tuple
+    """Placements of the scales ``(rows, blocks)``: the parameter's on dim 0 where its rows
+    are the scales' chunks, else Replicate."""
+    scale_rows: Any
+    """The local scales' rows of the shard's rows (a slice, or an index tensor)."""
+    cut_blocks: tuple[int, ...]
+    """Global block columns that some rank's column boundary cuts (each row alike)."""
+    replicated_on: tuple[int, ...]
+    """Mesh dims on which the parameter is sharded and its scales replicated."""
+    row_dims: tuple[int, ...]
+    """The parameter's dims that index the block matrix's rows."""
+
+    @property
+    def whole(self) -> bool:
+        """Every rank holds whole rows laid out as its scales' rows: no communication."""
+        return not self.replicated_on
+
+    @property
+    def first_block(self) -> int:
+        return self.col_start // self.block_size
+
+    @property
+    def stop_block(self) -> int:
+        return -(-(self.col_start + self.cols) // self.block_size) if self.cols else 0
+
+    @property
+    def width(self) -> int:
+        """Columns of the blocks the shard touches (the last one short at a row's end)."""
+        if not self.cols:
+            return 0
+        stop = min(self.stop_block * self.block_size, self.block_shape[1])
+        return stop - self.first_block * self.block_size
+
+    @property
+    def offset(self) -> int:
+        """The shard's first column within :attr:`width`."""
+        return self.col_start - self.first_block * self.block_size
+
+    @property
+    def padded(self) -> bool:
+        """Whether the shard's columns cut a block (a piece of it lies on another rank)."""
+        return self.cols > 0 and (self.offset > 0 or self.offset + self.cols < self.width)
+
+    @property
+    def local_cut(self) -> tuple[int, ...]:
+        """This rank's cut blocks, as indices among the blocks it touches."""
+        out = []
+        if self.cols and self.offset > 0:
+            out.append(0)
+        last = self.stop_block - self.first_block - 1
+        if self.cols and self.offset + self.cols < self.width and last not in out:
+            out.append(last)
+        return tuple(out)
+
+    @property
+    def slot_count(self) -> int:
+        """Cut blocks of the whole block matrix (slots of :func:`store_shards_`'s vector)."""
+        return self.block_shape[0] * len(self.cut_blocks)
+
+
+def shard_blocks(
+    name: str, p: DTensor, block_shape: tuple[int, int], mode: str, block_size: int
+) -> ShardBlocks:
+    """The :class:`ShardBlocks` of a state tensor of the DTensor ``p`` blocked as
+    ``block_shape`` (``mode``: how its dims make the block matrix, ``"batch"`` or
+    ``"flatten"``); ``ValueError`` naming ``name`` where a rank's columns of a row are not
+    contiguous (a shard of a trailing dim of a flattened row)."""
+    shape, mesh, placements = tuple(p.shape), p.device_mesh, tuple(p.placements)
+    rows_count, cols_count = block_shape
+    row_dims, col_dims = _block_dims(len(shape), mode)
+    starts = []
+    for coord in _coordinates(mesh):
+        _, cols = _piece(shape, (), col_dims, mesh, placements, coord)
+        first = int(cols[0]) if cols.numel() else 0
+        if cols.numel() and not torch.equal(cols, torch.arange(first, first + cols.numel())):
+            raise ValueError(
+                f"DTensorMuon: parameter '{name}' of shape {shape} with placements {placements} "
+                f"gives a rank columns of its {rows_count}×{cols_count} quantized state's rows "
+                "that are not one contiguous range (a shard of a trailing dim of a flattened "
+                "row), so its blocks cannot share their scales; shard another dim, or put it "
+                "in a param group with state_precision='param'."
+            )
+        if cols.numel():
+            starts.append(int(cols[0]))
+    rows, cols = _piece(shape, row_dims, col_dims, mesh, placements, mesh.get_coordinate())
+    cut = sorted({s // block_size for s in starts if s % block_size and s < cols_count})
+    kept = tuple(
+        pl
+        if 0 in row_dims and len(shape) >= 2 and not isinstance(pl, Replicate) and pl.dim == 0
+        else Replicate()
+        for pl in placements
+    )
+    for coord in _coordinates(mesh):  # every rank's rows are its scales' rows, or none's
+        held_rows, _ = _piece(shape, row_dims, (), mesh, placements, coord)
+        if not torch.equal(held_indices(rows_count, 0, mesh, kept, coord), held_rows):
+            kept = tuple(Replicate() for _ in placements)
+            break
+    scale_held = held_indices(rows_count, 0, mesh, kept)
+    if torch.equal(scale_held, rows):
+        scale_rows: Any = slice(None)
+    elif rows.numel() and torch.equal(
+        rows, torch.arange(int(rows[0]), int(rows[0]) + rows.numel())
+    ):
+        scale_rows = slice(int(rows[0]), int(rows[0]) + rows.numel())
+    else:
+        scale_rows = rows
+    replicated_on = tuple(
+        d
+        for d, (pl, sp) in enumerate(zip(placements, kept))
+        if not isinstance(pl, Replicate) and isinstance(sp, Replicate) and mesh.size(d) > 1
+    )
+    return ShardBlocks(
+        block_shape=(int(rows_count), int(cols_count)),
+        block_size=block_size,
+        rows=rows,
+        col_start=int(cols[0]) if cols.numel() else 0,
+        cols=int(cols.numel()),
+        scale_placements=kept,
+        scale_rows=scale_rows,
+        cut_blocks=tuple(cut),
+        replicated_on=replicated_on,
+        row_dims=row_dims,
+    )
+
+
+def packed_code_placements(name: str, p: DTensor, blocks: ShardBlocks) -> tuple:
+    """Placements of ``"int4"``'s packed codes ``(rows, ⌈cols / 2⌉)`` of ``p``: its row
+    placements on dim 0, its column ones on dim 1; ``ValueError`` naming ``name`` where a
+    rank's columns are not whole bytes of the chunk those placements give it."""
+    shape, mesh = tuple(p.shape), p.device_mesh
+    out = []
+    for pl in p.placements:
+        if isinstance(pl, Replicate) or (pl.dim == 0 and 0 in blocks.row_dims):
+            out.append(pl)
+        else:  # checked below: the chunks these make are the shard's rows and columns
+            out.append(Shard(0) if pl.dim in blocks.row_dims else Shard(1))
+    rows, cols = blocks.block_shape
+    col_dims = tuple(d for d in range(len(shape)) if d not in blocks.row_dims)
+    fits = True
+    for coord in _coordinates(mesh):  # every rank's piece: each rank decides alike
+        held_rows, held_cols = _piece(shape, blocks.row_dims, col_dims, mesh, p.placements, coord)
+        start = int(held_cols[0]) if held_cols.numel() else 0
+        want = torch.arange(start // 2, -(-(start + held_cols.numel()) // 2))
+        fits = fits and not start % 2
+        fits = fits and torch.equal(held_indices(-(-cols // 2), 1, mesh, out, coord), want)
+        fits = fits and torch.equal(held_indices(rows, 0, mesh, out, coord), held_rows)
+    if not fits:
+        raise ValueError(
+            f"DTensorMuon: parameter '{name}' of shape {shape} with placements "
+            f"{tuple(p.placements)}: state_precision='int4' packs two columns of each of its "
+            f"{rows} rows per byte, and this rank's rows and columns are not one chunk of "
+            f"rows and of whole bytes of the {rows}×{-(-cols // 2)} packed codes (a column "
+            "chunk of odd size, or rows that are not contiguous). Use state_precision='int8' "
+            "for it, or 'param'."
+        )
+    return tuple(out)
+
+
+def _on_mesh(local: torch.Tensor, p: DTensor, shape: Sequence[int], placements=None) -> DTensor:
+    """``local`` (contiguous) as this rank's shard of a DTensor of ``shape`` on ``p``'s mesh
+    (``placements``: ``p``'s unless given)."""
+    shape = tuple(int(s) for s in shape)
+    stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
+    return DTensor.from_local(
+        local,
+        p.device_mesh,
+        p.placements if placements is None else placements,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=stride,
+    )
+
+
+def _scales_on_mesh(local: torch.Tensor, p: DTensor, blocks: ShardBlocks) -> DTensor:
+    rows, cols = blocks.block_shape
+    shape = (rows, -(-cols // blocks.block_size))
+    return _on_mesh(local, p, shape, blocks.scale_placements)
+
+
+def _local_scale_rows(blocks: ShardBlocks) -> int:
+    """Rows of the local scales."""
+    if isinstance(blocks.scale_rows, slice) and blocks.scale_rows == slice(None):
+        return int(blocks.rows.numel())
+    return blocks.block_shape[0]
+
+
+@dataclass
+class ShardCodes:
+    """One quantized state tensor of this rank's shard: its local ``codes`` and ``scales``,
+    where they lie (:class:`ShardBlocks`) and their format; ``shape``: the shard's shape."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    blocks: ShardBlocks
+    format: MomentumFormat
+    shape: tuple[int, ...]
+
+    def _codes_matrix(self) -> torch.Tensor:
+        b = self.blocks
+        return self.codes.view(b.rows.numel(), -(-b.cols // self.format.codes_per_byte))
+
+    def _code_columns(self) -> slice:
+        """The shard's code columns within the padded codes of :attr:`ShardBlocks.width`."""
+        per = self.format.codes_per_byte
+        start = self.blocks.offset // per
+        return slice(start, start + -(-self.blocks.cols // per))
+
+    def _block_columns(self) -> slice:
+        return slice(self.blocks.first_block, self.blocks.stop_block)
+
+    def _touched_scales(self) -> torch.Tensor:
+        """The scales of the blocks the shard touches (a view where its rows are a slice)."""
+        return self.scales[self.blocks.scale_rows, self._block_columns()]
+
+    def values(self) -> torch.Tensor:
+        """The state in float32, the shard's shape (a new tensor)."""
+        b, fmt = self.blocks, self.format
+        codes = self._codes_matrix()
+        if not b.cols or not b.rows.numel():
+            return torch.zeros(self.shape, dtype=torch.float32, device=self.codes.device)
+        if b.padded:
+            rows = codes.shape[0]
+            wide = (rows, -(-b.width // fmt.codes_per_byte))
+            padded = torch.full(wide, fmt.zero_byte, dtype=codes.dtype, device=codes.device)
+            padded[:, self._code_columns()] = codes
+            codes = padded
+        out = fmt.dequantize(codes, self._touched_scales(), b.width)
+        if b.padded:
+            out = out[:, b.offset : b.offset + b.cols]
+        return out.reshape(self.shape)
+
+    def piece_maxima(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots, max |x|) of the pieces of cut blocks in ``values`` (the new state, the
+        shard's shape), slots of :attr:`ShardBlocks.slot_count` (row · cut blocks + which)."""
+        b = self.blocks
+        x = values.reshape(b.rows.numel(), b.cols)
+        slots, maxima = [], []
+        for j in b.local_cut:
+            start = max(0, j * b.block_size - b.offset)
+            stop = min(b.cols, (j + 1) * b.block_size - b.offset)
+            which = b.cut_blocks.index(b.first_block + j)
+            slots.append(b.rows * len(b.cut_blocks) + which)
+            maxima.append(block_absmax(x[:, start:stop], b.block_size)[:, 0])
+        if not slots:
+            empty = torch.zeros(0, dtype=torch.long)
+            return empty, torch.zeros(0, dtype=torch.float32, device=values.device)
+        return torch.stack(slots, 1).reshape(-1), torch.stack(maxima, 1).reshape(-1)
+
+    @torch.no_grad()
+    def store_(self, values: torch.Tensor, shared: torch.Tensor | None = None) -> None:
+        """Quantize ``values`` (the shard's shape) into the codes and the scales of the blocks
+        they touch; ``shared``: the absmax of this rank's cut blocks (rows, len(local_cut)),
+        as :meth:`piece_maxima` orders them."""
+        b, fmt = self.blocks, self.format
+        if not b.cols or not b.rows.numel():
+            return
+        x = values.reshape(b.rows.numel(), b.cols)
+        if not b.padded and isinstance(b.scale_rows, slice):  # whole blocks: in place
+            fmt.quantize_(x, self._codes_matrix(), self._touched_scales())
+            return
+        codes, scales = quantize_cut_piece(
+            x,
+            b.offset,
+            b.width,
+            shared,
+            fmt.quantize_,
+            fmt.code_dtype,
+            b.block_size,
+            fmt.codes_per_byte,
+        )
+        self._codes_matrix().copy_(codes[:, self._code_columns()])
+        self.scales[b.scale_rows, self._block_columns()] = scales
+
+
+def quantize_cut_piece(
+    values: torch.Tensor,
+    offset: int,
+    width: int,
+    shared: torch.Tensor | None,
+    quantize_: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+    code_dtype: torch.dtype,
+    block_size: int,
+    codes_per_byte: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes ``(rows, ⌈width / codes_per_byte⌉)`` and scales ``(rows, blocks)`` of the
+    blocks that ``values`` (rows, n) touches, as columns ``[offset, offset + n)`` of ``width``
+    columns starting at a block boundary, the other columns lying on other ranks: those are
+    quantized as zeros, except one absent column of each cut block, which holds the block's
+    ``shared`` absmax (rows, cut blocks: the first block's when ``offset`` > 0, then the
+    last's when ``offset + n < width``; each ≥ its piece's max |x|), so that each block's
+    scale is its shared one and each code the one of x / (its block's absmax). ``quantize_``
+    writes codes and scales of a (rows, width) matrix; the caller keeps its columns."""
+    rows, n = values.shape
+    wide = values
+    if offset or n < width:
+        wide = torch.zeros((rows, width), dtype=torch.float32, device=values.device)
+        wide[:, offset : offset + n] = values
+        first_cut = offset > 0
+        if first_cut:
+            wide[:, 0] = shared[:, 0]
+        if offset + n < width:  # the last block (the first one too when only one is touched)
+            wide[:, width - 1] = shared[:, -1]
+    codes = torch.empty((rows, -(-width // codes_per_byte)), dtype=code_dtype, device=values.device)
+    scales = torch.empty((rows, -(-width // block_size)), dtype=torch.float32, device=values.device)
+    quantize_(wide, codes, scales)
+    return codes, scales
+
+
+def store_shards_(comm: Any, items: Sequence[tuple[ShardCodes, torch.Tensor]]) -> None:
+    """Quantize each ``(codes, new values)`` of ``items`` (the same tensors on every rank of
+    ``comm``, in the same order): the blocks of cut rows under their shared absmax, from one
+    all-reduce (max) over ``comm`` of a vector of float32 holding every cut block of these
+    tensors (tag ``"block_scales"``; none when nothing is cut)."""
+    cut = [(c, v) for c, v in items if c.blocks.slot_count]
+    for c, v in items:
+        if not c.blocks.slot_count:
+            c.store_(v)
+    if not cut:
+        return
+    device = comm.device
+    maxima = torch.zeros(sum(c.blocks.slot_count for c, _ in cut), dtype=torch.float32)
+    maxima = maxima.to(device)
+    base, where = 0, []
+    for c, v in cut:
+        slots, local = c.piece_maxima(v)
+        where.append(slots + base)
+        if slots.numel():
+            maxima.index_copy_(0, (slots + base).to(device), local.to(device))
+        base += c.blocks.slot_count
+    comm.all_reduce(maxima, op=dist.ReduceOp.MAX, tag="block_scales")
+    for (c, v), slots in zip(cut, where):
+        shared = maxima[slots.to(device)].to(v.device).view(c.blocks.rows.numel(), -1)
+        c.store_(v, shared)
+
+
+def synced_scales(scales: DTensor, blocks: ShardBlocks, groups: Sequence[Any]) -> DTensor:
+    """The scales a checkpoint holds: on every rank, each block's scale from a rank whose
+    columns touch it (the blocks this rank touches kept, the others zero, then an all-reduce
+    (max) over each of ``groups``, the :class:`~.comm.Communicator` s of the mesh dims
+    :attr:`ShardBlocks.replicated_on`; tag ``"checkpoint"``). A new DTensor."""
+    local = local_tensor(scales)
+    synced = torch.zeros_like(local)
+    cols = slice(blocks.first_block, blocks.stop_block)
+    if blocks.cols and blocks.rows.numel():
+        synced[blocks.scale_rows, cols] = local[blocks.scale_rows, cols]
+    for comm in groups:
+        comm.all_reduce(synced, op=dist.ReduceOp.MAX, tag="checkpoint")
+    return DTensor.from_local(
+        synced,
+        scales.device_mesh,
+        scales.placements,
+        run_check=False,
+        shape=scales.shape,
+        stride=scales.stride(),
+    )
+
+
+def state_blocks(
+    name: str, p: DTensor, group: Mapping[str, Any], view: Any, key: str
+) -> ShardBlocks:
+    """The :class:`ShardBlocks` of ``p``'s quantized state tensor ``key`` (the Muon momentum
+    by its matrix ``view`` and format, AdamW's moments by ``p``'s shape)."""
+    if group["algorithm"] == "muon":
+        fmt = MOMENTUM_FORMATS[group["state_precision"]]
+        mode = "batch" if view.experts is not None else view.mode
+        return shard_blocks(name, p, momentum_block_shape(view), mode, fmt.block_size)
+    return shard_blocks(name, p, adamw_block_shape(p), "flatten", BLOCK_SIZE)
+
+
+def stored_format(group: Mapping[str, Any], key: str) -> MomentumFormat:
+    """The format of a group's quantized state tensor ``key`` (its codes key)."""
+    if group["algorithm"] == "muon":
+        return MOMENTUM_FORMATS[group["state_precision"]]
+    return ADAMW_FORMATS[key]
+
+
+def zero_quantized_state(
+    p: DTensor, group: Mapping[str, Any], blocks: Mapping[str, ShardBlocks], name: str
+) -> dict[str, torch.Tensor]:
+    """The quantized state of the DTensor ``p`` that the plain creation would make whole:
+    the Muon momentum's codes and scales, or AdamW's step counter and zero moments.
+    ``blocks``: each state tensor's :class:`ShardBlocks`, by codes key."""
+    out: dict[str, torch.Tensor] = {}
+    if group["algorithm"] != "muon":
+        out["step"] = torch.zeros((), dtype=torch.float32)
+    for key, b in blocks.items():
+        out.update(_zero_codes(p, group, key, b, name))
+    return out
+
+
+def _zero_codes(
+    p: DTensor, group: Mapping[str, Any], key: str, b: ShardBlocks, name: str
+) -> dict[str, DTensor]:
+    """State tensor ``key`` of ``p`` zero: its codes (each the code of 0) laid out as ``p``,
+    or ``"int4"``'s packed rows (:func:`packed_code_placements`), and its zero scales."""
+    fmt, device = stored_format(group, key), local_tensor(p).device
+    rows, cols = b.block_shape
+    scales = torch.zeros(
+        (_local_scale_rows(b), -(-cols // b.block_size)), dtype=torch.float32, device=device
+    )
+    if fmt.codes_per_byte > 1:
+        local_shape, shape = (b.rows.numel(), -(-b.cols // 2)), (rows, -(-cols // 2))
+        placements = packed_code_placements(name, p, b)
+    else:
+        local_shape, shape, placements = local_tensor(p).shape, p.shape, None
+    codes = torch.full(local_shape, fmt.zero_byte, dtype=fmt.code_dtype, device=device)
+    return {
+        key: _on_mesh(codes, p, shape, placements),
+        fmt.scale_key: _scales_on_mesh(scales, p, b),
+    }
+
+
+def shard_state_codes(
+    state: Mapping[str, Any], group: Mapping[str, Any], blocks: Mapping[str, ShardBlocks], shape
+) -> dict[str, ShardCodes]:
+    """This rank's quantized state tensors of one parameter (``shape``: its local shard's),
+    by codes key."""
+    out = {}
+    for key, b in blocks.items():
+        fmt = stored_format(group, key)
+        codes, scales = local_tensor(state[key]), local_tensor(state[fmt.scale_key])
+        out[key] = ShardCodes(codes, scales, b, fmt, tuple(shape))
+    return out
+
+
+def state_keys(group: Mapping[str, Any]) -> tuple[str, ...]:
+    """The codes keys of a group's quantized state tensors."""
+    return (MOMENTUM_KEY,) if group["algorithm"] == "muon" else tuple(ADAMW_FORMATS)
 
 
 def convert_dtensor_state_(
@@ -137,50 +576,69 @@ def convert_dtensor_state_(
     group: Mapping[str, Any],
     view: Any,
     precision: str,
+    name: str = "",
 ) -> None:
-    """The DTensor state ``entry`` of ``p`` in ``precision``, in place, each rank converting
-    its shard (float → int8 quantized, int8 → float dequantized into ``p``'s dtype): a shard
-    of whole rows converts as those rows of the whole tensor do. ``view``: ``p``'s matrix
-    view (Muon)."""
+    """The DTensor state ``entry`` of ``p`` in ``precision``, in place (float → quantized,
+    quantized → float dequantized into ``p``'s dtype, int8 ↔ int4 through float32): quantized
+    → float on each shard; float → quantized on the whole tensor (``full_tensor()``, a
+    collective of ``p``'s mesh) and each rank keeps its codes and scales, exactly the ones one
+    process makes. ``view``: ``p``'s matrix view (Muon)."""
     local_p = local_tensor(p)
-    block = state_block_shape(p, group, view)
-    if group["algorithm"] == "muon":
-        momentum = entry.get(MOMENTUM_KEY)
-        stored = momentum_format_of(entry)
-        if stored not in (None, INT8_MOMENTUM) or precision not in ("param", "int8"):
-            raise ValueError(
-                f"DTensorMuon converts floating and int8 state only; this state is "
-                f"{stored.precision if stored else 'param'!r}, asked for {precision!r}: load it "
-                "into muonscale.Muon and save it with state_dict_in_precision('int8') first"
-            )
-        quantized = stored is INT8_MOMENTUM
-        if momentum is None or quantized == (precision == "int8"):
+    muon = group["algorithm"] == "muon"
+    if muon:
+        if entry.get(MOMENTUM_KEY) is None:
             return
-        if precision == "int8":
-            values = local_tensor(momentum)
-            local_block = _local_block_shape(values, block)
-            codes = torch.empty(values.shape, dtype=torch.int8, device=values.device)
-            scales = torch.empty(
-                scale_shape(*local_block), dtype=torch.float32, device=values.device
-            )
-            QuantizedMomentum(codes, scales, local_block).store_(values.float())
-            entry[MOMENTUM_KEY] = _on_mesh(codes, p, p.shape)
-            entry[INT8_MOMENTUM.scale_key] = _scales_on_mesh(scales, p, block)
-        else:
-            values = local_quantized_momentum(entry, view).values().to(p.dtype)
-            entry[MOMENTUM_KEY] = _on_mesh(values, p, p.shape)
-            del entry[INT8_MOMENTUM.scale_key]
+        stored = momentum_format_of(entry)
+        if (stored.precision if stored else "param") == precision:
+            return
+        floating = entry[MOMENTUM_KEY]
+        if stored is not None:  # dequantized on the shard
+            group_now = {**group, "state_precision": stored.precision}
+            blocks = {MOMENTUM_KEY: state_blocks(name, p, group_now, view, MOMENTUM_KEY)}
+            codes = shard_state_codes(entry, group_now, blocks, local_p.shape)[MOMENTUM_KEY]
+            floating = _on_mesh(codes.values().to(p.dtype), p, p.shape)
+            del entry[stored.scale_key]
+        entry[MOMENTUM_KEY] = floating
+        if precision == "param":
+            return
+        _quantize_state_(entry, p, {**group, "state_precision": precision}, view, name, floating)
         return
-    if adamw_state_is_quantized(entry) == (precision == "int8"):
+    if adamw_state_is_quantized(entry) == (precision != "param"):
         return
-    local = {key: local_tensor(value) for key, value in entry.items()}
-    if precision == "int8":
-        quantize_adamw_state_(local, local_p)
-    else:
-        dequantize_adamw_state_(local, local_p)
-    for key, absmax_key, _ in ADAMW_MOMENTS:
-        entry[key] = _on_mesh(local[key], p, p.shape)
-        if absmax_key in local:
-            entry[absmax_key] = _scales_on_mesh(local[absmax_key], p, block)
-        else:
-            entry.pop(absmax_key, None)
+    if precision == "param":
+        blocks = {key: state_blocks(name, p, group, None, key) for key in ADAMW_FORMATS}
+        codes = shard_state_codes(entry, group, blocks, local_p.shape)
+        for key, c in codes.items():
+            entry[key] = _on_mesh(c.values().to(p.dtype), p, p.shape)
+            del entry[c.format.scale_key]
+        return
+    for key in ADAMW_FORMATS:
+        _quantize_state_(entry, p, group, None, name, entry[key], key)
+
+
+def _quantize_state_(
+    entry: MutableMapping[str, Any],
+    p: DTensor,
+    group: Mapping[str, Any],
+    view: Any,
+    name: str,
+    floating: DTensor,
+    key: str = MOMENTUM_KEY,
+) -> None:
+    """``entry[key]`` and its scales: the codes and scales of the ``floating`` state (laid out
+    as ``p``), each rank's part of one process's: quantized on the shard where it holds whole
+    rows, else quantized whole (``floating.full_tensor()``, collective) and its part kept."""
+    b = state_blocks(name, p, group, view, key)
+    entry.update(_zero_codes(p, group, key, b, name))
+    held = shard_state_codes(entry, group, {key: b}, local_tensor(p).shape)[key]
+    if b.whole:
+        held.store_(local_tensor(floating).float())
+        return
+    fmt, (rows, cols), per = held.format, b.block_shape, held.format.codes_per_byte
+    whole = floating.full_tensor().float().reshape(rows, cols)
+    codes = torch.empty((rows, -(-cols // per)), dtype=fmt.code_dtype, device=whole.device)
+    scales = torch.empty((rows, -(-cols // b.block_size)), dtype=torch.float32, device=whole.device)
+    fmt.quantize_(whole, codes, scales)
+    first = b.col_start // per
+    held.codes.copy_(codes[b.rows][:, first : first + -(-b.cols // per)].reshape(held.codes.shape))
+    held.scales.copy_(scales[b.rows] if held.scales.shape[0] != rows else scales)

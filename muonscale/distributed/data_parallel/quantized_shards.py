@@ -15,6 +15,7 @@ x / absmax of its block, so codes and absmax are one process's, bitwise. The der
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from ...block_quantization import (
 )
 from ...group_step import adamw_group_step
 from ...quantized_state import ADAMW_MOMENTS
+from ..dtensor_state import quantize_cut_piece
 
 CODE_BUFFERS = {"exp_avg": "exp_avg_codes", "exp_avg_sq": "exp_avg_sq_codes"}
 """A shard store's buffer of each moment's 8-bit codes (beside its floating ``exp_avg``)."""
@@ -276,12 +278,12 @@ def _quantize_with_absmax(
     values: torch.Tensor, shared: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, signed
 ) -> None:
     """Codes of ``values`` (1, n), a piece of one block, under the block's ``shared`` absmax
-    (≥ max |values|): quantized as one block of n + 1 entries whose last is ``shared`` itself,
-    so that the block's absmax is ``shared`` (n < 256: a cut piece is part of a block)."""
+    (≥ max |values|): :func:`quantize_cut_piece` of a block of n + 1 columns whose last (on
+    another rank) holds the shared absmax (n < 256: a cut piece is part of a block)."""
     n = values.shape[1]
-    block = torch.cat([values.reshape(-1), shared.view(1)]).view(1, n + 1)
-    new_codes = torch.empty((1, n + 1), dtype=torch.uint8, device=values.device)
-    new_absmax = torch.empty((1, 1), dtype=torch.float32, device=values.device)
-    quantize_dynamic_(block, new_codes, new_absmax, signed=signed)
+    quantize = functools.partial(quantize_dynamic_, signed=signed)
+    new_codes, new_absmax = quantize_cut_piece(
+        values, 0, n + 1, shared.view(1, 1), quantize, torch.uint8, BLOCK_SIZE, 1
+    )
     codes.copy_(new_codes[:, :n])
     absmax.copy_(new_absmax)
