@@ -12,6 +12,7 @@ quantized state (a checkpoint saved with one ``state_precision`` loaded with ano
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from .block_quantization import (
+    BLOCK_SIZE,
     block_matrix_shape,
     dequantize_dynamic,
     dynamic_values,
@@ -36,6 +38,28 @@ from .momentum_formats import INT8_MOMENTUM, MOMENTUM_FORMATS, MomentumFormat, m
 MOMENTUM_KEY = "momentum_buffer"
 ADAMW_MOMENTS = (("exp_avg", "exp_avg_absmax", True), ("exp_avg_sq", "exp_avg_sq_absmax", False))
 """AdamW's moments: (codes key, absmax key, signed)."""
+
+
+def _adamw_format(key: str, absmax_key: str, signed: bool) -> MomentumFormat:
+    """One of AdamW's 8-bit moments as a :class:`MomentumFormat` (its codes and absmax)."""
+    return MomentumFormat(
+        precision="int8",
+        scale_key=absmax_key,
+        what=f"AdamW's {key}: 8-bit dynamic codes per 256-entry block",
+        code_dtype=torch.uint8,
+        block_size=BLOCK_SIZE,
+        codes_per_byte=1,
+        zero_byte=dynamic_values(signed).index(0.0),
+        quantize_=functools.partial(quantize_dynamic_, signed=signed),
+        dequantize=lambda codes, absmax, cols: dequantize_dynamic(codes, absmax, signed=signed),
+    )
+
+
+ADAMW_FORMATS: dict[str, MomentumFormat] = {
+    key: _adamw_format(key, absmax, signed) for key, absmax, signed in ADAMW_MOMENTS
+}
+"""AdamW's two 8-bit moments as stored formats, by codes key (for the layouts that quantize
+pieces of blocks through a format's own functions)."""
 
 
 QUANTIZED_BUDGET_DIVISOR = 4

@@ -30,7 +30,6 @@ the packed chunks, or whose columns of a row are not contiguous, is refused by n
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
@@ -44,13 +43,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ..block_quantization import (
     BLOCK_SIZE,
     block_absmax,
-    dequantize_dynamic,
-    dynamic_values,
-    quantize_dynamic_,
 )
 from ..momentum_formats import MOMENTUM_FORMATS, MomentumFormat, momentum_format_of
 from ..quantized_state import (
-    ADAMW_MOMENTS,
+    ADAMW_FORMATS,
     MOMENTUM_KEY,
     adamw_block_shape,
     adamw_state_is_quantized,
@@ -59,7 +55,6 @@ from ..quantized_state import (
 from .dtensor_layout import held_indices, local_tensor
 
 __all__ = [
-    "ADAMW_FORMATS",
     "ShardBlocks",
     "ShardCodes",
     "convert_dtensor_state_",
@@ -74,25 +69,6 @@ __all__ = [
     "synced_scales",
     "zero_quantized_state",
 ]
-
-
-def _adamw_format(key: str, absmax_key: str, signed: bool) -> MomentumFormat:
-    """One of AdamW's 8-bit moments as a :class:`MomentumFormat` (its codes and absmax)."""
-    return MomentumFormat(
-        precision="int8",
-        scale_key=absmax_key,
-        what=f"AdamW's {key}: 8-bit dynamic codes per 256-entry block",
-        code_dtype=torch.uint8,
-        block_size=BLOCK_SIZE,
-        codes_per_byte=1,
-        zero_byte=dynamic_values(signed).index(0.0),
-        quantize_=functools.partial(quantize_dynamic_, signed=signed),
-        dequantize=lambda codes, absmax, cols: dequantize_dynamic(codes, absmax, signed=signed),
-    )
-
-
-ADAMW_FORMATS = {key: _adamw_format(key, absmax, signed) for key, absmax, signed in ADAMW_MOMENTS}
-"""AdamW's two 8-bit moments, by codes key."""
 
 
 def _block_dims(ndim: int, mode: str) -> tuple[tuple[int, ...], tuple[int, ...]]:

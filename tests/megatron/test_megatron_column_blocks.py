@@ -17,8 +17,8 @@ from muonscale.integrations.megatron.column_blocks import (
     quantize_columns_,
     strided_spans,
 )
-from muonscale.integrations.megatron.low_bit import ADAMW_FORMATS
 from muonscale.momentum_formats import INT4_MOMENTUM, INT8_MOMENTUM
+from muonscale.quantized_state import ADAMW_FORMATS
 
 FORMATS = {
     "int8": INT8_MOMENTUM,

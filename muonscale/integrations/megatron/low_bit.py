@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
@@ -26,15 +25,13 @@ import torch.distributed as dist
 
 from muonscale.block_quantization import (
     BLOCK_SIZE,
-    dequantize_dynamic,
-    dynamic_values,
-    quantize_dynamic_,
 )
 from muonscale.distributed.comm import Communicator, WireCounter
 from muonscale.group_step import adamw_group_step
 from muonscale.matrices import MatrixView
 from muonscale.momentum_formats import MOMENTUM_FORMATS, MomentumFormat, momentum_format_of
 from muonscale.quantized_state import (
+    ADAMW_FORMATS,
     ADAMW_MOMENTS,
     MOMENTUM_KEY,
     QuantizedMomentum,
@@ -51,26 +48,6 @@ from .column_blocks import (
     strided_spans,
 )
 from .plan import MegatronGroups, ParamPlan
-
-
-def _dynamic_format(key: str, absmax_key: str, signed: bool) -> MomentumFormat:
-    return MomentumFormat(
-        precision="int8",
-        scale_key=absmax_key,
-        what=f"8-bit dynamic codes of AdamW's {key}",
-        code_dtype=torch.uint8,
-        block_size=BLOCK_SIZE,
-        codes_per_byte=1,
-        zero_byte=dynamic_values(signed).index(0.0),
-        quantize_=partial(quantize_dynamic_, signed=signed),
-        dequantize=lambda codes, absmax, cols: dequantize_dynamic(codes, absmax, signed=signed),
-    )
-
-
-ADAMW_FORMATS: dict[str, MomentumFormat] = {
-    key: _dynamic_format(key, absmax_key, signed) for key, absmax_key, signed in ADAMW_MOMENTS
-}
-"""AdamW's two 8-bit moments as stored formats (by codes key), for :mod:`.column_blocks`."""
 
 
 def _whole_block_shape(plan: ParamPlan, local: tuple[int, int]) -> tuple[int, int] | None:
