@@ -26,6 +26,14 @@ import torch.distributed as dist
 from muonscale.block_quantization import (
     BLOCK_SIZE,
 )
+from muonscale.column_blocks import (
+    ColumnBlocks,
+    column_blocks,
+    dequantize_columns,
+    local_block_maxima,
+    quantize_columns_,
+    strided_spans,
+)
 from muonscale.distributed.comm import Communicator, WireCounter
 from muonscale.group_step import adamw_group_step
 from muonscale.matrices import MatrixView
@@ -39,14 +47,6 @@ from muonscale.quantized_state import (
     momentum_block_shape,
 )
 
-from .column_blocks import (
-    ColumnBlocks,
-    column_blocks,
-    dequantize_columns,
-    local_block_maxima,
-    quantize_columns_,
-    strided_spans,
-)
 from .plan import MegatronGroups, ParamPlan
 
 

@@ -1,16 +1,17 @@
-"""Block-quantized state of a tensor-parallel piece that holds *columns* of the rows of its
-state's block matrix (a row-parallel weight, a TP-sharded bias), on plain tensors.
+"""Block-quantized state of a piece that holds *columns* of the rows of its state's block
+matrix, on plain local tensors.
 
 The blocks are the whole matrix's: segments of ``block_size`` consecutive entries of a whole
-row. A piece holds some column spans of every row (``partition_stride`` > 1: several), so it
+row. A piece holds some column spans of every row (one contiguous span: a DTensor shard or a
+ZeRO-1 segment's piece of a block; several: Megatron's ``partition_stride`` > 1), so it
 touches whole blocks and pieces of blocks that other ranks share (the *cut* blocks). Given the
-absmax of each cut block over every rank that holds part of it (exchanged in :mod:`.low_bit`),
-a rank quantizes its entries exactly as one process quantizes the whole row: the formats'
-codes depend on x / absmax of their block only. The rank lays its columns out at their places
-in the blocks they touch (a *padded* row: the touched blocks one after another, unheld places
-zero) and puts each cut block's shared absmax in one unheld place, so the format's own
-quantization finds that absmax; its codes are then read back at the held places. The
-derivation is in *Low-bit state* in the docs.
+absmax of each cut block over every rank that holds part of it (exchanged by the caller's
+all-reduce (max)), a rank quantizes its entries exactly as one process quantizes the whole
+row: the formats' codes depend on x / absmax of their block only. The rank lays its columns
+out at their places in the blocks they touch (a *padded* row: the touched blocks one after
+another, unheld places zero) and puts each cut block's shared absmax in one unheld place, so
+the format's own quantization finds that absmax; its codes are then read back at the held
+places. The derivation is in *Low-bit state* in the docs.
 """
 
 from __future__ import annotations
@@ -90,36 +91,85 @@ class ColumnBlocks:
     def padded_width(self) -> int:
         return self._layout[2]
 
+    @functools.cached_property
+    def place_run(self) -> slice | None:
+        """The held places as one slice, where they are one ascending run (one span), else
+        None."""
+        return _run(self._layout[0])
+
+    @property
+    def whole(self) -> bool:
+        """The held columns are the touched blocks, whole and in order: the padded row is the
+        rank's own (no unheld place, no cut block)."""
+        return self.place_run == slice(0, self.padded_width)
+
+    def held(self, device: torch.device) -> slice | torch.Tensor:
+        """The held places in the padded row: :attr:`place_run`, or their index tensor."""
+        return self.place_run if self.place_run is not None else self.places(device)
+
+    @functools.cached_property
+    def cut_columns(self) -> tuple[tuple[int, ...], ...]:
+        """The rank's columns (indices into its ``width``) in each cut block, in :attr:`cut`
+        order."""
+        held = [g for start, n in self.spans for g in range(start, start + n)]
+        return tuple(
+            tuple(i for i, g in enumerate(held) if g // self.block_size == self.blocks[k])
+            for k in self.cut
+        )
+
+
+def _run(positions: Sequence[int]) -> slice | None:
+    """``positions`` as a slice where they are one ascending run, else None."""
+    first, count = (positions[0] if positions else 0), len(positions)
+    if list(positions) != list(range(first, first + count)):
+        return None
+    return slice(first, first + count)
+
 
 def strided_spans(cols: int, tp_size: int, rank: int, stride: int = 1) -> tuple[Span, ...]:
-    """The column spans rank ``rank`` of ``tp_size`` holds of a row of ``cols`` split as
-    Megatron splits a dimension: into ``tp_size · stride`` equal chunks, rank r holding chunks
-    r, r + tp_size, … in that order."""
+    """The column spans rank ``rank`` of ``tp_size`` holds of a row of ``cols`` split into
+    ``tp_size · stride`` equal chunks, rank r holding chunks r, r + tp_size, … in that order
+    (Megatron's split of a dimension with ``partition_stride``)."""
     chunk = cols // (tp_size * stride)
     return tuple(((j * tp_size + rank) * chunk, chunk) for j in range(stride))
+
+
+def _touched(spans: Sequence[Span], block_size: int) -> set[int]:
+    """The blocks of a whole row that the column ``spans`` touch."""
+    out: set[int] = set()
+    for start, n in spans:
+        if n:
+            out.update(range(start // block_size, (start + n - 1) // block_size + 1))
+    return out
+
+
+def span_blocks(
+    cols: int, block_size: int, start: int, count: int, shared: Sequence[int]
+) -> ColumnBlocks:
+    """The :class:`ColumnBlocks` of a rank that holds the one span ``[start, start + count)``
+    of each row (``shared``: the row's blocks several ranks touch, every rank's list)."""
+    return ColumnBlocks(
+        cols=cols,
+        block_size=block_size,
+        spans=((start, count),),
+        blocks=tuple(sorted(_touched(((start, count),), block_size))),
+        shared=tuple(sorted(shared)),
+    )
 
 
 def column_blocks(
     cols: int, block_size: int, spans_by_rank: Sequence[Sequence[Span]], rank: int
 ) -> ColumnBlocks:
     """The :class:`ColumnBlocks` of ``rank`` (``spans_by_rank``: every rank's spans)."""
-
-    def touched(spans: Sequence[Span]) -> set[int]:
-        out: set[int] = set()
-        for start, n in spans:
-            if n:
-                out.update(range(start // block_size, (start + n - 1) // block_size + 1))
-        return out
-
     count: dict[int, int] = {}
     for spans in spans_by_rank:
-        for b in touched(spans):
+        for b in _touched(spans, block_size):
             count[b] = count.get(b, 0) + 1
     return ColumnBlocks(
         cols=cols,
         block_size=block_size,
         spans=tuple(tuple(s) for s in spans_by_rank[rank]),
-        blocks=tuple(sorted(touched(spans_by_rank[rank]))),
+        blocks=tuple(sorted(_touched(spans_by_rank[rank], block_size))),
         shared=tuple(sorted(b for b, c in count.items() if c > 1)),
     )
 
@@ -128,6 +178,18 @@ def local_block_maxima(x: torch.Tensor, blocks: ColumnBlocks) -> torch.Tensor:
     """max |x| of this rank's entries in each block it touches, float32 (rows, len(blocks));
     ``x``: its (rows, width) columns."""
     return block_absmax(_padded(x, blocks), blocks.block_size)
+
+
+def cut_block_maxima(x: torch.Tensor, blocks: ColumnBlocks) -> torch.Tensor:
+    """max |x| of this rank's entries in each cut block, float32 (rows, len(cut)): the part of
+    :func:`local_block_maxima` that ranks exchange; ``x``: its (rows, width) columns."""
+    out = torch.empty((x.shape[0], len(blocks.cut)), dtype=torch.float32, device=x.device)
+    for j, columns in enumerate(blocks.cut_columns):
+        run = _run(columns)
+        if run is None:
+            run = torch.tensor(columns, dtype=torch.long, device=x.device)
+        out[:, j] = x[:, run].abs().amax(dim=1).float()
+    return out
 
 
 def quantize_columns_(
@@ -140,19 +202,22 @@ def quantize_columns_(
 ) -> None:
     """Write ``codes`` and ``scales`` of ``x`` in ``fmt``: one process's codes of these entries
     and scales of these blocks, given the cut blocks' ``shared_absmax``."""
+    if blocks.whole:  # the padded row is x itself
+        fmt.quantize_(x, codes, scales)
+        return
     padded = _padded(x, blocks)
     cut = torch.tensor(blocks.cut, dtype=torch.long, device=x.device)
-    padded[:, blocks.fill_places(x.device)] = shared_absmax.index_select(1, cut).to(x.dtype)
+    padded[:, blocks.fill_places(x.device)] = shared_absmax.index_select(1, cut).float()
     rows = x.shape[0]
     stored = torch.empty(
         fmt.codes_matrix_shape((rows, blocks.padded_width)), dtype=fmt.code_dtype, device=x.device
     )
     fmt.quantize_(padded, stored, scales)
-    places = blocks.places(x.device)
+    held = blocks.held(x.device)
     if fmt.codes_per_byte == 1:
-        codes.copy_(stored.index_select(1, places))
+        codes.copy_(stored[:, held])
     else:
-        pack_nibbles(unpack_nibbles(stored, blocks.padded_width).index_select(1, places), codes)
+        pack_nibbles(unpack_nibbles(stored, blocks.padded_width)[:, held], codes)
 
 
 def dequantize_columns(
@@ -160,23 +225,26 @@ def dequantize_columns(
 ) -> torch.Tensor:
     """The float32 (rows, width) values of ``codes`` and ``scales`` in ``fmt`` (the inverse of
     :func:`quantize_columns_`)."""
-    rows, places = codes.shape[0], blocks.places(codes.device)
+    if blocks.whole:
+        return fmt.dequantize(codes, scales, blocks.width)
+    rows, held = codes.shape[0], blocks.held(codes.device)
     wide = blocks.padded_width
     if fmt.codes_per_byte == 1:
         stored = torch.zeros((rows, wide), dtype=codes.dtype, device=codes.device)
-        stored[:, places] = codes
+        stored[:, held] = codes
     else:
         entries = torch.zeros((rows, wide), dtype=torch.int32, device=codes.device)
-        entries[:, places] = unpack_nibbles(codes, blocks.width)
+        entries[:, held] = unpack_nibbles(codes, blocks.width)
         stored = torch.empty(
             fmt.codes_matrix_shape((rows, wide)), dtype=codes.dtype, device=codes.device
         )
         pack_nibbles(entries, stored)
-    return fmt.dequantize(stored, scales, wide).index_select(1, places)
+    return fmt.dequantize(stored, scales, wide)[:, held].contiguous()
 
 
 def _padded(x: torch.Tensor, blocks: ColumnBlocks) -> torch.Tensor:
-    """``x`` at its places in the touched blocks, zero elsewhere (rows, padded width)."""
-    out = x.new_zeros((x.shape[0], blocks.padded_width))
-    out[:, blocks.places(x.device)] = x
+    """``x`` at its places in the touched blocks, zero elsewhere (float32: rows, padded
+    width)."""
+    out = x.new_zeros((x.shape[0], blocks.padded_width), dtype=torch.float32)
+    out[:, blocks.held(x.device)] = x
     return out

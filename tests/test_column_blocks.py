@@ -1,5 +1,5 @@
 """The plain-tensor math of a TP piece that holds columns of its rows
-(:mod:`muonscale.integrations.megatron.column_blocks`): every rank's codes and scales, given
+(:mod:`muonscale.column_blocks`): every rank's codes and scales, given
 the maxima of the blocks it shares (the maximum of the ranks' own maxima, as the TP group's
 all-reduce takes it), against one process quantizing the whole rows, for every stored format
 (int8 linear, 4-bit dynamic exponent, AdamW's signed and unsigned 8-bit dynamic), Megatron's
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from muonscale.integrations.megatron.column_blocks import (
+from muonscale.column_blocks import (
     column_blocks,
     dequantize_columns,
     local_block_maxima,
