@@ -28,11 +28,10 @@ from ...block_quantization import (
     block_matrix_shape,
     dequantize_dynamic,
     dynamic_values,
-    quantize_dynamic_,
 )
+from ...column_blocks import ColumnBlocks, quantize_columns_, span_blocks
 from ...group_step import adamw_group_step
-from ...quantized_state import ADAMW_MOMENTS
-from ..dtensor_state import quantize_cut_piece
+from ...quantized_state import ADAMW_FORMATS, ADAMW_MOMENTS
 
 CODE_BUFFERS = {"exp_avg": "exp_avg_codes", "exp_avg_sq": "exp_avg_sq_codes"}
 """A shard store's buffer of each moment's 8-bit codes (beside its floating ``exp_avg``)."""
@@ -267,23 +266,19 @@ class SharedBlockScales:
             maxima.index_copy_(0, torch.tensor(where, device=maxima.device), local)
         self.comm.all_reduce(maxima, op=dist.ReduceOp.MAX, tag="block_scales")
         for piece in pending:
-            for m, (_, _, signed) in enumerate(ADAMW_MOMENTS):
+            for m, (key, _, _) in enumerate(ADAMW_MOMENTS):
                 shared = maxima[m * n + piece.slot].to(piece.values[m].device)
-                _quantize_with_absmax(
-                    piece.values[m], shared, piece.codes[m], piece.absmax[m], signed
+                values = piece.values[m]
+                blocks = _cut_piece_blocks(values.shape[1])
+                fmt = ADAMW_FORMATS[key]
+                quantize_columns_(
+                    values, blocks, shared.view(1, 1), fmt, piece.codes[m], piece.absmax[m]
                 )
 
 
-def _quantize_with_absmax(
-    values: torch.Tensor, shared: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, signed
-) -> None:
-    """Codes of ``values`` (1, n), a piece of one block, under the block's ``shared`` absmax
-    (≥ max |values|): :func:`quantize_cut_piece` of a block of n + 1 columns whose last (on
-    another rank) holds the shared absmax (n < 256: a cut piece is part of a block)."""
-    n = values.shape[1]
-    quantize = functools.partial(quantize_dynamic_, signed=signed)
-    new_codes, new_absmax = quantize_cut_piece(
-        values, 0, n + 1, shared.view(1, 1), quantize, torch.uint8, BLOCK_SIZE, 1
-    )
-    codes.copy_(new_codes[:, :n])
-    absmax.copy_(new_absmax)
+@functools.lru_cache(maxsize=BLOCK_SIZE)
+def _cut_piece_blocks(n: int) -> ColumnBlocks:
+    """A cut piece of n entries (n < 256: part of one block) as the columns ``[0, n)`` of a
+    block of n + 1 whose last column, on another rank, holds the shared absmax: the codes of
+    x / absmax are those of the piece at its place in its block."""
+    return span_blocks(n + 1, BLOCK_SIZE, 0, n, shared=(0,))
