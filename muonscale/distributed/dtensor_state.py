@@ -30,9 +30,10 @@ the packed chunks, or whose columns of a row are not contiguous, is refused by n
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,9 +41,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..block_quantization import (
-    BLOCK_SIZE,
-    block_absmax,
+from ..block_quantization import BLOCK_SIZE
+from ..column_blocks import (
+    ColumnBlocks,
+    cut_block_maxima,
+    dequantize_columns,
+    quantize_columns_,
+    span_blocks,
 )
 from ..momentum_formats import MOMENTUM_FORMATS, MomentumFormat, momentum_format_of
 from ..quantized_state import (
@@ -59,7 +64,6 @@ __all__ = [
     "ShardCodes",
     "convert_dtensor_state_",
     "packed_code_placements",
-    "quantize_cut_piece",
     "shard_blocks",
     "shard_state_codes",
     "state_blocks",
@@ -141,34 +145,13 @@ class ShardBlocks:
     def stop_block(self) -> int:
         return -(-(self.col_start + self.cols) // self.block_size) if self.cols else 0
 
-    @property
-    def width(self) -> int:
-        """Columns of the blocks the shard touches (the last one short at a row's end)."""
-        if not self.cols:
-            return 0
-        stop = min(self.stop_block * self.block_size, self.block_shape[1])
-        return stop - self.first_block * self.block_size
-
-    @property
-    def offset(self) -> int:
-        """The shard's first column within :attr:`width`."""
-        return self.col_start - self.first_block * self.block_size
-
-    @property
-    def padded(self) -> bool:
-        """Whether the shard's columns cut a block (a piece of it lies on another rank)."""
-        return self.cols > 0 and (self.offset > 0 or self.offset + self.cols < self.width)
-
-    @property
-    def local_cut(self) -> tuple[int, ...]:
-        """This rank's cut blocks, as indices among the blocks it touches."""
-        out = []
-        if self.cols and self.offset > 0:
-            out.append(0)
-        last = self.stop_block - self.first_block - 1
-        if self.cols and self.offset + self.cols < self.width and last not in out:
-            out.append(last)
-        return tuple(out)
+    @functools.cached_property
+    def columns(self) -> ColumnBlocks:
+        """The shard's one span of columns of each row in the blocks (the plain-tensor math of
+        its cut blocks: :mod:`muonscale.column_blocks`)."""
+        return span_blocks(
+            self.block_shape[1], self.block_size, self.col_start, self.cols, self.cut_blocks
+        )
 
     @property
     def slot_count(self) -> int:
@@ -317,12 +300,6 @@ class ShardCodes:
         b = self.blocks
         return self.codes.view(b.rows.numel(), -(-b.cols // self.format.codes_per_byte))
 
-    def _code_columns(self) -> slice:
-        """The shard's code columns within the padded codes of :attr:`ShardBlocks.width`."""
-        per = self.format.codes_per_byte
-        start = self.blocks.offset // per
-        return slice(start, start + -(-self.blocks.cols // per))
-
     def _block_columns(self) -> slice:
         return slice(self.blocks.first_block, self.blocks.stop_block)
 
@@ -332,96 +309,44 @@ class ShardCodes:
 
     def values(self) -> torch.Tensor:
         """The state in float32, the shard's shape (a new tensor)."""
-        b, fmt = self.blocks, self.format
-        codes = self._codes_matrix()
+        b = self.blocks
         if not b.cols or not b.rows.numel():
             return torch.zeros(self.shape, dtype=torch.float32, device=self.codes.device)
-        if b.padded:
-            rows = codes.shape[0]
-            wide = (rows, -(-b.width // fmt.codes_per_byte))
-            padded = torch.full(wide, fmt.zero_byte, dtype=codes.dtype, device=codes.device)
-            padded[:, self._code_columns()] = codes
-            codes = padded
-        out = fmt.dequantize(codes, self._touched_scales(), b.width)
-        if b.padded:
-            out = out[:, b.offset : b.offset + b.cols]
-        return out.reshape(self.shape)
+        codes, scales = self._codes_matrix(), self._touched_scales()
+        return dequantize_columns(codes, scales, b.columns, self.format).reshape(self.shape)
 
     def piece_maxima(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots, max |x|) of the pieces of cut blocks in ``values`` (the new state, the
         shard's shape), slots of :attr:`ShardBlocks.slot_count` (row · cut blocks + which)."""
-        b = self.blocks
-        x = values.reshape(b.rows.numel(), b.cols)
-        slots, maxima = [], []
-        for j in b.local_cut:
-            start = max(0, j * b.block_size - b.offset)
-            stop = min(b.cols, (j + 1) * b.block_size - b.offset)
-            which = b.cut_blocks.index(b.first_block + j)
-            slots.append(b.rows * len(b.cut_blocks) + which)
-            maxima.append(block_absmax(x[:, start:stop], b.block_size)[:, 0])
-        if not slots:
+        b, columns = self.blocks, self.blocks.columns
+        if not b.cols or not columns.cut:
             empty = torch.zeros(0, dtype=torch.long)
             return empty, torch.zeros(0, dtype=torch.float32, device=values.device)
-        return torch.stack(slots, 1).reshape(-1), torch.stack(maxima, 1).reshape(-1)
+        maxima = cut_block_maxima(values.reshape(b.rows.numel(), b.cols), columns)
+        which = torch.tensor([b.cut_blocks.index(columns.blocks[k]) for k in columns.cut])
+        slots = b.rows[:, None] * len(b.cut_blocks) + which
+        return slots.reshape(-1), maxima.reshape(-1)
 
     @torch.no_grad()
     def store_(self, values: torch.Tensor, shared: torch.Tensor | None = None) -> None:
         """Quantize ``values`` (the shard's shape) into the codes and the scales of the blocks
-        they touch; ``shared``: the absmax of this rank's cut blocks (rows, len(local_cut)),
-        as :meth:`piece_maxima` orders them."""
-        b, fmt = self.blocks, self.format
+        they touch; ``shared``: the absmax of this rank's cut blocks (rows, cut blocks), as
+        :meth:`piece_maxima` orders them."""
+        b, columns = self.blocks, self.blocks.columns
         if not b.cols or not b.rows.numel():
             return
         x = values.reshape(b.rows.numel(), b.cols)
-        if not b.padded and isinstance(b.scale_rows, slice):  # whole blocks: in place
-            fmt.quantize_(x, self._codes_matrix(), self._touched_scales())
+        absmax = x.new_zeros((x.shape[0], len(columns.blocks)), dtype=torch.float32)
+        if columns.cut:  # the shared absmax at their blocks' columns
+            absmax[:, list(columns.cut)] = shared
+        if isinstance(b.scale_rows, slice):  # the scales in place
+            quantize_columns_(
+                x, columns, absmax, self.format, self._codes_matrix(), self._touched_scales()
+            )
             return
-        codes, scales = quantize_cut_piece(
-            x,
-            b.offset,
-            b.width,
-            shared,
-            fmt.quantize_,
-            fmt.code_dtype,
-            b.block_size,
-            fmt.codes_per_byte,
-        )
-        self._codes_matrix().copy_(codes[:, self._code_columns()])
+        scales = torch.empty_like(absmax)
+        quantize_columns_(x, columns, absmax, self.format, self._codes_matrix(), scales)
         self.scales[b.scale_rows, self._block_columns()] = scales
-
-
-def quantize_cut_piece(
-    values: torch.Tensor,
-    offset: int,
-    width: int,
-    shared: torch.Tensor | None,
-    quantize_: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
-    code_dtype: torch.dtype,
-    block_size: int,
-    codes_per_byte: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The codes ``(rows, ⌈width / codes_per_byte⌉)`` and scales ``(rows, blocks)`` of the
-    blocks that ``values`` (rows, n) touches, as columns ``[offset, offset + n)`` of ``width``
-    columns starting at a block boundary, the other columns lying on other ranks: those are
-    quantized as zeros, except one absent column of each cut block, which holds the block's
-    ``shared`` absmax (rows, cut blocks: the first block's when ``offset`` > 0, then the
-    last's when ``offset + n < width``; each ≥ its piece's max |x|), so that each block's
-    scale is its shared one and each code the one of x / (its block's absmax). ``quantize_``
-    writes codes and scales of a (rows, width) matrix; the caller keeps its columns."""
-    rows, n = values.shape
-    wide = values
-    if offset or n < width:
-        wide = torch.zeros((rows, width), dtype=torch.float32, device=values.device)
-        wide[:, offset : offset + n] = values
-        first_cut = offset > 0
-        if first_cut:
-            wide[:, 0] = shared[:, 0]
-        if offset + n < width:  # the last block (the first one too when only one is touched)
-            wide[:, width - 1] = shared[:, -1]
-    codes = torch.empty((rows, -(-width // codes_per_byte)), dtype=code_dtype, device=values.device)
-    scales = torch.empty((rows, -(-width // block_size)), dtype=torch.float32, device=values.device)
-    quantize_(wide, codes, scales)
-    return codes, scales
 
 
 def store_shards_(comm: Any, items: Sequence[tuple[ShardCodes, torch.Tensor]]) -> None:
