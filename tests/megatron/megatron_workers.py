@@ -400,3 +400,13 @@ def muon_arms(rank: int, world_size: int, spec: dict) -> dict | None:
         megatron={n: p.detach().clone() for n, p in theirs_model.named_parameters()},
         muonscale={n: p.detach().clone() for n, p in ours_model.named_parameters()},
     )
+
+
+def assert_same_state(got: dict, want: dict, what: str) -> None:
+    """``got`` equals ``want`` bitwise, nested dicts of tensors alike (``what``: the message)."""
+    assert got.keys() == want.keys(), what
+    for name, value in want.items():
+        if isinstance(value, dict):
+            assert_same_state(got[name], value, f"{what}/{name}")
+        else:
+            assert torch.equal(got[name], value), f"{what}/{name}"

@@ -10,6 +10,7 @@ expert-parallel ranks)."""
 from __future__ import annotations
 
 import ep_workers as E
+import megatron_workers as W
 import pytest
 import torch
 
@@ -98,15 +99,6 @@ def test_zero1_experts_with_expert_tensor_parallel(pool4, reference):
     _check(reference, got, "TP2 ETP2 EP2 ZeRO-1")
 
 
-def _assert_same(got: dict, want: dict, what: str) -> None:
-    assert got.keys() == want.keys(), what
-    for name, value in want.items():
-        if isinstance(value, dict):
-            _assert_same(got[name], value, f"{what}/{name}")
-        else:
-            assert torch.equal(got[name], value), f"{what}/{name}"
-
-
 @pytest.mark.parametrize("precision", ["int8", "int4"])
 def test_zero1_experts_quantized_state_equals_replicated(pool4, precision):
     """``state_precision`` int8 / int4 with ZeRO-1 at TP 1, ETP 1, EP 2 on 4 ranks (DP 4, expert
@@ -123,10 +115,10 @@ def test_zero1_experts_quantized_state_equals_replicated(pool4, precision):
     experts = [n for n, s in got["state"].items() if "local_experts" in n and scale_key in s]
     assert len(experts) == 2 * 4 * 2  # fc1 and fc2 of 4 experts in 2 layers, quantized
     assert any("exp_avg_absmax" in s for s in got["state"].values())  # AdamW's 8-bit moments
-    _assert_same(got["params"], replicated["params"], "params")
-    _assert_same(got["state"], replicated["state"], "state")
-    _assert_same(got["resumed"], got["params"], "resumed params")
-    _assert_same(got["resumed_state"], got["state"], "resumed state")
+    W.assert_same_state(got["params"], replicated["params"], "params")
+    W.assert_same_state(got["state"], replicated["state"], "state")
+    W.assert_same_state(got["resumed"], got["params"], "resumed params")
+    W.assert_same_state(got["resumed_state"], got["state"], "resumed state")
 
 
 def test_expert_tensor_parallel_int8_state_equals_one_layout(pool4):
@@ -140,4 +132,4 @@ def test_expert_tensor_parallel_int8_state_equals_one_layout(pool4):
     got = _run(pool4, (2, 2, 2), options=options, state=True)
     _check(whole, got, "TP2 ETP2 EP2 int8")
     assert any("local_experts" in n and "momentum_scale" in s for n, s in got["state"].items())
-    _assert_same(got["state"], whole["state"], "state")
+    W.assert_same_state(got["state"], whole["state"], "state")

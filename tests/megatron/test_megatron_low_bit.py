@@ -377,15 +377,6 @@ def results(pool2):
     return per_rank[0]
 
 
-def _assert_same(got: dict, want: dict, what: str) -> None:
-    assert got.keys() == want.keys(), what
-    for name, value in want.items():
-        if isinstance(value, dict):
-            _assert_same(got[name], value, f"{what}/{name}")
-        else:
-            assert torch.equal(got[name], value), f"{what}/{name}"
-
-
 def _quantized(state: dict) -> set[str]:
     return {n for n, s in state.items() if set(s) & {*W.SCALE_BLOCKS}}
 
@@ -404,7 +395,7 @@ def test_tp1_replicated_int8_equals_single_process(results):
     one process's bitwise, and each step is the adapter's floating step from it."""
     run, ref = results["tp1"], results["ref8"]
     assert run["dp_mode"] == "replicated"
-    _assert_same(run["state"], ref["state"], "state")
+    W.assert_same_state(run["state"], ref["state"], "state")
     assert _quantized(run["state"]) == set(run["state"])  # every state quantized, AdamW's too
     assert results["tp1_mismatched"] == []
     _assert_weights_close(run, ref)
@@ -412,7 +403,7 @@ def test_tp1_replicated_int8_equals_single_process(results):
 
 def test_tp1_replicated_int4_momentum_equals_single_process(results):
     run, ref = results["tp1_int4"], results["ref4"]
-    _assert_same(run["state"], ref["state"], "state")
+    W.assert_same_state(run["state"], ref["state"], "state")
     assert any("momentum_absmax" in s for s in run["state"].values())
     assert results["tp1_int4_mismatched"] == []
     _assert_weights_close(run, ref)
@@ -424,13 +415,13 @@ def test_zero1_muon_int8_equals_replicated_bitwise(results):
     run, replicated = results["zero1"], results["tp1_float_adamw"]
     ref = results["ref8_float_adamw"]
     assert run["dp_mode"] == "zero1"
-    _assert_same(run["params"], replicated["params"], "params")
-    _assert_same(run["state"], replicated["state"], "state")
+    W.assert_same_state(run["params"], replicated["params"], "params")
+    W.assert_same_state(run["state"], replicated["state"], "state")
     quantized = _quantized(run["state"])
     assert quantized and not quantized & set(results["adamw"])
     assert quantized == _quantized(ref["state"])
     for name in quantized:
-        _assert_same(run["state"][name], ref["state"][name], name)
+        W.assert_same_state(run["state"][name], ref["state"][name], name)
     _assert_weights_close(run, ref)
 
 
@@ -439,8 +430,8 @@ def test_zero1_int8_adamw_equals_replicated_bitwise(results):
     their scale over the ranks): weights and full state equal the replicated run's bitwise."""
     run, replicated = results["zero1_int8_adamw"], results["tp1"]
     assert run["dp_mode"] == "zero1"
-    _assert_same(run["params"], replicated["params"], "params")
-    _assert_same(run["state"], replicated["state"], "state")
+    W.assert_same_state(run["params"], replicated["params"], "params")
+    W.assert_same_state(run["state"], replicated["state"], "state")
     assert _quantized(run["state"]) == set(run["state"])  # AdamW's state quantized too
 
 
@@ -448,20 +439,20 @@ def test_zero1_bf16_main_copies_int8_equals_replicated_bitwise(results):
     """bf16 models: the int8 momentum of the fp32 main copies, at their ZeRO-1 owners."""
     run, replicated = results["bf16_zero1"], results["bf16_float_adamw"]
     assert all(p.dtype == torch.bfloat16 for p in run["params"].values())
-    _assert_same(run["params"], replicated["params"], "params")
+    W.assert_same_state(run["params"], replicated["params"], "params")
     state = {n: dict(s) for n, s in run["state"].items()}
     main = {n: s.pop("main_param") for n, s in state.items()}
-    _assert_same(main, replicated["main"], "main copies")
+    W.assert_same_state(main, replicated["main"], "main copies")
     assert all(m.dtype == torch.float32 for m in main.values())
-    _assert_same(state, replicated["state"], "state")
+    W.assert_same_state(state, replicated["state"], "state")
     assert _quantized(run["state"]) == _quantized(results["zero1"]["state"])
     assert _quantized(results["bf16"]["state"]) == set(results["bf16"]["state"])
 
 
 def test_zero1_muon_int4_equals_replicated_bitwise(results):
     run, replicated = results["zero1_int4"], results["tp1_int4_float_adamw"]
-    _assert_same(run["params"], replicated["params"], "params")
-    _assert_same(run["state"], replicated["state"], "state")
+    W.assert_same_state(run["params"], replicated["params"], "params")
+    W.assert_same_state(run["state"], replicated["state"], "state")
     assert any("momentum_absmax" in s for s in run["state"].values())
 
 
@@ -469,8 +460,8 @@ def test_zero1_muon_int4_equals_replicated_bitwise(results):
 def test_state_dict_resumes_bitwise(results, layout):
     """At the same layout (``bf16``: fp32 main copies, saved in the state dict)."""
     resumed, whole = results[f"{layout}_resumed"], results[layout]
-    _assert_same(resumed["params"], whole["params"], "params")
-    _assert_same(resumed["state"], whole["state"], "state")
+    W.assert_same_state(resumed["params"], whole["params"], "params")
+    W.assert_same_state(resumed["state"], whole["state"], "state")
 
 
 @pytest.mark.parametrize("resumed", ["zero1_to_replicated", "replicated_to_zero1"])
@@ -480,8 +471,8 @@ def test_int8_state_resumes_across_data_parallel_modes(results, resumed):
     bitwise the uninterrupted run, weights and state."""
     run, whole = results[resumed], results["tp1"]
     assert run["dp_mode"] == resumed.rsplit("_", 1)[-1]
-    _assert_same(run["params"], whole["params"], "params")
-    _assert_same(run["state"], whole["state"], "state")
+    W.assert_same_state(run["params"], whole["params"], "params")
+    W.assert_same_state(run["state"], whole["state"], "state")
 
 
 def test_tp2_column_parallel_state_equals_single_process(results):
@@ -495,7 +486,7 @@ def test_tp2_column_parallel_state_equals_single_process(results):
     floating = ("linear_proj.weight", "linear_fc2.weight", "linear_qkv.bias", "linear_fc1.bias")
     assert not any(n.endswith(floating) for n in quantized)
     for name in quantized:
-        _assert_same(run["state"][name], ref["state"][name], name)
+        W.assert_same_state(run["state"][name], ref["state"][name], name)
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
@@ -509,7 +500,7 @@ def test_tp2_every_state_equals_single_process(results, precision):
     columns = [n for n, (_, shape, dim, _) in run["sharded"].items() if dim == 1 or len(shape) == 1]
     assert any(n.endswith("linear_proj.weight") for n in columns)
     assert any(n.endswith("linear_fc1.bias") for n in columns)
-    _assert_same(run["state"], ref["state"], "state")
+    W.assert_same_state(run["state"], ref["state"], "state")
     _assert_weights_close(run, ref)
 
 
@@ -519,10 +510,10 @@ def test_tp2_column_scales_of_their_own_shape_step_and_resume(results):
     resume at the same layout (loaded through scales of that shape) is bitwise the
     uninterrupted run."""
     run, ref = results["wide_tp2_int4"], results["wide_ref4"]
-    _assert_same(run["state"], ref["state"], "state")
+    W.assert_same_state(run["state"], ref["state"], "state")
     resumed = results["wide_tp2_int4_resumed"]
-    _assert_same(resumed["params"], run["params"], "params")
-    _assert_same(resumed["state"], run["state"], "state")
+    W.assert_same_state(resumed["params"], run["params"], "params")
+    W.assert_same_state(resumed["state"], run["state"], "state")
 
 
 def _cut_blocks(cols: int, pieces: int, block: int) -> int:
@@ -574,4 +565,4 @@ def test_tp2_column_state_converts_as_one_process(results, conversion):
     state equals one process's same conversion bitwise."""
     got, want = results["conversions"][conversion], results["conversion_refs"][conversion]
     assert any(n.endswith("linear_fc2.weight") for n in got)
-    _assert_same(got, want, conversion)
+    W.assert_same_state(got, want, conversion)
