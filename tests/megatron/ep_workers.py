@@ -44,16 +44,21 @@ def global_names(model) -> dict[str, torch.Tensor]:
     return {global_name(name, local_count): p for name, p in model.named_parameters()}
 
 
-def full_params(model) -> dict[str, torch.Tensor]:
-    """Every full parameter by global name on every rank (TP gathers, then experts gathered
-    over all ranks)."""
-    mine = {n: gather_full(p) for n, p in global_names(model).items()}
+def _merged_over_ranks(mine: dict) -> dict:
+    """Every rank's ``mine`` merged into one dict on every rank (collective)."""
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     out = {}
     for part in everyone:
         out.update(part)
     return out
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    """Every full parameter by global name on every rank (TP gathers, then experts gathered
+    over all ranks)."""
+    mine = {n: gather_full(p) for n, p in global_names(model).items()}
+    return _merged_over_ranks(mine)
 
 
 def global_name(name: str, local_count: int) -> str:
@@ -83,12 +88,7 @@ def full_state(opt, local_count: int) -> dict[str, dict[str, torch.Tensor]]:
     else:
         for plan in opt.plans:
             mine[global_name(plan.name, local_count)] = whole_state(opt, plan)
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    out = {}
-    for part in everyone:
-        out.update(part)
-    return out
+    return _merged_over_ranks(mine)
 
 
 def inject(named: dict[str, torch.Tensor], shapes: dict[str, tuple], step: int, only=None) -> None:
