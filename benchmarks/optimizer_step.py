@@ -204,9 +204,13 @@ def main(argv=None) -> dict:
             low = f"muonscale[{dtype_name},{args.state_precision}]"
             ratio = medians[low] / medians[f"muonscale[{dtype_name}]"]
             result["ratios"][f"{low}/muonscale[{dtype_name}]"] = ratio
+            # Each round's pair ran back to back: their ratios see the same machine load.
+            paired = [q / f for q, f in zip(times[low], times[f"muonscale[{dtype_name}]"])]
+            result.setdefault("paired_ratios", {})[f"{low}/muonscale[{dtype_name}]"] = paired
             print(
                 f"muonscale {args.state_precision} / full-precision state at {dtype_name}: "
-                f"{ratio:.3f}"
+                f"{ratio:.3f} (per round: median {statistics.median(paired):.3f}, "
+                f"{min(paired):.3f}-{max(paired):.3f})"
             )
     if args.json:
         with open(args.json, "w") as f:

@@ -72,6 +72,7 @@ from ..settings import MuonSettings
 from ..step_metrics import Reduction
 from .agreement import check_same_on_every_rank
 from .comm import Communicator, WireCounter, combine_over_ranks
+from .dtensor_blocks import ShardBlocks, packed_code_placements
 from .dtensor_layout import (
     MatrixUnit,
     as_2d,
@@ -82,9 +83,7 @@ from .dtensor_layout import (
     parameter_layout,
 )
 from .dtensor_state import (
-    ShardBlocks,
     ShardCodes,
-    packed_code_placements,
     shard_state_codes,
     state_blocks,
     state_keys,
@@ -183,7 +182,7 @@ class DTensorMuon(Muon):
 
     def _check_layouts(self) -> None:
         """Fail fast on unsupported placements and meshes, and on quantized state a layout
-        cannot keep exact (:func:`~.dtensor_state.shard_blocks`)."""
+        cannot keep exact (:func:`~.dtensor_blocks.shard_blocks`)."""
         for group in self.param_groups:
             for p in group["params"]:
                 self.matrix_layout(p)
