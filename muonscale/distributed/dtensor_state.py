@@ -294,37 +294,43 @@ def convert_dtensor_state_(
     → float on each shard; float → quantized on the whole tensor (``full_tensor()``, a
     collective of ``p``'s mesh) and each rank keeps its codes and scales, exactly the ones one
     process makes. ``view``: ``p``'s matrix view (Muon)."""
-    local_p = local_tensor(p)
-    muon = group["algorithm"] == "muon"
-    if muon:
+    if group["algorithm"] == "muon":
         if entry.get(MOMENTUM_KEY) is None:
             return
         stored = momentum_format_of(entry)
         if (stored.precision if stored else "param") == precision:
             return
-        floating = entry[MOMENTUM_KEY]
-        if stored is not None:  # dequantized on the shard
-            group_now = {**group, "state_precision": stored.precision}
-            blocks = {MOMENTUM_KEY: state_blocks(name, p, group_now, view, MOMENTUM_KEY)}
-            codes = shard_state_codes(entry, group_now, blocks, local_p.shape)[MOMENTUM_KEY]
-            floating = _on_mesh(codes.values().to(p.dtype), p, p.shape)
-            del entry[stored.scale_key]
-        entry[MOMENTUM_KEY] = floating
+        if stored is not None:
+            held = {**group, "state_precision": stored.precision}
+            _dequantize_state_(entry, p, held, view, name, (MOMENTUM_KEY,))
         if precision == "param":
             return
-        _quantize_state_(entry, p, {**group, "state_precision": precision}, view, name, floating)
+        quantized = {**group, "state_precision": precision}
+        _quantize_state_(entry, p, quantized, view, name, entry[MOMENTUM_KEY])
         return
     if adamw_state_is_quantized(entry) == (precision != "param"):
         return
     if precision == "param":
-        blocks = {key: state_blocks(name, p, group, None, key) for key in ADAMW_FORMATS}
-        codes = shard_state_codes(entry, group, blocks, local_p.shape)
-        for key, c in codes.items():
-            entry[key] = _on_mesh(c.values().to(p.dtype), p, p.shape)
-            del entry[c.format.scale_key]
+        _dequantize_state_(entry, p, group, None, name, tuple(ADAMW_FORMATS))
         return
     for key in ADAMW_FORMATS:
         _quantize_state_(entry, p, group, None, name, entry[key], key)
+
+
+def _dequantize_state_(
+    entry: MutableMapping[str, Any],
+    p: DTensor,
+    group: Mapping[str, Any],
+    view: Any,
+    name: str,
+    keys: Sequence[str],
+) -> None:
+    """``entry[key]`` for each of ``keys``, quantized in ``group``'s precision, as floating
+    values in ``p``'s dtype and layout (dequantized on each shard), its scales dropped."""
+    blocks = {key: state_blocks(name, p, group, view, key) for key in keys}
+    for key, held in shard_state_codes(entry, group, blocks, local_tensor(p).shape).items():
+        entry[key] = _on_mesh(held.values().to(p.dtype), p, p.shape)
+        del entry[held.format.scale_key]
 
 
 def _quantize_state_(
