@@ -20,6 +20,7 @@ parameters floating."""
 from __future__ import annotations
 
 import copy
+from fnmatch import fnmatch
 
 import megatron_workers as W
 import pytest
@@ -57,19 +58,12 @@ def _megatron(model, **extra):
 
 def _named_state(opt) -> dict[str, dict[str, torch.Tensor]]:
     """Every parameter's state by name, TP pieces gathered into the whole (canonical order;
-    a column piece's scales placed among its blocks); ZeRO-1: the full state of its
+    a column piece's scales placed among its blocks); ZeRO-1: of the full state of its
     ``state_dict()`` (collective)."""
-    out = {}
     if opt.dp_mode == "zero1":
-        saved = opt.state_dict()
-        for group in saved["param_groups"]:
-            for name, index in zip(group["param_names"], group["params"]):
-                state = saved["state"].get(index, {})
-                out[name] = {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim()}
-        return out
-    for plan in opt.plans:
-        out[plan.name] = W.whole_state(opt, plan)
-    return out
+        saved = _saved_by_name(opt.state_dict())
+        return {pl.name: W.whole_state(opt, pl, saved.get(pl.name, {})) for pl in opt.plans}
+    return {plan.name: W.whole_state(opt, plan) for plan in opt.plans}
 
 
 def _reference(precision: str, floating: tuple[str, ...] = (), shape: dict = W.TINY) -> dict:
@@ -296,6 +290,59 @@ def _refusal(tp: int, num_experts: int | None = None, **extra) -> str:
     return ""
 
 
+def run_zero1_tp2(rank: int, world_size: int) -> dict:
+    """ZeRO-1 and the replicated optimizer at TP 2 (and the data-parallel size the pool
+    leaves), the TP-cut biases' AdamW state floating: int8, int4 on ``WIDE_FFN`` (pieces
+    whose touched blocks outnumber their own), and resumes from one mode into the other."""
+    torch.set_num_threads(1)
+    wide = dict(state_precision="int4", shape=WIDE_FFN, float_state_params=CUT_BIASES)
+    out = {}
+    for precision, extra in (("int8", dict(state_precision="int8")), ("int4", wide)):
+        extra = {"float_state_params": CUT_BIASES, **extra}
+        for mode in ("zero1", "replicated"):
+            out[f"{mode}_{precision}"] = _run(2, dp_mode=mode, **extra)
+    out["zero1_to_replicated"] = _run(
+        2, resume_at=2, resume_with=dict(dp_mode="replicated"), dp_mode="zero1", **wide
+    )
+    out["replicated_to_zero1"] = _run(
+        2, resume_at=2, resume_with=dict(dp_mode="zero1"), dp_mode="replicated", **wide
+    )
+    return out
+
+
+def check_zero1_tp2(per_rank: list[dict], ref: dict | None = None) -> None:
+    """:func:`run_zero1_tp2`'s results (every rank's): ZeRO-1's weights and gathered state
+    equal the replicated run's bitwise, its quantized row-parallel momenta (of blocks the TP
+    shard cuts) included; resumes across the modes equal the uninterrupted run; the
+    all-reduce (max) of the cut blocks' maxima over each TP group carries the bytes its shapes
+    say, split among the data-parallel owners (``ref``: one process's int8 state, whose Muon
+    state the ZeRO-1 run's equals)."""
+    runs = per_rank[0]
+    for precision in ("int8", "int4"):
+        zero1, replicated = runs[f"zero1_{precision}"], runs[f"replicated_{precision}"]
+        assert zero1["dp_mode"] == "zero1" and replicated["dp_mode"] == "replicated"
+        W.assert_same_state(zero1["params"], replicated["params"], f"{precision} params")
+        W.assert_same_state(zero1["state"], replicated["state"], f"{precision} state")
+        quantized = _quantized(zero1["state"])
+        row_parallel = [n for n in quantized if any(fnmatch(n, p) for p in ROW_PARALLEL)]
+        assert len(row_parallel) == 2 * W.TINY["num_layers"], row_parallel
+        if precision == "int8" and ref is not None:
+            for name in quantized:
+                W.assert_same_state(zero1["state"][name], ref["state"][name], name)
+        tp, block = 2, (256 if precision == "int8" else 128)
+        muon = sum(  # float32 maxima: rows × cut blocks of each row-parallel weight
+            4 * shape[0] * _cut_blocks(shape[1], tp * stride, block)
+            for algorithm, shape, dim, stride in zero1["sharded"].values()
+            if algorithm == "muon" and dim == 1
+        )
+        sent = sum(r[f"zero1_{precision}"]["wire"]["tp_block_scales/all_reduce"] for r in per_rank)
+        assert muon and sent == tp * (2 * (tp - 1) * muon // tp), (precision, sent, muon)
+    whole = runs["replicated_int4"]
+    for resumed in ("zero1_to_replicated", "replicated_to_zero1"):
+        W.assert_same_state(runs[resumed]["params"], whole["params"], f"{resumed} params")
+        W.assert_same_state(runs[resumed]["state"], whole["state"], f"{resumed} state")
+
+
 def run_low_bit(rank: int, world_size: int) -> dict:
     torch.set_num_threads(1)
     adamw = _adamw_names()
@@ -339,7 +386,8 @@ def run_low_bit(rank: int, world_size: int) -> dict:
             dp_mode="replicated",
             float_state_params=ROW_PARALLEL + CUT_BIASES,
         ),
-        refuse_row_parallel=_refusal(
+        zero1_tp2=run_zero1_tp2(rank, world_size),
+        accept_row_parallel=_refusal(
             2, state_precision="int8", dp_mode="zero1", float_state_params=CUT_BIASES
         ),
         refuse_bias=_refusal(
@@ -372,8 +420,12 @@ def run_low_bit(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results(pool2):
-    per_rank = pool2.run(run_low_bit, timeout=600)
+def per_rank(pool2):
+    return pool2.run(run_low_bit, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def results(per_rank):
     return per_rank[0]
 
 
@@ -547,13 +599,19 @@ def test_tp2_quantized_step_equals_float_step_from_dequantized_state(results, pr
     assert results["tp2_mismatched" if precision == "int8" else "tp2_int4_mismatched"] == []
 
 
-def test_cut_rows_are_refused_by_name_under_zero1(results):
-    row = results["refuse_row_parallel"]
-    assert "linear_proj.weight" in row or "linear_fc2.weight" in row, row
-    assert "partition_dim=1" in row and "float_state_params" in row
-    assert "dp_mode='replicated'" in row
+def test_zero1_tp2_equals_replicated_bitwise(per_rank, results):
+    """ZeRO-1 at TP 2 (DP 1; DP 2 in ``test_megatron_dp``): the owners of a row-parallel
+    weight share its cut blocks' scales over the TP group as the replicated optimizer does."""
+    check_zero1_tp2([r["zero1_tp2"] for r in per_rank], results["ref8"])
+
+
+def test_zero1_refuses_tp_cut_adamw_state_by_name(results):
+    """Row-parallel weights (Muon) are accepted under ZeRO-1; a TP-sharded bias's 8-bit AdamW
+    moments, whose blocks the TP shard cuts, are refused by name."""
+    assert results["accept_row_parallel"] == ""
     bias = results["refuse_bias"]
     assert ".bias'" in bias and "partition_dim=0" in bias, bias
+    assert "float_state_params" in bias and "dp_mode='replicated'" in bias
 
 
 @pytest.mark.parametrize("conversion", ["int4_as_param", "int4_as_int8", "param_into_int4"])

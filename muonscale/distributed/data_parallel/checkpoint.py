@@ -22,7 +22,7 @@ part it holds). Both take the :class:`~.layout.DataParallelLayout`, the
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -52,6 +52,9 @@ from .reduction import BucketedReduction
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
 HELD_BESIDES_MOMENTUM = (MOMENTUM_SCALE, MOMENTUM_ABSMAX, *VARIANT_STATE)
 """The state a Muon parameter's owner may hold besides the momentum (``kept`` decides)."""
+HeldShape = Callable[[torch.Tensor, Mapping[str, Any], str, tuple[int, ...]], tuple[int, ...]]
+"""(Muon parameter, its group, state key, declared shape) -> the shape its owner holds that
+state in (a subclass's layout may differ from the declared one: Megatron's column pieces)."""
 
 
 def _sharded_names(store: Any) -> tuple[str, ...]:
@@ -116,12 +119,14 @@ def gather_full_state(
     reduction: BucketedReduction,
     state: Mapping[torch.Tensor, dict[str, Any]],
     param_table: ParamTable,
+    held_shape: HeldShape | None = None,
 ) -> dict[int, dict[str, torch.Tensor]]:
     """``{parameter index: state}`` for every parameter, on every rank (collective; not
-    counted as a step's traffic)."""
+    counted as a step's traffic). ``held_shape``: the shape each owned state tensor has (None:
+    its declared shape)."""
     step_counter, layout.comm.counter = layout.comm.counter, WireCounter()
     try:
-        return _gather_full_state(layout, reduction, state, param_table)
+        return _gather_full_state(layout, reduction, state, param_table, held_shape)
     finally:
         layout.comm.counter = step_counter
 
@@ -131,6 +136,7 @@ def _gather_full_state(
     reduction: BucketedReduction,
     state: Mapping[torch.Tensor, dict[str, Any]],
     param_table: ParamTable,
+    held_shape: HeldShape | None,
 ) -> dict[int, dict[str, torch.Tensor]]:
     full: dict[int, dict[str, torch.Tensor]] = {}
     for i in layout.muon_indices:  # momentum (and main copy) live on the owners only
@@ -147,7 +153,10 @@ def _gather_full_state(
         if main_dtype is not None:
             specs["main_param"] = (p.shape, main_dtype)
         for spec in kept_state(settings, variants_only=True):  # on the owner, whole
-            specs[spec.key] = (spec.shape(view), spec.dtype(settings, p.dtype))
+            shape = tuple(spec.shape(view))
+            if held_shape is not None:
+                shape = held_shape(p, group, spec.key, shape)
+            specs[spec.key] = (shape, spec.dtype(settings, p.dtype))
         full[i] = {}
         for name, (shape, dtype) in specs.items():
             buf = torch.empty(shape, dtype=dtype, device=p.device)

@@ -498,8 +498,15 @@ class DistributedMuon(Muon):
     def _gather_state(self) -> dict[int, dict[str, torch.Tensor]]:
         """The full state, gathered from the owners (collective; a subclass hook)."""
         return checkpoint.gather_full_state(
-            self.layout, self.reduction, self.state, self.param_table
+            self.layout, self.reduction, self.state, self.param_table, self._held_state_shape
         )
+
+    def _held_state_shape(
+        self, p: torch.Tensor, group: Mapping[str, Any], key: str, shape: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        """The shape an owner holds state ``key`` of Muon parameter ``p`` in (``shape``: its
+        declared shape; a subclass hook)."""
+        return shape
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load full state (from this class, :class:`muonscale.Muon`, or DCP's

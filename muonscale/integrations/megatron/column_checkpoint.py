@@ -20,6 +20,7 @@ import torch
 from muonscale.block_quantization import scale_shape
 from muonscale.matrices import MatrixView
 from muonscale.momentum_formats import MOMENTUM_FORMATS, momentum_format_of
+from muonscale.optimizer_state import state_dict_in_precision
 from muonscale.quantized_state import (
     ADAMW_MOMENTS,
     adamw_block_shape,
@@ -27,6 +28,7 @@ from muonscale.quantized_state import (
     momentum_block_shape,
     momentum_scale_shape,
 )
+from muonscale.settings import check_state_precision
 
 from .low_bit import ColumnPiece, SharedColumnScales
 from .plan import ParamPlan
@@ -149,6 +151,20 @@ class ColumnCheckpoints:
         if pending:
             self.scales.quantize_(pending)
 
+    def in_precision(
+        self,
+        packed: dict[str, Any],
+        param_groups: Sequence[Mapping[str, Any]],
+        precision: str,
+    ) -> dict[str, Any]:
+        """A ``state_dict()`` of the optimizer (``packed``) converted to ``precision`` as
+        :func:`~muonscale.optimizer_state.state_dict_in_precision` converts it, the column
+        pieces' state first (:meth:`converted_`; collective over each TP group)."""
+        check_state_precision(precision)
+        packed = {**packed, "state": dict(packed["state"])}  # column pieces' entries replaced
+        self.converted_(packed, param_groups, precision)
+        return state_dict_in_precision(packed, param_groups, self.view_of, precision)
+
     @torch.no_grad()
     def converted_(
         self,
@@ -203,14 +219,18 @@ def _written(
     view: MatrixView | None,
     values: Mapping[str, torch.Tensor],
 ) -> list[ColumnPiece]:
-    """``values`` written into ``entry`` in ``precision``: floating values in ``p``'s dtype
-    (scales of any format dropped), or new codes and scales of (rows, blocks touched), whose
-    quantization is returned as pieces for :meth:`SharedColumnScales.quantize_`."""
+    """``values`` written into ``entry`` in ``precision``: floating values in the dtype of the
+    floating tensor ``entry`` holds under the key, else ``p``'s (a ZeRO-1 owner's main copy
+    state is wider than ``p``; scales of any format dropped), or new codes and scales of
+    (rows, blocks touched), whose quantization is returned as pieces for
+    :meth:`SharedColumnScales.quantize_`."""
     for key in [*(f.scale_key for f in MOMENTUM_FORMATS.values()), *_ADAMW_ABSMAX]:
         entry.pop(key, None)
     if precision == "param":
         for key, value in values.items():
-            entry[key] = value.reshape(p.shape).to(p.dtype)
+            held = entry.get(key)
+            floating = torch.is_tensor(held) and held.is_floating_point()
+            entry[key] = value.reshape(p.shape).to(held.dtype if floating else p.dtype)
         return []
     rows = (momentum_block_shape(view) if view is not None else adamw_block_shape(p))[0]
     pieces = []

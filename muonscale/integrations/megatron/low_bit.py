@@ -10,9 +10,12 @@ such block the maximum of its pieces' absmax over the TP group (one all-reduce (
 group and TP group, tag ``"tp_block_scales"``), so codes and scales are one process's.
 Their checkpoints: :mod:`.column_checkpoint`.
 
-ZeRO-1 (``dp_mode="zero1"``) gathers and shards state laid out by each piece's own blocks, so
-there such pieces are refused by name, pointing at ``float_state_params`` (*Low-bit state* in
-the docs)."""
+Under ZeRO-1 (``dp_mode="zero1"``) a Muon matrix is owned whole per TP piece, and the ranks of
+one TP group own the same matrices (ownership is a function of the pieces' shapes, the same on
+every TP rank), so the owners share these scales as above. AdamW's flat data-parallel shards
+hold blocks of the piece's own shape, so an AdamW piece that holds columns of its rows (a
+TP-sharded bias) is refused there by name, pointing at ``float_state_params`` (*Low-bit
+state* in the docs)."""
 
 from __future__ import annotations
 
@@ -77,26 +80,21 @@ def plan_column_blocks(
     return blocks if blocks.shared else None
 
 
-def _block_size(plan: ParamPlan, precision: str) -> int:
-    if plan.algorithm == "muon":
-        return MOMENTUM_FORMATS[precision].block_size
-    return BLOCK_SIZE
-
-
 def cut_rows_reason(plan: ParamPlan, precision: str, zero1: bool) -> str | None:
     """Why ``plan``'s quantized state (in ``precision``) cannot be exact on this layout (None:
     it is). A piece whose blocks other TP ranks share is exact through shared scales, except
-    under ZeRO-1 (``zero1``), whose gathered checkpoints and flat AdamW shards are laid out by
-    the piece's own blocks."""
-    if not zero1:
+    for AdamW under ZeRO-1 (``zero1``), whose flat data-parallel shards share the scales of
+    the blocks of the piece's own shape (Muon momentum is owned whole per TP piece, and the
+    owners of one matrix's pieces share their scales over the TP group)."""
+    if not zero1 or plan.algorithm == "muon" or precision == "param":
         return None
-    local = adamw_block_shape(plan.param)  # a Muon matrix's too: Megatron's are 2-D
-    if plan_column_blocks(plan, local, _block_size(plan, precision), 0) is None:
+    if plan_column_blocks(plan, adamw_block_shape(plan.param), BLOCK_SIZE, 0) is None:
         return None
     return (
         f"its tensor-parallel shard (partition_dim={plan.partition_dim}) cuts blocks of its "
-        "rows, whose scales are shared over the TP group only under dp_mode='replicated' "
-        "(ZeRO-1 gathers and shards state laid out by the shard's own blocks)"
+        "rows, and ZeRO-1 shards its AdamW moments over data parallel by the shard's own "
+        "blocks (the scales of blocks the TP shard cuts are shared over the TP group under "
+        "dp_mode='replicated', and for Muon momentum under ZeRO-1)"
     )
 
 
