@@ -22,6 +22,7 @@ part it holds). Both take the :class:`~.layout.DataParallelLayout`, the
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -46,7 +47,12 @@ from ...settings import MuonSettings
 from ..comm import WireCounter
 from .buckets import ExpertRange, OwnedUnit
 from .layout import DataParallelLayout, expert_rows
-from .quantized_shards import CODE_BUFFERS, absmax_numel, segment_blocks, zero_code
+from .quantized_shards import (
+    CODE_BUFFERS,
+    SharedBlockScales,
+    segment_blocks,
+    zero_code,
+)
 from .reduction import BucketedReduction
 
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -80,22 +86,34 @@ def _gather_absmax(
     reduction: BucketedReduction,
     state: Mapping[torch.Tensor, dict[str, Any]],
     indices: list[int],
+    block_scales: SharedBlockScales,
 ) -> dict[int, dict[str, torch.Tensor]]:
-    """The whole absmax (rows, ⌈cols / 256⌉) of each 8-bit AdamW parameter of ``indices``
-    (collective: one all-reduce (max) of every range laid end to end; a block on several
-    ranks has the same absmax on each)."""
+    """The whole absmax (rows, ⌈cols / 256⌉) of each 8-bit AdamW parameter of ``indices``, a
+    column parameter's of the blocks its piece touches (1, count) (collective: one all-reduce
+    (max) of every range laid end to end; a block on several ranks has the same absmax on
+    each)."""
     quantized = [i for i in indices if i in reduction.quantized_adamw]
     if not quantized:
         return {}
-    offsets, total = {}, 0
+    offsets, total, shapes = {}, 0, {}
     for i in quantized:
+        column = block_scales.saved_absmax(i)
+        if column is not None:
+            shapes[i] = (1, column[0])
+        else:
+            shapes[i] = scale_shape(*adamw_block_shape(layout.params[i]))
         for _, key, _ in QUANTIZED_MOMENTS:
             offsets[(i, key)] = total
-            total += absmax_numel(layout.params[i].shape)
+            total += math.prod(shapes[i])
     device = layout.params[quantized[0]].device
     whole = torch.zeros(total, dtype=torch.float32, device=device)
     for i in quantized:
-        if i in reduction.segments:
+        column = block_scales.saved_absmax(i)
+        if i in reduction.segments and column is not None:
+            for _, key, _ in QUANTIZED_MOMENTS:
+                at = torch.tensor(column[1], dtype=torch.long, device=device) + offsets[(i, key)]
+                whole.index_copy_(0, at, state[layout.params[i]][key].to(device))
+        elif i in reduction.segments:
             seg = reduction.segments[i][1]
             blocks = segment_blocks(layout.params[i].shape, seg.param_start, seg.length)
             for _, key, _ in QUANTIZED_MOMENTS:
@@ -104,12 +122,10 @@ def _gather_absmax(
     layout.comm.all_reduce(whole, op=dist.ReduceOp.MAX, tag="checkpoint")
     out: dict[int, dict[str, torch.Tensor]] = {}
     for i in quantized:
-        p = layout.params[i]
-        shape = scale_shape(*adamw_block_shape(p))
         out[i] = {}
         for _, key, _ in QUANTIZED_MOMENTS:
             at = offsets[(i, key)]
-            out[i][key] = whole[at : at + absmax_numel(p.shape)].view(shape).clone()
+            out[i][key] = whole[at : at + math.prod(shapes[i])].view(shapes[i]).clone()
     return out
 
 
@@ -119,6 +135,7 @@ def gather_full_state(
     reduction: BucketedReduction,
     state: Mapping[torch.Tensor, dict[str, Any]],
     param_table: ParamTable,
+    block_scales: SharedBlockScales,
     held_shape: HeldShape | None = None,
 ) -> dict[int, dict[str, torch.Tensor]]:
     """``{parameter index: state}`` for every parameter, on every rank (collective; not
@@ -126,7 +143,7 @@ def gather_full_state(
     its declared shape)."""
     step_counter, layout.comm.counter = layout.comm.counter, WireCounter()
     try:
-        return _gather_full_state(layout, reduction, state, param_table, held_shape)
+        return _gather_full_state(layout, reduction, state, param_table, block_scales, held_shape)
     finally:
         layout.comm.counter = step_counter
 
@@ -136,6 +153,7 @@ def _gather_full_state(
     reduction: BucketedReduction,
     state: Mapping[torch.Tensor, dict[str, Any]],
     param_table: ParamTable,
+    block_scales: SharedBlockScales,
     held_shape: HeldShape | None,
 ) -> dict[int, dict[str, torch.Tensor]]:
     full: dict[int, dict[str, torch.Tensor]] = {}
@@ -180,14 +198,14 @@ def _gather_full_state(
             gathered[name] = shards.full.new_empty(shards.full.numel(), dtype=mine.dtype)
             layout.comm.all_gather(gathered[name], mine, tag="checkpoint")  # (padded,)
         flat = shards.layout
-        absmax = _gather_absmax(layout, reduction, state, flat.params)
+        absmax = _gather_absmax(layout, reduction, state, flat.params, block_scales)
         for i, off, n in zip(flat.params, flat.offsets, flat.numels):
             p = layout.params[i]
             full[i] = {"step": state[p]["step"].clone()}
             for key, name in _entry_buffers(reduction, i, shards).items():
                 full[i][key] = gathered[name][off : off + n].view(p.shape).clone()
             full[i].update(absmax.get(i, {}))
-    full.update(_gather_fill_state(layout, reduction, state))
+    full.update(_gather_fill_state(layout, reduction, state, block_scales))
     return {i: full[i] for i in sorted(full)}
 
 
@@ -206,6 +224,7 @@ def _gather_fill_state(
     layout: DataParallelLayout,
     reduction: BucketedReduction,
     state: Mapping[torch.Tensor, dict[str, Any]],
+    block_scales: SharedBlockScales,
 ) -> dict[int, dict[str, torch.Tensor]]:
     """Full AdamW state (and main copies) of the parameters in stream fills (collective: one
     all-gather per moment and stream, each rank's range padded to the longest)."""
@@ -238,7 +257,7 @@ def _gather_fill_state(
                     full[seg.param][key].view(-1)[
                         seg.param_start : seg.param_start + seg.length
                     ] = gathered[name][src : src + seg.length]
-        absmax = _gather_absmax(layout, reduction, state, fill_layout.params)
+        absmax = _gather_absmax(layout, reduction, state, fill_layout.params, block_scales)
         for i, scales in absmax.items():
             full[i].update(scales)
     return full
@@ -250,6 +269,7 @@ def load_full_state(
     reduction: BucketedReduction,
     state: Mapping[torch.Tensor, dict[str, Any]],
     param_table: ParamTable,
+    block_scales: SharedBlockScales,
     state_dict: dict[str, Any],
 ) -> None:
     """Take full state (keys matched through the saved param groups, as torch does) and keep
@@ -327,7 +347,8 @@ def load_full_state(
         seg = reduction.segments[i][1]
         window = slice(seg.param_start, seg.param_start + seg.length)
         if i in reduction.quantized_adamw:
-            _load_quantized_segment(held, entry, p.shape, seg)
+            label = param_table.label(p, layout.param_groups)
+            _load_quantized_segment(held, entry, p.shape, seg, block_scales.saved_absmax(i), label)
             continue
         for name in ADAMW_MOMENTS:
             source = entry.get(name)
@@ -345,21 +366,39 @@ def load_full_state(
 
 
 def _load_quantized_segment(
-    held: dict[str, Any], entry: Mapping[str, Any], shape: torch.Size, seg: Any
+    held: dict[str, Any],
+    entry: Mapping[str, Any],
+    shape: torch.Size,
+    seg: Any,
+    column: tuple[int, list[int]] | None,
+    label: str,
 ) -> None:
     """This rank's codes and absmax range of a whole 8-bit AdamW entry (zero moments where the
-    entry has none)."""
-    blocks = segment_blocks(shape, seg.param_start, seg.length)
+    entry has none); ``column``: a column parameter's :meth:`~.quantized_shards.
+    SharedBlockScales.saved_absmax` (its absmax taken at those places, ``ValueError`` naming
+    parameter ``label`` for another count)."""
     window = slice(seg.param_start, seg.param_start + seg.length)
-    scales = slice(blocks.first_block, blocks.first_block + blocks.block_count)
+    if column is None:
+        blocks = segment_blocks(shape, seg.param_start, seg.length)
+        scales: slice | list[int] = slice(
+            blocks.first_block, blocks.first_block + blocks.block_count
+        )
+    else:
+        scales = column[1]
     for key, absmax_key, signed in QUANTIZED_MOMENTS:
         codes, absmax = entry.get(key), entry.get(absmax_key)
         if codes is None or absmax is None:
             held[key].fill_(zero_code(signed))
             held[absmax_key].zero_()
-        else:
-            held[key].copy_(codes.reshape(-1)[window])
-            held[absmax_key].copy_(absmax.reshape(-1)[scales])
+            continue
+        if column is not None and absmax.numel() != column[0]:
+            raise ValueError(
+                f"load_state_dict: parameter '{label}': {absmax_key!r} has "
+                f"{absmax.numel()} entries in the checkpoint, {column[0]} here (the blocks its "
+                "tensor-parallel piece touches; saved at another TP size?)"
+            )
+        held[key].copy_(codes.reshape(-1)[window])
+        held[absmax_key].copy_(absmax.reshape(-1)[scales])
 
 
 def _in_precisions(

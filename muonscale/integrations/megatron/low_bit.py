@@ -38,6 +38,7 @@ from muonscale.column_blocks import (
     strided_spans,
 )
 from muonscale.distributed.comm import Communicator, WireCounter
+from muonscale.distributed.data_parallel.quantized_shards import ColumnPlacement
 from muonscale.group_step import adamw_group_step
 from muonscale.matrices import MatrixView
 from muonscale.momentum_formats import MOMENTUM_FORMATS, MomentumFormat, momentum_format_of
@@ -88,13 +89,14 @@ def cut_rows_reason(plan: ParamPlan, precision: str, zero1: bool) -> str | None:
     owners of one matrix's pieces share their scales over the TP group)."""
     if not zero1 or plan.algorithm == "muon" or precision == "param":
         return None
-    if plan_column_blocks(plan, adamw_block_shape(plan.param), BLOCK_SIZE, 0) is None:
+    local = adamw_block_shape(plan.param)
+    if local[0] == 1 or plan_column_blocks(plan, local, BLOCK_SIZE, 0) is None:
         return None
     return (
         f"its tensor-parallel shard (partition_dim={plan.partition_dim}) cuts blocks of its "
-        "rows, and ZeRO-1 shards its AdamW moments over data parallel by the shard's own "
-        "blocks (the scales of blocks the TP shard cuts are shared over the TP group under "
-        "dp_mode='replicated', and for Muon momentum under ZeRO-1)"
+        f"{local[0]} rows, and ZeRO-1 shares the scales of such blocks in AdamW's flat "
+        "data-parallel shards for pieces of one row only (a TP-sharded bias); under "
+        "dp_mode='replicated' every piece shares them"
     )
 
 
@@ -207,6 +209,21 @@ class SharedColumnScales:
 
     def adamw_blocks(self, plan: ParamPlan) -> ColumnBlocks | None:
         return self.blocks(plan, adamw_block_shape(plan.param), BLOCK_SIZE)
+
+    def placement(self, plan: ParamPlan) -> ColumnPlacement | None:
+        """Where an AdamW piece of one row (a TP-sharded bias) lies in the whole row, for
+        ZeRO-1's flat shards (:mod:`muonscale.distributed.data_parallel.quantized_shards`),
+        when it shares blocks with other TP ranks; else None."""
+        blocks = self.adamw_blocks(plan)
+        if blocks is None or adamw_block_shape(plan.param)[0] != 1:
+            return None
+        spans = tuple(
+            strided_spans(blocks.cols, plan.tp_size, r, plan.partition_stride)
+            for r in range(plan.tp_size)
+        )
+        group = self.groups.expt_tp if plan.expert else self.groups.tp
+        comm = Communicator(group, counter=self.counter)
+        return ColumnPlacement(blocks.cols, spans, self._rank(plan), comm)
 
     def tensors(
         self, plan: ParamPlan, algorithm: str, precision: str, view: MatrixView | None

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from muonscale.declared_state import replicated_declarations, replicated_state
 from muonscale.distributed.comm import Communicator, WireCounter, combine_over_ranks
 from muonscale.distributed.data_parallel import AgreedGradients, DistributedMuon
+from muonscale.distributed.data_parallel.quantized_shards import ColumnPlacement
 from muonscale.matrices import MatrixView
 from muonscale.matrix_step import ApplyUpdates
 from muonscale.optimizer import Muon
@@ -347,6 +348,7 @@ class MegatronDistributedMuon(DistributedMuon):
             )
         precision = options.get("state_precision", "param")
         refuse_cut_rows(self.plans, param_groups, precision, zero1=True)
+        self.column_scales = SharedColumnScales(groups, self.wire_counter)
         self.external_grad_norm = external_grad_norm
         super().__init__(
             param_groups,
@@ -363,7 +365,6 @@ class MegatronDistributedMuon(DistributedMuon):
             for key in held_row_state(state):
                 held = state[key]
                 state[key] = self.tp_matrices.row_state_zeros(view, plan, held.dtype, held.device)
-        self.column_scales = SharedColumnScales(groups, self.wire_counter)
         self.column_checkpoints = ColumnCheckpoints(
             self.column_scales, self._matrix_view, self._plan_of
         )
@@ -408,6 +409,10 @@ class MegatronDistributedMuon(DistributedMuon):
             for p in group["params"]
             if MOMENTUM_KEY in self.state.get(p, {})
         ]
+
+    def _column_placement(self, p: torch.Tensor) -> ColumnPlacement | None:
+        """A TP-sharded bias whose blocks other TP ranks share: its place in the whole bias."""
+        return self.column_scales.placement(self._plan_of(p))
 
     def _held_state_shape(
         self, p: torch.Tensor, group: Mapping[str, Any], key: str, shape: tuple[int, ...]
@@ -454,13 +459,15 @@ class MegatronDistributedMuon(DistributedMuon):
         )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """:meth:`DistributedMuon.load_state_dict`, a column piece's momentum at its owners as
-        :class:`MegatronMuon` loads it (:mod:`.column_checkpoint`; collective over each TP
-        group where it converts), then the row state's rows of every TP rank gathered into the
-        whole replica (collective over each TP group)."""
-        state_dict = dict(state_dict)
-        state_dict["state"] = dict(state_dict["state"])  # column pieces' entries replaced
-        aside = self.column_checkpoints.set_aside_(state_dict, self.param_groups)
+        """:meth:`DistributedMuon.load_state_dict` of the state converted to this optimizer's
+        precisions, a column piece's under its TP group's shared maxima first
+        (:mod:`.column_checkpoint`; collective over each TP group where it converts), then the
+        row state's rows of every TP rank gathered into the whole replica (collective over
+        each TP group)."""
+        state_dict = {**state_dict, "state": dict(state_dict["state"])}  # entries replaced
+        self.column_checkpoints.converted_(state_dict, self.param_groups)
+        # Muon column pieces' scales, of the blocks they touch, past the shape checks
+        aside = self.column_checkpoints.set_aside_(state_dict, self.param_groups, ("muon",))
         entries = self._row_state_entries()
         wholes = self.tp_matrices.to_rank_rows_(entries)  # the shape a checkpoint holds
         try:
@@ -468,7 +475,7 @@ class MegatronDistributedMuon(DistributedMuon):
         except BaseException:
             self.tp_matrices.restore_(entries, wholes)
             raise
-        owned = {id(p) for p, _ in self._owned_muon()}
+        owned = {id(p) for p, _ in self._owned_muon()}  # the owners hold the momentum
         aside = {key: held for key, held in aside.items() if key in owned}
         self.column_checkpoints.put_back_(self.state, self.param_groups, aside)
         self.tp_matrices.to_whole_(self._row_state_entries(), WireCounter())
