@@ -241,11 +241,11 @@ def _conversion_references(shape: dict) -> dict:
     return out
 
 
-def _conversions(tp: int, shape: dict) -> dict:
-    """The adapter at ``tp`` on ``shape`` after STEPS steps, its state converted as the
-    references' (:func:`_conversion_references`): an int4 run's state dict loaded into a
-    floating optimizer, its ``state_dict_in_precision("int8")`` into an int8 one, and a
-    floating run's state dict into an int4 one; each optimizer's gathered state."""
+def _conversions(tp: int, shape: dict, dp_mode: str = "replicated") -> dict:
+    """The adapter at ``tp`` on ``shape`` in ``dp_mode`` after STEPS steps, its state
+    converted as the references' (:func:`_conversion_references`): an int4 run's state dict
+    loaded into a floating optimizer, its ``state_dict_in_precision("int8")`` into an int8
+    one, and a floating run's state dict into an int4 one; each optimizer's gathered state."""
     import warnings
 
     from megatron.core import parallel_state as ps
@@ -254,7 +254,7 @@ def _conversions(tp: int, shape: dict) -> dict:
     out, saved = {}, {}
     for precision in ("int4", "param"):
         model = W.build_gpt(shape, seed=0)
-        opt = _megatron(model, state_precision=precision, dp_mode="replicated")
+        opt = _megatron(model, state_precision=precision, dp_mode=dp_mode)
         for step in range(STEPS):
             W.inject_gradients(model, step)
             opt.step()
@@ -267,7 +267,7 @@ def _conversions(tp: int, shape: dict) -> dict:
         ("int4_as_int8", "int4_as_int8", "int8"),
         ("param_into_int4", "param", "int4"),
     ):
-        opt = _megatron(W.build_gpt(shape, seed=0), state_precision=precision, dp_mode="replicated")
+        opt = _megatron(W.build_gpt(shape, seed=0), state_precision=precision, dp_mode=dp_mode)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the conversion's warning
             opt.load_state_dict(saved[source])
@@ -389,6 +389,7 @@ def run_low_bit(rank: int, world_size: int) -> dict:
         zero1_tp2=run_zero1_tp2(rank, world_size),
         conversion_refs=_conversion_references(WIDE_FFN),
         conversions=_conversions(2, WIDE_FFN),
+        conversions_zero1=_conversions(2, WIDE_FFN, "zero1"),
         wide_ref4=_reference("int4", shape=WIDE_FFN),
         wide_tp2_int4=_run(2, state_precision="int4", dp_mode="replicated", shape=WIDE_FFN),
         wide_tp2_int4_resumed=_run(
@@ -622,13 +623,16 @@ def test_zero1_refuses_multi_row_tp_cut_adamw_state_by_name():
     assert "dp_mode='replicated'" in message
 
 
+@pytest.mark.parametrize("dp_mode", ["replicated", "zero1"])
 @pytest.mark.parametrize("conversion", ["int4_as_param", "int4_as_int8", "param_into_int4"])
-def test_tp2_column_state_converts_as_one_process(results, conversion):
+def test_tp2_column_state_converts_as_one_process(results, conversion, dp_mode):
     """Converting state between precisions at TP 2 (``WIDE_FFN``: pieces whose touched blocks
     outnumber their own): an int4 checkpoint loaded into floating state, an int4 run's
     ``state_dict_in_precision("int8")`` loaded into int8 state, a floating checkpoint loaded
-    into int4 state (quantized under the shared maxima at load): every parameter's gathered
-    state equals one process's same conversion bitwise."""
-    got, want = results["conversions"][conversion], results["conversion_refs"][conversion]
+    into int4 state (quantized under the shared maxima at load), replicated and ZeRO-1 (the
+    full state of its ``state_dict()``): every parameter's gathered state equals one
+    process's same conversion bitwise."""
+    runs = results["conversions" if dp_mode == "replicated" else "conversions_zero1"]
+    got, want = runs[conversion], results["conversion_refs"][conversion]
     assert any(n.endswith("linear_fc2.weight") for n in got)
     W.assert_same_state(got, want, conversion)

@@ -174,15 +174,18 @@ class ColumnCheckpoints:
         packed: dict[str, Any],
         param_groups: Sequence[Mapping[str, Any]],
         precision: str | None = None,
+        algorithms: tuple[str, ...] = ("muon", "adamw"),
     ) -> None:
         """In a state dict of this layout (``packed``, whose ``"state"`` the caller copied;
-        the entries are replaced, not changed): each column piece's state in ``precision``
-        (None: its group's), from the precision it was saved in: dequantized by the piece
-        alone, quantized under the shared maxima (collective over each TP group), so that a
-        conversion that follows leaves it as it is."""
+        the entries are replaced, not changed): each column piece's state (of a parameter of
+        ``algorithms``) in ``precision`` (None: its group's), from the precision it was saved
+        in: dequantized by the piece alone, quantized under the shared maxima (collective over
+        each TP group), so that a conversion that follows leaves it as it is."""
         pending: list[ColumnPiece] = []
         for index, p, group, plan, view in self._entries(packed, param_groups):
             algorithm = group["algorithm"]
+            if algorithm not in algorithms:
+                continue
             saved = saved_precision(packed["state"][index], group)
             wanted = group.get("state_precision", "param") if precision is None else precision
             if saved == wanted or (algorithm != "muon" and "param" not in (saved, wanted)):

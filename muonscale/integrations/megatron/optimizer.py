@@ -459,14 +459,14 @@ class MegatronDistributedMuon(DistributedMuon):
         )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """:meth:`DistributedMuon.load_state_dict` of the state converted to this optimizer's
-        precisions, a column piece's under its TP group's shared maxima first
-        (:mod:`.column_checkpoint`; collective over each TP group where it converts), then the
-        row state's rows of every TP rank gathered into the whole replica (collective over
-        each TP group)."""
+        """:meth:`DistributedMuon.load_state_dict` with the column pieces' state as
+        :class:`MegatronMuon` loads it (:mod:`.column_checkpoint`; collective over each TP
+        group where it converts): an AdamW piece's converted to this optimizer's precision
+        first (its segments take the blocks it touches), a Muon piece's set aside and put
+        back at its owners; then the row state's rows of every TP rank gathered into the whole
+        replica (collective over each TP group)."""
         state_dict = {**state_dict, "state": dict(state_dict["state"])}  # entries replaced
-        self.column_checkpoints.converted_(state_dict, self.param_groups)
-        # Muon column pieces' scales, of the blocks they touch, past the shape checks
+        self.column_checkpoints.converted_(state_dict, self.param_groups, algorithms=("adamw",))
         aside = self.column_checkpoints.set_aside_(state_dict, self.param_groups, ("muon",))
         entries = self._row_state_entries()
         wholes = self.tp_matrices.to_rank_rows_(entries)  # the shape a checkpoint holds
