@@ -16,7 +16,9 @@ matrix; ``step``, ``exp_avg``, ``exp_avg_sq`` per AdamW parameter, parameter-sha
 :func:`gather_full_state` is collective; :func:`load_full_state` is local (each rank keeps the
 part it holds). Both take the :class:`~.layout.DataParallelLayout`, the
 :class:`~.reduction.BucketedReduction` (``streams``, ``flat_shards``, ``segments``,
-``main_dtype``), the optimizer's state and its :class:`~muonscale.param_table.ParamTable`.
+``main_dtype``), the optimizer's state, its :class:`~muonscale.param_table.ParamTable` and
+its :class:`~.quantized_shards.SharedBlockScales` (a column parameter's absmax: those of the
+blocks its piece touches, the replicated layout's).
 """
 
 from __future__ import annotations

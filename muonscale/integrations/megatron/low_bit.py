@@ -12,10 +12,12 @@ Their checkpoints: :mod:`.column_checkpoint`.
 
 Under ZeRO-1 (``dp_mode="zero1"``) a Muon matrix is owned whole per TP piece, and the ranks of
 one TP group own the same matrices (ownership is a function of the pieces' shapes, the same on
-every TP rank), so the owners share these scales as above. AdamW's flat data-parallel shards
-hold blocks of the piece's own shape, so an AdamW piece that holds columns of its rows (a
-TP-sharded bias) is refused there by name, pointing at ``float_state_params`` (*Low-bit
-state* in the docs)."""
+every TP rank), so the owners share these scales as above. A TP-sharded bias's AdamW moments
+lie in flat data-parallel segments: :meth:`SharedColumnScales.placement` tells
+:mod:`muonscale.distributed.data_parallel.quantized_shards` where the piece lies in the whole
+bias, whose blocks its segments then take (maxima over data parallel, then over the TP
+group). Only an AdamW piece of several rows whose blocks the TP split cuts is refused there,
+by name, pointing at ``float_state_params`` (*Low-bit state* in the docs)."""
 
 from __future__ import annotations
 

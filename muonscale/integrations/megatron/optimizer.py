@@ -4,34 +4,32 @@ collaborators: a :class:`~.grad_norm.GlobalGradNorm` and an orthogonalizer (by d
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from muonscale.declared_state import replicated_declarations, replicated_state
+from muonscale.declared_state import replicated_declarations
 from muonscale.distributed.comm import Communicator, WireCounter, combine_over_ranks
 from muonscale.distributed.data_parallel import AgreedGradients, DistributedMuon
 from muonscale.distributed.data_parallel.quantized_shards import ColumnPlacement
-from muonscale.matrices import MatrixView
 from muonscale.matrix_step import ApplyUpdates
 from muonscale.optimizer import Muon
 from muonscale.params import RouteDecision
-from muonscale.quantized_state import MOMENTUM_KEY, QuantizedMomentum, quantized_momentum
+from muonscale.quantized_state import MOMENTUM_KEY
 from muonscale.settings import MuonSettings
-from muonscale.step_metrics import Reduction, StepMetrics
+from muonscale.step_metrics import Reduction
 
 from .column_checkpoint import ColumnCheckpoints
 from .config import MegatronMuonConfig, muon_arguments
 from .grad_norm import GlobalGradNorm
-from .low_bit import ColumnMomentum, SharedColumnScales, refuse_cut_rows
+from .low_bit import SharedColumnScales, refuse_cut_rows
 from .main_params import MainParams
 from .plan import MegatronGroups, ParamPlan
 from .row_state import RowStateEntry, TensorParallelMatrices, held_row_state
-from .tensor_parallel import Orthogonalizer, TensorParallelOrthogonalizer, muon_update_
+from .tensor_parallel import MuonGroupStep, Orthogonalizer, TensorParallelOrthogonalizer
 
 
 class MegatronMuon(Muon):
@@ -396,8 +394,9 @@ class MegatronDistributedMuon(DistributedMuon):
         """The owners' Muon momentum, whole TP pieces: alone where a piece holds whole rows,
         with the scales of the blocks it shares taken over its TP group (whose ranks own the
         same matrices) where it holds columns; AdamW's flat shards with their cut blocks'
-        scales shared over data parallel. An AdamW piece that holds columns of its rows is
-        refused at construction, naming the parameter (:mod:`.low_bit`)."""
+        scales shared over data parallel, a TP-sharded bias's blocks the whole bias's (shared
+        over data parallel, then TP). An AdamW piece of several rows that holds columns of them
+        is refused at construction, naming the parameter (:mod:`.low_bit`)."""
         return cls is MegatronDistributedMuon
 
     def _owned_muon(self) -> list[tuple[torch.Tensor, Mapping[str, Any]]]:
@@ -538,86 +537,6 @@ class MegatronDistributedMuon(DistributedMuon):
         return agreed
 
 
-class MuonGroupStep:
-    """Muon on a group's parameters through an orthogonalizer, the momentum floating in its
-    stacks or quantized (a column piece's under its TP group's shared maxima), shared by both
-    optimizers.
-
-    Args:
-        column_scales: the optimizer's :class:`~.low_bit.SharedColumnScales`.
-        view_of: a Muon parameter's matrix view in its group.
-        plan_of: a parameter's (or main copy's) plan.
-        stacked: the floating momenta of a group's parameters in their stacks.
-    """
-
-    def __init__(
-        self,
-        column_scales: SharedColumnScales,
-        view_of: Callable[[torch.Tensor, Mapping[str, Any]], MatrixView],
-        plan_of: Callable[[torch.Tensor], ParamPlan],
-        stacked: Callable[[Mapping[str, Any], list[torch.Tensor], list[dict]], list[torch.Tensor]],
-    ) -> None:
-        self.column_scales, self.view_of, self.plan_of = column_scales, view_of, plan_of
-        self.stacked = stacked
-
-    def step_(
-        self,
-        group: Mapping[str, Any],
-        params: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        states: list[dict],
-        orthogonalizer: Orthogonalizer,
-        metrics: StepMetrics | None,
-        label: str,
-    ) -> None:
-        """:func:`~.tensor_parallel.muon_update_` on ``params`` (their ``states``), metered
-        under group ``label`` when the step ``metrics`` are on."""
-        orthogonalizer, timed = metered_orthogonalizer(
-            orthogonalizer, metrics, label, params[0].device
-        )
-        column = self.column_scales.momentum
-        with timed:
-            muon_update_(
-                params,
-                grads,
-                momentum_buffers(
-                    group,
-                    params,
-                    states,
-                    self.stacked,
-                    self.view_of,
-                    lambda s, p, view: column(s, self.plan_of(p), view),
-                ),
-                [self.view_of(p, group) for p in params],
-                [self.plan_of(p) for p in params],
-                group,
-                orthogonalizer,
-                [replicated_state(s, MuonSettings.from_group(group)) for s in states],
-                store_momenta=self.column_scales.store_momenta_,
-            )
-
-
-def momentum_buffers(
-    group: Mapping[str, Any],
-    params: list[torch.Tensor],
-    states: list[dict],
-    stacked: Callable[[Mapping[str, Any], list[torch.Tensor], list[dict]], list[torch.Tensor]],
-    view: Callable[[torch.Tensor, Mapping[str, Any]], MatrixView],
-    column: Callable[[dict, torch.Tensor, MatrixView], ColumnMomentum | None] | None = None,
-) -> list[torch.Tensor | QuantizedMomentum | ColumnMomentum]:
-    """The Muon momentum of ``params`` as :func:`~.tensor_parallel.muon_update_` takes it: the
-    floating buffers in their stacks (``stacked``), or each quantized one as its codes and
-    scales over the block matrix of its ``view`` (``column(state, p, view)``: a column piece's,
-    None for a piece of whole rows)."""
-    if group.get("state_precision", "param") == "param":
-        return stacked(group, params, states)
-    out: list[QuantizedMomentum | ColumnMomentum] = []
-    for p, s in zip(params, states):
-        piece = None if column is None else column(s, p, view(p, group))
-        out.append(piece if piece is not None else quantized_momentum(s, view(p, group)))
-    return out
-
-
 def whole_numel(plan: ParamPlan, p: torch.Tensor) -> int:
     """Elements of the whole parameter whose TP piece ``p`` is (its step metrics' count)."""
     return p.numel() * (plan.tp_size if plan.partition_dim is not None else 1)
@@ -635,16 +554,6 @@ def counted_on_this_tp_rank(plan: ParamPlan, groups: MegatronGroups) -> bool:
 def world_reduction(values: torch.Tensor, ops: Sequence[str]) -> torch.Tensor:
     """The step metrics over every rank (TP pieces and data-parallel replicas or owners)."""
     return combine_over_ranks(values, ops, None)
-
-
-def metered_orthogonalizer(
-    orthogonalizer: Orthogonalizer, metrics: StepMetrics | None, label: str, device: torch.device
-) -> tuple[Any, Any]:
-    """``orthogonalizer`` and a timing context, metered when the step metrics are on (the
-    scaled updates' squares go to the update RMS of group ``label``)."""
-    if metrics is None:
-        return orthogonalizer, contextlib.nullcontext()
-    return metrics.metered_updates(label, orthogonalizer), metrics.timed(device)
 
 
 def check_self_reduction(plans: Sequence[ParamPlan], groups: MegatronGroups) -> None:
