@@ -420,12 +420,12 @@ class SharedBlockScales:
 
     def _reduce_over_pieces(self, section: torch.Tensor) -> None:
         """Max of the column parameters' shared blocks over their pieces' groups (one
-        all-reduce per group, tag ``"tp_block_scales"``; collective)."""
+        all-reduce per process group, tag ``"tp_block_scales"``; collective)."""
         by_comm: dict[int, tuple[Any, list[int]]] = {}
         for i, (offset, shared) in self.column_slots.items():
             comm = self.columns[i].comm
             first = offset - 2 * len(self.slots)
-            by_comm.setdefault(id(comm), (comm, []))[1].extend(
+            by_comm.setdefault(id(comm.group), (comm, []))[1].extend(
                 range(first, first + 2 * len(shared))
             )
         for comm, where in by_comm.values():
