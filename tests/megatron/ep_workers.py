@@ -74,17 +74,19 @@ def global_name(name: str, local_count: int) -> str:
 
 def full_state(opt, local_count: int) -> dict[str, dict[str, torch.Tensor]]:
     """Every parameter's optimizer state by global name on every rank (tensors of 1 dim or
-    more): a replicated optimizer's own, TP pieces gathered (``whole_state``); ZeRO-1's the
-    full state of its halves' ``state_dict()`` (TP 1 and ETP 1; collective)."""
+    more): a replicated optimizer's own, ZeRO-1's of the full state of its halves'
+    ``state_dict()``, TP pieces gathered (``whole_state``; collective)."""
     mine = {}
     if opt.dp_mode == "zero1":
-        for saved in opt.state_dict().values():
+        for part in opt.parts.values():
+            saved = part.state_dict()
+            by_name = {}
             for group in saved["param_groups"]:
                 for name, index in zip(group["param_names"], group["params"]):
-                    entry = saved["state"].get(index, {})
-                    mine[global_name(name, local_count)] = {
-                        k: v.clone() for k, v in entry.items() if torch.is_tensor(v) and v.dim()
-                    }
+                    by_name[name] = saved["state"].get(index, {})
+            for plan in part.plans:
+                entry = by_name.get(plan.name, {})
+                mine[global_name(plan.name, local_count)] = whole_state(part, plan, entry)
     else:
         for plan in opt.plans:
             mine[global_name(plan.name, local_count)] = whole_state(opt, plan)

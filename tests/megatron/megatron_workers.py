@@ -174,12 +174,14 @@ def whole_scales(opt, plan, key: str, value: torch.Tensor) -> torch.Tensor | Non
     return whole
 
 
-def whole_state(opt, plan) -> dict[str, torch.Tensor]:
+def whole_state(opt, plan, entry=None) -> dict[str, torch.Tensor]:
     """The state tensors (1 dim or more) of ``plan``'s parameter in a replicated Megatron
-    optimizer, TP pieces gathered into the whole parameter's (canonical order; a column piece's
-    scales placed among its blocks). Collective over its TP group."""
+    optimizer (``entry``: this TP rank's state of it, default the optimizer's; a ZeRO-1
+    ``state_dict()``'s), TP pieces gathered into the whole parameter's (canonical order; a
+    column piece's scales placed among its blocks). Collective over its TP group."""
     out = {}
-    for key, value in opt.state.get(plan.param, {}).items():
+    entry = opt.state.get(plan.param, {}) if entry is None else entry
+    for key, value in entry.items():
         if not (torch.is_tensor(value) and value.dim() > 0):
             continue
         whole = whole_scales(opt, plan, key, value) if key in SCALE_BLOCKS else None

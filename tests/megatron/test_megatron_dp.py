@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import megatron_workers as W
 import pytest
+import test_megatron_low_bit as low_bit
 
 OPTIONS = dict(
     lr=0.002,
@@ -61,3 +62,13 @@ def test_tp2_dp2_batch_split_across_ranks(pool4, dp_mode):
     )
     assert muon_delta <= 1e-5
     assert delta <= 1e-3
+
+
+def test_zero1_tp2_dp2_quantized_row_parallel_equals_replicated(pool4):
+    """int8 / int4 state at TP 2 × DP 2: the ZeRO-1 owners of a row-parallel weight (the same
+    data-parallel rank on both TP ranks) share its cut blocks' scales over the TP group, so
+    weights and state equal the replicated run's bitwise (:func:`test_megatron_low_bit.
+    check_zero1_tp2`)."""
+    per_rank = pool4.run(low_bit.run_zero1_tp2, timeout=600)
+    assert len(per_rank) == 4
+    low_bit.check_zero1_tp2(per_rank)

@@ -126,10 +126,17 @@ def test_expert_tensor_parallel_int8_state_equals_one_layout(pool4):
     row-parallel ``linear_proj`` and expert ``linear_fc2`` pieces share their cut blocks'
     scales over the tensor-parallel and the expert-tensor group; the state depends on the
     gradients only, so every parameter's gathered codes and scales equal the (1, 1, 1) run's
-    bitwise."""
+    bitwise. ZeRO-1 at the same layout (DP 2, expert DP 1): the owners of those pieces (the
+    same rank of each data-parallel group on every TP or ETP rank) share them as well, and the
+    TP-sharded biases' AdamW segments over data parallel and TP: weights bitwise the
+    replicated run's, state the (1, 1, 1) run's."""
     options = dict(state_precision="int8", dp_mode="replicated")
     whole = _run(pool4, (1, 1, 1), options=options, state=True)
     got = _run(pool4, (2, 2, 2), options=options, state=True)
     _check(whole, got, "TP2 ETP2 EP2 int8")
     assert any("local_experts" in n and "momentum_scale" in s for n, s in got["state"].items())
     W.assert_same_state(got["state"], whole["state"], "state")
+    zero1 = _run(pool4, (2, 2, 2), options=dict(options, dp_mode="zero1"), state=True)
+    assert zero1["dp_mode"] == "zero1"
+    W.assert_same_state(zero1["params"], got["params"], "ZeRO-1 params")
+    W.assert_same_state(zero1["state"], whole["state"], "ZeRO-1 state")

@@ -12,10 +12,11 @@ under TP the exchange too), so each quantized step is checked bitwise against th
 floating step taken from the same weights and the dequantized state
 (``state_dict_in_precision("param")``), and the weights against one process's within the
 float32 bound of the variant tests. ZeRO-1 equals the replicated run bitwise (fp32 and bf16
-models with main copies); checkpoints resume bitwise (ZeRO-1 and replicated load each
-other's), and a column piece converts between precisions at load as one process does. ZeRO-1
-refuses pieces that hold columns of their rows by name; ``float_state_params`` keeps named
-parameters floating."""
+models with main copies; at TP 2 the column pieces too: the owners of a row-parallel weight and
+a bias's flat shards share the cut blocks' maxima); checkpoints resume bitwise (ZeRO-1 and
+replicated load each other's), and a column piece converts between precisions at load as one
+process does. ZeRO-1 refuses by name only AdamW state of a piece of several rows whose blocks
+the TP shard cuts; ``float_state_params`` keeps named parameters floating."""
 
 from __future__ import annotations
 
@@ -57,19 +58,12 @@ def _megatron(model, **extra):
 
 def _named_state(opt) -> dict[str, dict[str, torch.Tensor]]:
     """Every parameter's state by name, TP pieces gathered into the whole (canonical order;
-    a column piece's scales placed among its blocks); ZeRO-1: the full state of its
+    a column piece's scales placed among its blocks); ZeRO-1: of the full state of its
     ``state_dict()`` (collective)."""
-    out = {}
     if opt.dp_mode == "zero1":
-        saved = opt.state_dict()
-        for group in saved["param_groups"]:
-            for name, index in zip(group["param_names"], group["params"]):
-                state = saved["state"].get(index, {})
-                out[name] = {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim()}
-        return out
-    for plan in opt.plans:
-        out[plan.name] = W.whole_state(opt, plan)
-    return out
+        saved = _saved_by_name(opt.state_dict())
+        return {pl.name: W.whole_state(opt, pl, saved.get(pl.name, {})) for pl in opt.plans}
+    return {plan.name: W.whole_state(opt, plan) for plan in opt.plans}
 
 
 def _reference(precision: str, floating: tuple[str, ...] = (), shape: dict = W.TINY) -> dict:
@@ -247,11 +241,11 @@ def _conversion_references(shape: dict) -> dict:
     return out
 
 
-def _conversions(tp: int, shape: dict) -> dict:
-    """The adapter at ``tp`` on ``shape`` after STEPS steps, its state converted as the
-    references' (:func:`_conversion_references`): an int4 run's state dict loaded into a
-    floating optimizer, its ``state_dict_in_precision("int8")`` into an int8 one, and a
-    floating run's state dict into an int4 one; each optimizer's gathered state."""
+def _conversions(tp: int, shape: dict, dp_mode: str = "replicated") -> dict:
+    """The adapter at ``tp`` on ``shape`` in ``dp_mode`` after STEPS steps, its state
+    converted as the references' (:func:`_conversion_references`): an int4 run's state dict
+    loaded into a floating optimizer, its ``state_dict_in_precision("int8")`` into an int8
+    one, and a floating run's state dict into an int4 one; each optimizer's gathered state."""
     import warnings
 
     from megatron.core import parallel_state as ps
@@ -260,7 +254,7 @@ def _conversions(tp: int, shape: dict) -> dict:
     out, saved = {}, {}
     for precision in ("int4", "param"):
         model = W.build_gpt(shape, seed=0)
-        opt = _megatron(model, state_precision=precision, dp_mode="replicated")
+        opt = _megatron(model, state_precision=precision, dp_mode=dp_mode)
         for step in range(STEPS):
             W.inject_gradients(model, step)
             opt.step()
@@ -273,7 +267,7 @@ def _conversions(tp: int, shape: dict) -> dict:
         ("int4_as_int8", "int4_as_int8", "int8"),
         ("param_into_int4", "param", "int4"),
     ):
-        opt = _megatron(W.build_gpt(shape, seed=0), state_precision=precision, dp_mode="replicated")
+        opt = _megatron(W.build_gpt(shape, seed=0), state_precision=precision, dp_mode=dp_mode)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the conversion's warning
             opt.load_state_dict(saved[source])
@@ -282,18 +276,71 @@ def _conversions(tp: int, shape: dict) -> dict:
     return out
 
 
-def _refusal(tp: int, num_experts: int | None = None, **extra) -> str:
-    from megatron.core import parallel_state as ps
+def run_zero1_tp2(rank: int, world_size: int) -> dict:
+    """ZeRO-1 and the replicated optimizer at TP 2 (and the data-parallel size the pool
+    leaves), every state quantized: int8, and int4 on ``WIDE_FFN`` (pieces whose touched
+    blocks outnumber their own), and resumes from one mode into the other."""
+    torch.set_num_threads(1)
+    wide = dict(state_precision="int4", shape=WIDE_FFN)
+    out = {}
+    for precision, extra in (("int8", dict(state_precision="int8")), ("int4", wide)):
+        for mode in ("zero1", "replicated"):
+            out[f"{mode}_{precision}"] = _run(2, dp_mode=mode, **extra)
+    out["zero1_to_replicated"] = _run(
+        2, resume_at=2, resume_with=dict(dp_mode="replicated"), dp_mode="zero1", **wide
+    )
+    out["replicated_to_zero1"] = _run(
+        2, resume_at=2, resume_with=dict(dp_mode="zero1"), dp_mode="replicated", **wide
+    )
+    out["zero1_resumed"] = _run(2, resume_at=2, dp_mode="zero1", **wide)
+    return out
 
-    W.setup_parallel(tp)
-    model = W.build_gpt(W.TINY, seed=0, num_experts=num_experts)
-    try:
-        _megatron(model, **extra)
-    except ValueError as error:
-        return str(error)
-    finally:
-        ps.destroy_model_parallel()
-    return ""
+
+def check_zero1_tp2(per_rank: list[dict], refs: dict | None = None) -> None:
+    """:func:`run_zero1_tp2`'s results (every rank's): ZeRO-1's weights and gathered state
+    equal the replicated run's bitwise, the row-parallel weights' momenta and the TP-sharded
+    biases' moments (whose blocks the TP shard cuts) included, and one process's (``refs``:
+    its state by precision); resumes, across the modes and within ZeRO-1, equal the
+    uninterrupted run."""
+    runs = per_rank[0]
+    for precision in ("int8", "int4"):
+        zero1, replicated = runs[f"zero1_{precision}"], runs[f"replicated_{precision}"]
+        assert zero1["dp_mode"] == "zero1" and replicated["dp_mode"] == "replicated"
+        W.assert_same_state(zero1["params"], replicated["params"], f"{precision} params")
+        W.assert_same_state(zero1["state"], replicated["state"], f"{precision} state")
+        assert _quantized(zero1["state"]) == set(zero1["state"])
+        assert _columns(zero1) >= {"linear_proj.weight", "linear_fc2.weight", "linear_fc1.bias"}
+        if refs is not None:
+            W.assert_same_state(zero1["state"], refs[precision]["state"], f"{precision} ref")
+    whole = runs["replicated_int4"]
+    for resumed in ("zero1_to_replicated", "replicated_to_zero1", "zero1_resumed"):
+        W.assert_same_state(runs[resumed]["params"], whole["params"], f"{resumed} params")
+        W.assert_same_state(runs[resumed]["state"], whole["state"], f"{resumed} state")
+
+
+def _columns(run: dict) -> set[str]:
+    """The last two parts of the names of a TP 2 run's pieces that hold columns of their
+    rows."""
+    return {
+        ".".join(n.split(".")[-2:])
+        for n, (_, shape, dim, _) in run["sharded"].items()
+        if dim == 1 or len(shape) == 1
+    }
+
+
+def _shared_scales_bytes(run: dict, precision: str, tp: int = 2) -> int:
+    """What one TP rank sends in a step's all-reduces (max) of the shared blocks' maxima
+    (float32) over its TP group, with one data-parallel rank: the Muon rows × cut blocks of
+    every row-parallel weight, the AdamW two moments × cut blocks of every TP-sharded bias."""
+    block = 256 if precision == "int8" else 128
+    muon = adamw = 0
+    for algorithm, shape, dim, stride in run["sharded"].values():
+        if algorithm == "muon" and dim == 1:
+            muon += 4 * shape[0] * _cut_blocks(shape[1], tp * stride, block)
+        elif algorithm == "adamw" and len(shape) == 1:
+            adamw += 2 * 4 * _cut_blocks(shape[0], tp * stride, 256)
+    assert muon and adamw
+    return sum(2 * (tp - 1) * nbytes // tp for nbytes in (muon, adamw))
 
 
 def run_low_bit(rank: int, world_size: int) -> dict:
@@ -339,14 +386,10 @@ def run_low_bit(rank: int, world_size: int) -> dict:
             dp_mode="replicated",
             float_state_params=ROW_PARALLEL + CUT_BIASES,
         ),
-        refuse_row_parallel=_refusal(
-            2, state_precision="int8", dp_mode="zero1", float_state_params=CUT_BIASES
-        ),
-        refuse_bias=_refusal(
-            2, state_precision="int8", dp_mode="zero1", float_state_params=ROW_PARALLEL
-        ),
+        zero1_tp2=run_zero1_tp2(rank, world_size),
         conversion_refs=_conversion_references(WIDE_FFN),
         conversions=_conversions(2, WIDE_FFN),
+        conversions_zero1=_conversions(2, WIDE_FFN, "zero1"),
         wide_ref4=_reference("int4", shape=WIDE_FFN),
         wide_tp2_int4=_run(2, state_precision="int4", dp_mode="replicated", shape=WIDE_FFN),
         wide_tp2_int4_resumed=_run(
@@ -372,8 +415,12 @@ def run_low_bit(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results(pool2):
-    per_rank = pool2.run(run_low_bit, timeout=600)
+def per_rank(pool2):
+    return pool2.run(run_low_bit, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def results(per_rank):
     return per_rank[0]
 
 
@@ -526,19 +573,15 @@ def _cut_blocks(cols: int, pieces: int, block: int) -> int:
 def test_tp2_shared_scales_bytes_from_shapes(results):
     """One all-reduce (max) per param group over the TP group, of the shared blocks' maxima
     (float32): the Muon group's rows × cut blocks of every row-parallel weight, the AdamW
-    group's two moments × cut blocks of every TP-sharded bias."""
-    tp = 2
-    for precision, block in (("int8", 256), ("int4", 128)):
+    group's two moments × cut blocks of every TP-sharded bias; ZeRO-1 at DP 1 the same (its
+    AdamW maxima in one all-reduce over data parallel, none at DP 1, then over TP)."""
+    for precision in ("int8", "int4"):
         run = results["tp2" if precision == "int8" else "tp2_int4"]
-        muon = adamw = 0
-        for algorithm, shape, dim, stride in run["sharded"].values():
-            if algorithm == "muon" and dim == 1:
-                muon += 4 * shape[0] * _cut_blocks(shape[1], tp * stride, block)
-            elif algorithm == "adamw" and len(shape) == 1:
-                adamw += 2 * 4 * _cut_blocks(shape[0], tp * stride, 256)
-        assert muon and adamw
-        want = sum(2 * (tp - 1) * nbytes // tp for nbytes in (muon, adamw))
+        want = _shared_scales_bytes(run, precision)
         assert run["wire"]["tp_block_scales/all_reduce"] == want, (precision, run["wire"])
+        zero1 = results["zero1_tp2"][f"zero1_{precision}"]
+        want = _shared_scales_bytes(zero1, precision)
+        assert zero1["wire"]["tp_block_scales/all_reduce"] == want, (precision, zero1["wire"])
     assert "tp_block_scales/all_reduce" not in results["tp2_float_columns"]["wire"]
 
 
@@ -547,22 +590,49 @@ def test_tp2_quantized_step_equals_float_step_from_dequantized_state(results, pr
     assert results["tp2_mismatched" if precision == "int8" else "tp2_int4_mismatched"] == []
 
 
-def test_cut_rows_are_refused_by_name_under_zero1(results):
-    row = results["refuse_row_parallel"]
-    assert "linear_proj.weight" in row or "linear_fc2.weight" in row, row
-    assert "partition_dim=1" in row and "float_state_params" in row
-    assert "dp_mode='replicated'" in row
-    bias = results["refuse_bias"]
-    assert ".bias'" in bias and "partition_dim=0" in bias, bias
+def test_zero1_tp2_equals_replicated_bitwise(per_rank, results):
+    """ZeRO-1 at TP 2 (DP 1; DP 2 in ``test_megatron_dp``): the owners of a row-parallel
+    weight share its cut blocks' scales over the TP group as the replicated optimizer does,
+    and a TP-sharded bias's flat data-parallel segments share the maxima of the whole bias's
+    blocks over data parallel, then over TP."""
+    refs = {"int8": results["ref8"], "int4": results["wide_ref4"]}
+    check_zero1_tp2([r["zero1_tp2"] for r in per_rank], refs)
 
 
+def test_zero1_refuses_multi_row_tp_cut_adamw_state_by_name():
+    """What ZeRO-1 still refuses: AdamW state of a piece of several rows whose blocks the TP
+    shard cuts (a 2-D parameter routed to AdamW, ``partition_dim=1``); a row-parallel Muon
+    weight and a TP-sharded bias of the same cut are taken, and every piece under
+    ``dp_mode="replicated"``."""
+    from muonscale.integrations.megatron.low_bit import refuse_cut_rows
+    from muonscale.integrations.megatron.plan import ParamPlan
+
+    def plan(name, shape, algorithm, dim):
+        return ParamPlan(name, torch.zeros(shape), algorithm, "", False, 2, dim)
+
+    wide = plan("head.proj.weight", (4, 100), "adamw", 1)
+    taken = [plan("mlp.fc2.weight", (4, 100), "muon", 1), plan("mlp.fc1.bias", (100,), "adamw", 0)]
+    groups = [{"params": [(pl.name, pl.param) for pl in [wide, *taken]]}]
+    refuse_cut_rows(taken, groups, "int8", zero1=True)
+    refuse_cut_rows([wide, *taken], groups, "int8", zero1=False)
+    with pytest.raises(ValueError) as error:
+        refuse_cut_rows([wide, *taken], groups, "int8", zero1=True)
+    message = str(error.value)
+    assert "'head.proj.weight'" in message and "partition_dim=1" in message
+    assert "float_state_params=('*.proj.weight',)" in message
+    assert "dp_mode='replicated'" in message
+
+
+@pytest.mark.parametrize("dp_mode", ["replicated", "zero1"])
 @pytest.mark.parametrize("conversion", ["int4_as_param", "int4_as_int8", "param_into_int4"])
-def test_tp2_column_state_converts_as_one_process(results, conversion):
+def test_tp2_column_state_converts_as_one_process(results, conversion, dp_mode):
     """Converting state between precisions at TP 2 (``WIDE_FFN``: pieces whose touched blocks
     outnumber their own): an int4 checkpoint loaded into floating state, an int4 run's
     ``state_dict_in_precision("int8")`` loaded into int8 state, a floating checkpoint loaded
-    into int4 state (quantized under the shared maxima at load): every parameter's gathered
-    state equals one process's same conversion bitwise."""
-    got, want = results["conversions"][conversion], results["conversion_refs"][conversion]
+    into int4 state (quantized under the shared maxima at load), replicated and ZeRO-1 (the
+    full state of its ``state_dict()``): every parameter's gathered state equals one
+    process's same conversion bitwise."""
+    runs = results["conversions" if dp_mode == "replicated" else "conversions_zero1"]
+    got, want = runs[conversion], results["conversion_refs"][conversion]
     assert any(n.endswith("linear_fc2.weight") for n in got)
     W.assert_same_state(got, want, conversion)

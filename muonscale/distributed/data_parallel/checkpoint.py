@@ -16,13 +16,16 @@ matrix; ``step``, ``exp_avg``, ``exp_avg_sq`` per AdamW parameter, parameter-sha
 :func:`gather_full_state` is collective; :func:`load_full_state` is local (each rank keeps the
 part it holds). Both take the :class:`~.layout.DataParallelLayout`, the
 :class:`~.reduction.BucketedReduction` (``streams``, ``flat_shards``, ``segments``,
-``main_dtype``), the optimizer's state and its :class:`~muonscale.param_table.ParamTable`.
+``main_dtype``), the optimizer's state, its :class:`~muonscale.param_table.ParamTable` and
+its :class:`~.quantized_shards.SharedBlockScales` (a column parameter's absmax: those of the
+blocks its piece touches, the replicated layout's).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -46,12 +49,20 @@ from ...settings import MuonSettings
 from ..comm import WireCounter
 from .buckets import ExpertRange, OwnedUnit
 from .layout import DataParallelLayout, expert_rows
-from .quantized_shards import CODE_BUFFERS, absmax_numel, segment_blocks, zero_code
+from .quantized_shards import (
+    CODE_BUFFERS,
+    SharedBlockScales,
+    segment_blocks,
+    zero_code,
+)
 from .reduction import BucketedReduction
 
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
 HELD_BESIDES_MOMENTUM = (MOMENTUM_SCALE, MOMENTUM_ABSMAX, *VARIANT_STATE)
 """The state a Muon parameter's owner may hold besides the momentum (``kept`` decides)."""
+HeldShape = Callable[[torch.Tensor, Mapping[str, Any], str, tuple[int, ...]], tuple[int, ...]]
+"""(Muon parameter, its group, state key, declared shape) -> the shape its owner holds that
+state in (a subclass's layout may differ from the declared one: Megatron's column pieces)."""
 
 
 def _sharded_names(store: Any) -> tuple[str, ...]:
@@ -77,22 +88,34 @@ def _gather_absmax(
     reduction: BucketedReduction,
     state: Mapping[torch.Tensor, dict[str, Any]],
     indices: list[int],
+    block_scales: SharedBlockScales,
 ) -> dict[int, dict[str, torch.Tensor]]:
-    """The whole absmax (rows, ⌈cols / 256⌉) of each 8-bit AdamW parameter of ``indices``
-    (collective: one all-reduce (max) of every range laid end to end; a block on several
-    ranks has the same absmax on each)."""
+    """The whole absmax (rows, ⌈cols / 256⌉) of each 8-bit AdamW parameter of ``indices``, a
+    column parameter's of the blocks its piece touches (1, count) (collective: one all-reduce
+    (max) of every range laid end to end; a block on several ranks has the same absmax on
+    each)."""
     quantized = [i for i in indices if i in reduction.quantized_adamw]
     if not quantized:
         return {}
-    offsets, total = {}, 0
+    offsets, total, shapes = {}, 0, {}
     for i in quantized:
+        column = block_scales.saved_absmax(i)
+        if column is not None:
+            shapes[i] = (1, column[0])
+        else:
+            shapes[i] = scale_shape(*adamw_block_shape(layout.params[i]))
         for _, key, _ in QUANTIZED_MOMENTS:
             offsets[(i, key)] = total
-            total += absmax_numel(layout.params[i].shape)
+            total += math.prod(shapes[i])
     device = layout.params[quantized[0]].device
     whole = torch.zeros(total, dtype=torch.float32, device=device)
     for i in quantized:
-        if i in reduction.segments:
+        column = block_scales.saved_absmax(i)
+        if i in reduction.segments and column is not None:
+            for _, key, _ in QUANTIZED_MOMENTS:
+                at = torch.tensor(column[1], dtype=torch.long, device=device) + offsets[(i, key)]
+                whole.index_copy_(0, at, state[layout.params[i]][key].to(device))
+        elif i in reduction.segments:
             seg = reduction.segments[i][1]
             blocks = segment_blocks(layout.params[i].shape, seg.param_start, seg.length)
             for _, key, _ in QUANTIZED_MOMENTS:
@@ -101,12 +124,10 @@ def _gather_absmax(
     layout.comm.all_reduce(whole, op=dist.ReduceOp.MAX, tag="checkpoint")
     out: dict[int, dict[str, torch.Tensor]] = {}
     for i in quantized:
-        p = layout.params[i]
-        shape = scale_shape(*adamw_block_shape(p))
         out[i] = {}
         for _, key, _ in QUANTIZED_MOMENTS:
             at = offsets[(i, key)]
-            out[i][key] = whole[at : at + absmax_numel(p.shape)].view(shape).clone()
+            out[i][key] = whole[at : at + math.prod(shapes[i])].view(shapes[i]).clone()
     return out
 
 
@@ -116,12 +137,15 @@ def gather_full_state(
     reduction: BucketedReduction,
     state: Mapping[torch.Tensor, dict[str, Any]],
     param_table: ParamTable,
+    block_scales: SharedBlockScales,
+    held_shape: HeldShape | None = None,
 ) -> dict[int, dict[str, torch.Tensor]]:
     """``{parameter index: state}`` for every parameter, on every rank (collective; not
-    counted as a step's traffic)."""
+    counted as a step's traffic). ``held_shape``: the shape each owned state tensor has (None:
+    its declared shape)."""
     step_counter, layout.comm.counter = layout.comm.counter, WireCounter()
     try:
-        return _gather_full_state(layout, reduction, state, param_table)
+        return _gather_full_state(layout, reduction, state, param_table, block_scales, held_shape)
     finally:
         layout.comm.counter = step_counter
 
@@ -131,6 +155,8 @@ def _gather_full_state(
     reduction: BucketedReduction,
     state: Mapping[torch.Tensor, dict[str, Any]],
     param_table: ParamTable,
+    block_scales: SharedBlockScales,
+    held_shape: HeldShape | None,
 ) -> dict[int, dict[str, torch.Tensor]]:
     full: dict[int, dict[str, torch.Tensor]] = {}
     for i in layout.muon_indices:  # momentum (and main copy) live on the owners only
@@ -147,7 +173,10 @@ def _gather_full_state(
         if main_dtype is not None:
             specs["main_param"] = (p.shape, main_dtype)
         for spec in kept_state(settings, variants_only=True):  # on the owner, whole
-            specs[spec.key] = (spec.shape(view), spec.dtype(settings, p.dtype))
+            shape = tuple(spec.shape(view))
+            if held_shape is not None:
+                shape = held_shape(p, group, spec.key, shape)
+            specs[spec.key] = (shape, spec.dtype(settings, p.dtype))
         full[i] = {}
         for name, (shape, dtype) in specs.items():
             buf = torch.empty(shape, dtype=dtype, device=p.device)
@@ -171,14 +200,14 @@ def _gather_full_state(
             gathered[name] = shards.full.new_empty(shards.full.numel(), dtype=mine.dtype)
             layout.comm.all_gather(gathered[name], mine, tag="checkpoint")  # (padded,)
         flat = shards.layout
-        absmax = _gather_absmax(layout, reduction, state, flat.params)
+        absmax = _gather_absmax(layout, reduction, state, flat.params, block_scales)
         for i, off, n in zip(flat.params, flat.offsets, flat.numels):
             p = layout.params[i]
             full[i] = {"step": state[p]["step"].clone()}
             for key, name in _entry_buffers(reduction, i, shards).items():
                 full[i][key] = gathered[name][off : off + n].view(p.shape).clone()
             full[i].update(absmax.get(i, {}))
-    full.update(_gather_fill_state(layout, reduction, state))
+    full.update(_gather_fill_state(layout, reduction, state, block_scales))
     return {i: full[i] for i in sorted(full)}
 
 
@@ -197,6 +226,7 @@ def _gather_fill_state(
     layout: DataParallelLayout,
     reduction: BucketedReduction,
     state: Mapping[torch.Tensor, dict[str, Any]],
+    block_scales: SharedBlockScales,
 ) -> dict[int, dict[str, torch.Tensor]]:
     """Full AdamW state (and main copies) of the parameters in stream fills (collective: one
     all-gather per moment and stream, each rank's range padded to the longest)."""
@@ -229,7 +259,7 @@ def _gather_fill_state(
                     full[seg.param][key].view(-1)[
                         seg.param_start : seg.param_start + seg.length
                     ] = gathered[name][src : src + seg.length]
-        absmax = _gather_absmax(layout, reduction, state, fill_layout.params)
+        absmax = _gather_absmax(layout, reduction, state, fill_layout.params, block_scales)
         for i, scales in absmax.items():
             full[i].update(scales)
     return full
@@ -241,6 +271,7 @@ def load_full_state(
     reduction: BucketedReduction,
     state: Mapping[torch.Tensor, dict[str, Any]],
     param_table: ParamTable,
+    block_scales: SharedBlockScales,
     state_dict: dict[str, Any],
 ) -> None:
     """Take full state (keys matched through the saved param groups, as torch does) and keep
@@ -318,7 +349,8 @@ def load_full_state(
         seg = reduction.segments[i][1]
         window = slice(seg.param_start, seg.param_start + seg.length)
         if i in reduction.quantized_adamw:
-            _load_quantized_segment(held, entry, p.shape, seg)
+            label = param_table.label(p, layout.param_groups)
+            _load_quantized_segment(held, entry, p.shape, seg, block_scales.saved_absmax(i), label)
             continue
         for name in ADAMW_MOMENTS:
             source = entry.get(name)
@@ -336,21 +368,39 @@ def load_full_state(
 
 
 def _load_quantized_segment(
-    held: dict[str, Any], entry: Mapping[str, Any], shape: torch.Size, seg: Any
+    held: dict[str, Any],
+    entry: Mapping[str, Any],
+    shape: torch.Size,
+    seg: Any,
+    column: tuple[int, list[int]] | None,
+    label: str,
 ) -> None:
     """This rank's codes and absmax range of a whole 8-bit AdamW entry (zero moments where the
-    entry has none)."""
-    blocks = segment_blocks(shape, seg.param_start, seg.length)
+    entry has none); ``column``: a column parameter's :meth:`~.quantized_shards.
+    SharedBlockScales.saved_absmax` (its absmax taken at those places, ``ValueError`` naming
+    parameter ``label`` for another count)."""
     window = slice(seg.param_start, seg.param_start + seg.length)
-    scales = slice(blocks.first_block, blocks.first_block + blocks.block_count)
+    if column is None:
+        blocks = segment_blocks(shape, seg.param_start, seg.length)
+        scales: slice | list[int] = slice(
+            blocks.first_block, blocks.first_block + blocks.block_count
+        )
+    else:
+        scales = column[1]
     for key, absmax_key, signed in QUANTIZED_MOMENTS:
         codes, absmax = entry.get(key), entry.get(absmax_key)
         if codes is None or absmax is None:
             held[key].fill_(zero_code(signed))
             held[absmax_key].zero_()
-        else:
-            held[key].copy_(codes.reshape(-1)[window])
-            held[absmax_key].copy_(absmax.reshape(-1)[scales])
+            continue
+        if column is not None and absmax.numel() != column[0]:
+            raise ValueError(
+                f"load_state_dict: parameter '{label}': {absmax_key!r} has "
+                f"{absmax.numel()} entries in the checkpoint, {column[0]} here (the blocks its "
+                "tensor-parallel piece touches; saved at another TP size?)"
+            )
+        held[key].copy_(codes.reshape(-1)[window])
+        held[absmax_key].copy_(absmax.reshape(-1)[scales])
 
 
 def _in_precisions(

@@ -39,7 +39,7 @@ from .layout import (
     communicator,
     expected_readiness,
 )
-from .quantized_shards import SharedBlockScales
+from .quantized_shards import ColumnPlacement, SharedBlockScales
 from .reduction import BucketedReduction, ReduceAt, ReductionOptions
 from .update_gather import UPDATE_DTYPE, UpdateGather, check_gather_updates, sends_update
 
@@ -285,6 +285,12 @@ class DistributedMuon(Muon):
                 if i in quantized_adamw
             },
             comm,
+            {
+                i: place
+                for i in quantized_adamw
+                for place in [self._column_placement(layout.params[i])]
+                if place is not None
+            },
         )
         """The 8-bit AdamW segments and their shared block scales (:mod:`.quantized_shards`)."""
         self.update_gather = UpdateGather(self.reduction, gather_updates, name_of)
@@ -498,8 +504,26 @@ class DistributedMuon(Muon):
     def _gather_state(self) -> dict[int, dict[str, torch.Tensor]]:
         """The full state, gathered from the owners (collective; a subclass hook)."""
         return checkpoint.gather_full_state(
-            self.layout, self.reduction, self.state, self.param_table
+            self.layout,
+            self.reduction,
+            self.state,
+            self.param_table,
+            self.block_scales,
+            self._held_state_shape,
         )
+
+    def _column_placement(self, p: torch.Tensor) -> ColumnPlacement | None:
+        """Where AdamW parameter ``p`` lies in the one row of a whole tensor it is a piece of,
+        when it is one whose blocks are that row's (:mod:`.quantized_shards`); None: its blocks
+        are its own (a subclass hook)."""
+        return None
+
+    def _held_state_shape(
+        self, p: torch.Tensor, group: Mapping[str, Any], key: str, shape: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        """The shape an owner holds state ``key`` of Muon parameter ``p`` in (``shape``: its
+        declared shape; a subclass hook)."""
+        return shape
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load full state (from this class, :class:`muonscale.Muon`, or DCP's
@@ -511,7 +535,12 @@ class DistributedMuon(Muon):
 
     def _load_held_state(self, state_dict: dict[str, Any]) -> None:
         checkpoint.load_full_state(
-            self.layout, self.reduction, self.state, self.param_table, state_dict
+            self.layout,
+            self.reduction,
+            self.state,
+            self.param_table,
+            self.block_scales,
+            state_dict,
         )
 
     def _after_held_state_load(self) -> None:

@@ -20,6 +20,7 @@ import torch
 from muonscale.block_quantization import scale_shape
 from muonscale.matrices import MatrixView
 from muonscale.momentum_formats import MOMENTUM_FORMATS, momentum_format_of
+from muonscale.optimizer_state import state_dict_in_precision
 from muonscale.quantized_state import (
     ADAMW_MOMENTS,
     adamw_block_shape,
@@ -27,6 +28,7 @@ from muonscale.quantized_state import (
     momentum_block_shape,
     momentum_scale_shape,
 )
+from muonscale.settings import check_state_precision
 
 from .low_bit import ColumnPiece, SharedColumnScales
 from .plan import ParamPlan
@@ -82,14 +84,17 @@ class ColumnCheckpoints:
         self,
         state_dict: dict[str, Any],
         param_groups: Sequence[Mapping[str, Any]],
+        algorithms: tuple[str, ...] = ("muon", "adamw"),
     ) -> HeldAside:
-        """Before torch's load: each column piece's saved tensors held aside, its scales in
-        ``state_dict`` (whose ``"state"`` the caller copied; the entries are replaced, not
-        changed) zeros of the piece's own shape. ``ValueError`` naming the parameter and the
-        tensor, before anything changes, for scales of another shape (saved at another TP
-        size)."""
+        """Before torch's load: each column piece's saved tensors held aside (of parameters of
+        ``algorithms``), its scales in ``state_dict`` (whose ``"state"`` the caller copied; the
+        entries are replaced, not changed) zeros of the piece's own shape. ``ValueError``
+        naming the parameter and the tensor, before anything changes, for scales of another
+        shape (saved at another TP size)."""
         aside: HeldAside = {}
         for index, p, group, plan, view in self._entries(state_dict, param_groups):
+            if group["algorithm"] not in algorithms:
+                continue
             entry = state_dict["state"][index]
             own = group.get("state_precision", "param")
             saved = saved_precision(entry, group)
@@ -149,29 +154,50 @@ class ColumnCheckpoints:
         if pending:
             self.scales.quantize_(pending)
 
+    def in_precision(
+        self,
+        packed: dict[str, Any],
+        param_groups: Sequence[Mapping[str, Any]],
+        precision: str,
+    ) -> dict[str, Any]:
+        """A ``state_dict()`` of the optimizer (``packed``) converted to ``precision`` as
+        :func:`~muonscale.optimizer_state.state_dict_in_precision` converts it, the column
+        pieces' state first (:meth:`converted_`; collective over each TP group)."""
+        check_state_precision(precision)
+        packed = {**packed, "state": dict(packed["state"])}  # column pieces' entries replaced
+        self.converted_(packed, param_groups, precision)
+        return state_dict_in_precision(packed, param_groups, self.view_of, precision)
+
     @torch.no_grad()
     def converted_(
         self,
         packed: dict[str, Any],
         param_groups: Sequence[Mapping[str, Any]],
-        precision: str,
+        precision: str | None = None,
+        algorithms: tuple[str, ...] = ("muon", "adamw"),
     ) -> None:
-        """In a ``state_dict()`` of this optimizer: each column piece's state in ``precision``
-        (new entries): dequantized by the piece alone, quantized under the shared maxima
-        (collective over each TP group), so that the conversion that follows leaves it as it is."""
+        """In a state dict of this layout (``packed``, whose ``"state"`` the caller copied;
+        the entries are replaced, not changed): each column piece's state (of a parameter of
+        ``algorithms``) in ``precision`` (None: its group's), from the precision it was saved
+        in: dequantized by the piece alone, quantized under the shared maxima (collective over
+        each TP group), so that a conversion that follows leaves it as it is."""
         pending: list[ColumnPiece] = []
         for index, p, group, plan, view in self._entries(packed, param_groups):
-            own, algorithm = group.get("state_precision", "param"), group["algorithm"]
-            if own == precision or (algorithm != "muon" and "param" not in (own, precision)):
+            algorithm = group["algorithm"]
+            if algorithm not in algorithms:
+                continue
+            saved = saved_precision(packed["state"][index], group)
+            wanted = group.get("state_precision", "param") if precision is None else precision
+            if saved == wanted or (algorithm != "muon" and "param" not in (saved, wanted)):
                 continue  # AdamW's moments are 8-bit in "int8" and "int4" alike
             if not (
-                self.scales.tensors(plan, algorithm, own, view)
-                or self.scales.tensors(plan, algorithm, precision, view)
+                self.scales.tensors(plan, algorithm, saved, view)
+                or self.scales.tensors(plan, algorithm, wanted, view)
             ):
                 continue
             entry = packed["state"][index] = dict(packed["state"][index])
-            values = _values(self.scales, plan, algorithm, own, view, entry)
-            pending += _written(self.scales, entry, p, plan, algorithm, precision, view, values)
+            values = _values(self.scales, plan, algorithm, saved, view, entry)
+            pending += _written(self.scales, entry, p, plan, algorithm, wanted, view, values)
         if pending:
             self.scales.quantize_(pending)
 
@@ -203,14 +229,17 @@ def _written(
     view: MatrixView | None,
     values: Mapping[str, torch.Tensor],
 ) -> list[ColumnPiece]:
-    """``values`` written into ``entry`` in ``precision``: floating values in ``p``'s dtype
-    (scales of any format dropped), or new codes and scales of (rows, blocks touched), whose
-    quantization is returned as pieces for :meth:`SharedColumnScales.quantize_`."""
+    """``values`` written into ``entry`` in ``precision``: floating values in ``p``'s dtype, or
+    its main copy's where ``entry`` holds one (ZeRO-1's; scales of any format dropped), or new
+    codes and scales of (rows, blocks touched), whose quantization is returned as pieces for
+    :meth:`SharedColumnScales.quantize_`."""
     for key in [*(f.scale_key for f in MOMENTUM_FORMATS.values()), *_ADAMW_ABSMAX]:
         entry.pop(key, None)
     if precision == "param":
+        main = entry.get("main_param")
+        dtype = main.dtype if torch.is_tensor(main) else p.dtype
         for key, value in values.items():
-            entry[key] = value.reshape(p.shape).to(p.dtype)
+            entry[key] = value.reshape(p.shape).to(dtype)
         return []
     rows = (momentum_block_shape(view) if view is not None else adamw_block_shape(p))[0]
     pieces = []

@@ -193,15 +193,15 @@ class MegatronMuonConfig:
     """How the optimizer state is stored (:class:`muonscale.Muon`'s option): ``"param"``
     (floating), ``"int8"`` (the Muon momentum as int8 codes, AdamW's moments 8-bit) or
     ``"int4"`` (a 4-bit Muon momentum). A TP piece that holds columns of its rows (row-parallel
-    weights, TP-sharded biases) shares its cut blocks' scales over the TP group under
-    ``dp_mode="replicated"`` and is refused by name under ZeRO-1 unless ``float_state_params``
-    names it (*Low-bit state* in the docs)."""
+    weights, TP-sharded biases) shares its cut blocks' scales over the TP group, replicated
+    and under ZeRO-1; ZeRO-1 refuses by name only AdamW state of such a piece of several rows,
+    unless ``float_state_params`` names it (*Low-bit state* in the docs)."""
     float_state_params: tuple[str, ...] = ()
     """Names (``fnmatch`` patterns, e.g. ``"*.linear_proj.weight"``) of parameters whose state
     stays floating (``state_precision="param"``, a param group of their own) while
-    ``state_precision`` quantizes the others: e.g. under ZeRO-1 the TP pieces that hold
-    columns of their rows (row-parallel weights, column-parallel biases), which a quantized
-    state refuses there by name (*Low-bit state* in the docs)."""
+    ``state_precision`` quantizes the others: e.g. under ZeRO-1 a 2-D AdamW parameter whose
+    TP shard cuts the blocks of its rows, which a quantized state refuses there by name
+    (*Low-bit state* in the docs)."""
     dp_mode: str = "auto"
     """``"zero1"``: :class:`muonscale.DistributedMuon` over Megatron's DP group (reduce-scatter
     to owners, ZeRO-1); ``"replicated"``: every DP replica runs the step; ``"auto"``: zero1

@@ -10,9 +10,10 @@ every rank (each gradient element counted once; one clipping coefficient and one
 decision for both halves), computed here before either half steps.
 
 Quantized state (``state_precision``) is each half's: every matrix is owned whole in its
-group, so its Muon momentum quantizes as one process's, and the dense half's AdamW shards
-share their cut blocks' scales over the data-parallel group (:class:`~.optimizer.
-MegatronDistributedMuon`).
+group, so its Muon momentum quantizes as one process's (a row-parallel piece's, with its cut
+blocks' scales shared over its TP or expert-TP group, whose ranks own the same matrices), and
+the AdamW shards share their cut blocks' scales over the half's data group
+(:class:`~.optimizer.MegatronDistributedMuon`).
 """
 
 from __future__ import annotations

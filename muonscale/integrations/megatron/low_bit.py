@@ -10,9 +10,14 @@ such block the maximum of its pieces' absmax over the TP group (one all-reduce (
 group and TP group, tag ``"tp_block_scales"``), so codes and scales are one process's.
 Their checkpoints: :mod:`.column_checkpoint`.
 
-ZeRO-1 (``dp_mode="zero1"``) gathers and shards state laid out by each piece's own blocks, so
-there such pieces are refused by name, pointing at ``float_state_params`` (*Low-bit state* in
-the docs)."""
+Under ZeRO-1 (``dp_mode="zero1"``) a Muon matrix is owned whole per TP piece, and the ranks of
+one TP group own the same matrices (ownership is a function of the pieces' shapes, the same on
+every TP rank), so the owners share these scales as above. A TP-sharded bias's AdamW moments
+lie in flat data-parallel segments: :meth:`SharedColumnScales.placement` tells
+:mod:`muonscale.distributed.data_parallel.quantized_shards` where the piece lies in the whole
+bias, whose blocks its segments then take (maxima over data parallel, then over the TP
+group). Only an AdamW piece of several rows whose blocks the TP split cuts is refused there,
+by name, pointing at ``float_state_params`` (*Low-bit state* in the docs)."""
 
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ from muonscale.column_blocks import (
     strided_spans,
 )
 from muonscale.distributed.comm import Communicator, WireCounter
+from muonscale.distributed.data_parallel.quantized_shards import ColumnPlacement
 from muonscale.group_step import adamw_group_step
 from muonscale.matrices import MatrixView
 from muonscale.momentum_formats import MOMENTUM_FORMATS, MomentumFormat, momentum_format_of
@@ -77,26 +83,22 @@ def plan_column_blocks(
     return blocks if blocks.shared else None
 
 
-def _block_size(plan: ParamPlan, precision: str) -> int:
-    if plan.algorithm == "muon":
-        return MOMENTUM_FORMATS[precision].block_size
-    return BLOCK_SIZE
-
-
 def cut_rows_reason(plan: ParamPlan, precision: str, zero1: bool) -> str | None:
     """Why ``plan``'s quantized state (in ``precision``) cannot be exact on this layout (None:
     it is). A piece whose blocks other TP ranks share is exact through shared scales, except
-    under ZeRO-1 (``zero1``), whose gathered checkpoints and flat AdamW shards are laid out by
-    the piece's own blocks."""
-    if not zero1:
+    for AdamW under ZeRO-1 (``zero1``), whose flat data-parallel shards share the scales of
+    the blocks of the piece's own shape (Muon momentum is owned whole per TP piece, and the
+    owners of one matrix's pieces share their scales over the TP group)."""
+    if not zero1 or plan.algorithm == "muon" or precision == "param":
         return None
-    local = adamw_block_shape(plan.param)  # a Muon matrix's too: Megatron's are 2-D
-    if plan_column_blocks(plan, local, _block_size(plan, precision), 0) is None:
+    local = adamw_block_shape(plan.param)
+    if local[0] == 1 or plan_column_blocks(plan, local, BLOCK_SIZE, 0) is None:
         return None
     return (
         f"its tensor-parallel shard (partition_dim={plan.partition_dim}) cuts blocks of its "
-        "rows, whose scales are shared over the TP group only under dp_mode='replicated' "
-        "(ZeRO-1 gathers and shards state laid out by the shard's own blocks)"
+        f"{local[0]} rows, and ZeRO-1 shares the scales of such blocks in AdamW's flat "
+        "data-parallel shards for pieces of one row only (a TP-sharded bias); under "
+        "dp_mode='replicated' every piece shares them"
     )
 
 
@@ -209,6 +211,21 @@ class SharedColumnScales:
 
     def adamw_blocks(self, plan: ParamPlan) -> ColumnBlocks | None:
         return self.blocks(plan, adamw_block_shape(plan.param), BLOCK_SIZE)
+
+    def placement(self, plan: ParamPlan) -> ColumnPlacement | None:
+        """Where an AdamW piece of one row (a TP-sharded bias) lies in the whole row, for
+        ZeRO-1's flat shards (:mod:`muonscale.distributed.data_parallel.quantized_shards`),
+        when it shares blocks with other TP ranks; else None."""
+        blocks = self.adamw_blocks(plan)
+        if blocks is None or adamw_block_shape(plan.param)[0] != 1:
+            return None
+        spans = tuple(
+            strided_spans(blocks.cols, plan.tp_size, r, plan.partition_stride)
+            for r in range(plan.tp_size)
+        )
+        group = self.groups.expt_tp if plan.expert else self.groups.tp
+        comm = Communicator(group, counter=self.counter)
+        return ColumnPlacement(blocks.cols, spans, self._rank(plan), comm)
 
     def tensors(
         self, plan: ParamPlan, algorithm: str, precision: str, view: MatrixView | None

@@ -4,34 +4,32 @@ collaborators: a :class:`~.grad_norm.GlobalGradNorm` and an orthogonalizer (by d
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from muonscale.declared_state import replicated_declarations, replicated_state
+from muonscale.declared_state import replicated_declarations
 from muonscale.distributed.comm import Communicator, WireCounter, combine_over_ranks
 from muonscale.distributed.data_parallel import AgreedGradients, DistributedMuon
-from muonscale.matrices import MatrixView
+from muonscale.distributed.data_parallel.quantized_shards import ColumnPlacement
 from muonscale.matrix_step import ApplyUpdates
 from muonscale.optimizer import Muon
-from muonscale.optimizer_state import state_dict_in_precision
 from muonscale.params import RouteDecision
-from muonscale.quantized_state import QuantizedMomentum, quantized_momentum
-from muonscale.settings import MuonSettings, check_state_precision
-from muonscale.step_metrics import Reduction, StepMetrics
+from muonscale.quantized_state import MOMENTUM_KEY
+from muonscale.settings import MuonSettings
+from muonscale.step_metrics import Reduction
 
 from .column_checkpoint import ColumnCheckpoints
 from .config import MegatronMuonConfig, muon_arguments
 from .grad_norm import GlobalGradNorm
-from .low_bit import ColumnMomentum, SharedColumnScales, refuse_cut_rows
+from .low_bit import SharedColumnScales, refuse_cut_rows
 from .main_params import MainParams
 from .plan import MegatronGroups, ParamPlan
 from .row_state import RowStateEntry, TensorParallelMatrices, held_row_state
-from .tensor_parallel import Orthogonalizer, TensorParallelOrthogonalizer, muon_update_
+from .tensor_parallel import MuonGroupStep, Orthogonalizer, TensorParallelOrthogonalizer
 
 
 class MegatronMuon(Muon):
@@ -86,6 +84,9 @@ class MegatronMuon(Muon):
             self.column_scales, self._matrix_view, self._plan_of
         )
         super().__init__(param_groups, **options)
+        self.muon_step = MuonGroupStep(
+            self.column_scales, self._matrix_view, self._plan_of, self._stacked_momentum
+        )
         self.routing = {pl.name: RouteDecision(pl.algorithm, pl.reason) for pl in self.plans}
         self.orthogonalizer = orthogonalizer or TensorParallelOrthogonalizer(
             groups, config, counter=self.wire_counter, memory=self.memory
@@ -162,28 +163,8 @@ class MegatronMuon(Muon):
         if apply_updates is not None:  # the orthogonalizer applies its own updates
             raise NotImplementedError("the Megatron Muon step takes no apply_updates")
         states = [self._init_state(p, group) for p in params]
-        orthogonalizer, timed = metered_orthogonalizer(
-            self.orthogonalizer, self.step_metrics, self._group_label(group), params[0].device
-        )
-        with timed:
-            muon_update_(
-                params,
-                grads,
-                momentum_buffers(
-                    group,
-                    params,
-                    states,
-                    self._stacked_momentum,
-                    self._matrix_view,
-                    lambda s, p, view: self.column_scales.momentum(s, self._plan_of(p), view),
-                ),
-                [self._matrix_view(p, group) for p in params],
-                [self._plan_by_id[id(p)] for p in params],
-                group,
-                orthogonalizer,
-                [replicated_state(s, MuonSettings.from_group(group)) for s in states],
-                store_momenta=self.column_scales.store_momenta_,
-            )
+        label, metrics = self._group_label(group), self.step_metrics
+        self.muon_step.step_(group, params, grads, states, self.orthogonalizer, metrics, label)
 
     def _adamw_update(
         self,
@@ -295,12 +276,8 @@ class MegatronMuon(Muon):
         """:meth:`muonscale.Muon.state_dict_in_precision`; a column piece's state converts here
         (its blocks are shared with the other TP ranks: :mod:`.column_checkpoint`), collective
         over each TP group when it is quantized."""
-        check_state_precision(state_precision)
-        packed = self.state_dict()
-        packed["state"] = dict(packed["state"])  # column pieces' entries replaced
-        self.column_checkpoints.converted_(packed, self.param_groups, state_precision)
-        return state_dict_in_precision(
-            packed, self.param_groups, self._matrix_view, state_precision
+        return self.column_checkpoints.in_precision(
+            self.state_dict(), self.param_groups, state_precision
         )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -334,7 +311,10 @@ class MegatronDistributedMuon(DistributedMuon):
     only (owned matrices, AdamW shards), as Megatron's distributed optimizer; the all-gather
     sends bf16. ``state_dict()`` is the full state over data parallel (collective; main copies
     included), so a checkpoint loads at another data-parallel size (same TP size); the row
-    state is saved and loaded as :class:`MegatronMuon`'s (:mod:`.row_state`).
+    state is saved and loaded as :class:`MegatronMuon`'s (:mod:`.row_state`), and so is a
+    quantized column piece's momentum (its scales per block it touches, shared over the TP
+    group: :mod:`.low_bit`, :mod:`.column_checkpoint`), so that the two modes' checkpoints load
+    into each other.
 
     ``data_group`` (default: Megatron's data-parallel group) is the group it shards over: the
     expert-data group for the expert half of :class:`~.expert_zero1.MegatronExpertZero1`,
@@ -366,6 +346,7 @@ class MegatronDistributedMuon(DistributedMuon):
             )
         precision = options.get("state_precision", "param")
         refuse_cut_rows(self.plans, param_groups, precision, zero1=True)
+        self.column_scales = SharedColumnScales(groups, self.wire_counter)
         self.external_grad_norm = external_grad_norm
         super().__init__(
             param_groups,
@@ -382,6 +363,16 @@ class MegatronDistributedMuon(DistributedMuon):
             for key in held_row_state(state):
                 held = state[key]
                 state[key] = self.tp_matrices.row_state_zeros(view, plan, held.dtype, held.device)
+        self.column_checkpoints = ColumnCheckpoints(
+            self.column_scales, self._matrix_view, self._plan_of
+        )
+        self.muon_step = MuonGroupStep(
+            self.column_scales, self._matrix_view, self._plan_of, self._stacked_momentum
+        )
+        for p, group in self._owned_muon():  # a column piece's scales: per block it touches
+            self.column_scales.shape_state_(
+                self.state[p], self._plan_of(p), group, self._matrix_view(p, group)
+            )
         self.orthogonalizer = orthogonalizer or TensorParallelOrthogonalizer(
             groups, config, counter=self.wire_counter, memory=self.memory
         )
@@ -400,11 +391,38 @@ class MegatronDistributedMuon(DistributedMuon):
 
     @classmethod
     def _accepts_quantized_state(cls) -> bool:
-        """The owners' Muon momentum, whole TP pieces of whole rows, as
-        :class:`DistributedMuon`'s, and AdamW's flat shards with their cut blocks' scales
-        shared; a TP piece that holds columns of its rows is refused at construction, naming
-        the parameter (:mod:`.low_bit`)."""
+        """The owners' Muon momentum, whole TP pieces: alone where a piece holds whole rows,
+        with the scales of the blocks it shares taken over its TP group (whose ranks own the
+        same matrices) where it holds columns; AdamW's flat shards with their cut blocks'
+        scales shared over data parallel, a TP-sharded bias's blocks the whole bias's (shared
+        over data parallel, then TP). An AdamW piece of several rows that holds columns of them
+        is refused at construction, naming the parameter (:mod:`.low_bit`)."""
         return cls is MegatronDistributedMuon
+
+    def _owned_muon(self) -> list[tuple[torch.Tensor, Mapping[str, Any]]]:
+        """(parameter, group) of each Muon parameter whose momentum this rank holds."""
+        return [
+            (p, group)
+            for group in self.param_groups
+            if group["algorithm"] == "muon"
+            for p in group["params"]
+            if MOMENTUM_KEY in self.state.get(p, {})
+        ]
+
+    def _column_placement(self, p: torch.Tensor) -> ColumnPlacement | None:
+        """A TP-sharded bias whose blocks other TP ranks share: its place in the whole bias."""
+        return self.column_scales.placement(self._plan_of(p))
+
+    def _held_state_shape(
+        self, p: torch.Tensor, group: Mapping[str, Any], key: str, shape: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        """A column piece's quantized momentum scales are (rows, blocks it touches)."""
+        precision = group.get("state_precision", "param")
+        view = self._matrix_view(p, group)
+        for tensor in self.column_scales.tensors(self._plan_of(p), "muon", precision, view):
+            if tensor.scale_key == key:
+                return (shape[0], len(tensor.blocks.blocks))
+        return shape
 
     def _logical_numel(self, p: torch.Tensor) -> int:
         return whole_numel(self._plan_of(p), p)
@@ -432,9 +450,23 @@ class MegatronDistributedMuon(DistributedMuon):
         finally:
             self.tp_matrices.restore_(entries, wholes)
 
+    def state_dict_in_precision(self, state_precision: str) -> dict[str, Any]:
+        """As :meth:`MegatronMuon.state_dict_in_precision`: the full state over data parallel,
+        a column piece's converted under its TP group's shared maxima (collective)."""
+        return self.column_checkpoints.in_precision(
+            self.state_dict(), self.param_groups, state_precision
+        )
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """:meth:`DistributedMuon.load_state_dict`, then the row state's rows of every TP rank
-        gathered into the whole replica (collective over each TP group)."""
+        """:meth:`DistributedMuon.load_state_dict` with the column pieces' state as
+        :class:`MegatronMuon` loads it (:mod:`.column_checkpoint`; collective over each TP
+        group where it converts): an AdamW piece's converted to this optimizer's precision
+        first (its segments take the blocks it touches), a Muon piece's set aside and put
+        back at its owners; then the row state's rows of every TP rank gathered into the whole
+        replica (collective over each TP group)."""
+        state_dict = {**state_dict, "state": dict(state_dict["state"])}  # entries replaced
+        self.column_checkpoints.converted_(state_dict, self.param_groups, algorithms=("adamw",))
+        aside = self.column_checkpoints.set_aside_(state_dict, self.param_groups, ("muon",))
         entries = self._row_state_entries()
         wholes = self.tp_matrices.to_rank_rows_(entries)  # the shape a checkpoint holds
         try:
@@ -442,6 +474,9 @@ class MegatronDistributedMuon(DistributedMuon):
         except BaseException:
             self.tp_matrices.restore_(entries, wholes)
             raise
+        owned = {id(p) for p, _ in self._owned_muon()}  # the owners hold the momentum
+        aside = {key: held for key, held in aside.items() if key in owned}
+        self.column_checkpoints.put_back_(self.state, self.param_groups, aside)
         self.tp_matrices.to_whole_(self._row_state_entries(), WireCounter())
 
     def _update_group(
@@ -460,20 +495,8 @@ class MegatronDistributedMuon(DistributedMuon):
         if apply_updates is not None:  # the orthogonalizer applies its own updates
             raise NotImplementedError("the Megatron Muon step takes no apply_updates")
         states = [self._init_state(p, group) for p in params]
-        orthogonalizer, timed = metered_orthogonalizer(
-            self.orthogonalizer, self.step_metrics, self._group_label(group), params[0].device
-        )
-        with timed:
-            muon_update_(
-                params,
-                grads,
-                momentum_buffers(group, params, states, self._stacked_momentum, self._matrix_view),
-                [self._matrix_view(p, group) for p in params],
-                [self._plan_by_id[id(self.model_param(p))] for p in params],
-                group,
-                orthogonalizer,
-                [replicated_state(s, MuonSettings.from_group(group)) for s in states],
-            )
+        label, metrics = self._group_label(group), self.step_metrics
+        self.muon_step.step_(group, params, grads, states, self.orthogonalizer, metrics, label)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -514,27 +537,6 @@ class MegatronDistributedMuon(DistributedMuon):
         return agreed
 
 
-def momentum_buffers(
-    group: Mapping[str, Any],
-    params: list[torch.Tensor],
-    states: list[dict],
-    stacked: Callable[[Mapping[str, Any], list[torch.Tensor], list[dict]], list[torch.Tensor]],
-    view: Callable[[torch.Tensor, Mapping[str, Any]], MatrixView],
-    column: Callable[[dict, torch.Tensor, MatrixView], ColumnMomentum | None] | None = None,
-) -> list[torch.Tensor | QuantizedMomentum | ColumnMomentum]:
-    """The Muon momentum of ``params`` as :func:`~.tensor_parallel.muon_update_` takes it: the
-    floating buffers in their stacks (``stacked``), or each quantized one as its codes and
-    scales over the block matrix of its ``view`` (``column(state, p, view)``: a column piece's,
-    None for a piece of whole rows)."""
-    if group.get("state_precision", "param") == "param":
-        return stacked(group, params, states)
-    out: list[QuantizedMomentum | ColumnMomentum] = []
-    for p, s in zip(params, states):
-        piece = None if column is None else column(s, p, view(p, group))
-        out.append(piece if piece is not None else quantized_momentum(s, view(p, group)))
-    return out
-
-
 def whole_numel(plan: ParamPlan, p: torch.Tensor) -> int:
     """Elements of the whole parameter whose TP piece ``p`` is (its step metrics' count)."""
     return p.numel() * (plan.tp_size if plan.partition_dim is not None else 1)
@@ -552,16 +554,6 @@ def counted_on_this_tp_rank(plan: ParamPlan, groups: MegatronGroups) -> bool:
 def world_reduction(values: torch.Tensor, ops: Sequence[str]) -> torch.Tensor:
     """The step metrics over every rank (TP pieces and data-parallel replicas or owners)."""
     return combine_over_ranks(values, ops, None)
-
-
-def metered_orthogonalizer(
-    orthogonalizer: Orthogonalizer, metrics: StepMetrics | None, label: str, device: torch.device
-) -> tuple[Any, Any]:
-    """``orthogonalizer`` and a timing context, metered when the step metrics are on (the
-    scaled updates' squares go to the update RMS of group ``label``)."""
-    if metrics is None:
-        return orthogonalizer, contextlib.nullcontext()
-    return metrics.metered_updates(label, orthogonalizer), metrics.timed(device)
 
 
 def check_self_reduction(plans: Sequence[ParamPlan], groups: MegatronGroups) -> None:

@@ -4,12 +4,14 @@ name."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
 from muonscale import functional, matrix_step
+from muonscale.declared_state import replicated_state
 from muonscale.distributed.comm import WireCounter
 from muonscale.distributed.exchange import (
     LocalExchange,
@@ -21,11 +23,13 @@ from muonscale.distributed.sharded import MatrixLayout
 from muonscale.matrices import MatrixView
 from muonscale.matrix_step import RowStates
 from muonscale.memory import MemoryBudget
-from muonscale.quantized_state import QuantizedMomentum
+from muonscale.quantized_state import QuantizedMomentum, quantized_momentum
 from muonscale.settings import MuonSettings
 from muonscale.state_tensor import StateTensor
+from muonscale.step_metrics import StepMetrics
 
 from .config import MegatronMuonConfig
+from .low_bit import ColumnMomentum, SharedColumnScales
 from .plan import MegatronGroups, ParamPlan
 from .row_state import TensorParallelMatrices
 
@@ -227,3 +231,93 @@ def muon_update_(
         lr=float(group["lr"]),
         weight_decay=group["weight_decay"],
     )
+
+
+class MuonGroupStep:
+    """Muon on a group's parameters through an orthogonalizer, the momentum floating in its
+    stacks or quantized (a column piece's under its TP group's shared maxima), shared by both
+    optimizers.
+
+    Args:
+        column_scales: the optimizer's :class:`~.low_bit.SharedColumnScales`.
+        view_of: a Muon parameter's matrix view in its group.
+        plan_of: a parameter's (or main copy's) plan.
+        stacked: the floating momenta of a group's parameters in their stacks.
+    """
+
+    def __init__(
+        self,
+        column_scales: SharedColumnScales,
+        view_of: Callable[[torch.Tensor, Mapping[str, Any]], MatrixView],
+        plan_of: Callable[[torch.Tensor], ParamPlan],
+        stacked: Callable[[Mapping[str, Any], list[torch.Tensor], list[dict]], list[torch.Tensor]],
+    ) -> None:
+        self.column_scales, self.view_of, self.plan_of = column_scales, view_of, plan_of
+        self.stacked = stacked
+
+    def step_(
+        self,
+        group: Mapping[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: list[dict],
+        orthogonalizer: Orthogonalizer,
+        metrics: StepMetrics | None,
+        label: str,
+    ) -> None:
+        """:func:`~.tensor_parallel.muon_update_` on ``params`` (their ``states``), metered
+        under group ``label`` when the step ``metrics`` are on."""
+        orthogonalizer, timed = metered_orthogonalizer(
+            orthogonalizer, metrics, label, params[0].device
+        )
+        column = self.column_scales.momentum
+        with timed:
+            muon_update_(
+                params,
+                grads,
+                momentum_buffers(
+                    group,
+                    params,
+                    states,
+                    self.stacked,
+                    self.view_of,
+                    lambda s, p, view: column(s, self.plan_of(p), view),
+                ),
+                [self.view_of(p, group) for p in params],
+                [self.plan_of(p) for p in params],
+                group,
+                orthogonalizer,
+                [replicated_state(s, MuonSettings.from_group(group)) for s in states],
+                store_momenta=self.column_scales.store_momenta_,
+            )
+
+
+def momentum_buffers(
+    group: Mapping[str, Any],
+    params: list[torch.Tensor],
+    states: list[dict],
+    stacked: Callable[[Mapping[str, Any], list[torch.Tensor], list[dict]], list[torch.Tensor]],
+    view: Callable[[torch.Tensor, Mapping[str, Any]], MatrixView],
+    column: Callable[[dict, torch.Tensor, MatrixView], ColumnMomentum | None] | None = None,
+) -> list[torch.Tensor | QuantizedMomentum | ColumnMomentum]:
+    """The Muon momentum of ``params`` as :func:`~.tensor_parallel.muon_update_` takes it: the
+    floating buffers in their stacks (``stacked``), or each quantized one as its codes and
+    scales over the block matrix of its ``view`` (``column(state, p, view)``: a column piece's,
+    None for a piece of whole rows)."""
+    if group.get("state_precision", "param") == "param":
+        return stacked(group, params, states)
+    out: list[QuantizedMomentum | ColumnMomentum] = []
+    for p, s in zip(params, states):
+        piece = None if column is None else column(s, p, view(p, group))
+        out.append(piece if piece is not None else quantized_momentum(s, view(p, group)))
+    return out
+
+
+def metered_orthogonalizer(
+    orthogonalizer: Orthogonalizer, metrics: StepMetrics | None, label: str, device: torch.device
+) -> tuple[Any, Any]:
+    """``orthogonalizer`` and a timing context, metered when the step metrics are on (the
+    scaled updates' squares go to the update RMS of group ``label``)."""
+    if metrics is None:
+        return orthogonalizer, contextlib.nullcontext()
+    return metrics.metered_updates(label, orthogonalizer), metrics.timed(device)
