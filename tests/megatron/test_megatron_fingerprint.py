@@ -24,4 +24,6 @@ def run_one_thread(rank, world_size, spec):
 def test_tp2_weights_are_fixed(pool2, variant):
     spec = dict(tp=2, steps=3, grads="inject", options=dict(OPTIONS, **VARIANTS[variant]))
     out = pool2.run(run_one_thread, spec, timeout=600)[0]
-    assert_fingerprint(f"megatron_tp2_{variant}", out["params"])
+    # On another host: 3 steps through the TP exchange and batched Newton–Schulz carry BLAS's
+    # rounding further than one process's steps (2e-6 seen between two AVX512 hosts).
+    assert_fingerprint(f"megatron_tp2_{variant}", out["params"], ulps=64)
