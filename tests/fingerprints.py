@@ -3,11 +3,13 @@
 A refactor that must move no bits is checked against the fingerprint of the code before it:
 ``assert_fingerprint(case, params)`` hashes the parameters (name, shape, dtype and bytes, in
 name order) and compares with ``tests/assets/fingerprints/<case>.json``. The recording also
-keeps the weights (``<case>.pt``) and a signature of the host's BLAS (the bits of a few
-one-thread float32 products): on a host whose CPU capability (``torch.backends.cpu``) or BLAS
-signature differs from the recording's, BLAS may round differently (two hosts reporting the
-same capability can), and the weights are compared within ``ulps`` float32 epsilons relative
-instead (as :mod:`test_compat_assets` does). Workers run with one thread and matrices far
+keeps the weights (``<case>.pt``), the CPU model and a signature of the host's BLAS (the bits
+of a few one-thread float32 products): on a host whose CPU capability (``torch.backends.cpu``),
+CPU model or BLAS signature differs from the recording's, the weights may round differently
+(two hosts reporting the same capability do, and two CPU models with the same BLAS signature
+moved the 2-rank layouts' weights by up to 1.6 float32 epsilons), and they are
+compared within ``ulps`` float32 epsilons relative instead (as :mod:`test_compat_assets`
+does). Workers run with one thread and matrices far
 below BLAS's blocking sizes, so the summation order is the micro-kernel's alone.
 
 ``MUONSCALE_RECORD_FINGERPRINTS=1`` (re)writes the recordings instead of comparing.
@@ -40,6 +42,18 @@ def _capability() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
+def _cpu_model() -> str:
+    """The CPU's model name (Linux: ``/proc/cpuinfo``), else the platform's processor."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def _blas_signature() -> str:
     """SHA-256 of one-thread float32 products of fixed inputs, at the tests' sizes: equal on
     hosts whose BLAS rounds these products alike."""
@@ -70,6 +84,7 @@ def assert_fingerprint(case: str, params: dict[str, torch.Tensor], ulps: int = 8
             "sha256": digest,
             "cpu_capability": _capability(),
             "blas": _blas_signature(),
+            "cpu_model": _cpu_model(),
             "torch": torch.__version__,
             "machine": platform.machine(),
         }
@@ -77,7 +92,11 @@ def assert_fingerprint(case: str, params: dict[str, torch.Tensor], ulps: int = 8
         torch.save(params, weights_path)
         return
     meta = json.loads(meta_path.read_text())
-    if meta["cpu_capability"] == _capability() and meta.get("blas") == _blas_signature():
+    if (
+        meta["cpu_capability"] == _capability()
+        and meta.get("blas") == _blas_signature()
+        and meta.get("cpu_model") == _cpu_model()
+    ):
         assert digest == meta["sha256"], f"{case}: the weights' SHA-256 changed (bitwise)"
         return
     recorded = torch.load(weights_path, weights_only=True)

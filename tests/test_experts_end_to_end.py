@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed_harness import shared_pool
+from distributed_harness import one_thread, shared_pool
 from test_distributed_dp import DP_TOL
 from test_dtensor_muon import E2E_TOL
 from torch import nn
@@ -213,12 +213,12 @@ def test_distributed_muon_trains_a_moe_model_as_one_process(world_size):
     unit (Graham 1966: the byte search keeps LPT's FLOP makespan), and the trained weights
     match one process. At 4 ranks the model needs the spread: with every parameter owned
     whole, one gate/up stack alone makes the largest load larger."""
-    want = _single_process()
+    with one_thread():  # the ranks' one thread: a product's bits may depend on the threads
+        want = _single_process()
     results = shared_pool(world_size).run(_distributed_muon)
     for rank, got in enumerate(results):
-        # Muon's weights were bitwise one process's at 2 ranks on the recording host, but not
-        # on another AVX512 host (the owners batch other expert stacks through BLAS than one
-        # process does): checked within the data-parallel tolerance on every host.
+        if world_size == 2:  # Muon's weights; AdamW's shards may round otherwise
+            assert all(torch.equal(got["weights"][n], want[n]) for n in got["muon"]), rank
         assert _max_diff(got["weights"], want) <= DP_TOL, rank
     loads, whole = results[0]["loads"], results[0]["whole"]
     print(
