@@ -9,7 +9,8 @@ only the cast changed), marked ``torch-muon[fp32]``.
     # 1 layer of GPT-2-small shapes
     PYTHONPATH=. python3 benchmarks/optimizer_step.py
     PYTHONPATH=. python3 benchmarks/optimizer_step.py --layers 12 --reps 3 --json out.json
-    # int8 optimizer state against full-precision state, same run
+    # int8 optimizer state against full-precision state, same run (--torch-path: also int8
+    # without the compiled CPU loop)
     PYTHONPATH=. python3 benchmarks/optimizer_step.py --dtypes float32 --state-precision int8
 """
 
@@ -27,6 +28,7 @@ import torch.optim._muon as torch_muon_module
 
 import muonscale
 from muonscale import newton_schulz_flops
+from muonscale.kernels.cpu_quantization import set_cpu_kernels_enabled
 from muonscale.settings import STATE_PRECISIONS
 
 
@@ -90,6 +92,14 @@ def _torch_zeropower_in(dtype: torch.dtype, original: Callable) -> Callable:
     return zeropower if dtype != torch.bfloat16 else original
 
 
+def _without_cpu_kernels(step: Callable) -> None:
+    previous = set_cpu_kernels_enabled(False)
+    try:
+        step()
+    finally:
+        set_cpu_kernels_enabled(previous)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -109,6 +119,12 @@ def main(argv=None) -> dict:
         default="param",
         choices=STATE_PRECISIONS,
         help="also time muonscale with this state_precision, interleaved with the others",
+    )
+    parser.add_argument(
+        "--torch-path",
+        action="store_true",
+        help="with --state-precision: also time the quantized state's torch path, the compiled "
+        "CPU loop off (muonscale.kernels.cpu_quantization), interleaved",
     )
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument(
@@ -141,6 +157,14 @@ def main(argv=None) -> dict:
             )
             contenders[f"muonscale[{dtype_name},{args.state_precision}]"] = (low.step, None)
             states[f"muonscale[{dtype_name},{args.state_precision}]"] = (named_q, low)
+            if args.torch_path:
+                named_tp = gpt2_small_parameters(args.layers)
+                slow = muonscale.Muon(
+                    named_tp, lr=1e-3, ns_dtype=dtype, state_precision=args.state_precision
+                )
+                name = f"muonscale[{dtype_name},{args.state_precision},torch-path]"
+                contenders[name] = (lambda slow=slow: _without_cpu_kernels(slow.step), None)
+                states[name] = (named_tp, slow)
         named_t = gpt2_small_parameters(args.layers)
         theirs = TorchMuonPair(named_t, lr=1e-3)
         contenders[f"torch-muon[{dtype_name}]"] = (
@@ -212,6 +236,11 @@ def main(argv=None) -> dict:
                 f"{ratio:.3f} (per round: median {statistics.median(paired):.3f}, "
                 f"{min(paired):.3f}-{max(paired):.3f})"
             )
+            if args.torch_path:
+                slow = f"muonscale[{dtype_name},{args.state_precision},torch-path]"
+                ratio = medians[slow] / medians[f"muonscale[{dtype_name}]"]
+                result["ratios"][f"{slow}/muonscale[{dtype_name}]"] = ratio
+                print(f"  the same with the torch path (no compiled CPU loop): {ratio:.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

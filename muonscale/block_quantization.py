@@ -24,6 +24,8 @@ from collections.abc import Iterator
 
 import torch
 
+from muonscale.kernels.cpu_quantization import dequantize_dynamic_cpu, quantize_dynamic_cpu
+
 BLOCK_SIZE = 256
 """Entries per block (one float32 scale each: 4 / 256 = 1.6 % over the codes)."""
 
@@ -285,7 +287,11 @@ def quantize_dynamic_(
     block_size: int = BLOCK_SIZE,
 ) -> None:
     """Write uint8 ``codes`` (indices into :func:`dynamic_table`) and float32 ``absmax``
-    (rows, blocks) of the (rows, cols) ``x``: the nearest table value of x / absmax."""
+    (rows, blocks) of the (rows, cols) ``x``: the nearest table value of x / absmax. On CPU,
+    float32: :mod:`muonscale.kernels.cpu_quantization`, the same bits in one pass."""
+    buckets = _dynamic_code_buckets(signed)
+    if quantize_dynamic_cpu(x, codes, absmax, buckets, signed=signed, block_size=block_size):
+        return
     for rows in _row_pieces(x):
         _quantize_dynamic_piece(
             x[rows], codes[rows], absmax[rows], signed=signed, block_size=block_size
@@ -304,6 +310,8 @@ def dequantize_dynamic(
     :func:`quantize_dynamic_`."""
     if out is None:
         out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+    if dequantize_dynamic_cpu(codes, absmax, _dynamic_table(signed), out, block_size):
+        return out
     for rows in _row_pieces(codes):
         _dequantize_dynamic_piece(
             codes[rows], absmax[rows], signed=signed, block_size=block_size, out=out[rows]

@@ -64,6 +64,13 @@ def test_the_wheel_runs_version_train_and_bench_in_a_fresh_venv(tmp_path):
         cwd=tmp_path,
     ).stdout.strip()
     assert (Path(typed).parent / "py.typed").is_file()
+    # the CPU loop of 8-bit state ships as C source and compiles from the installed package
+    kernel_check = (
+        "import os; os.environ['MUONSCALE_CACHE_DIR'] = 'kernel-cache'; "
+        "from muonscale.kernels.cpu_quantization import SOURCE, compiled_library; "
+        "assert SOURCE.is_file() and compiled_library() is not None"
+    )
+    _run([venv / "bin" / "python", "-W", "error::RuntimeWarning", "-c", kernel_check], cwd=tmp_path)
 
     listed = _run([muonscale, "docs"], cwd=tmp_path).stdout
     for name, title in (("options", "Options"), ("benchmarks", "Benchmarks"), ("home", "Home")):

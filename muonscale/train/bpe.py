@@ -17,16 +17,11 @@ from pathlib import Path
 
 import torch
 
+from muonscale.user_cache import cache_dir
+
 CHUNK_CHARS = 1 << 16
 """Training and encoding both see the text in chunks of about this size, cut after a newline
 (so merges never cross a chunk border and encoding agrees with training)."""
-
-
-def cache_dir() -> Path:
-    if os.environ.get("MUONSCALE_CACHE_DIR"):
-        return Path(os.environ["MUONSCALE_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "muonscale"
 
 
 def _chunks(text: str) -> Iterator[str]:

@@ -1,0 +1,233 @@
+"""The 8-bit dynamic format (AdamW's moments) as a compiled loop on CPU.
+
+The torch path of :mod:`muonscale.block_quantization` takes about ten passes over memory per
+encoded entry, one of them a single-threaded table look-up; ``cpu_quantization.c`` encodes a
+block in two passes while it sits in cache, with the same float32 operations and integer
+code arithmetic, so the codes and scales are the same bits. The C file needs no Python or
+torch headers: it is compiled on first use with the system C compiler (``$CC``, else ``cc``)
+into the user cache folder (:func:`muonscale.user_cache.cache_dir`), keyed by the source and
+the compiler, and loaded with :mod:`ctypes`. Rows are split between
+``torch.get_num_threads()`` Python threads (a ctypes call releases the GIL).
+
+Where no compiler works, a warning says so once and the torch path runs (same results,
+slower). ``MUONSCALE_CPU_KERNELS=0`` (read at import) turns the compiled loop off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from muonscale.user_cache import cache_dir
+
+__all__ = [
+    "CPU_KERNELS_ENV",
+    "compiled_library",
+    "cpu_kernels_enabled",
+    "dequantize_dynamic_cpu",
+    "quantize_dynamic_cpu",
+    "set_cpu_kernels_enabled",
+]
+
+CPU_KERNELS_ENV = "MUONSCALE_CPU_KERNELS"
+"""``0`` turns the compiled CPU loop off (the torch path runs); read once, at import."""
+
+SOURCE = Path(__file__).with_name("cpu_quantization.c")
+COMPILE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared")
+"""No contraction into fused multiply-adds and no reassociation: each float32 operation is
+the correctly rounded one, as in torch's elementwise kernels."""
+
+ENTRIES_PER_THREAD = 1 << 16
+"""A matrix smaller than this many entries per extra thread runs on the calling thread."""
+
+_enabled = os.environ.get(CPU_KERNELS_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def cpu_kernels_enabled() -> bool:
+    """Whether the compiled loop is used where it applies (and compiles)."""
+    return _enabled
+
+
+def set_cpu_kernels_enabled(enabled: bool) -> bool:
+    """Use the compiled loop (True) or the torch path (False); returns the previous setting."""
+    global _enabled
+    previous, _enabled = _enabled, bool(enabled)
+    return previous
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+def _library_path(compiler: str) -> Path:
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=60, check=False
+    ).stdout
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), version.encode(), " ".join(COMPILE_FLAGS).encode()):
+        key.update(part)
+    key.update(platform.machine().encode())
+    return cache_dir() / "kernels" / f"cpu_quantization-{key.hexdigest()[:16]}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    """Compile into a private file next to ``target``, then rename it into place (atomic:
+    processes compiling at once each write their own file)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, private = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [compiler, *COMPILE_FLAGS, str(SOURCE), "-o", private],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(private, target)
+    finally:
+        if os.path.exists(private):
+            os.unlink(private)
+
+
+def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    library.muonscale_quantize_dynamic.argtypes = [p, p, p, i64, i64, i64, p, ctypes.c_int]
+    library.muonscale_quantize_dynamic.restype = None
+    library.muonscale_dequantize_dynamic.argtypes = [p, p, p, i64, i64, i64, p]
+    library.muonscale_dequantize_dynamic.restype = None
+    return library
+
+
+@functools.cache
+def compiled_library() -> ctypes.CDLL | None:
+    """The compiled loop (built on the first call of the process, and into the cache once per
+    source and compiler), or None with a warning where it cannot be built or loaded."""
+    compiler = _compiler()
+    try:
+        if compiler is None:
+            raise OSError("no C compiler found ($CC, cc, gcc)")
+        target = _library_path(compiler)
+        if not target.exists():
+            try:
+                _build(compiler, target)
+            except OSError:  # a cache that cannot be written: a private folder instead
+                target = Path(tempfile.mkdtemp(prefix="muonscale-kernels-")) / target.name
+                _build(compiler, target)
+        return _declare(ctypes.CDLL(str(target)))
+    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as error:
+        warnings.warn(
+            f"muonscale: the compiled CPU loop for 8-bit optimizer state is unavailable "
+            f"({error}); the torch path runs instead (same results, slower). Set "
+            f"{CPU_KERNELS_ENV}=0 to silence this.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+
+
+@functools.cache
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="muonscale-cpu")
+
+
+# A forked child has none of the parent's threads: it starts its own pools.
+os.register_at_fork(after_in_child=_pool.cache_clear)
+
+
+def _applies(*tensors: torch.Tensor) -> bool:
+    return (
+        _enabled
+        and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _by_rows(function, matrices: list[torch.Tensor], cols: int, *tail) -> bool:
+    """``function(pointers of matrices, rows, cols, *tail)`` over ranges of rows (every matrix
+    row-major with the same rows), on up to ``torch.get_num_threads()`` threads."""
+    rows = matrices[0].shape[0]
+    row_bytes = [m.stride(0) * m.element_size() if m.dim() > 1 else 0 for m in matrices]
+
+    def call(start: int, stop: int) -> None:
+        pointers = [m.data_ptr() + start * step for m, step in zip(matrices, row_bytes)]
+        function(*pointers, stop - start, cols, *tail)
+
+    threads = max(1, min(torch.get_num_threads(), rows, rows * cols // ENTRIES_PER_THREAD))
+    if threads == 1:
+        call(0, rows)
+        return True
+    bounds = [rows * t // threads for t in range(threads + 1)]
+    futures = [_pool(threads).submit(call, bounds[t], bounds[t + 1]) for t in range(threads)]
+    for future in futures:
+        future.result()
+    return True
+
+
+def quantize_dynamic_cpu(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    absmax: torch.Tensor,
+    buckets: torch.Tensor,
+    *,
+    signed: bool,
+    block_size: int,
+) -> bool:
+    """Write ``codes`` and ``absmax`` of the float32 (rows, cols) ``x`` with the compiled loop
+    (``buckets``: the int32 bucket table); False (nothing written) where it does not apply:
+    another device or dtype, a non-contiguous tensor, tracing, or no compiled loop."""
+    if not (
+        _applies(x, codes, absmax, buckets)
+        and x.dtype == absmax.dtype == torch.float32
+        and codes.dtype == torch.uint8
+        and buckets.dtype == torch.int32
+        and x.dim() == 2
+        and codes.shape == x.shape
+        and absmax.shape == (x.shape[0], -(-x.shape[1] // block_size))
+    ):
+        return False
+    library = compiled_library()
+    if library is None:
+        return False
+    kernel = library.muonscale_quantize_dynamic
+    tail = (block_size, buckets.data_ptr(), int(signed))
+    return _by_rows(kernel, [x, codes, absmax], x.shape[1], *tail)
+
+
+def dequantize_dynamic_cpu(
+    codes: torch.Tensor,
+    absmax: torch.Tensor,
+    table: torch.Tensor,
+    out: torch.Tensor,
+    block_size: int,
+) -> bool:
+    """Write table[q] · absmax of the uint8 (rows, cols) ``codes`` into the float32 ``out``
+    with the compiled loop; False (nothing written) where it does not apply."""
+    if not (
+        _applies(codes, absmax, out, table)
+        and out.dtype == absmax.dtype == table.dtype == torch.float32
+        and codes.dtype == torch.uint8
+        and codes.dim() == 2
+        and out.shape == codes.shape
+        and absmax.shape == (codes.shape[0], -(-codes.shape[1] // block_size))
+    ):
+        return False
+    library = compiled_library()
+    if library is None:
+        return False
+    kernel = library.muonscale_dequantize_dynamic
+    tail = (block_size, table.data_ptr())
+    return _by_rows(kernel, [codes, absmax, out], codes.shape[1], *tail)
