@@ -43,15 +43,24 @@ def _capability() -> str:
 
 
 def _cpu_model() -> str:
-    """The CPU's model name (Linux: ``/proc/cpuinfo``), else the platform's processor."""
+    """The CPU's model name, family, model and stepping, and a digest of its feature flags
+    (Linux: ``/proc/cpuinfo``; a virtual machine's name alone can be as vague as "AMD EPYC"),
+    else the platform's processor."""
+    fields = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
             for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model", "stepping", "flags"):
+                    fields.setdefault(key, value.strip())
     except OSError:
         pass
-    return platform.processor()
+    if not fields:
+        return platform.processor()
+    flags = hashlib.sha256(fields.pop("flags", "").encode()).hexdigest()[:12]
+    name = fields.pop("model name", "?")
+    return ", ".join([name, *(f"{k} {v}" for k, v in sorted(fields.items())), f"flags {flags}"])
 
 
 def _blas_signature() -> str:
