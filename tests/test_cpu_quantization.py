@@ -5,6 +5,9 @@ and the torch path, with a warning, where no compiler works."""
 
 import contextlib
 import multiprocessing
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -197,3 +200,31 @@ def test_a_forked_child_encodes_with_its_own_threads():
         torch.set_num_threads(previous)
     assert child.exitcode == 0
     assert child_codes == codes.numpy().tobytes() and child_absmax == absmax.numpy().tobytes()
+
+
+_LOAD_AND_ENCODE = """
+import warnings, torch
+warnings.simplefilter("error")
+from muonscale.kernels.cpu_quantization import compiled_library
+from muonscale.block_quantization import quantize_dynamic_, scale_shape
+assert compiled_library() is not None
+x = torch.linspace(-1, 1, 3 * 300).view(3, 300)
+codes, absmax = torch.empty(3, 300, dtype=torch.uint8), torch.empty(scale_shape(3, 300))
+quantize_dynamic_(x, codes, absmax, signed=True)
+print(codes.sum().item())
+"""
+
+
+def test_a_damaged_cached_library_is_built_again(tmp_path):
+    """In fresh processes (a process keeps a library it loaded mapped, whatever the file
+    becomes): the first builds into the cache, the second finds the file damaged, builds it
+    again without a warning and encodes as the first did."""
+    env = {**os.environ, "MUONSCALE_CACHE_DIR": str(tmp_path)}
+    run = [sys.executable, "-c", _LOAD_AND_ENCODE]
+    first = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    (built,) = (tmp_path / "kernels").glob("cpu_quantization-*.so")
+    built.write_bytes(b"truncated")
+    second = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == first.stdout and built.stat().st_size > 1000

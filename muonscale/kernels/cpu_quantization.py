@@ -112,22 +112,35 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     return library
 
 
+def _build_where_writable(compiler: str, target: Path) -> Path:
+    """:func:`_build` into ``target``, or into a private temporary folder where the cache
+    cannot be written; the path built."""
+    try:
+        _build(compiler, target)
+        return target
+    except OSError:
+        private = Path(tempfile.mkdtemp(prefix="muonscale-kernels-")) / target.name
+        _build(compiler, private)
+        return private
+
+
 @functools.cache
 def compiled_library() -> ctypes.CDLL | None:
     """The compiled loop (built on the first call of the process, and into the cache once per
-    source and compiler), or None with a warning where it cannot be built or loaded."""
+    source and compiler; a cached file that does not load is built again), or None with a
+    warning where it cannot be built or loaded."""
     compiler = _compiler()
     try:
         if compiler is None:
             raise OSError("no C compiler found ($CC, cc, gcc)")
         target = _library_path(compiler)
         if not target.exists():
-            try:
-                _build(compiler, target)
-            except OSError:  # a cache that cannot be written: a private folder instead
-                target = Path(tempfile.mkdtemp(prefix="muonscale-kernels-")) / target.name
-                _build(compiler, target)
-        return _declare(ctypes.CDLL(str(target)))
+            target = _build_where_writable(compiler, target)
+        try:
+            library = ctypes.CDLL(str(target))
+        except OSError:  # a damaged cached file (a truncated write, another machine's)
+            library = ctypes.CDLL(str(_build_where_writable(compiler, target)))
+        return _declare(library)
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as error:
         warnings.warn(
             f"muonscale: the compiled CPU loop for 8-bit optimizer state is unavailable "
