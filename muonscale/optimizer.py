@@ -23,6 +23,7 @@ from .compile_boundary import eager_under_compile
 from .experts import ExpertLayout, GateUpMode
 from .group_step import adamw_group_step, muon_group_step, nonempty
 from .kernels import ElementwiseBackend, clear_workspaces, elementwise_backend_from_environment
+from .kernels.cpu_quantization import prepare_cpu_kernels
 from .matrices import MatrixView
 from .matrix_step import apply_updates_by_rule_
 from .memory import MemoryBudget
@@ -213,6 +214,12 @@ class Muon(torch.optim.Optimizer):
             splits=splits or {},
             qkv_split=qkv_split,
         )
+        if any(
+            g.get("state_precision", "param") != "param"
+            and any(p.device.type == "cpu" for p in g["params"])
+            for g in self.param_groups
+        ):
+            prepare_cpu_kernels()  # built here, so that no step compiles
         if orthogonalize_in_backward:
             self._backward_ns = BackwardOrthogonalizer(self, self.param_table)
 

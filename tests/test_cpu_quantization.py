@@ -228,3 +228,18 @@ def test_a_damaged_cached_library_is_built_again(tmp_path):
     second = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr
     assert second.stdout == first.stdout and built.stat().st_size > 1000
+
+
+def test_an_optimizer_with_8bit_state_on_cpu_builds_the_loop_when_built(monkeypatch, tmp_path):
+    import muonscale
+
+    monkeypatch.setenv("MUONSCALE_CACHE_DIR", str(tmp_path))
+    compiled_library.cache_clear()
+    try:
+        w, b = torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.zeros(8))
+        muonscale.Muon([("w", w), ("b", b)], lr=0.02, adamw_lr=1e-3)
+        assert not (tmp_path / "kernels").exists()  # floating state: nothing built
+        muonscale.Muon([("w", w), ("b", b)], lr=0.02, adamw_lr=1e-3, state_precision="int8")
+        assert len(list((tmp_path / "kernels").glob("cpu_quantization-*.so"))) == 1
+    finally:
+        compiled_library.cache_clear()

@@ -36,6 +36,7 @@ __all__ = [
     "compiled_library",
     "cpu_kernels_enabled",
     "dequantize_dynamic_cpu",
+    "prepare_cpu_kernels",
     "quantize_dynamic_cpu",
     "set_cpu_kernels_enabled",
 ]
@@ -150,6 +151,13 @@ def compiled_library() -> ctypes.CDLL | None:
             stacklevel=3,
         )
         return None
+
+
+def prepare_cpu_kernels() -> None:
+    """Build or load the compiled loop now, if it is enabled (an optimizer with quantized state
+    on CPU calls this when built, so no step compiles or reads the environment)."""
+    if _enabled:
+        compiled_library()
 
 
 @functools.cache
