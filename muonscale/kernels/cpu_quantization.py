@@ -4,8 +4,9 @@ The torch path of :mod:`muonscale.block_quantization` takes about ten passes ove
 encoded entry, one of them a single-threaded table look-up; ``cpu_quantization.c`` encodes a
 block in two passes while it sits in cache, with the same float32 operations and integer
 code arithmetic, so the codes and scales are the same bits. The C file needs no Python or
-torch headers: it is compiled on first use with the system C compiler (``$CC``, else ``cc``)
-into the user cache folder (:func:`muonscale.user_cache.cache_dir`), keyed by the source and
+torch headers: it is compiled when first needed (:func:`prepare_cpu_kernels`, when an optimizer
+with quantized state on CPU is built) with the system C compiler (``$CC``, else ``cc``) into
+the user cache folder (:func:`muonscale.user_cache.cache_dir`), keyed by the source and
 the compiler, and loaded with :mod:`ctypes`. Rows are split between
 ``torch.get_num_threads()`` Python threads (a ctypes call releases the GIL).
 
