@@ -28,7 +28,7 @@ import torch.optim._muon as torch_muon_module
 
 import muonscale
 from muonscale import newton_schulz_flops
-from muonscale.kernels.cpu_quantization import set_cpu_kernels_enabled
+from muonscale.kernels.cpu_quantization import cpu_kernels
 from muonscale.settings import STATE_PRECISIONS
 
 
@@ -93,11 +93,8 @@ def _torch_zeropower_in(dtype: torch.dtype, original: Callable) -> Callable:
 
 
 def _without_cpu_kernels(step: Callable) -> None:
-    previous = set_cpu_kernels_enabled(False)
-    try:
+    with cpu_kernels(False):
         step()
-    finally:
-        set_cpu_kernels_enabled(previous)
 
 
 def main(argv=None) -> dict:

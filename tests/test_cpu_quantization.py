@@ -3,7 +3,6 @@ same codes, block absmax and decoded values, bit for bit, on every kind of entry
 both signs, subnormals, infinities, NaN, ties between table values) and every block layout;
 and the torch path, with a warning, where no compiler works."""
 
-import contextlib
 import multiprocessing
 import os
 import shutil
@@ -24,7 +23,7 @@ from muonscale.block_quantization import (
 from muonscale.kernels import cpu_quantization
 from muonscale.kernels.cpu_quantization import (
     compiled_library,
-    set_cpu_kernels_enabled,
+    cpu_kernels,
 )
 
 if not (shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")) and (
@@ -33,15 +32,6 @@ if not (shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")) and (
     pytestmark = pytest.mark.skip(reason="no C compiler ($CC, cc, gcc): the torch path runs")
 
 SHAPES = [(3, 2 * BLOCK_SIZE), (5, BLOCK_SIZE + 7), (2, 19), (1, 1), (0, 8), (300, 700)]
-
-
-@contextlib.contextmanager
-def _kernels(enabled):
-    previous = set_cpu_kernels_enabled(enabled)
-    try:
-        yield
-    finally:
-        set_cpu_kernels_enabled(previous)
 
 
 def _special_sample(shape, seed, signed):
@@ -78,10 +68,10 @@ def _bits(t):
 def test_compiled_loop_equals_torch_path_bitwise(shape, signed):
     assert compiled_library() is not None, "the CPU loop should compile on a machine with cc"
     x = _special_sample(shape, 1, signed)
-    with _kernels(False):
+    with cpu_kernels(False):
         codes_ref, absmax_ref = _encode(x, signed)
         values_ref = dequantize_dynamic(codes_ref, absmax_ref, signed=signed)
-    with _kernels(True):
+    with cpu_kernels(True):
         codes, absmax = _encode(x, signed)
         values = dequantize_dynamic(codes, absmax, signed=signed)
     assert torch.equal(codes, codes_ref)
@@ -102,9 +92,9 @@ def test_every_midpoint_and_its_float32_neighbours(signed):
     per_row = BLOCK_SIZE - 1
     ties = torch.cat([ties, torch.zeros(-ties.numel() % per_row)]).view(-1, per_row)
     x = torch.cat([torch.ones(ties.shape[0], 1), ties], dim=1)
-    with _kernels(False):
+    with cpu_kernels(False):
         codes_ref, absmax_ref = _encode(x, signed)
-    with _kernels(True):
+    with cpu_kernels(True):
         codes, absmax = _encode(x, signed)
     assert torch.equal(absmax, torch.ones_like(absmax))
     assert torch.equal(codes, codes_ref) and torch.equal(absmax, absmax_ref)
@@ -115,7 +105,7 @@ def test_row_split_between_threads_is_invisible(threads):
     previous = torch.get_num_threads()
     x = _special_sample((257, 1031), 2, True)
     try:
-        with _kernels(True):
+        with cpu_kernels(True):
             torch.set_num_threads(1)
             codes_one, absmax_one = _encode(x, True)
             torch.set_num_threads(threads)
@@ -135,17 +125,17 @@ def test_views_and_other_dtypes_take_the_torch_path():
     absmax = torch.empty(scale_shape(*x.shape), dtype=torch.float32)
     buckets = torch.zeros(2**15, dtype=torch.int32)
     kw = {"signed": True, "block_size": BLOCK_SIZE}
-    with _kernels(True):
+    with cpu_kernels(True):
         assert not cpu_quantization.quantize_dynamic_cpu(x.t(), codes.t(), absmax, buckets, **kw)
         assert not cpu_quantization.quantize_dynamic_cpu(x.double(), codes, absmax, buckets, **kw)
         assert not cpu_quantization.quantize_dynamic_cpu(x, codes, absmax[:, :1], buckets, **kw)
-    with _kernels(False):
+    with cpu_kernels(False):
         assert not cpu_quantization.quantize_dynamic_cpu(x, codes, absmax, buckets, **kw)
     # a column slice (not contiguous) still encodes as the torch path does
     part = x[:, :BLOCK_SIZE]
-    with _kernels(True):
+    with cpu_kernels(True):
         codes_view, absmax_view = _encode(part, True)
-    with _kernels(False):
+    with cpu_kernels(False):
         codes_ref, absmax_ref = _encode(part.contiguous(), True)
     assert torch.equal(codes_view, codes_ref) and torch.equal(_bits(absmax_view), _bits(absmax_ref))
 
@@ -158,10 +148,10 @@ def test_no_compiler_warns_once_and_falls_back(monkeypatch, tmp_path):
         with pytest.warns(RuntimeWarning, match="MUONSCALE_CPU_KERNELS=0"):
             assert compiled_library() is None
         x = _special_sample((3, BLOCK_SIZE + 5), 4, True)
-        with _kernels(True), warnings.catch_warnings():
+        with cpu_kernels(True), warnings.catch_warnings():
             warnings.simplefilter("error")  # the torch path, and no second warning
             codes, absmax = _encode(x, True)
-        with _kernels(False):
+        with cpu_kernels(False):
             codes_ref, absmax_ref = _encode(x, True)
         assert torch.equal(codes, codes_ref) and torch.equal(_bits(absmax), _bits(absmax_ref))
     finally:
@@ -194,7 +184,7 @@ def test_a_forked_child_encodes_with_its_own_threads():
     torch.set_num_threads(2)
     try:
         x = _special_sample((128, 4 * BLOCK_SIZE), 5, True)  # work for two threads
-        with _kernels(True):
+        with cpu_kernels(True):
             codes, absmax = _encode(x, True)  # the parent's pool exists before the fork
             context = multiprocessing.get_context("fork")
             queue = context.Queue()

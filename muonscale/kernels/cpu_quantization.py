@@ -16,6 +16,7 @@ slower). ``MUONSCALE_CPU_KERNELS=0`` (read at import) turns the compiled loop of
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -25,6 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,11 +37,10 @@ from muonscale.user_cache import cache_dir
 __all__ = [
     "CPU_KERNELS_ENV",
     "compiled_library",
-    "cpu_kernels_enabled",
+    "cpu_kernels",
     "dequantize_dynamic_cpu",
     "prepare_cpu_kernels",
     "quantize_dynamic_cpu",
-    "set_cpu_kernels_enabled",
 ]
 
 CPU_KERNELS_ENV = "MUONSCALE_CPU_KERNELS"
@@ -56,16 +57,15 @@ ENTRIES_PER_THREAD = 1 << 16
 _enabled = os.environ.get(CPU_KERNELS_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
-def cpu_kernels_enabled() -> bool:
-    """Whether the compiled loop is used where it applies (and compiles)."""
-    return _enabled
-
-
-def set_cpu_kernels_enabled(enabled: bool) -> bool:
-    """Use the compiled loop (True) or the torch path (False); returns the previous setting."""
+@contextlib.contextmanager
+def cpu_kernels(enabled: bool) -> Iterator[None]:
+    """Within: the compiled loop used where it applies (True) or the torch path (False)."""
     global _enabled
     previous, _enabled = _enabled, bool(enabled)
-    return previous
+    try:
+        yield
+    finally:
+        _enabled = previous
 
 
 def _compiler() -> str | None:
@@ -170,19 +170,34 @@ def _pool(threads: int) -> ThreadPoolExecutor:
 os.register_at_fork(after_in_child=_pool.cache_clear)
 
 
-def _applies(*tensors: torch.Tensor) -> bool:
+def _applies(
+    values: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    table: torch.Tensor,
+    block_size: int,
+) -> bool:
+    """Whether the loop takes these: enabled, not tracing, CPU and contiguous, float32 values
+    and scales and uint8 codes of one (rows, cols) shape, a scale per block of each row."""
+    tensors = (values, codes, scales, table)
     return (
         _enabled
-        and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
         and not torch.compiler.is_compiling()
+        and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+        and values.dtype == scales.dtype == torch.float32
+        and codes.dtype == torch.uint8
+        and codes.dim() == 2
+        and values.shape == codes.shape
+        and scales.shape == (codes.shape[0], -(-codes.shape[1] // block_size))
     )
 
 
-def _by_rows(function, matrices: list[torch.Tensor], cols: int, *tail) -> bool:
-    """``function(pointers of matrices, rows, cols, *tail)`` over ranges of rows (every matrix
-    row-major with the same rows), on up to ``torch.get_num_threads()`` threads."""
-    rows = matrices[0].shape[0]
-    row_bytes = [m.stride(0) * m.element_size() if m.dim() > 1 else 0 for m in matrices]
+def _by_rows(function, matrices: list[torch.Tensor], *tail) -> None:
+    """``function(pointers of matrices, rows, cols, *tail)`` over ranges of rows (the (rows,
+    cols) ``matrices[0]`` and its scales, row-major), on up to ``torch.get_num_threads()``
+    threads."""
+    rows, cols = matrices[0].shape
+    row_bytes = [m.stride(0) * m.element_size() for m in matrices]
 
     def call(start: int, stop: int) -> None:
         pointers = [m.data_ptr() + start * step for m, step in zip(matrices, row_bytes)]
@@ -191,12 +206,11 @@ def _by_rows(function, matrices: list[torch.Tensor], cols: int, *tail) -> bool:
     threads = max(1, min(torch.get_num_threads(), rows, rows * cols // ENTRIES_PER_THREAD))
     if threads == 1:
         call(0, rows)
-        return True
+        return
     bounds = [rows * t // threads for t in range(threads + 1)]
     futures = [_pool(threads).submit(call, bounds[t], bounds[t + 1]) for t in range(threads)]
     for future in futures:
         future.result()
-    return True
 
 
 def quantize_dynamic_cpu(
@@ -211,22 +225,14 @@ def quantize_dynamic_cpu(
     """Write ``codes`` and ``absmax`` of the float32 (rows, cols) ``x`` with the compiled loop
     (``buckets``: the int32 bucket table); False (nothing written) where it does not apply:
     another device or dtype, a non-contiguous tensor, tracing, or no compiled loop."""
-    if not (
-        _applies(x, codes, absmax, buckets)
-        and x.dtype == absmax.dtype == torch.float32
-        and codes.dtype == torch.uint8
-        and buckets.dtype == torch.int32
-        and x.dim() == 2
-        and codes.shape == x.shape
-        and absmax.shape == (x.shape[0], -(-x.shape[1] // block_size))
-    ):
+    if not (_applies(x, codes, absmax, buckets, block_size) and buckets.dtype == torch.int32):
         return False
     library = compiled_library()
     if library is None:
         return False
-    kernel = library.muonscale_quantize_dynamic
     tail = (block_size, buckets.data_ptr(), int(signed))
-    return _by_rows(kernel, [x, codes, absmax], x.shape[1], *tail)
+    _by_rows(library.muonscale_quantize_dynamic, [x, codes, absmax], *tail)
+    return True
 
 
 def dequantize_dynamic_cpu(
@@ -238,18 +244,11 @@ def dequantize_dynamic_cpu(
 ) -> bool:
     """Write table[q] · absmax of the uint8 (rows, cols) ``codes`` into the float32 ``out``
     with the compiled loop; False (nothing written) where it does not apply."""
-    if not (
-        _applies(codes, absmax, out, table)
-        and out.dtype == absmax.dtype == table.dtype == torch.float32
-        and codes.dtype == torch.uint8
-        and codes.dim() == 2
-        and out.shape == codes.shape
-        and absmax.shape == (codes.shape[0], -(-codes.shape[1] // block_size))
-    ):
+    if not (_applies(out, codes, absmax, table, block_size) and table.dtype == torch.float32):
         return False
     library = compiled_library()
     if library is None:
         return False
-    kernel = library.muonscale_dequantize_dynamic
     tail = (block_size, table.data_ptr())
-    return _by_rows(kernel, [codes, absmax, out], codes.shape[1], *tail)
+    _by_rows(library.muonscale_dequantize_dynamic, [codes, absmax, out], *tail)
+    return True
